@@ -1,0 +1,62 @@
+"""dramatiq-guard: composable Dramatiq middlewares for deduplication, mutexes,
+per-key concurrency slots and an SQL idempotency ledger.
+
+Register it on your broker before importing your actors::
+
+    import dramatiq, dramatiq_guard
+    from dramatiq.brokers.redis import RedisBroker
+
+    broker = RedisBroker(url="redis://localhost:6379/0")
+    dramatiq_guard.install(broker)
+    dramatiq.set_broker(broker)
+"""
+
+from dramatiq_guard.context import current_lease, ledger_session
+from dramatiq_guard.errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    GuardError,
+    GuardOptionError,
+    LeaseLost,
+)
+from dramatiq_guard.install import install
+from dramatiq_guard.lease import Lease
+from dramatiq_guard.ledger import IdempotencyConflict, Ledger, LedgerError, UnstorableResult, ledger_table
+from dramatiq_guard.lock import Lock, LockNotAcquired, LockRun
+from dramatiq_guard.middleware.dedup import Deduplication, DuplicateMessage, deduplicated_by
+from dramatiq_guard.middleware.idempotency import Idempotency
+from dramatiq_guard.middleware.slots import Concurrency, Mutex, MutexWaitTimeout
+from dramatiq_guard.policies import ConcurrencyPolicy, DedupPolicy, IdempotencyPolicy, MutexPolicy
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "BackendUnavailable",
+    "Concurrency",
+    "ConcurrencyPolicy",
+    "ConfigurationError",
+    "DedupPolicy",
+    "Deduplication",
+    "DuplicateMessage",
+    "GuardError",
+    "GuardOptionError",
+    "Idempotency",
+    "IdempotencyConflict",
+    "IdempotencyPolicy",
+    "Lease",
+    "LeaseLost",
+    "Ledger",
+    "LedgerError",
+    "Lock",
+    "LockNotAcquired",
+    "LockRun",
+    "Mutex",
+    "MutexPolicy",
+    "MutexWaitTimeout",
+    "UnstorableResult",
+    "current_lease",
+    "deduplicated_by",
+    "install",
+    "ledger_session",
+    "ledger_table",
+]

@@ -1,0 +1,400 @@
+"""The guard backend contract: the atomic operations every capability stands on.
+
+Every capability of dramatiq-guard (deduplication, mutexes, concurrency slots)
+is built from the few operations below. A backend makes each of them atomic:
+the Redis backend runs each as one Lua script touching one Redis Cluster slot,
+the in-memory backend runs each under one lock. Both obey the same contract,
+and one test suite (``tests/test_backend_contract.py``) holds them to it.
+
+The model, per *guard key* ``K`` (a string such as ``"mutex:report"``):
+
+holders
+    A set of ``(holder, deadline)`` pairs. A holder is a string chosen by the
+    caller (a message id, or a random id for the standalone lock). A holder
+    whose deadline has passed has *lapsed*; every operation on ``K`` first
+    reclaims lapsed holders ("reclaim"). There are never more than ``limit``
+    live holders, except when a run-time limit is lowered below the number of
+    current holders (nobody is evicted; new holders wait until they drain).
+
+limit
+    How many holders ``K`` admits. Callers pass a default; a run-time limit
+    set with :meth:`GuardBackend.set_limit` overrides it. ``0`` halts the key.
+
+fencing token
+    Every successful :meth:`~GuardBackend.acquire` returns a token strictly
+    greater than every token issued before for ``K``. A token is
+    ``max(last + 1, now_in_microseconds)`` on the backend's clock, so tokens
+    keep growing even after ``K``'s state was dropped when it fell idle
+    (across that gap, only as far as the backend's clock does not go back).
+
+waiters
+    A FIFO of entries waiting for a slot, each keyed by a *waiter id* (a
+    message id). Two kinds share the one queue, so fairness holds across
+    them:
+
+    * a *parked* waiter carries a payload (an encoded message). It waits
+      forever; nothing is lost if every process dies.
+    * a *blocking* waiter carries no payload: a thread is waiting for it in
+      :meth:`~GuardBackend.wait_for_handoff`. It has a deadline after which
+      it is dropped, so a dead thread strands nothing.
+
+    Adding a waiter id that is already waiting keeps its original place
+    (parking is idempotent).
+
+hand-off
+    Whenever a slot is free and a waiter is queued, the oldest waiter is
+    given the slot *atomically in the same operation that freed it*: it
+    becomes a holder with a short *reservation* deadline
+    (``handoff_ttl_ms``), so the limit is never exceeded and no other
+    acquirer can steal the slot. A blocking waiter is woken by a push (its
+    wake list gets an element). A parked waiter's payload is returned to the
+    caller in :attr:`Handoff.payload`, which must re-enqueue it on the broker
+    and then call :meth:`~GuardBackend.confirm_handoff`. Until that
+    confirmation the payload stays stored: if the reservation lapses first
+    (the caller died between the two steps), reclaim puts the waiter back at
+    its original place in the queue. Nothing is lost at any step.
+
+    Hand-off happens in every operation that may free a slot or find one
+    free: acquire, release, renew (no), set_limit, cancel_wait, sweep.
+    Waiters always go before a new acquirer: an acquire that finds free slots
+    *and* waiters first hands the slots to the waiters.
+
+standbys
+    So that a freed slot does not wait for the broker to deliver the next
+    message, the oldest parked waiters can be sent to the broker *ahead*, as
+    standbys (:meth:`~GuardBackend.send_standbys`), at most one per slot. A
+    standby keeps its place in the queue. Until its sender confirms the
+    enqueue (:meth:`~GuardBackend.confirm_standby`) it keeps its payload too:
+    if the sender dies, it becomes a parked waiter again after
+    ``handoff_ttl_ms``, and a slot handed to it meanwhile is a reservation
+    like a parked waiter's (but its payload is not returned: its sender
+    enqueues it). Once confirmed, it is a blocking waiter without payload,
+    dropped after a deadline. When its message is picked up and acquires in
+    park mode with ``Waiter.wait_ms > 0``, it blocks (``AcquireResult.standby``)
+    and is woken by a push like any blocking waiter; with ``wait_ms == 0`` it
+    parks again in its place. A standby whose entry was dropped is an
+    ordinary message when picked up.
+
+Durations are integer milliseconds. Deadlines are absolute milliseconds on
+the backend's clock (Redis ``TIME`` for Redis, ``time.time()`` in memory).
+
+A guard key must be non-empty and must not start with ``}`` (on Redis it
+becomes a Cluster hash tag, which must not be empty); every backend rejects
+such a key with the same :class:`ValueError` (:func:`check_key`).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+
+
+def check_key(key: str) -> None:
+    """Reject a guard key that no backend accepts.
+
+    Raises:
+      ValueError: If ``key`` is empty or starts with ``}``.
+    """
+    if not key or key.startswith("}"):
+        raise ValueError(f"a guard key must be non-empty and must not start with '}}', got {key!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Handoff:
+    """A waiter that was just given a slot.
+
+    Parameters:
+      waiter_id(str): The waiter's id (a message id); now a holder of the key
+        with a reservation deadline.
+      payload(bytes|None): The parked message to re-enqueue, or None for a
+        blocking waiter (already woken by the backend).
+    """
+
+    key: str
+    waiter_id: str
+    payload: bytes | None
+
+
+@dataclasses.dataclass(frozen=True)
+class AcquireResult:
+    """The outcome of :meth:`GuardBackend.acquire`.
+
+    Parameters:
+      acquired(bool): Whether ``holder`` now holds a slot of the key.
+      token(int|None): The new fencing token when acquired, else None.
+      holders(tuple[str, ...]): The live holders after the operation (oldest
+        deadline first), so a refused caller can name who is in the way.
+      limit(int): The limit in force.
+      parked(bool): Whether the caller's waiter entry is queued (it was
+        refused and asked to wait, or was already waiting).
+      handoffs(tuple[Handoff, ...]): Waiters given a slot by this operation;
+        the caller must re-enqueue the ones with a payload.
+      standby(bool): The caller is a standby (sent ahead by
+        :meth:`GuardBackend.send_standbys`) that acquired in park mode with
+        ``Waiter.wait_ms > 0``: it was not parked but waits as a blocking
+        waiter (``parked`` is True too), for :meth:`GuardBackend.wait_for_handoff`.
+    """
+
+    acquired: bool
+    token: int | None
+    holders: tuple[str, ...]
+    limit: int
+    parked: bool = False
+    handoffs: tuple[Handoff, ...] = ()
+    standby: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseResult:
+    """The outcome of a release, a sweep, a limit change or a cancelled wait.
+
+    Parameters:
+      released(bool): Whether the holder held the key (False: it was not a
+        holder, e.g. its lease had lapsed and was reclaimed; the caller must
+        report this, never swallow it).
+      handoffs(tuple[Handoff, ...]): Waiters given a slot by this operation.
+    """
+
+    released: bool
+    handoffs: tuple[Handoff, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyState:
+    """A read-only snapshot of a key, for inspection and tests.
+
+    Parameters:
+      holders(tuple[tuple[str, int], ...]): ``(holder, deadline_ms)`` pairs.
+      waiters(tuple[tuple[str, int, bool], ...]): ``(waiter_id, since_ms,
+        parked)`` in FIFO order; ``parked`` is False for blocking waiters.
+      reserved(tuple[str, ...]): Holders that are reservations handed to a
+        parked waiter whose re-enqueue is not yet confirmed.
+      limit(int|None): The run-time limit, or None if none is set.
+      token(int|None): The last fencing token issued, if the key has state.
+      holder_info(tuple[tuple[str, int, str|None], ...]): ``(holder, since_ms,
+        info)`` of the holders that acquired (in the order of ``holders``):
+        when the holder first acquired (a re-entrant acquire keeps it) and
+        the ``info`` it passed. Reservations not yet acquired have none.
+    """
+
+    holders: tuple[tuple[str, int], ...]
+    waiters: tuple[tuple[str, int, bool], ...]
+    reserved: tuple[str, ...]
+    limit: int | None
+    token: int | None
+    holder_info: tuple[tuple[str, int, str | None], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Waiter:
+    """How a refused acquirer asks to wait.
+
+    Parameters:
+      payload(bytes|None): The encoded message to park; None for a blocking
+        waiter (a thread that will call ``wait_for_handoff``).
+      wait_ms(int): For a blocking waiter: how long its entry lives before
+        it is dropped by reclaim. For a parked waiter: if its entry is a
+        standby (see :meth:`GuardBackend.send_standbys`), it blocks instead of
+        parking, for this long; 0 always parks.
+    """
+
+    payload: bytes | None = None
+    wait_ms: int = 0
+
+
+class GuardBackend(abc.ABC):
+    """The atomic operations of the guard. See the module docstring for the model.
+
+    Every method is atomic with respect to every other on the same key, across
+    threads and processes sharing the backend. Every mutating method first
+    reclaims lapsed holders and returned-waiter reservations of the key and
+    hands free slots to waiters, except two that return only a bool and so
+    could not report a hand-off: :meth:`renew` looks at the holder's own
+    entry only (a lapsed one is left for the next reclaim, never revived),
+    and :meth:`confirm_handoff` reclaims but does not hand off (a slot it
+    frees is handed on by the next acquire, release or sweep of the key).
+
+    Parameters:
+      handoff_ttl_ms(int): How long a slot handed to a waiter stays reserved
+        before it is re-enqueued (parked waiters: until
+        ``confirm_handoff``; blocking waiters: until they acquire).
+    """
+
+    def __init__(self, *, handoff_ttl_ms: int = 10_000) -> None:
+        self.handoff_ttl_ms = handoff_ttl_ms
+
+    @abc.abstractmethod
+    def acquire(
+        self,
+        key: str,
+        holder: str,
+        *,
+        limit: int,
+        ttl_ms: int,
+        wait: Waiter | None = None,
+        info: str | None = None,
+    ) -> AcquireResult:
+        """Try to become a holder of ``key``.
+
+        Re-entrant: if ``holder`` already holds ``key`` (including a
+        reservation handed to it), its deadline becomes ``now + ttl_ms``, it
+        gets a new fencing token and ``acquired`` is True. Either way, an
+        acquiring holder is removed from the waiters (and its stored payload
+        dropped): a message that starts is no longer waiting.
+
+        Otherwise it acquires if fewer than the limit in force hold the key
+        and no waiter is queued ahead of it. If refused and ``wait`` is
+        given, the holder is queued as a waiter (keeping its place if it was
+        already queued).
+
+        Parameters:
+          key(str): The guard key.
+          holder(str): The would-be holder's id.
+          limit(int): The default limit, used unless a run-time limit is set.
+          ttl_ms(int): The lease duration.
+          wait(Waiter|None): Queue the holder as a waiter if refused.
+          info(str|None): A short description of the holder (e.g. its actor's
+            name), kept with the time it first acquired while it holds the
+            key, for :meth:`inspect` (``KeyState.holder_info``).
+        """
+
+    @abc.abstractmethod
+    def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:
+        """Extend ``holder``'s deadline to ``now + ttl_ms``.
+
+        Returns:
+          bool: False if ``holder`` no longer holds ``key`` (its lease lapsed
+          and was reclaimed, or was released by force). A lost lease is never
+          re-created by a renewal.
+        """
+
+    def renew_many(self, leases: Sequence[tuple[str, str, int]]) -> list[bool]:
+        """Renew several ``(key, holder, ttl_ms)`` leases, in as few round trips as possible.
+
+        The default calls :meth:`renew` for each; the Redis backend pipelines.
+        """
+        return [self.renew(key, holder, ttl_ms=ttl_ms) for key, holder, ttl_ms in leases]
+
+    @abc.abstractmethod
+    def release(self, key: str, holder: str, *, limit: int) -> ReleaseResult:
+        """Give up ``holder``'s slot (checked: only the holder itself releases it).
+
+        Frees the slot and hands it to the oldest waiter if any. When the key
+        has no holder and no waiter left, all its state except a run-time
+        limit is deleted.
+
+        Parameters:
+          limit(int): The default limit (needed to hand off freed slots).
+        """
+
+    @abc.abstractmethod
+    def confirm_handoff(self, key: str, waiter_id: str, *, ttl_ms: int) -> bool:
+        """Confirm that a handed-off parked message was re-enqueued.
+
+        Drops its stored payload and sets its reservation deadline to
+        ``now + ttl_ms`` (how long it may take to be picked up and start).
+        If the reservation had lapsed and the waiter was put back in the
+        queue meanwhile, it is taken out again (the re-enqueued copy wins),
+        so a message is never both queued on the broker and parked.
+
+        Returns:
+          bool: Whether the waiter still holds its reservation.
+        """
+
+    @abc.abstractmethod
+    def send_standbys(
+        self, key: str, *, limit: int, count: int
+    ) -> tuple[tuple[Handoff, ...], tuple[Handoff, ...]]:
+        """Send the oldest parked waiters ahead as standbys, up to ``count`` of them.
+
+        Makes the first ``min(count, limit in force)`` waiters of the queue
+        standbys (or other blocking waiters): each parked one among them is
+        returned with its payload, which the caller must enqueue on the
+        broker and then confirm with :meth:`confirm_standby`. It keeps its
+        place and, until confirmed, its payload (see the module docstring).
+
+        Returns:
+          tuple: The hand-offs of this operation (as :meth:`release`'s), and
+          the standbys sent (``Handoff`` with their payloads).
+        """
+
+    @abc.abstractmethod
+    def confirm_standby(self, key: str, waiter_id: str, payload: bytes, *, ttl_ms: int) -> bool:
+        """Confirm that a standby sent by :meth:`send_standbys` was enqueued.
+
+        If the stored payload is still ``payload``, it is dropped: the
+        standby becomes a blocking waiter dropped after ``ttl_ms`` (or, if a
+        slot was handed to it meanwhile, keeps it for ``ttl_ms``, as
+        :meth:`confirm_handoff`). A standby that parked itself again
+        meanwhile, or that became a parked waiter again because this came too
+        late, is left parked (its enqueued copy parks into the same entry
+        when picked up).
+
+        Returns:
+          bool: Whether the standby (or its reserved slot) is in place.
+        """
+
+    @abc.abstractmethod
+    def wait_for_handoff(self, key: str, waiter_id: str, *, timeout_ms: int) -> bool:
+        """Block until a blocking waiter is handed a slot, or ``timeout_ms`` passes.
+
+        Woken by a push from the operation that handed the slot, never by
+        polling. Returns True if woken; the caller then calls
+        :meth:`acquire` (which turns the reservation into a lease).
+        """
+
+    @abc.abstractmethod
+    def cancel_wait(self, key: str, waiter_id: str, *, limit: int) -> ReleaseResult:
+        """Leave the waiters of ``key``: a blocking waiter that gave up.
+
+        If a slot was handed to it meanwhile, the slot is released and handed
+        on. ``released`` tells whether it was holding a reservation.
+        """
+
+    @abc.abstractmethod
+    def sweep(self, key: str, *, limit: int) -> ReleaseResult:
+        """Reclaim lapsed holders and reservations of ``key`` and hand free slots on.
+
+        What a worker runs periodically so waiters are never stranded when
+        every holder died.
+        """
+
+    @abc.abstractmethod
+    def set_limit(self, key: str, limit: int | None, *, default: int = 1) -> ReleaseResult:
+        """Set (or with None, clear) the run-time limit of ``key``.
+
+        Raising it hands the new slots to waiters at once. ``default`` is
+        the limit in force after clearing (needed to hand off).
+        """
+
+    @abc.abstractmethod
+    def get_limit(self, key: str) -> int | None:
+        """The run-time limit of ``key``, or None if none is set."""
+
+    @abc.abstractmethod
+    def inspect(self, key: str) -> KeyState:
+        """A snapshot of ``key`` (does not reclaim)."""
+
+    @abc.abstractmethod
+    def waiting_keys(self) -> list[str]:
+        """Keys that have waiters or unconfirmed reservations, for sweeps and inspection.
+
+        Found through the backend's own index, never by scanning the keyspace.
+        A key leaves the index when it has neither; the Redis backend on a
+        Redis Cluster keeps a drained key for a grace period (see
+        :class:`~dramatiq_guard.backends.RedisBackend`).
+        """
+
+    @abc.abstractmethod
+    def limit_keys(self) -> list[str]:
+        """Keys that have a run-time limit (:meth:`set_limit`), sorted.
+
+        Found through an index kept by :meth:`set_limit`, never by scanning
+        the keyspace, so a limited key with no holder and no waiter is found
+        too (e.g. by ``dramatiq-guard inspect``).
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release resources held by the backend (connections, threads)."""

@@ -1,0 +1,324 @@
+-- Shared prelude of every per-key guard script (concatenated in front of it at load).
+--
+-- Every script of a guard key K gets the same KEYS, all under one hash tag so
+-- they live in one Redis Cluster slot:
+--   KEYS[1] H  zset  holder -> deadline (ms)
+--   KEYS[2] W  zset  waiter -> place in the FIFO (a sequence in us, see park)
+--   KEYS[3] P  hash  waiter -> payload (parked waiters, and reservations not yet confirmed)
+--   KEYS[4] R  hash  waiter -> its place in W, while it holds an unconfirmed reservation
+--   KEYS[5] D  zset  blocking waiter -> deadline (ms) after which its entry is dropped
+--   KEYS[6] T  string  the last fencing token
+--   KEYS[7] L  string  the run-time limit
+--   KEYS[8] I  hash  holder -> "<since_ms>|<info>": when it acquired, and what the caller said of it
+--   KEYS[9] X  zset  the waiting-keys index (guard key -> when a waiter last parked), given on a
+--                    standalone Redis only: it is in another Cluster slot. With it, the index
+--                    is kept here, atomically: K is in it exactly while W or R is not empty.
+-- and the same leading ARGV:
+--   ARGV[1] the prefix of the per-waiter wake lists (WAKE .. waiter_id)
+--   ARGV[2] handoff_ttl_ms
+--   ARGV[3] the default limit
+-- Times come from the server's clock only.
+--
+-- Invariants the scripts keep, which let the common paths skip work:
+--   * D's members are in W, R's members are in H (after reclaim) and have a payload in P,
+--     and P's members are in W or R: with W, P, R and D all absent nothing is queued.
+--     A member of both P and D is a standby being sent (standby.lua).
+--   * H, T and I, when they exist, expire no earlier than the largest deadline in H,
+--     so a key whose holders all died vanishes by itself.
+--
+-- Cost model: load() reads what exists with one EXISTS and all of H with one ZRANGE
+-- (the holders are bounded by the limit), and the functions below work on that copy
+-- (HS, HN) instead of asking Redis again. A script that sets OWNED = true promises to
+-- change H only through set_holders / drop_holders (or to keep HS, HN, RAISED right
+-- itself); finish() re-reads H for a script that does not.
+local H, W, P, R, D, T, L, I = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local X = KEYS[9]
+local WAKE = ARGV[1]
+local HANDOFF_TTL = tonumber(ARGV[2])
+local DEFAULT_LIMIT = tonumber(ARGV[3])
+local clock = redis.call('TIME')
+local NOW_US = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+local NOW = math.floor(NOW_US / 1000)
+
+local HS = {} -- holder -> deadline: the script's copy of H
+local HN = 0 -- how many members HS has
+local HMAX = 0 -- the largest deadline H had when loaded (its expiry is at least that)
+local EXISTED = false -- whether H, W, P, R or D existed when loaded
+local QUEUED = false -- whether W, P, R or D existed when loaded (see the invariants)
+local PARKED = false -- whether this script queued a waiter
+local LOADED = false
+local OWNED = false
+local RAISED = false -- a deadline in H went above HMAX: H, T and I must expire later
+local META_AT = nil -- the expiry T and I were already given by this script (acquire)
+local LIMIT = nil
+
+-- Integers up to 2^53 as decimal strings (tostring would use an exponent).
+local function fmt(n)
+  return string.format('%.0f', n)
+end
+
+-- A variadic command over a long list, in chunks (unpack has a stack limit).
+-- Chunks are even-sized, so score-member pairs stay together.
+local function call_many(command, key, list)
+  local results = {}
+  for i = 1, #list, 4000 do
+    local reply = redis.call(command, key, unpack(list, i, math.min(i + 3999, #list)))
+    if type(reply) == 'table' then
+      for _, value in ipairs(reply) do
+        results[#results + 1] = value
+      end
+    end
+  end
+  return results
+end
+
+local function load()
+  if LOADED then
+    return
+  end
+  LOADED = true
+  local present = redis.call('EXISTS', H, W, P, R, D)
+  EXISTED = present > 0
+  if present == 0 then
+    return
+  end
+  local flat = redis.call('ZRANGE', H, 0, -1, 'WITHSCORES')
+  for i = 1, #flat, 2 do
+    HS[flat[i]] = tonumber(flat[i + 1])
+  end
+  HN = #flat / 2
+  if HN > 0 then
+    HMAX = tonumber(flat[#flat])
+    present = present - 1
+  end
+  QUEUED = present > 0
+end
+
+local function limit_in_force()
+  if LIMIT == nil then
+    local l = redis.call('GET', L)
+    LIMIT = l and tonumber(l) or DEFAULT_LIMIT
+  end
+  return LIMIT
+end
+
+-- The largest deadline in HS (0 if none).
+local function latest()
+  local at = 0
+  for _, deadline in pairs(HS) do
+    if deadline > at then
+      at = deadline
+    end
+  end
+  return at
+end
+
+-- ZADD H (score-member pairs) and the copy.
+local function set_holders(pairs_)
+  for i = 1, #pairs_, 2 do
+    local h, deadline = pairs_[i + 1], pairs_[i]
+    if HS[h] == nil then
+      HN = HN + 1
+    end
+    HS[h] = deadline
+    if deadline > HMAX then
+      RAISED = true
+    end
+  end
+  call_many('ZADD', H, pairs_)
+end
+
+-- ZREM H and HDEL I of these holders, and the copy.
+local function drop_holders(list)
+  for _, h in ipairs(list) do
+    if HS[h] ~= nil then
+      HS[h] = nil
+      HN = HN - 1
+    end
+  end
+  call_many('ZREM', H, list)
+  call_many('HDEL', I, list)
+end
+
+-- Reclaim: a lapsed reservation of a parked waiter goes back to its place in
+-- the queue (its payload never left P); other lapsed holders and expired
+-- blocking waiters are dropped. A reservation whose holder entry vanished
+-- (H expired because every holder died) counts as lapsed.
+-- Returns how many holders were reclaimed.
+local function reclaim()
+  load()
+  local lapsed, was_lapsed = {}, {}
+  for h, deadline in pairs(HS) do
+    if deadline <= NOW then
+      lapsed[#lapsed + 1] = h
+      was_lapsed[h] = true
+    end
+  end
+  if #lapsed > 0 then
+    drop_holders(lapsed)
+  end
+  local reclaimed = #lapsed
+  if QUEUED then
+    local reserved = redis.call('HGETALL', R)
+    local back, gone = {}, {}
+    for i = 1, #reserved, 2 do
+      local w = reserved[i]
+      if HS[w] == nil then
+        back[#back + 1] = reserved[i + 1]
+        back[#back + 1] = w
+        gone[#gone + 1] = w
+        if not was_lapsed[w] then
+          reclaimed = reclaimed + 1
+        end
+      end
+    end
+    if #gone > 0 then
+      call_many('HDEL', R, gone)
+      call_many('ZADD', W, back)
+    end
+    local dropped = redis.call('ZRANGEBYSCORE', D, '-inf', NOW)
+    if #dropped > 0 then
+      call_many('ZREM', D, dropped)
+      -- A standby sent but never confirmed (standby.lua) still has its payload: it parks again.
+      local payloads = call_many('HMGET', P, dropped)
+      local gone = {}
+      for i, w in ipairs(dropped) do
+        if not payloads[i] then
+          gone[#gone + 1] = w
+        end
+      end
+      if #gone > 0 then
+        call_many('ZREM', W, gone)
+      end
+    end
+  end
+  return reclaimed
+end
+
+-- Hand every free slot to the oldest waiters: each becomes a holder with a
+-- reservation deadline. A parked waiter keeps its payload (and its place, in
+-- R) until confirm_handoff; a blocking waiter gets a push on its wake list.
+-- Appends waiter, payload-or-false pairs to `out`.
+local function handoff(limit, out)
+  if not (QUEUED or PARKED) then
+    return
+  end
+  local free = limit - HN
+  if free <= 0 then
+    return
+  end
+  local heads = redis.call('ZRANGE', W, 0, free - 1, 'WITHSCORES')
+  if #heads == 0 then
+    return
+  end
+  local deadline = NOW + HANDOFF_TTL
+  local waiters, holders = {}, {}
+  for i = 1, #heads, 2 do
+    waiters[#waiters + 1] = heads[i]
+    holders[#holders + 1] = deadline
+    holders[#holders + 1] = heads[i]
+  end
+  local payloads = call_many('HMGET', P, waiters)
+  call_many('ZREM', W, waiters)
+  set_holders(holders)
+  local reserve, woken = {}, {}
+  for i, w in ipairs(waiters) do
+    local payload = payloads[i]
+    if payload then
+      reserve[#reserve + 1] = w
+      reserve[#reserve + 1] = heads[2 * i]
+      if redis.call('ZREM', D, w) == 1 then
+        -- A standby being sent (standby.lua): its sender enqueues and confirms it.
+        payload = false
+      end
+    else
+      woken[#woken + 1] = w
+      redis.call('RPUSH', WAKE .. w, '1')
+      redis.call('PEXPIRE', WAKE .. w, HANDOFF_TTL)
+    end
+    out[#out + 1] = w
+    out[#out + 1] = payload
+  end
+  if #reserve > 0 then
+    call_many('HSET', R, reserve)
+  end
+  if #woken > 0 then
+    call_many('ZREM', D, woken)
+  end
+end
+
+-- Make H, T and I expire no earlier than `at` (PEXPIREAT GT: never sooner than
+-- they already do; on a server without GT, Redis < 7, from the latest deadline).
+local function extend_to(at)
+  local reply = redis.pcall('PEXPIREAT', H, at, 'GT')
+  if type(reply) == 'table' and reply.err then
+    local last = redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')
+    at = math.max(at, tonumber(last[2] or '0'))
+    redis.call('PEXPIREAT', H, at)
+    redis.call('PEXPIREAT', T, at)
+    redis.call('PEXPIREAT', I, at)
+    return
+  end
+  redis.call('PEXPIREAT', T, at, 'GT')
+  redis.call('PEXPIREAT', I, at, 'GT')
+end
+
+-- The guard key itself, for the waiting-keys index: WAKE is "<ns>:{K}:wake:" and
+-- the namespace has no braces.
+local function guard_key()
+  return string.sub(WAKE, string.find(WAKE, '{', 1, true) + 1, -8)
+end
+
+-- Queue `w` as a waiter at the back (keeping its place if it is already queued).
+-- Returns whether it was not queued before.
+local function enqueue(w)
+  local place = NOW_US
+  if QUEUED then
+    -- A place only grows: max(last + 1, now in us).
+    local last = redis.call('ZRANGE', W, -1, -1, 'WITHSCORES')
+    if #last > 0 then
+      place = math.max(tonumber(last[2]) + 1, NOW_US)
+    end
+  end
+  local added = redis.call('ZADD', W, 'NX', fmt(place), w) == 1
+  if added and X then
+    redis.call('ZADD', X, NOW, guard_key())
+  end
+  PARKED = true
+  return added
+end
+
+-- With no holder, no waiter and no reservation left, drop all state but the
+-- limit (and the key's waiting-keys index entry). Otherwise make the
+-- holder-derived keys expire with the last holder: waiters, payloads and
+-- reservations never expire.
+local function finish()
+  if not OWNED then
+    HS, HN = {}, 0
+    local flat = redis.call('ZRANGE', H, 0, -1, 'WITHSCORES')
+    for i = 1, #flat, 2 do
+      HS[flat[i]] = tonumber(flat[i + 1])
+    end
+    HN = #flat / 2
+    RAISED = HN > 0
+    QUEUED = true
+  end
+  local queued = PARKED or (QUEUED and redis.call('EXISTS', W, R) > 0)
+  if X and QUEUED and not queued then
+    redis.call('ZREM', X, guard_key())
+  end
+  if HN == 0 and not queued then
+    if EXISTED or PARKED or not OWNED then
+      redis.call('DEL', H, W, P, R, D, T, I)
+    end
+  elseif HN > 0 and (RAISED or META_AT) then
+    local at = latest()
+    if RAISED then
+      redis.call('PEXPIREAT', H, at)
+    end
+    if RAISED and not META_AT then
+      redis.call('PEXPIREAT', T, at)
+    end
+    redis.call('PEXPIREAT', I, at)
+  end
+end

@@ -1,0 +1,91 @@
+-- acquire(holder, ttl_ms, mode, payload, wait_ms, info); mode: '' (no wait), 'park', 'block'.
+-- Returns {acquired, token|nil, limit, parked, holders, handoffs}; parked is 2 for a standby
+-- (sent ahead, see standby.lua) picked up in 'park' mode with wait_ms > 0: it blocks in its place.
+local holder = ARGV[4]
+local ttl = tonumber(ARGV[5])
+local mode = ARGV[6]
+OWNED = true
+
+reclaim()
+local was_holder = HS[holder] ~= nil
+-- The limit and the last token in one read.
+local values = redis.call('MGET', L, T)
+LIMIT = values[1] and tonumber(values[1]) or DEFAULT_LIMIT
+local limit = LIMIT
+local token = values[2]
+local handed = {}
+handoff(limit, handed)
+-- The acquirer itself may have been the head waiter: it starts now, so it
+-- is not reported as a hand-off to re-enqueue.
+local handoffs = {}
+for i = 1, #handed, 2 do
+  if handed[i] == holder then
+    was_holder = true
+  else
+    handoffs[#handoffs + 1] = handed[i]
+    handoffs[#handoffs + 1] = handed[i + 1]
+  end
+end
+
+-- Free slots left after the hand-off mean the queue is empty.
+local acquired = HS[holder] ~= nil or HN < limit
+local parked = 0
+if acquired then
+  set_holders({ NOW + ttl, holder })
+  local since = fmt(NOW) .. '|' .. ARGV[9]
+  if was_holder then
+    -- A re-entrant acquire (or a reservation taken up): the first since and info stay.
+    redis.call('HSETNX', I, holder, since)
+    redis.call('DEL', WAKE .. holder)
+  else
+    redis.call('HSET', I, holder, since)
+  end
+  if QUEUED then
+    if redis.call('ZREM', W, holder) == 1 then
+      redis.call('ZREM', D, holder)
+    end
+    redis.call('HDEL', P, holder)
+    redis.call('HDEL', R, holder)
+  end
+  token = math.max(tonumber(token or '0') + 1, NOW_US)
+  META_AT = latest()
+  redis.call('SET', T, fmt(token), 'PXAT', META_AT)
+elseif mode ~= '' then
+  local added = enqueue(holder)
+  local standby = mode == 'park' and not added and tonumber(ARGV[8]) > 0 and redis.call('ZSCORE', D, holder)
+  if standby then
+    -- A standby sent ahead (standby.lua) was picked up: it blocks in its place.
+    redis.call('ZADD', D, NOW + tonumber(ARGV[8]), holder)
+    redis.call('HDEL', P, holder)
+  elseif mode == 'park' then
+    redis.call('HSET', P, holder, ARGV[7])
+    if not added then
+      redis.call('ZREM', D, holder)
+    end
+  else
+    redis.call('ZADD', D, NOW + tonumber(ARGV[8]), holder)
+    if not added then
+      redis.call('HDEL', P, holder)
+    end
+  end
+  parked = standby and 2 or 1
+  token = false
+else
+  token = false
+end
+finish()
+local order = {}
+for h, deadline in pairs(HS) do
+  order[#order + 1] = { deadline, h }
+end
+table.sort(order, function(a, b)
+  if a[1] ~= b[1] then
+    return a[1] < b[1]
+  end
+  return a[2] < b[2]
+end)
+local holders = {}
+for i, entry in ipairs(order) do
+  holders[i] = entry[2]
+end
+return { acquired and 1 or 0, token, limit, parked, holders, handoffs }

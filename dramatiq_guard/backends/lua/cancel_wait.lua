@@ -1,0 +1,22 @@
+-- cancel_wait(waiter) -> {released, handoffs}
+local waiter = ARGV[4]
+OWNED = true
+reclaim()
+local released = 0
+if HS[waiter] ~= nil then
+  released = 1
+  drop_holders({ waiter })
+end
+if QUEUED then
+  redis.call('ZREM', W, waiter)
+  redis.call('ZREM', D, waiter)
+  redis.call('HDEL', P, waiter)
+  redis.call('HDEL', R, waiter)
+end
+if released == 1 then
+  redis.call('DEL', WAKE .. waiter)
+end
+local handoffs = {}
+handoff(limit_in_force(), handoffs)
+finish()
+return { released, handoffs }

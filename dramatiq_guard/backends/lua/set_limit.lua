@@ -1,0 +1,23 @@
+-- set_limit(limit or '' to clear) -> {0, handoffs}
+-- With the limits index (KEYS[10], standalone Redis only), the guard key is
+-- added to it or removed from it in the same step.
+OWNED = true
+reclaim()
+local LIMITS = KEYS[10]
+if ARGV[4] == '' then
+  redis.call('DEL', L)
+  LIMIT = DEFAULT_LIMIT
+  if LIMITS then
+    redis.call('SREM', LIMITS, guard_key())
+  end
+else
+  redis.call('SET', L, ARGV[4])
+  LIMIT = tonumber(ARGV[4])
+  if LIMITS then
+    redis.call('SADD', LIMITS, guard_key())
+  end
+end
+local handoffs = {}
+handoff(LIMIT, handoffs)
+finish()
+return { 0, handoffs }

@@ -1,0 +1,57 @@
+-- standby('send', count) -> {handoffs, standbys}
+--   Sends the oldest parked waiters ahead as standbys, so that the first
+--   min(count, limit) waiters of the FIFO are all standbys (or other blocking
+--   waiters). A sent standby keeps its place and its payload, and gets a
+--   deadline in D (a payload and a deadline together mark "sent, unconfirmed"):
+--   if it is not confirmed by then, reclaim makes it a parked waiter again; if
+--   a slot is handed to it meanwhile, handoff reserves the slot (in R, as for a
+--   parked waiter) without returning its payload (its sender enqueues it).
+--   Returns the hand-offs of this operation and the waiter, payload pairs sent.
+-- standby('confirm', waiter, ttl_ms, payload) -> 1 if the standby (or its slot) holds
+--   Its copy is on the broker now. If the stored payload is still the one sent
+--   (else the message parked itself again meanwhile, and its entry is left
+--   alone), it is dropped: a standby still waiting becomes a blocking waiter
+--   dropped after ttl_ms; one handed a slot meanwhile keeps the slot for ttl_ms
+--   (as confirm_handoff). One that reclaim already made a parked waiter again
+--   is left parked (its enqueued copy parks into the same entry when picked up).
+OWNED = true
+reclaim()
+if ARGV[4] == 'send' then
+  local handoffs, sent = {}, {}
+  local limit = limit_in_force()
+  handoff(limit, handoffs)
+  local count = math.min(tonumber(ARGV[5]), limit)
+  if QUEUED and count > 0 then
+    for _, w in ipairs(redis.call('ZRANGE', W, 0, count - 1)) do
+      if not redis.call('ZSCORE', D, w) then
+        local payload = redis.call('HGET', P, w)
+        if payload then
+          redis.call('ZADD', D, NOW + HANDOFF_TTL, w)
+          sent[#sent + 1] = w
+          sent[#sent + 1] = payload
+        end
+      end
+    end
+  end
+  finish()
+  return { handoffs, sent }
+end
+local waiter = ARGV[5]
+local ttl = tonumber(ARGV[6])
+local held = 0
+if QUEUED and redis.call('HGET', P, waiter) == ARGV[7] then
+  if redis.call('HDEL', R, waiter) == 1 then
+    set_holders({ NOW + ttl, waiter })
+    redis.call('HDEL', P, waiter)
+    held = 1
+  elseif redis.call('ZSCORE', D, waiter) then
+    redis.call('ZADD', D, NOW + ttl, waiter)
+    redis.call('HDEL', P, waiter)
+    held = 1
+  end
+elseif HS[waiter] ~= nil or (QUEUED and redis.call('ZSCORE', D, waiter)) then
+  -- Picked up already (it blocks as a standby, or holds its slot), or sent again.
+  held = 1
+end
+finish()
+return held

@@ -1,0 +1,11 @@
+-- sweep() -> {reclaimed_any, handoffs}
+OWNED = true
+local reclaimed = reclaim()
+local handoffs = {}
+handoff(limit_in_force(), handoffs)
+finish()
+if X and not QUEUED then
+  -- An index entry left from before (the scripts keep it exact from then on).
+  redis.call('ZREM', X, guard_key())
+end
+return { reclaimed > 0 and 1 or 0, handoffs }

@@ -1,0 +1,351 @@
+"""The in-memory guard backend, for tests with a StubBroker (one process only).
+
+Each guard key is a :class:`_Guard` object: live holders, a FIFO of waiting
+entries, and the entries of parked waiters that were handed a slot but whose
+re-enqueue is not confirmed yet. Every operation runs under one lock; blocking
+waiters sleep on a :class:`threading.Condition` of that lock and are woken by
+a notification when a slot is handed to them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+
+from dramatiq_guard.backends.base import (
+    AcquireResult,
+    GuardBackend,
+    Handoff,
+    KeyState,
+    ReleaseResult,
+    Waiter,
+    check_key,
+)
+
+__all__ = ["MemoryBackend"]
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclasses.dataclass
+class _Entry:
+    """A waiter: its place in the FIFO, when it came, and what it waits with."""
+
+    place: int
+    since_ms: int
+    payload: bytes | None = None
+    drop_at_ms: int | None = None  # blocking waiters only
+
+
+@dataclasses.dataclass
+class _Guard:
+    """The state of one guard key."""
+
+    holders: dict[str, int] = dataclasses.field(default_factory=dict)
+    queue: dict[str, _Entry] = dataclasses.field(default_factory=dict)
+    unconfirmed: dict[str, _Entry] = dataclasses.field(default_factory=dict)
+    woken: dict[str, int] = dataclasses.field(default_factory=dict)
+    info: dict[str, tuple[int, str | None]] = dataclasses.field(default_factory=dict)
+    token: int = 0
+
+    def is_idle(self) -> bool:
+        return not (self.holders or self.queue or self.unconfirmed)
+
+    def reclaim(self, now: int) -> int:
+        """Drop lapsed holders (returning unconfirmed hand-offs to the queue) and expired waiters."""
+        lapsed = [holder for holder, deadline in self.holders.items() if deadline <= now]
+        for holder in lapsed:
+            del self.holders[holder]
+            self.info.pop(holder, None)
+            entry = self.unconfirmed.pop(holder, None)
+            if entry is not None:
+                self.queue[holder] = entry
+        for waiter in [w for w, e in self.queue.items() if e.drop_at_ms is not None and e.drop_at_ms <= now]:
+            entry = self.queue[waiter]
+            if entry.payload is not None:
+                entry.drop_at_ms = None  # a standby sent but never confirmed parks again
+            else:
+                del self.queue[waiter]
+        self.woken = {w: until for w, until in self.woken.items() if until > now}
+        return len(lapsed)
+
+    def oldest_waiter(self) -> str | None:
+        return min(self.queue, key=lambda w: self.queue[w].place, default=None)
+
+
+class MemoryBackend(GuardBackend):
+    """The guard backend in this process's memory, with the contract's semantics.
+
+    Thread-safe; not shared across processes. Deadlines use ``time.time()``.
+
+    Parameters:
+      handoff_ttl_ms(int): How long a slot handed to a waiter stays reserved.
+    """
+
+    def __init__(self, *, handoff_ttl_ms: int = 10_000) -> None:
+        super().__init__(handoff_ttl_ms=handoff_ttl_ms)
+        self._changed = threading.Condition(threading.Lock())
+        self._guards: dict[str, _Guard] = {}
+        self._limits: dict[str, int] = {}
+        self._places = itertools.count()
+
+    # Helpers run with the lock held.
+
+    def _begin(self, key: str) -> tuple[_Guard, int]:
+        check_key(key)
+        guard = self._guards.setdefault(key, _Guard())
+        now = _now_ms()
+        guard.reclaim(now)
+        return guard, now
+
+    def _hand_off(self, key: str, guard: _Guard, limit: int, now: int) -> list[Handoff]:
+        handed: list[Handoff] = []
+        while len(guard.holders) < limit:
+            waiter = guard.oldest_waiter()
+            if waiter is None:
+                break
+            entry = guard.queue.pop(waiter)
+            guard.holders[waiter] = now + self.handoff_ttl_ms
+            payload = entry.payload
+            if payload is not None:
+                guard.unconfirmed[waiter] = entry
+                if entry.drop_at_ms is not None:
+                    # A standby being sent: its sender enqueues and confirms it.
+                    entry.drop_at_ms = payload = None
+            else:
+                guard.woken[waiter] = now + self.handoff_ttl_ms
+                self._changed.notify_all()
+            handed.append(Handoff(key, waiter, payload))
+        return handed
+
+    def _end(self, key: str, guard: _Guard) -> None:
+        if guard.is_idle():
+            self._guards.pop(key, None)
+
+    # The operations.
+
+    def acquire(
+        self,
+        key: str,
+        holder: str,
+        *,
+        limit: int,
+        ttl_ms: int,
+        wait: Waiter | None = None,
+        info: str | None = None,
+    ) -> AcquireResult:
+        """Try to become a holder of ``key``; see :meth:`GuardBackend.acquire`."""
+        with self._changed:
+            guard, now = self._begin(key)
+            in_force = self._limits.get(key, limit)
+            handoffs = [h for h in self._hand_off(key, guard, in_force, now) if h.waiter_id != holder]
+            token = None
+            parked = standby = False
+            if holder in guard.holders or (len(guard.holders) < in_force and not guard.queue):
+                guard.holders[holder] = now + ttl_ms
+                guard.info.setdefault(holder, (now, info or None))
+                guard.queue.pop(holder, None)
+                guard.unconfirmed.pop(holder, None)
+                guard.woken.pop(holder, None)
+                token = guard.token = max(guard.token + 1, time.time_ns() // 1000)
+            elif wait is not None:
+                entry = guard.queue.get(holder)
+                standby = (
+                    wait.payload is not None
+                    and wait.wait_ms > 0
+                    and entry is not None
+                    and entry.drop_at_ms is not None
+                )
+                if entry is None:
+                    entry = guard.queue[holder] = _Entry(next(self._places), now)
+                if standby:  # a standby sent ahead was picked up: it blocks in its place
+                    entry.payload = None
+                    entry.drop_at_ms = now + wait.wait_ms
+                else:
+                    entry.payload = wait.payload
+                    entry.drop_at_ms = None if wait.payload is not None else now + wait.wait_ms
+                parked = True
+            holders = tuple(sorted(guard.holders, key=guard.holders.__getitem__))
+            self._end(key, guard)
+            return AcquireResult(
+                token is not None, token, holders, in_force, parked, tuple(handoffs), standby
+            )
+
+    def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:
+        """Extend ``holder``'s lease; see :meth:`GuardBackend.renew`."""
+        check_key(key)
+        with self._changed:
+            guard = self._guards.get(key)
+            now = _now_ms()
+            if guard is None or guard.holders.get(holder, now) <= now:
+                return False
+            guard.holders[holder] = now + ttl_ms
+            return True
+
+    def release(self, key: str, holder: str, *, limit: int) -> ReleaseResult:
+        """Give up ``holder``'s slot; see :meth:`GuardBackend.release`."""
+        with self._changed:
+            guard, now = self._begin(key)
+            released = guard.holders.pop(holder, None) is not None
+            guard.info.pop(holder, None)
+            if released:
+                guard.unconfirmed.pop(holder, None)
+            handoffs = self._hand_off(key, guard, self._limits.get(key, limit), now)
+            self._end(key, guard)
+            return ReleaseResult(released, tuple(handoffs))
+
+    def confirm_handoff(self, key: str, waiter_id: str, *, ttl_ms: int) -> bool:
+        """Confirm a handed-off parked message was re-enqueued; see :meth:`GuardBackend.confirm_handoff`."""
+        with self._changed:
+            guard, now = self._begin(key)
+            if guard.unconfirmed.pop(waiter_id, None) is not None:
+                guard.holders[waiter_id] = now + ttl_ms
+                held = True
+            else:
+                held = waiter_id in guard.holders
+                if not held:
+                    guard.queue.pop(waiter_id, None)
+            self._end(key, guard)
+            return held
+
+    def send_standbys(
+        self, key: str, *, limit: int, count: int
+    ) -> tuple[tuple[Handoff, ...], tuple[Handoff, ...]]:
+        """Send the oldest parked waiters ahead as standbys; see :meth:`GuardBackend.send_standbys`."""
+        with self._changed:
+            guard, now = self._begin(key)
+            in_force = self._limits.get(key, limit)
+            handoffs = self._hand_off(key, guard, in_force, now)
+            sent = []
+            head = sorted(guard.queue.items(), key=lambda item: item[1].place)[: max(0, min(count, in_force))]
+            for waiter, entry in head:
+                if entry.payload is not None and entry.drop_at_ms is None:
+                    entry.drop_at_ms = now + self.handoff_ttl_ms
+                    sent.append(Handoff(key, waiter, entry.payload))
+            self._end(key, guard)
+            return tuple(handoffs), tuple(sent)
+
+    def confirm_standby(self, key: str, waiter_id: str, payload: bytes, *, ttl_ms: int) -> bool:
+        """Confirm a standby was enqueued; see :meth:`GuardBackend.confirm_standby`."""
+        with self._changed:
+            guard, now = self._begin(key)
+            reserved = guard.unconfirmed.get(waiter_id)
+            entry = guard.queue.get(waiter_id)
+            held = True
+            if reserved is not None and reserved.payload == payload:
+                del guard.unconfirmed[waiter_id]
+                guard.holders[waiter_id] = now + ttl_ms
+            elif entry is not None and entry.payload == payload and entry.drop_at_ms is not None:
+                entry.payload = None
+                entry.drop_at_ms = now + ttl_ms
+            else:
+                # Picked up already (blocking, or holding its slot), or sent again; else parked.
+                held = waiter_id in guard.holders or (entry is not None and entry.drop_at_ms is not None)
+            self._end(key, guard)
+            return held
+
+    def wait_for_handoff(self, key: str, waiter_id: str, *, timeout_ms: int) -> bool:
+        """Sleep until a slot is handed to ``waiter_id``; see :meth:`GuardBackend.wait_for_handoff`."""
+        check_key(key)
+        give_up = time.monotonic() + timeout_ms / 1000
+        with self._changed:
+            while True:
+                guard = self._guards.get(key)
+                until = None if guard is None else guard.woken.pop(waiter_id, None)
+                if until is not None and until > _now_ms():
+                    return True
+                remaining = give_up - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._changed.wait(remaining)
+
+    def cancel_wait(self, key: str, waiter_id: str, *, limit: int) -> ReleaseResult:
+        """Leave the waiters of ``key``; see :meth:`GuardBackend.cancel_wait`."""
+        with self._changed:
+            guard, now = self._begin(key)
+            guard.queue.pop(waiter_id, None)
+            guard.woken.pop(waiter_id, None)
+            guard.unconfirmed.pop(waiter_id, None)
+            released = guard.holders.pop(waiter_id, None) is not None
+            guard.info.pop(waiter_id, None)
+            handoffs = self._hand_off(key, guard, self._limits.get(key, limit), now)
+            self._end(key, guard)
+            return ReleaseResult(released, tuple(handoffs))
+
+    def sweep(self, key: str, *, limit: int) -> ReleaseResult:
+        """Reclaim lapsed holders and hand free slots on; see :meth:`GuardBackend.sweep`.
+
+        Returns:
+          ReleaseResult: ``released`` tells whether any lapsed holder was reclaimed.
+        """
+        check_key(key)
+        with self._changed:
+            guard = self._guards.setdefault(key, _Guard())
+            now = _now_ms()
+            reclaimed = guard.reclaim(now)
+            handoffs = self._hand_off(key, guard, self._limits.get(key, limit), now)
+            self._end(key, guard)
+            return ReleaseResult(reclaimed > 0, tuple(handoffs))
+
+    def set_limit(self, key: str, limit: int | None, *, default: int = 1) -> ReleaseResult:
+        """Set or clear the run-time limit; see :meth:`GuardBackend.set_limit`.
+
+        Returns:
+          ReleaseResult: ``released`` is always False (nobody is evicted).
+
+        Raises:
+          ValueError: If ``limit`` is negative.
+        """
+        if limit is not None and limit < 0:
+            raise ValueError(f"a limit must be >= 0, got {limit!r}")
+        check_key(key)
+        with self._changed:
+            if limit is None:
+                self._limits.pop(key, None)
+            else:
+                self._limits[key] = limit
+            guard, now = self._begin(key)
+            handoffs = self._hand_off(key, guard, self._limits.get(key, default), now)
+            self._end(key, guard)
+            return ReleaseResult(False, tuple(handoffs))
+
+    def get_limit(self, key: str) -> int | None:
+        """The run-time limit of ``key``, or None."""
+        check_key(key)
+        with self._changed:
+            return self._limits.get(key)
+
+    def inspect(self, key: str) -> KeyState:
+        """A snapshot of ``key`` (it reclaims nothing)."""
+        check_key(key)
+        with self._changed:
+            guard = self._guards.get(key)
+            if guard is None:
+                return KeyState((), (), (), self._limits.get(key), None)
+            queue = sorted(guard.queue.items(), key=lambda item: item[1].place)
+            holders = tuple(sorted(guard.holders.items(), key=lambda item: item[1]))
+            return KeyState(
+                holders=holders,
+                waiters=tuple((w, e.since_ms, e.payload is not None) for w, e in queue),
+                reserved=tuple(guard.unconfirmed),
+                limit=self._limits.get(key),
+                token=guard.token or None,
+                holder_info=tuple((h, *guard.info[h]) for h, _ in holders if h in guard.info),
+            )
+
+    def waiting_keys(self) -> list[str]:
+        """Keys with waiters or unconfirmed hand-offs (the backend's own table of keys)."""
+        with self._changed:
+            return [key for key, guard in self._guards.items() if guard.queue or guard.unconfirmed]
+
+    def limit_keys(self) -> list[str]:
+        """Keys that have a run-time limit (the backend's own table of limits), sorted."""
+        with self._changed:
+            return sorted(self._limits)
+
+    def close(self) -> None:
+        """Nothing to release; the state is kept (it is the process's memory)."""

@@ -1,0 +1,556 @@
+"""The Redis guard backend: each operation is one Lua script on one Cluster slot.
+
+Key layout, for namespace ``ns`` and guard key ``K`` (one hash tag per guard
+key, so every script of ``K`` touches a single Redis Cluster slot)::
+
+  ns:{K}:holders    zset  holder -> lease deadline (ms)           expires with its last holder
+  ns:{K}:token      str   the last fencing token                  expires with its last holder
+  ns:{K}:waiters    zset  waiter -> place in the FIFO (us)        never expires
+  ns:{K}:payloads   hash  waiter -> parked message                never expires
+  ns:{K}:reserved   hash  waiter -> its place, while its hand-off is unconfirmed
+  ns:{K}:deadlines  zset  blocking waiter -> when it is dropped (ms)
+  ns:{K}:limit      str   the run-time limit (only this survives an idle key)
+  ns:{K}:info       hash  holder -> "<since_ms>|<info>"            expires with its last holder
+  ns:{K}:wake:<id>  list  a blocking waiter's wake-up push         expires after handoff_ttl_ms
+  ns:waiting        zset  guard key -> when a waiter parked (ms): the waiting-keys index
+  ns:limits         set   guard keys with a run-time limit: the limits index
+
+Redis Cluster hashes only the text between the first ``{`` and the next
+``}``; since the tag starts with the guard key itself, a key that contains
+braces still maps all its suffixes to one slot. An empty key, or one that
+starts with ``}``, would leave the tag empty (and the keys spread over
+slots), so it is rejected with a :class:`ValueError`. A namespace must not
+contain braces, and a waiter id must not contain ``}`` (its wake list name
+would become ambiguous).
+
+Deadlines and fencing tokens use the server's clock (``TIME``), so clients'
+clocks do not matter (except for the waiting-keys index on a Redis Cluster,
+below).
+
+The two indexes (:meth:`RedisBackend.waiting_keys`, :meth:`RedisBackend.limit_keys`)
+are single keys in a slot of their own, so how they are kept depends on the client:
+
+* On a standalone Redis (or one found through Sentinel), each per-key script
+  is also given the index keys and keeps them itself, in the same atomic step
+  as the change it indexes: a guard key is in ``ns:waiting`` exactly while it
+  has a waiter or an unconfirmed reservation (the script that queues its first
+  waiter adds it; the one that leaves it with neither removes it), and in
+  ``ns:limits`` exactly while it has a run-time limit. Nothing is left in
+  either index after the work drains, at once, and no interleaving can leave
+  a parked waiter unindexed: the park and its index entry are one step, and so
+  are the last hand-off and the entry's removal. ``index_grace_ms`` is not
+  used.
+* On a Redis Cluster a script may only touch its own slot, so an index cannot
+  be kept in the same step. A park adds the key to ``ns:waiting`` with a ZADD
+  pipelined in the same round trip, scored with the client's clock; the
+  entry of a key found with no waiter and no reservation is dropped by
+  :meth:`RedisBackend.waiting_keys` once it is older than ``index_grace_ms``,
+  by a script that drops it only if it was not refreshed meanwhile. A removal
+  in the release itself cannot be made safe there: a concurrent park's ZADD
+  and its script land on two nodes in no guaranteed order, so a removal
+  keyed on the release's moment could drop the entry of a park that lands
+  just after it. The grace must exceed the clock skew between clients plus
+  the longest a pipelined park can be in flight (the client's socket timeout
+  times its retries); the default, 60 s, is that with room to spare. So on a
+  cluster, a drained key's entry is left for up to ``index_grace_ms``, until
+  the next ``waiting_keys()`` call after that (the workers' sweep makes one
+  every few seconds). ``ns:limits`` is updated next to the limit change (added
+  before a limit is set, removed after it is cleared), so a failure in
+  between never leaves a limit unindexed; only two concurrent changes of the
+  same key's limit can leave the index off, until the next change.
+
+A script of a guard key uses PEXPIREAT's ``GT`` option (Redis 7.0) when it
+can, and falls back to reading the latest deadline on older servers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from importlib import resources
+from typing import Any, TypeAlias, cast
+
+import redis
+import redis.cluster
+from redis.commands.core import Script
+from redis.exceptions import NoScriptError
+
+from dramatiq_guard.backends.base import (
+    AcquireResult,
+    GuardBackend,
+    Handoff,
+    KeyState,
+    ReleaseResult,
+    Waiter,
+    check_key,
+)
+from dramatiq_guard.errors import BackendUnavailable
+
+__all__ = ["RedisBackend", "RedisClient"]
+
+#: A redis-py client the backend accepts.
+RedisClient: TypeAlias = redis.Redis | redis.cluster.RedisCluster
+
+_SUFFIXES = ("holders", "waiters", "payloads", "reserved", "deadlines", "token", "limit", "info")
+_LIMIT = _SUFFIXES.index("limit")
+_KEY_SCRIPTS = (
+    "acquire",
+    "renew",
+    "release",
+    "confirm_handoff",
+    "cancel_wait",
+    "sweep",
+    "set_limit",
+    "inspect",
+    "standby",
+)
+_UNAVAILABLE: tuple[type[Exception], ...] = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ReadOnlyError,
+)
+
+
+def _load_lua(name: str) -> str:
+    return resources.files("dramatiq_guard.backends").joinpath(f"lua/{name}.lua").read_text("utf-8")
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+def _data(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode("utf-8")
+
+
+@contextlib.contextmanager
+def _reachable() -> Iterator[None]:
+    """Turn redis-py's connection-level errors into :class:`BackendUnavailable`."""
+    try:
+        yield
+    except _UNAVAILABLE as exc:
+        raise BackendUnavailable(f"the guard's Redis backend is unavailable: {exc}") from exc
+
+
+class RedisBackend(GuardBackend):
+    """The guard backend on Redis (or Redis Cluster).
+
+    Each mutating operation is one Lua script, loaded once with redis-py's
+    ``register_script`` (EVALSHA, falling back to loading it on NOSCRIPT).
+    Works with clients made with or without ``decode_responses``; with
+    ``decode_responses=True`` parked payloads must be UTF-8 (Dramatiq's
+    default JSON encoding is).
+
+    Parameters:
+      client(Redis|RedisCluster): The redis-py client. It is not closed by
+        :meth:`close` (it may be shared, e.g. with a RedisBroker).
+      namespace(str): The prefix of every key; must not contain braces.
+      handoff_ttl_ms(int): How long a slot handed to a waiter stays reserved.
+      index_grace_ms(int): On a Redis Cluster only (see the module
+        docstring): how long an entry of the waiting-keys index is kept after
+        its key has no waiter left. It must exceed the clock skew between
+        clients plus the longest a park can be in flight.
+
+    Raises:
+      ValueError: If ``namespace`` is empty or contains a brace.
+    """
+
+    def __init__(
+        self,
+        client: RedisClient,
+        *,
+        namespace: str = "dramatiq-guard",
+        handoff_ttl_ms: int = 10_000,
+        index_grace_ms: int = 60_000,
+    ) -> None:
+        super().__init__(handoff_ttl_ms=handoff_ttl_ms)
+        if not namespace or "{" in namespace or "}" in namespace:
+            raise ValueError(f"a guard namespace must be non-empty and contain no braces, got {namespace!r}")
+        self.client = client
+        self.namespace = namespace
+        self.index_grace_ms = index_grace_ms
+        self._index = f"{namespace}:waiting"
+        self._limits_index = f"{namespace}:limits"
+        # On a standalone Redis the scripts keep the indexes themselves (see the
+        # module docstring); known on first use (_in_cluster).
+        self._cluster: bool | None = True if isinstance(client, redis.cluster.RedisCluster) else None
+        self._owns_client = False
+        prelude = _load_lua("_prelude")
+        self._scripts: dict[str, Script] = {
+            name: client.register_script(prelude + "\n" + _load_lua(name)) for name in _KEY_SCRIPTS
+        }
+        self._unindex = client.register_script(_load_lua("unindex"))
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> RedisBackend:
+        """Make a backend with its own client, from a ``redis://`` (or ``rediss://``, ``unix://``) URL.
+
+        Parameters:
+          url(str): The Redis URL.
+          **options: The keyword arguments of :class:`RedisBackend`.
+
+        Returns:
+          RedisBackend: A backend whose :meth:`close` closes its client.
+        """
+        backend = cls(redis.Redis.from_url(url), **options)
+        backend._owns_client = True
+        return backend
+
+    # -- keys ---------------------------------------------------------------
+
+    def _in_cluster(self) -> bool:
+        """Whether the server is a Redis Cluster node (asked once: a plain client may talk to one)."""
+        if self._cluster is None:
+            with _reachable():
+                try:
+                    info = self.client.info("cluster")
+                except redis.exceptions.ResponseError:  # INFO disabled: a managed standalone server
+                    info = {}
+            self._cluster = bool(info.get("cluster_enabled"))
+        return self._cluster
+
+    def _keys(self, key: str) -> list[str]:
+        check_key(key)
+        keys = [f"{self.namespace}:{{{key}}}:{suffix}" for suffix in _SUFFIXES]
+        if not self._in_cluster():
+            keys.append(self._index)
+        return keys
+
+    def _wake_prefix(self, key: str) -> str:
+        return f"{self.namespace}:{{{key}}}:wake:"
+
+    @staticmethod
+    def _check_waiter(waiter_id: str) -> None:
+        if "}" in waiter_id:
+            raise ValueError(f"a waiter id must not contain '}}', got {waiter_id!r}")
+
+    def _args(self, key: str, default_limit: int, *args: str | int | bytes) -> list[str | int | bytes]:
+        return [self._wake_prefix(key), self.handoff_ttl_ms, default_limit, *args]
+
+    def _run(
+        self, name: str, key: str, default_limit: int, *args: str | int | bytes, extra_key: str | None = None
+    ) -> Any:
+        keys = self._keys(key)
+        if extra_key is not None and not self._in_cluster():
+            keys.append(extra_key)
+        with _reachable():
+            return self._scripts[name](keys=keys, args=self._args(key, default_limit, *args))
+
+    def _pipelined(
+        self, calls: Sequence[tuple[Script, list[str], list[Any]]], *, zadd_first: str | None = None
+    ) -> list[Any]:
+        """Run several scripts in one pipelined round trip, optionally after a ZADD to the index.
+
+        redis-py's own pipeline script support costs an extra SCRIPT EXISTS
+        round trip per execution (and does nothing for cluster pipelines), so
+        a NOSCRIPT reply is handled here: load the script, re-run only the
+        calls that were refused (they did nothing).
+        """
+        with _reachable():
+            pipe = self.client.pipeline(transaction=False)
+            if zadd_first is not None:
+                pipe.zadd(self._index, {zadd_first: int(time.time() * 1000)})
+            for script, keys, args in calls:
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            results = pipe.execute(raise_on_error=False)
+            if zadd_first is not None:
+                results = results[1:]
+            missing = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
+            if missing:
+                for script in {id(calls[i][0]): calls[i][0] for i in missing}.values():
+                    script.sha = self.client.script_load(script.script)
+                pipe = self.client.pipeline(transaction=False)
+                for i in missing:
+                    script, keys, args = calls[i]
+                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                for i, result in zip(missing, pipe.execute(raise_on_error=False), strict=True):
+                    results[i] = result
+        for result in results:
+            if isinstance(result, Exception):
+                with _reachable():
+                    raise result
+        return list(results)
+
+    def _handoffs(self, key: str, flat: list[Any]) -> tuple[Handoff, ...]:
+        return tuple(
+            Handoff(key, _text(flat[i]), None if flat[i + 1] is None else _data(flat[i + 1]))
+            for i in range(0, len(flat), 2)
+        )
+
+    # -- operations ---------------------------------------------------------
+
+    def acquire(
+        self,
+        key: str,
+        holder: str,
+        *,
+        limit: int,
+        ttl_ms: int,
+        wait: Waiter | None = None,
+        info: str | None = None,
+    ) -> AcquireResult:
+        """Try to become a holder of ``key``; see :meth:`GuardBackend.acquire`.
+
+        When ``wait`` is given, the key is added to the waiting-keys index
+        by the script itself (on a Redis Cluster: in the same pipelined round
+        trip, before the script).
+
+        Raises:
+          BackendUnavailable: If Redis cannot be reached.
+          ValueError: If ``key`` or (with ``wait``) ``holder`` is not allowed.
+        """
+        if wait is None:
+            mode: list[str | int | bytes] = ["", b"", 0, info or ""]
+            reply = self._run("acquire", key, limit, holder, ttl_ms, *mode)
+        else:
+            self._check_waiter(holder)
+            kind = "park" if wait.payload is not None else "block"
+            mode = [kind, b"" if wait.payload is None else wait.payload, wait.wait_ms]
+            mode.append(info or "")
+            if self._in_cluster():
+                script = self._scripts["acquire"]
+                [reply] = self._pipelined(
+                    [(script, self._keys(key), self._args(key, limit, holder, ttl_ms, *mode))],
+                    zadd_first=key,
+                )
+            else:
+                reply = self._run("acquire", key, limit, holder, ttl_ms, *mode)
+        acquired, token, in_force, parked, holders, handoffs = reply
+        return AcquireResult(
+            acquired=bool(acquired),
+            token=None if token is None else int(token),
+            holders=tuple(_text(h) for h in holders),
+            limit=int(in_force),
+            parked=bool(parked),
+            handoffs=self._handoffs(key, handoffs),
+            standby=int(parked) == 2,
+        )
+
+    def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:
+        """Extend ``holder``'s lease; see :meth:`GuardBackend.renew`.
+
+        Raises:
+          BackendUnavailable: If Redis cannot be reached.
+        """
+        return bool(self._run("renew", key, 0, holder, ttl_ms))
+
+    def renew_many(self, leases: Sequence[tuple[str, str, int]]) -> list[bool]:
+        """Renew several leases in one pipelined round trip.
+
+        Raises:
+          BackendUnavailable: If Redis cannot be reached.
+        """
+        if not leases:
+            return []
+        script = self._scripts["renew"]
+        calls = [(script, self._keys(key), self._args(key, 0, holder, ttl)) for key, holder, ttl in leases]
+        return [bool(result) for result in self._pipelined(calls)]
+
+    def release(self, key: str, holder: str, *, limit: int) -> ReleaseResult:
+        """Give up ``holder``'s slot; see :meth:`GuardBackend.release`.
+
+        Raises:
+          BackendUnavailable: If Redis cannot be reached.
+        """
+        released, handoffs = self._run("release", key, limit, holder)
+        return ReleaseResult(bool(released), self._handoffs(key, handoffs))
+
+    def confirm_handoff(self, key: str, waiter_id: str, *, ttl_ms: int) -> bool:
+        """Confirm a handed-off parked message was re-enqueued; see :meth:`GuardBackend.confirm_handoff`.
+
+        Raises:
+          BackendUnavailable: If Redis cannot be reached.
+        """
+        return bool(self._run("confirm_handoff", key, 0, waiter_id, ttl_ms))
+
+    def send_standbys(
+        self, key: str, *, limit: int, count: int
+    ) -> tuple[tuple[Handoff, ...], tuple[Handoff, ...]]:
+        """Send the oldest parked waiters ahead as standbys; see :meth:`GuardBackend.send_standbys`.
+
+        Raises:
+          BackendUnavailable: If Redis cannot be reached.
+        """
+        handoffs, sent = self._run("standby", key, limit, "send", count)
+        return self._handoffs(key, handoffs), self._handoffs(key, sent)
+
+    def confirm_standby(self, key: str, waiter_id: str, payload: bytes, *, ttl_ms: int) -> bool:
+        """Confirm a standby was enqueued; see :meth:`GuardBackend.confirm_standby`.
+
+        Raises:
+          BackendUnavailable: If Redis cannot be reached.
+        """
+        return bool(self._run("standby", key, 0, "confirm", waiter_id, ttl_ms, payload))
+
+    def wait_for_handoff(self, key: str, waiter_id: str, *, timeout_ms: int) -> bool:
+        """Block on the waiter's wake list (BLPOP); see :meth:`GuardBackend.wait_for_handoff`.
+
+        A BLPOP that outlasts the client's ``socket_timeout`` would fail as a
+        timeout of the connection, so the wait is made of BLPOPs that each end
+        safely before it (see :meth:`_blocking_chunk_s`); a push that lands
+        between two of them stays in the list for the next.
+
+        Raises:
+          BackendUnavailable: If Redis cannot be reached.
+        """
+        self._check_waiter(waiter_id)
+        check_key(key)
+        wake = self._wake_prefix(key) + waiter_id
+        chunk_s = self._blocking_chunk_s()
+        give_up = time.monotonic() + timeout_ms / 1000
+        with _reachable():
+            while True:
+                remaining = give_up - time.monotonic()
+                if remaining < 0.001:  # BLPOP's resolution; 0 would block forever
+                    return self.client.lpop(wake) is not None
+                timeout = remaining if chunk_s is None else min(remaining, chunk_s)
+                if self.client.blpop([wake], timeout=timeout) is not None:
+                    return True
+
+    def _blocking_chunk_s(self) -> float | None:
+        """The longest BLPOP the client's ``socket_timeout`` allows, or None (no timeout).
+
+        A second less than the socket timeout, or half of it if that is 2 s
+        or less: room for the round trip on top of the server-side wait.
+        """
+        socket_timeout = self.client.get_connection_kwargs().get("socket_timeout")
+        if socket_timeout is None:
+            return None
+        return max(float(socket_timeout) - 1.0, float(socket_timeout) / 2)
+
+    def cancel_wait(self, key: str, waiter_id: str, *, limit: int) -> ReleaseResult:
+        """Leave the waiters of ``key``; see :meth:`GuardBackend.cancel_wait`.
+
+        Raises:
+          BackendUnavailable: If Redis cannot be reached.
+        """
+        self._check_waiter(waiter_id)
+        released, handoffs = self._run("cancel_wait", key, limit, waiter_id)
+        return ReleaseResult(bool(released), self._handoffs(key, handoffs))
+
+    def sweep(self, key: str, *, limit: int) -> ReleaseResult:
+        """Reclaim lapsed holders and hand free slots on; see :meth:`GuardBackend.sweep`.
+
+        Returns:
+          ReleaseResult: ``released`` tells whether any lapsed holder was reclaimed.
+
+        Raises:
+          BackendUnavailable: If Redis cannot be reached.
+        """
+        reclaimed, handoffs = self._run("sweep", key, limit)
+        return ReleaseResult(bool(reclaimed), self._handoffs(key, handoffs))
+
+    def set_limit(self, key: str, limit: int | None, *, default: int = 1) -> ReleaseResult:
+        """Set or clear the run-time limit; see :meth:`GuardBackend.set_limit`.
+
+        Returns:
+          ReleaseResult: ``released`` is always False (nobody is evicted).
+
+        Raises:
+          BackendUnavailable: If Redis cannot be reached.
+          ValueError: If ``limit`` is negative.
+        """
+        if limit is not None and limit < 0:
+            raise ValueError(f"a limit must be >= 0, got {limit!r}")
+        value = "" if limit is None else limit
+        if not self._in_cluster():
+            _, handoffs = self._run("set_limit", key, default, value, extra_key=self._limits_index)
+            return ReleaseResult(False, self._handoffs(key, handoffs))
+        # A cluster: the index is in another slot. The key is added before its
+        # limit is set and removed after it is cleared, so a limit is never
+        # left unindexed by a failure in between.
+        check_key(key)
+        if limit is not None:
+            with _reachable():
+                self.client.sadd(self._limits_index, key)
+        _, handoffs = self._run("set_limit", key, default, value)
+        if limit is None:
+            with _reachable():
+                self.client.srem(self._limits_index, key)
+        return ReleaseResult(False, self._handoffs(key, handoffs))
+
+    def get_limit(self, key: str) -> int | None:
+        """The run-time limit of ``key``, or None.
+
+        Raises:
+          BackendUnavailable: If Redis cannot be reached.
+        """
+        with _reachable():
+            value = self.client.get(self._keys(key)[_LIMIT])
+        return None if value is None else int(value)
+
+    def inspect(self, key: str) -> KeyState:
+        """A snapshot of ``key``, read atomically by one script (it reclaims nothing).
+
+        Raises:
+          BackendUnavailable: If Redis cannot be reached.
+        """
+        holders, waiters, parked, reserved, limit, token, info = self._run("inspect", key, 0)
+        meta = {_text(info[i]): _text(info[i + 1]).partition("|") for i in range(0, len(info), 2)}
+        return KeyState(
+            holders=tuple((_text(holders[i]), int(float(holders[i + 1]))) for i in range(0, len(holders), 2)),
+            waiters=tuple(
+                (_text(waiters[i]), int(float(waiters[i + 1])) // 1000, bool(parked[i // 2]))
+                for i in range(0, len(waiters), 2)
+            ),
+            reserved=tuple(_text(r) for r in reserved),
+            limit=None if limit is None else int(limit),
+            token=None if token is None else int(token),
+            holder_info=tuple(
+                (holder, int(meta[holder][0]), meta[holder][2] or None)
+                for holder in (_text(h) for h in holders[::2])
+                if holder in meta
+            ),
+        )
+
+    def waiting_keys(self) -> list[str]:
+        """Keys in the waiting-keys index (see the module docstring).
+
+        On a standalone Redis the index is exact: the keys that have a waiter
+        or an unconfirmed reservation. On a Redis Cluster an entry is dropped
+        here when its key has no waiter and no unconfirmed reservation and it
+        was last refreshed more than ``index_grace_ms`` ago; the drop is
+        conditional on the entry not being refreshed meanwhile, so a
+        concurrent park never loses its entry.
+
+        Raises:
+          BackendUnavailable: If Redis cannot be reached.
+        """
+        with _reachable():
+            if not self._in_cluster():
+                return [_text(k) for k in cast("list[bytes | str]", self.client.zrange(self._index, 0, -1))]
+            raw = cast(
+                "list[tuple[bytes | str, float]]", self.client.zrange(self._index, 0, -1, withscores=True)
+            )
+            entries = [(_text(k), score) for k, score in raw]
+            cutoff = int(time.time() * 1000) - self.index_grace_ms
+            stale = [k for k, score in entries if score <= cutoff]
+            if not stale:
+                return [k for k, _ in entries]
+            pipe = self.client.pipeline(transaction=False)
+            for k in stale:
+                keys = self._keys(k)
+                pipe.zcard(keys[1])
+                pipe.hlen(keys[3])
+            counts = pipe.execute()
+            empty = [k for i, k in enumerate(stale) if counts[2 * i] == 0 and counts[2 * i + 1] == 0]
+        dropped = self._pipelined([(self._unindex, [self._index], [k, cutoff]) for k in empty])
+        gone = {k for k, result in zip(empty, dropped, strict=True) if result}
+        return [k for k, _ in entries if k not in gone]
+
+    def limit_keys(self) -> list[str]:
+        """Keys that have a run-time limit, from the limits index kept by :meth:`set_limit`.
+
+        Raises:
+          BackendUnavailable: If Redis cannot be reached.
+        """
+        with _reachable():
+            return sorted(_text(k) for k in self.client.smembers(self._limits_index))
+
+    def close(self) -> None:
+        """Close the client if this backend made it (:meth:`from_url`)."""
+        if self._owns_client:
+            self.client.close()

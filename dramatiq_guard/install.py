@@ -1,0 +1,108 @@
+"""``install()``: every guard middleware on a broker, in the right place, in one call."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from dramatiq import Broker, Middleware
+from dramatiq.middleware import Retries
+
+from dramatiq_guard.errors import ConfigurationError
+from dramatiq_guard.gate import gate_for
+from dramatiq_guard.resolve import resolve_backend
+
+#: The guard middlewares, in broker order. At execution time the slots
+#: middlewares go first (a message they park must not count as started for
+#: deduplication), then deduplication, then the ledger, which wraps the
+#: actor's own work. Enqueue-time order is set separately by each
+#: middleware's ``gate_priority`` (deduplication before parking).
+MIDDLEWARE: tuple[str, ...] = (
+    "dramatiq_guard.middleware.slots:Mutex",
+    "dramatiq_guard.middleware.slots:Concurrency",
+    "dramatiq_guard.middleware.dedup:Deduplication",
+    "dramatiq_guard.middleware.idempotency:Idempotency",
+)
+
+
+def _load(path: str) -> type[Middleware]:
+    module, _, name = path.partition(":")
+    cls: type[Middleware] = getattr(importlib.import_module(module), name)
+    return cls
+
+
+def _keywords(cls: type[Middleware]) -> set[str]:
+    """The keyword arguments ``cls`` takes, following ``**kwargs`` up to the base classes."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        names |= {
+            p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"
+        }
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names
+
+
+def install(broker: Broker, *, redis: Any = None, ledger: Any = None, **settings: Any) -> list[Middleware]:
+    """Add every guard middleware to ``broker`` and return them, in broker order.
+
+    Call it before importing the modules that declare guarded actors:
+    Dramatiq rejects actor options no middleware has declared.
+
+    The middlewares go just before Dramatiq's Retries middleware (so they see
+    its decision when a message fails), or at the end if the broker has none.
+    Calling it again on the same broker adds nothing and returns the guard
+    middlewares already there.
+
+    Parameters:
+      broker(Broker): The broker.
+      redis: Where the guard keeps its state: a redis-py client (Redis,
+        RedisCluster, or one made by Sentinel), a URL, a GuardBackend, or
+        None: the RedisBroker's own client; an in-memory backend for a
+        StubBroker; for any other broker the ``DRAMATIQ_GUARD_REDIS_URL``
+        environment variable, else a ConfigurationError.
+      ledger: The idempotency ledger's database: an SQLAlchemy Engine, a
+        URL, or None: ``DRAMATIQ_GUARD_LEDGER_URL``, else a SQLite file.
+      **settings: Passed to each middleware that takes a keyword of that
+        name.
+
+    Raises:
+      ConfigurationError: If no backend can be found, or a setting is taken
+        by no middleware (the error lists the settings that exist).
+    """
+    classes = [_load(path) for path in MIDDLEWARE]
+    existing = [m for m in broker.middleware if type(m) in classes]
+    if existing:
+        return existing
+
+    accepted = {cls: _keywords(cls) for cls in classes}
+    known = set().union(*accepted.values()) - {"redis", "ledger"}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ConfigurationError(
+            f"dramatiq_guard.install() got unknown setting(s) {', '.join(unknown)}; "
+            f"the settings are: {', '.join(sorted(known)) or 'none'}"
+        )
+
+    backend = resolve_backend(broker, redis)
+    retries = next((m for m in broker.middleware if isinstance(m, Retries)), None)
+    installed: list[Middleware] = []
+    for cls in classes:
+        kwargs = {name: value for name, value in settings.items() if name in accepted[cls]}
+        if "redis" in accepted[cls]:
+            kwargs["redis"] = backend
+        if "ledger" in accepted[cls]:
+            kwargs["ledger"] = ledger
+        middleware = cls(**kwargs)
+        broker.add_middleware(middleware, before=Retries if retries is not None else None)
+        attach = getattr(middleware, "attach", None)
+        if attach is not None:
+            attach(broker)
+        installed.append(middleware)
+    gate_for(broker)
+    return installed

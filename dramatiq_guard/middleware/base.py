@@ -1,0 +1,135 @@
+"""What every guard middleware shares: its option, its backend, its per-message state.
+
+A guard middleware:
+
+* owns one actor option (``policy_class.option``) and parses it at
+  ``@dramatiq.actor`` time, in ``before_declare_actor``, through
+  :func:`dramatiq_guard.policies.parse_policy` (a bad value fails the
+  declaration with a :class:`ValueError`);
+* is constructible with no arguments (django_dramatiq lists middleware by
+  dotted path) and resolves its backend lazily from the broker it is attached
+  to (:mod:`dramatiq_guard.resolve`);
+* joins the broker's enqueue gate (:mod:`dramatiq_guard.gate`) if it defines
+  ``before_push``;
+* keeps per-execution state on the message proxy (:func:`execution_state`),
+  never in ``message.options``, which Retries re-enqueues as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, ClassVar, Generic, TypeVar, cast
+
+import dramatiq
+from dramatiq import Broker, Message
+from dramatiq.broker import MessageProxy
+
+from dramatiq_guard.backends.base import GuardBackend
+from dramatiq_guard.gate import gate_for
+from dramatiq_guard.keys import KeyResolver
+from dramatiq_guard.policies import Policy, option_error, parse_policy
+from dramatiq_guard.resolve import resolve_backend
+
+P = TypeVar("P", bound=Policy)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorGuard(Generic[P]):
+    """A guarded actor's parsed policy and its key resolver."""
+
+    actor_name: str
+    policy: P
+    resolve_key: KeyResolver
+
+    def key_of(self, message: Message[Any] | MessageProxy) -> str:
+        """The guard key of a message of this actor (before the capability prefix)."""
+        return self.resolve_key(message.args, message.kwargs)
+
+
+@dataclasses.dataclass
+class ExecutionState:
+    """What the guards know about one execution of one message (one pickup).
+
+    Attributes:
+      parked(bool): A guard parked the message instead of running it; the
+        skip that follows is not a terminal event of the message.
+      data(dict): Per-capability state, keyed by the capability's option name.
+    """
+
+    parked: bool = False
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+#: The attribute of a MessageProxy that holds its ExecutionState. (A proxy
+#: defines ``__eq__`` without ``__hash__``, so it cannot key a dict.)
+_STATE_ATTRIBUTE = "_dramatiq_guard_state"
+_states_lock = threading.Lock()
+
+
+def execution_state(message: MessageProxy) -> ExecutionState:
+    """The state of this execution of ``message``, shared by all guard middlewares."""
+    with _states_lock:
+        state = vars(message).get(_STATE_ATTRIBUTE)
+        if not isinstance(state, ExecutionState):
+            state = ExecutionState()
+            object.__setattr__(message, _STATE_ATTRIBUTE, state)
+        return state
+
+
+class GuardMiddleware(dramatiq.Middleware, Generic[P]):
+    """Base class of the guard middlewares.
+
+    Parameters:
+      redis: The backend: a :class:`~dramatiq_guard.backends.GuardBackend`,
+        a redis-py client, a URL, or None to resolve it from the broker
+        (see :mod:`dramatiq_guard.resolve`).
+    """
+
+    #: The policy class; its ``option`` is the actor option this middleware owns.
+    policy_class: ClassVar[type[Policy]]
+
+    def __init__(self, *, redis: Any = None) -> None:
+        self._redis = redis
+        self._backend: GuardBackend | None = None
+        self._backend_lock = threading.Lock()
+        self.guarded: dict[str, ActorGuard[P]] = {}
+
+    @property
+    def option(self) -> str:
+        """The actor option this middleware owns."""
+        return self.policy_class.option
+
+    @property
+    def actor_options(self) -> set[str]:
+        return {self.option}
+
+    def backend(self, broker: Broker) -> GuardBackend:
+        """The guard backend, resolved on first use."""
+        if self._backend is None:
+            with self._backend_lock:
+                if self._backend is None:
+                    self._backend = resolve_backend(broker, self._redis)
+        return self._backend
+
+    def attach(self, broker: Broker) -> None:
+        """Join ``broker``'s enqueue gate if this middleware takes part in enqueues."""
+        if hasattr(self, "before_push"):
+            gate_for(broker).add(self)  # type: ignore[arg-type]
+
+    def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
+        value = actor.options.get(self.option)
+        if value is None or value is False:
+            self.guarded.pop(actor.actor_name, None)
+            return
+        policy = cast(P, parse_policy(self.policy_class, value, actor_name=actor.actor_name))
+        try:
+            resolver = KeyResolver(actor.actor_name, actor.fn, policy.key)
+        except ValueError as e:
+            raise option_error(actor.actor_name, self.option, value, str(e)) from None
+        self.guarded[actor.actor_name] = ActorGuard(actor.actor_name, policy, resolver)
+        self.attach(broker)
+
+    def guard_of(self, message: Message[Any] | MessageProxy) -> ActorGuard[P] | None:
+        """The guard of ``message``'s actor, or None if it is not guarded by this middleware."""
+        return self.guarded.get(message.actor_name)

@@ -1,0 +1,340 @@
+"""Actor options and the frozen policies they turn into.
+
+This module is the one place that turns what a user writes in an actor
+option (a shorthand, a plain dict or a policy object) into a frozen policy,
+and the one place that words the error when it cannot. Every error names the
+actor, the option, the value and the allowed forms, and is raised at
+``@dramatiq.actor`` time as a :class:`~dramatiq_guard.errors.GuardOptionError`
+(a :class:`ValueError`).
+
+Durations follow Dramatiq: integer milliseconds, or a :class:`datetime.timedelta`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal, TypeVar, cast, get_args
+
+from dramatiq_guard.errors import GuardOptionError
+from dramatiq_guard.keys import KeySpec
+
+Duration = int | datetime.timedelta
+DedupStrategy = Literal["until_executing", "until_executed", "until_expired"]
+OnDuplicate = Literal["drop", "raise", "reschedule_once"]
+OnBusy = Literal["drop", "wait", "park"]
+
+
+def duration_ms(value: object, *, what: str, allow_none: bool = False) -> int | None:
+    """Normalise a duration to integer milliseconds.
+
+    Parameters:
+      value: An ``int`` of milliseconds (not a bool), a ``timedelta``, or None
+        when ``allow_none``.
+      what(str): The field's name, for the error.
+
+    Raises:
+      ValueError: If ``value`` is not a non-negative duration.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, datetime.timedelta):
+        ms = value // datetime.timedelta(milliseconds=1)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        ms = value
+    else:
+        raise ValueError(
+            f"{what} must be integer milliseconds or a datetime.timedelta"
+            f"{' or None' if allow_none else ''}, not {value!r}"
+        )
+    if ms < 0:
+        raise ValueError(f"{what} must not be negative, not {value!r}")
+    return ms
+
+
+def key_spec(value: object) -> KeySpec:
+    """Validate a ``key`` field: a callable, a list of argument names, or None.
+
+    Raises:
+      ValueError: If ``value`` is none of those.
+    """
+    if value is None or callable(value):
+        return cast(KeySpec, value)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(name, str) for name in value):
+        return tuple(value)
+    raise ValueError(
+        f"key must be a callable of the actor's arguments returning a str, "
+        f"a non-empty list of argument names, or None (all arguments), not {value!r}"
+    )
+
+
+def _choice(value: object, choices: tuple[str, ...], *, what: str) -> str:
+    if value not in choices:
+        raise ValueError(f"{what} must be one of {', '.join(map(repr, choices))}, not {value!r}")
+    return str(value)
+
+
+def _flag(value: object, *, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{what} must be True or False, not {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class DedupPolicy:
+    """Enqueue-time deduplication (the ``dedup`` actor option).
+
+    Parameters:
+      strategy: When the lock is released: ``"until_executing"`` (when the
+        holder starts), ``"until_executed"`` (when it finishes for good) or
+        ``"until_expired"`` (after ``ttl``, whatever happens).
+      key: What makes two messages duplicates (see :mod:`dramatiq_guard.keys`).
+      ttl: The most a lock lives, in ms or a timedelta. Default: one hour.
+      on_duplicate: ``"drop"`` (``send()`` returns normally), ``"raise"`` or
+        ``"reschedule_once"`` (only with ``strategy="until_executed"``).
+      including_scheduled: Whether delayed messages are deduplicated too.
+      fail_open: Enqueue unguarded when the backend is unreachable (default:
+        fail closed, ``send()`` raises).
+    """
+
+    option: ClassVar[str] = "dedup"
+    shorthands: ClassVar[tuple[str, ...]] = get_args(DedupStrategy)
+
+    strategy: DedupStrategy
+    key: KeySpec = None
+    ttl: Duration = 3_600_000
+    on_duplicate: OnDuplicate = "drop"
+    including_scheduled: bool = False
+    fail_open: bool = False
+
+    def __post_init__(self) -> None:
+        _choice(self.strategy, get_args(DedupStrategy), what="strategy")
+        _set(self, "key", key_spec(self.key))
+        _set(self, "ttl", duration_ms(self.ttl, what="ttl"))
+        if self.ttl_ms == 0:
+            raise ValueError("ttl must be positive")
+        _choice(self.on_duplicate, get_args(OnDuplicate), what="on_duplicate")
+        if self.on_duplicate == "reschedule_once" and self.strategy != "until_executed":
+            raise ValueError(
+                "on_duplicate 'reschedule_once' needs strategy 'until_executed' (with 'until_executing' "
+                "a send while the holder runs is enqueued anyway; 'until_expired' has no finish to run after)"
+            )
+        _flag(self.including_scheduled, what="including_scheduled")
+        _flag(self.fail_open, what="fail_open")
+
+    @property
+    def ttl_ms(self) -> int:
+        """``ttl`` in milliseconds."""
+        return cast(int, self.ttl)
+
+    @classmethod
+    def from_shorthand(cls, value: object) -> DedupPolicy:
+        """``"until_executed"`` and the like."""
+        return cls(strategy=cast(DedupStrategy, value))
+
+
+@dataclasses.dataclass(frozen=True)
+class MutexPolicy:
+    """Execution-time mutual exclusion (the ``mutex`` actor option).
+
+    Parameters:
+      key: Which messages exclude each other (default: the actor's messages
+        with the same arguments; see :mod:`dramatiq_guard.keys`).
+      ttl: The most a holder keeps the lock, renewals included (None: as long
+        as it runs).
+      on_busy: ``"drop"`` (default, non-blocking), ``"wait"`` (block the worker
+        thread up to ``wait``) or ``"park"`` (wait in the lockwait area).
+      wait: How long ``on_busy="wait"`` blocks. Default: one minute.
+      fail_open: Run unguarded when the backend is unreachable.
+    """
+
+    option: ClassVar[str] = "mutex"
+    shorthands: ClassVar[tuple[Any, ...]] = (True,)
+
+    key: KeySpec = None
+    ttl: Duration | None = None
+    on_busy: OnBusy = "drop"
+    wait: Duration = 60_000
+    fail_open: bool = False
+
+    def __post_init__(self) -> None:
+        _set(self, "key", key_spec(self.key))
+        _set(self, "ttl", duration_ms(self.ttl, what="ttl", allow_none=True))
+        _choice(self.on_busy, get_args(OnBusy), what="on_busy")
+        _set(self, "wait", duration_ms(self.wait, what="wait"))
+        _flag(self.fail_open, what="fail_open")
+
+    @property
+    def ttl_ms(self) -> int | None:
+        """``ttl`` in milliseconds, or None."""
+        return cast("int | None", self.ttl)
+
+    @property
+    def wait_ms(self) -> int:
+        """``wait`` in milliseconds."""
+        return cast(int, self.wait)
+
+    @classmethod
+    def from_shorthand(cls, value: object) -> MutexPolicy:
+        """``True``."""
+        return cls()
+
+
+@dataclasses.dataclass(frozen=True)
+class ConcurrencyPolicy:
+    """Per-key concurrency slots (the ``concurrency`` actor option).
+
+    Parameters:
+      limit: At most this many messages per key execute at once (0 halts the
+        key). A run-time limit set in the backend overrides it.
+      key: Which messages share the limit (see :mod:`dramatiq_guard.keys`).
+      ttl: The most a holder keeps its slot, renewals included (None: as
+        long as it runs).
+      fail_open: Run unguarded when the backend is unreachable.
+    """
+
+    option: ClassVar[str] = "concurrency"
+    shorthands: ClassVar[tuple[Any, ...]] = ()
+
+    limit: int
+    key: KeySpec = None
+    ttl: Duration | None = None
+    fail_open: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.limit, int) or isinstance(self.limit, bool) or self.limit < 0:
+            raise ValueError(f"limit must be a non-negative int, not {self.limit!r}")
+        _set(self, "key", key_spec(self.key))
+        _set(self, "ttl", duration_ms(self.ttl, what="ttl", allow_none=True))
+        _flag(self.fail_open, what="fail_open")
+
+    @property
+    def ttl_ms(self) -> int | None:
+        """``ttl`` in milliseconds, or None."""
+        return cast("int | None", self.ttl)
+
+    @classmethod
+    def from_shorthand(cls, value: object) -> ConcurrencyPolicy:
+        """An int limit."""
+        return cls(limit=cast(int, value))
+
+
+@dataclasses.dataclass(frozen=True)
+class IdempotencyPolicy:
+    """The idempotency ledger (the ``idempotency_key`` actor option).
+
+    Parameters:
+      key: A callable of the actor's arguments returning the idempotency key
+        (a str), a list of argument names, or None (the ``True`` shorthand):
+        no key from the arguments, so each message is its own key (its
+        ``idempotency_key`` message option if it carries one, else its
+        ``message_id``, which guards against redelivery and retries of that
+        message). Required: a dict must name it.
+      retention: How long completed rows are kept before pruning (None: the
+        ledger's default).
+    """
+
+    option: ClassVar[str] = "idempotency_key"
+    shorthands: ClassVar[tuple[Any, ...]] = (True,)
+
+    key: KeySpec
+    retention: Duration | None = None
+
+    def __post_init__(self) -> None:
+        _set(self, "key", key_spec(self.key))
+        _set(self, "retention", duration_ms(self.retention, what="retention", allow_none=True))
+
+    @property
+    def retention_ms(self) -> int | None:
+        """``retention`` in milliseconds, or None."""
+        return cast("int | None", self.retention)
+
+    @classmethod
+    def from_shorthand(cls, value: object) -> IdempotencyPolicy:
+        """A callable, a list of argument names, or ``True``."""
+        return cls(key=None if value is True else cast(KeySpec, value))
+
+
+Policy = DedupPolicy | MutexPolicy | ConcurrencyPolicy | IdempotencyPolicy
+P = TypeVar("P", bound=Policy)
+
+#: How each option's forms read in an error message.
+_ALLOWED: Mapping[str, str] = {
+    "dedup": (
+        '"until_executing", "until_executed" or "until_expired"; a dict with keys strategy, key, ttl, '
+        "on_duplicate, including_scheduled, fail_open; or a dramatiq_guard.DedupPolicy"
+    ),
+    "mutex": ("True; a dict with keys key, ttl, on_busy, wait, fail_open; or a dramatiq_guard.MutexPolicy"),
+    "concurrency": (
+        "an int limit; a dict with keys limit, key, ttl, fail_open; or a dramatiq_guard.ConcurrencyPolicy"
+    ),
+    "idempotency_key": (
+        "a callable of the actor's arguments returning a str; a list of argument names; "
+        "True (each message is its own key: its idempotency_key option, else its message_id); "
+        "a dict with keys key, retention; or a dramatiq_guard.IdempotencyPolicy"
+    ),
+}
+
+
+def _is_shorthand(cls: type[Any], value: object) -> bool:
+    if cls is ConcurrencyPolicy:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if cls is IdempotencyPolicy:
+        return value is True or callable(value) or isinstance(value, (list, tuple))
+    return any(value is s or (isinstance(s, str) and value == s) for s in cls.shorthands)
+
+
+def parse_policy(cls: type[P], value: object, *, actor_name: str) -> P:
+    """Turn an actor option's value into a frozen policy of type ``cls``.
+
+    Parameters:
+      cls: The policy class (its ``option`` names the actor option).
+      value: What the user wrote: a shorthand, a dict, or a ``cls`` instance.
+      actor_name(str): The actor's name, for the error.
+
+    Raises:
+      GuardOptionError: Naming the actor, the option, the value and the
+        allowed forms.
+    """
+    try:
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            fields = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - fields, key=str)
+            if unknown:
+                raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))}")
+            return cls(**value)
+        if _is_shorthand(cls, value):
+            return cast(P, cls.from_shorthand(value))
+        raise ValueError("not one of the allowed forms")
+    except (TypeError, ValueError) as e:
+        raise option_error(actor_name, cls.option, value, str(e)) from None
+
+
+def option_error(actor_name: str, option: str, value: object, reason: str) -> GuardOptionError:
+    """The error for a bad option value: names actor, option, value, reason and allowed forms."""
+    return GuardOptionError(
+        f"actor {actor_name!r}: {option}={value!r} is not valid: {reason}. "
+        f"{option} takes {_ALLOWED.get(option, 'see the documentation')}."
+    )
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    """Normalise a field of a frozen dataclass in ``__post_init__``."""
+    object.__setattr__(obj, name, value)
+
+
+__all__ = [
+    "ConcurrencyPolicy",
+    "DedupPolicy",
+    "Duration",
+    "IdempotencyPolicy",
+    "MutexPolicy",
+    "Policy",
+    "duration_ms",
+    "key_spec",
+    "option_error",
+    "parse_policy",
+]

@@ -1,0 +1,61 @@
+"""Test helpers for dramatiq-guard: real services, real workers, waiting by events.
+
+``tests/`` is on ``sys.path`` (``tests/conftest.py`` puts it there, and the
+``dramatiq_worker`` fixture puts it on the workers' ``PYTHONPATH``), so both
+tests and actor modules import this package as ``harness``::
+
+    from harness import Recorder, Gate, broker_from_env, wait_until
+
+Nothing here imports pytest: the bench (``bench/``) uses it too. The pytest
+fixtures live in ``tests/conftest.py``.
+"""
+
+from .env import (
+    BROKER_URL_ENV,
+    GUARD_REDIS_URL_ENV,
+    MARIADB_URL_ENV,
+    POSTGRES_URL_ENV,
+    RABBITMQ_URL_ENV,
+    REDIS_URL_ENV,
+    broker_from_env,
+    broker_url_from_env,
+    in_ci,
+    redis_client_from_env,
+    redis_url_from_env,
+)
+from .recorder import Gate, Recorder
+from .redis_server import RedisServer, free_port
+from .waiting import (
+    WaitTimeout,
+    redis_broker_dead,
+    redis_broker_pending,
+    wait_for_redis_broker_drain,
+    wait_until,
+)
+from .worker import DramatiqWorker, WorkerFailed, pid_alive
+
+__all__ = [
+    "BROKER_URL_ENV",
+    "GUARD_REDIS_URL_ENV",
+    "MARIADB_URL_ENV",
+    "POSTGRES_URL_ENV",
+    "RABBITMQ_URL_ENV",
+    "REDIS_URL_ENV",
+    "DramatiqWorker",
+    "Gate",
+    "Recorder",
+    "RedisServer",
+    "WaitTimeout",
+    "WorkerFailed",
+    "broker_from_env",
+    "broker_url_from_env",
+    "free_port",
+    "in_ci",
+    "pid_alive",
+    "redis_broker_dead",
+    "redis_broker_pending",
+    "redis_client_from_env",
+    "redis_url_from_env",
+    "wait_for_redis_broker_drain",
+    "wait_until",
+]

@@ -1,0 +1,1129 @@
+"""The guard backend contract (``dramatiq_guard/backends/base.py``), held against both backends.
+
+Every test named ``test_*`` that takes ``env`` runs on the in-memory backend and on Redis (a
+private server from pytest-redis, through the ``redisdb`` fixture of ``conftest.py``). A few
+need several OS processes sharing one backend, so they run on Redis only.
+
+Waits that wait on *time itself* (a lease or reservation lapsing) poll the backend's own clock
+with a bounded deadline; everything else waits on an event.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
+from redis.retry import Retry
+
+from dramatiq_guard.backends import (
+    GuardBackend,
+    Handoff,
+    KeyState,
+    MemoryBackend,
+    RedisBackend,
+    ReleaseResult,
+    Waiter,
+)
+from dramatiq_guard.backends.redis import RedisClient
+from dramatiq_guard.errors import BackendUnavailable
+from dramatiq_guard.renewer import LeaseHandle, LeaseRenewer, get_renewer
+
+TESTS_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS_DIR))
+
+from backend_procs import contend  # noqa: E402
+from harness import free_port  # noqa: E402
+
+KEY = "slots:webhooks:42"
+#: How long a bounded wait on time may take beyond what it waits for.
+MARGIN_S = 10.0
+
+
+class Env:
+    """The backend under test, how to make more clients of it, and its clock.
+
+    ``kind``: "memory", "redis" (the session's server) or "cluster" (a one-node Redis Cluster,
+    which refuses any command or script whose keys are not all in one slot).
+    """
+
+    def __init__(self, kind: str, client: RedisClient | None, url: str | None, namespace: str) -> None:
+        self.kind = kind
+        self.client = client
+        self.url = url
+        self.namespace = namespace
+        self._made: list[GuardBackend] = []
+        self._clients: list[RedisClient] = []
+
+    def backend(
+        self,
+        *,
+        handoff_ttl_ms: int = 10_000,
+        decode: bool = False,
+        index_grace_ms: int = 0,
+        socket_timeout: float | None = 5.0,
+    ) -> GuardBackend:
+        """A new backend (a new client, for Redis) with these settings."""
+        made: GuardBackend
+        if self.kind == "memory":
+            made = MemoryBackend(handoff_ttl_ms=handoff_ttl_ms)
+        else:
+            assert self.url is not None
+            client: RedisClient
+            if self.kind == "cluster":
+                client = RedisCluster.from_url(
+                    self.url, decode_responses=decode, socket_timeout=socket_timeout
+                )
+            else:
+                client = redis.Redis.from_url(
+                    self.url, decode_responses=decode, socket_timeout=socket_timeout
+                )
+            made = RedisBackend(
+                client,
+                namespace=self.namespace,
+                handoff_ttl_ms=handoff_ttl_ms,
+                index_grace_ms=index_grace_ms,
+            )
+            self._clients.append(client)
+        self._made.append(made)
+        return made
+
+    def another_client(self, backend: GuardBackend) -> GuardBackend:
+        """A second client of the same store (the same object for the in-memory backend)."""
+        if self.kind == "memory":
+            return backend
+        return self.backend(handoff_ttl_ms=backend.handoff_ttl_ms)
+
+    def stored(self, pattern: str = "*") -> set[str]:
+        """The names of the Redis keys under the namespace (in tests only: KEYS scans)."""
+        assert self.client is not None
+        return {k.decode() if isinstance(k, bytes) else k for k in self.client.keys(self.namespace + pattern)}
+
+    def now_ms(self) -> int:
+        """The backend's clock."""
+        if self.client is None:
+            return time.time_ns() // 1_000_000
+        seconds, micros = self.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    def wait_past(self, deadline_ms: int) -> None:
+        """Wait until the backend's clock is past ``deadline_ms`` (a wait on time itself)."""
+        give_up = time.monotonic() + (deadline_ms - self.now_ms()) / 1000 + MARGIN_S
+        while self.now_ms() <= deadline_ms:
+            assert time.monotonic() < give_up, "the backend's clock did not reach the deadline"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        for backend in self._made:
+            backend.close()
+        for client in self._clients:
+            client.close()
+
+
+def _start_cluster_node(directory: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """Start a one-node Redis Cluster owning every slot; returns the server and its port."""
+    log = directory / "redis.log"
+    # Both ports explicit: the default bus port (port + 10000) may be taken or out of range.
+    port, bus_port = free_port(), free_port()
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--cluster-port", str(bus_port), "--bind", "127.0.0.1",
+         "--save", "", "--appendonly", "no", "--cluster-enabled", "yes",
+         "--cluster-config-file", str(directory / f"nodes-{port}.conf"), "--dir", str(directory),
+         "--loglevel", "warning", "--logfile", str(log)],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    client = redis.Redis(port=port, socket_connect_timeout=1)
+    give_up = time.monotonic() + MARGIN_S
+    try:
+        while True:  # neither start-up nor the cluster state has an event to wait on
+            try:
+                if int(client.cluster("info").get("cluster_slots_assigned", 0)) == 0:
+                    client.cluster("addslotsrange", 0, 16383)
+                if client.cluster("info").get("cluster_state") == "ok":
+                    return server, port
+            except redis.ConnectionError:
+                pass
+            if server.poll() is not None or time.monotonic() > give_up:
+                server.kill()
+                server.wait()
+                raise RuntimeError(f"the Redis Cluster node did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A one-node Redis Cluster for the whole session (a taken port is retried on others)."""
+    directory = tmp_path_factory.mktemp("redis-cluster")
+    for attempt in range(3):
+        try:
+            server, port = _start_cluster_node(directory)
+            break
+        except RuntimeError:
+            if attempt == 2:
+                raise
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _env(request: pytest.FixtureRequest, kind: str, namespace: str) -> Env:
+    if kind == "memory":
+        return Env("memory", None, None, namespace)
+    if kind == "cluster":
+        url = request.getfixturevalue("redis_cluster_url")
+        client = RedisCluster.from_url(url)
+        client.flushall()
+        made = Env("cluster", client, url, namespace)
+        made._clients.append(client)
+        return made
+    client = request.getfixturevalue("redisdb")
+    return Env("redis", client, request.getfixturevalue("redis_server_url"), namespace)
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
+def env(request: pytest.FixtureRequest, unique_name: str) -> Iterator[Env]:
+    made = _env(request, request.param, unique_name)
+    yield made
+    made.close()
+
+
+@pytest.fixture(
+    params=[("memory", False), ("redis", False), ("redis", True)],
+    ids=["memory-in_this_process", "redis-in_this_process", "redis-killed_process"],
+)
+def crash_env(request: pytest.FixtureRequest, unique_name: str) -> Iterator[tuple[Env, bool]]:
+    """An env, and whether the step that dies runs in a helper process that is SIGKILLed.
+
+    The in-memory backend lives in one process: there, the caller "dies" by not taking the
+    next step, which is all the backend can see of a death anyway.
+    """
+    kind, in_a_process = request.param
+    made = _env(request, kind, unique_name)
+    yield made, in_a_process
+    made.close()
+
+
+@pytest.fixture
+def redis_env(redisdb: redis.Redis, redis_server_url: str, unique_name: str) -> Iterator[Env]:
+    made = Env("redis", redisdb, redis_server_url, unique_name)
+    yield made
+    made.close()
+
+
+def deadline_of(backend: GuardBackend, key: str, holder: str) -> int:
+    return dict(backend.inspect(key).holders)[holder]
+
+
+def waiter_ids(state: KeyState) -> list[str]:
+    return [waiter for waiter, _, _ in state.waiters]
+
+
+def park(backend: GuardBackend, waiter: str, *, limit: int = 1, key: str = KEY) -> None:
+    result = backend.acquire(
+        key, waiter, limit=limit, ttl_ms=60_000, wait=Waiter(payload=f"msg:{waiter}".encode())
+    )
+    assert not result.acquired and result.parked
+
+
+def assert_drained(env: Env, backend: GuardBackend, *, key: str = KEY, limit: int | None = None) -> None:
+    """Nothing of ``key`` is left but its run-time limit (and its entry in the limits index)."""
+    assert backend.inspect(key) == KeyState((), (), (), limit, None)
+    assert key not in backend.waiting_keys()
+    assert (key in backend.limit_keys()) is (limit is not None)
+    if env.client is not None:
+        limited = {f"{env.namespace}:{{{key}}}:limit", f"{env.namespace}:limits"}
+        assert env.stored() == (limited if limit is not None else set())
+
+
+# --- Processes (Redis) ------------------------------------------------------------------------
+
+
+class Proc:
+    """A helper process of ``backend_procs.py``, read line by line, killed at the end."""
+
+    def __init__(self, env: Env, mode: str, *args: object, handoff_ttl_ms: int = 10_000) -> None:
+        assert env.url is not None
+        pythonpath = os.pathsep.join(
+            [str(TESTS_DIR), str(TESTS_DIR.parent), os.environ.get("PYTHONPATH", "")]
+        )
+        self.popen = subprocess.Popen(
+            [
+                sys.executable,
+                str(TESTS_DIR / "backend_procs.py"),
+                mode,
+                env.url,
+                env.namespace,
+                str(handoff_ttl_ms),
+                *map(str, args),
+            ],
+            stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": pythonpath},
+            text=True,
+        )
+
+    def read(self) -> dict[str, Any]:
+        assert self.popen.stdout is not None
+        line = self.popen.stdout.readline()
+        assert line, f"the helper process ended (exit code {self.popen.wait()})"
+        result: dict[str, Any] = json.loads(line)
+        return result
+
+    def kill(self) -> None:
+        self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait()
+
+    def finish(self) -> int:
+        return self.popen.wait(timeout=60)
+
+
+@pytest.fixture
+def procs() -> Iterator[Callable[..., Proc]]:
+    started: list[Proc] = []
+
+    def start(env: Env, mode: str, *args: object, handoff_ttl_ms: int = 10_000) -> Proc:
+        proc = Proc(env, mode, *args, handoff_ttl_ms=handoff_ttl_ms)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.popen.poll() is None:
+            proc.kill()
+        if proc.popen.stdout is not None:
+            proc.popen.stdout.close()
+
+
+# --- At most `limit` holders ------------------------------------------------------------------
+
+
+def test_at_most_limit_holders_while_16_threads_contend(env: Env, procs: Callable[..., Proc]) -> None:
+    backend = env.backend()
+    limit, rounds = 3, 12
+    if env.kind == "memory":
+        inside = 0
+        lock = threading.Lock()
+
+        def enter(token: int) -> int:
+            nonlocal inside
+            with lock:
+                inside += 1
+                return inside
+
+        def leave() -> None:
+            nonlocal inside
+            with lock:
+                inside -= 1
+
+        results = [contend(backend, KEY, limit=limit, threads=16, rounds=rounds, enter=enter, leave=leave)]
+    else:
+        # 2 processes x 8 threads; holders INCR/DECR a counter in Redis when they enter/leave.
+        started = [procs(env, "contend", KEY, limit, 8, rounds) for _ in range(2)]
+        results = [proc.read() for proc in started]
+        assert [proc.finish() for proc in started] == [0, 0]
+    assert sum(r["count"] for r in results) == 16 * rounds
+    assert max(r["max"] for r in results) == limit  # never more, and contention did happen
+    tokens = [token for r in results for token in r["tokens"]]
+    assert len(set(tokens)) == len(tokens)
+    assert_drained(env, backend)
+
+
+def test_fencing_tokens_grow_across_processes(redis_env: Env, procs: Callable[..., Proc]) -> None:
+    # A mutex taken in turn by 2 processes x 4 threads; each holder logs its token while it
+    # holds the mutex, so the log is in acquisition order. The key falls idle and is recreated
+    # many times on the way.
+    started = [procs(redis_env, "contend", KEY, 1, 4, 10) for _ in range(2)]
+    results = [proc.read() for proc in started]
+    assert [proc.finish() for proc in started] == [0, 0]
+    assert [r["max"] for r in results] == [1, 1]
+    assert redis_env.client is not None
+    tokens = [int(t) for t in redis_env.client.lrange(f"test:{{{KEY}}}:tokens", 0, -1)]
+    assert len(tokens) == 80
+    assert all(earlier < later for earlier, later in itertools.pairwise(tokens))
+    backend = redis_env.backend()
+    later = backend.acquire(KEY, "later", limit=1, ttl_ms=1000)
+    assert later.token is not None and later.token > max(tokens)
+
+
+def test_fencing_tokens_strictly_increase(env: Env) -> None:
+    first = env.backend()
+    second = env.another_client(first)
+    tokens: list[int | None] = []
+    for backend, holder in [(first, "a"), (second, "b"), (first, "c")]:
+        result = backend.acquire(KEY, holder, limit=3, ttl_ms=60_000)
+        assert result.acquired
+        tokens.append(result.token)
+    again = second.acquire(KEY, "a", limit=3, ttl_ms=120_000)  # re-entrant: a new token too
+    assert again.acquired and again.holders == ("b", "c", "a")
+    tokens.append(again.token)
+    for holder in "abc":
+        assert first.release(KEY, holder, limit=3).released
+    assert_drained(env, first)  # the key's state, token included, is gone...
+    recreated = second.acquire(KEY, "d", limit=3, ttl_ms=60_000)
+    tokens.append(recreated.token)  # ...and the next token is still greater
+    assert None not in tokens
+    assert tokens == sorted(t for t in tokens if t is not None) and len(set(tokens)) == len(tokens)
+
+
+# --- Release, lapse, renewal ------------------------------------------------------------------
+
+
+def test_release_by_a_non_holder_is_refused(env: Env) -> None:
+    backend = env.backend()
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    refused = backend.release(KEY, "intruder", limit=1)
+    assert refused.released is False
+    assert backend.inspect(KEY).holders[0][0] == "a"
+    assert backend.release(KEY, "a", limit=1).released
+    assert backend.release(KEY, "a", limit=1).released is False  # twice: not a holder any more
+    assert_drained(env, backend)
+
+
+def test_holders_carry_since_and_info_until_they_go(env: Env) -> None:
+    backend = env.backend(handoff_ttl_ms=60_000)
+    before = env.now_ms()
+    assert backend.acquire(KEY, "a", limit=2, ttl_ms=60_000, info="report").acquired
+    assert backend.acquire(KEY, "b", limit=2, ttl_ms=200).acquired  # no info: only since
+    park(backend, "p1", limit=2)
+    [(holder, since, info), (other, _, no_info)] = sorted(backend.inspect(KEY).holder_info)
+    assert (holder, info, other, no_info) == ("a", "report", "b", None)
+    assert before <= since <= env.now_ms()
+    assert backend.acquire(KEY, "a", limit=2, ttl_ms=60_000, info="again").acquired  # re-entrant
+    assert ("a", since, "report") in backend.inspect(KEY).holder_info  # keeps its since and info
+    env.wait_past(deadline_of(backend, KEY, "b"))
+    [handoff] = backend.sweep(KEY, limit=2).handoffs  # b lapsed: p1 is handed the slot...
+    assert handoff.waiter_id == "p1"
+    assert [h for h, _, _ in backend.inspect(KEY).holder_info] == ["a"]  # ...a reservation has none
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000)
+    assert backend.acquire(KEY, "p1", limit=2, ttl_ms=60_000, info="park").acquired
+    assert {(h, i) for h, _, i in backend.inspect(KEY).holder_info} == {("a", "report"), ("p1", "park")}
+    assert backend.release(KEY, "a", limit=2).released
+    assert [h for h, _, _ in backend.inspect(KEY).holder_info] == ["p1"]
+    assert backend.release(KEY, "p1", limit=2).released
+    assert_drained(env, backend)
+
+
+def test_a_lapsed_holder_is_reclaimed(env: Env) -> None:
+    backend = env.backend()
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=200).acquired
+    refused = backend.acquire(KEY, "b", limit=1, ttl_ms=60_000)
+    assert not refused.acquired and refused.holders == ("a",) and refused.token is None
+    env.wait_past(deadline_of(backend, KEY, "a"))
+    assert backend.renew(KEY, "a", ttl_ms=60_000) is False  # a lapsed lease is never revived
+    taken = backend.acquire(KEY, "b", limit=1, ttl_ms=60_000)
+    assert taken.acquired and taken.holders == ("b",)
+    assert backend.release(KEY, "a", limit=1).released is False  # the lapsed holder is told
+    assert backend.release(KEY, "b", limit=1).released
+    assert_drained(env, backend)
+
+
+def test_renewal_keeps_a_lease_alive_past_its_ttl(env: Env) -> None:
+    backend = env.backend()
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=300).acquired
+    first_deadline = deadline_of(backend, KEY, "a")
+    while env.now_ms() <= first_deadline + 300:  # renew by hand across two ttls
+        assert backend.renew(KEY, "a", ttl_ms=300)
+        time.sleep(0.05)
+    assert not backend.acquire(KEY, "b", limit=1, ttl_ms=300).acquired
+    assert backend.renew_many([(KEY, "a", 300), (KEY, "b", 300), ("other", "a", 300)]) == [True, False, False]
+    assert backend.release(KEY, "a", limit=1).released
+
+
+def test_the_renewer_keeps_leases_alive_and_reports_lost_ones(env: Env) -> None:
+    backend = env.backend()
+    renewer = LeaseRenewer()
+    try:
+        assert backend.acquire(KEY, "a", limit=2, ttl_ms=300).acquired
+        assert backend.acquire(KEY, "b", limit=2, ttl_ms=300).acquired
+        lost: list[LeaseHandle] = []
+        handle_a = renewer.register(backend, KEY, "a", 300)
+        handle_b = renewer.register(backend, KEY, "b", 300)
+        handle_b.on_lost.append(lost.append)
+        first_deadline = deadline_of(backend, KEY, "a")
+        env.wait_past(first_deadline + 300)
+        assert {h for h, _ in backend.inspect(KEY).holders} == {"a", "b"}
+        assert not handle_a.lost and not handle_b.lost
+        # Released by force: the next renewal finds it gone and reports it.
+        assert backend.release(KEY, "b", limit=2).released
+        assert handle_b.wait_lost(MARGIN_S)
+        assert lost == [handle_b] and renewer.leases == 1
+        # Unregistered: renewal stops at once and the lease lapses within a ttl.
+        handle_a.unregister()
+        last_deadline = deadline_of(backend, KEY, "a")
+        env.wait_past(last_deadline)
+        assert backend.acquire(KEY, "c", limit=1, ttl_ms=1000).holders == ("c",)
+        assert not handle_a.lost
+    finally:
+        renewer.stop(MARGIN_S)
+
+
+class RecordingBackend(MemoryBackend):
+    """A memory backend that records each ``renew_many`` batch, and can play unreachable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[int] = []
+        self.unreachable = False
+        self.renewed_twice = threading.Event()
+
+    def renew_many(self, leases: Sequence[tuple[str, str, int]]) -> list[bool]:
+        self.batches.append(len(leases))
+        if len(self.batches) >= 2:
+            self.renewed_twice.set()
+        if self.unreachable:
+            raise BackendUnavailable("the test made the backend unreachable")
+        return super().renew_many(leases)
+
+
+def test_the_renewer_batches_the_leases_of_a_backend() -> None:
+    backend = RecordingBackend()
+    renewer = LeaseRenewer()
+    try:
+        for holder in "abc":
+            assert backend.acquire(KEY, holder, limit=3, ttl_ms=300).acquired
+            renewer.register(backend, KEY, holder, 300)
+        assert backend.renewed_twice.wait(MARGIN_S)
+        assert set(backend.batches) == {3}  # one call per round for the three leases
+    finally:
+        renewer.stop(MARGIN_S)
+
+
+def test_a_lease_that_cannot_be_renewed_for_a_whole_ttl_is_lost() -> None:
+    backend = RecordingBackend()
+    renewer = LeaseRenewer()
+    try:
+        assert backend.acquire(KEY, "a", limit=1, ttl_ms=300).acquired
+        handle = renewer.register(backend, KEY, "a", 300)
+        backend.unreachable = True
+        assert handle.wait_lost(MARGIN_S)
+        assert len(backend.batches) >= 2  # it was retried before being given up
+        assert renewer.leases == 0
+    finally:
+        renewer.stop(MARGIN_S)
+
+
+def test_a_killed_holders_lease_lapses_within_a_ttl(redis_env: Env, procs: Callable[..., Proc]) -> None:
+    backend = redis_env.backend()
+    ttl = 500
+    holder = procs(redis_env, "hold", KEY, "doomed", ttl)
+    first = holder.read()
+    # The process's renewer keeps the lease past its ttl...
+    redis_env.wait_past(first["deadline"] + ttl)
+    assert not backend.acquire(KEY, "next", limit=1, ttl_ms=1000).acquired
+    holder.kill()
+    killed_at = redis_env.now_ms()
+    # ...and once it is killed, the lease lapses within one ttl.
+    assert deadline_of(backend, KEY, "doomed") <= killed_at + ttl
+    give_up = time.monotonic() + ttl / 1000 + MARGIN_S
+    while not (taken := backend.acquire(KEY, "next", limit=1, ttl_ms=1000)).acquired:
+        assert time.monotonic() < give_up
+        time.sleep(0.02)
+    assert taken.token is not None and taken.token > first["token"]
+
+
+def test_the_renewer_is_per_process_and_fresh_after_fork() -> None:
+    parent = get_renewer()
+    assert get_renewer() is parent
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a fresh renewer of its own, then exit without pytest's cleanup
+        os.close(read)
+        os.write(write, b"fresh" if get_renewer() is not parent and get_renewer().leases == 0 else b"same")
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        assert pipe.read() == b"fresh"
+    os.waitpid(pid, 0)
+
+
+# --- Parked payloads and hand-off -------------------------------------------------------------
+
+
+def test_parked_payloads_come_out_fifo_and_reparking_keeps_the_place(env: Env) -> None:
+    backend = env.backend()
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    for waiter in ["p1", "p2", "p3", "p4"]:
+        park(backend, waiter)
+    park(backend, "p2")  # again: keeps its place
+    state = backend.inspect(KEY)
+    assert waiter_ids(state) == ["p1", "p2", "p3", "p4"]
+    assert all(parked for _, _, parked in state.waiters)
+    assert KEY in backend.waiting_keys()
+    # A newcomer does not jump the queue.
+    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
+    out = ["p1"]
+    holder = "p1"
+    while True:
+        assert backend.confirm_handoff(KEY, holder, ttl_ms=60_000)  # re-enqueued on the broker
+        started = backend.acquire(KEY, holder, limit=1, ttl_ms=60_000)  # the message starts
+        assert started.acquired and started.handoffs == ()
+        released = backend.release(KEY, holder, limit=1)
+        assert released.released
+        if not released.handoffs:
+            break
+        [handoff] = released.handoffs
+        assert handoff.payload == f"msg:{handoff.waiter_id}".encode()
+        holder = handoff.waiter_id
+        out.append(holder)
+    assert out == ["p1", "p2", "p3", "p4"]
+    assert_drained(env, backend)
+
+
+def test_an_acquirer_with_free_slots_lets_waiters_go_first(env: Env) -> None:
+    backend = env.backend()
+    backend.set_limit(KEY, 0)
+    park(backend, "p1", limit=2)
+    park(backend, "p2", limit=2)
+    backend.set_limit(KEY, None)  # the default (2) is back, but nobody acted on it yet
+    result = backend.acquire(KEY, "p1", limit=2, ttl_ms=60_000)  # p1 itself starts: no hand-off of p1
+    assert result.acquired and result.handoffs == (Handoff(KEY, "p2", b"msg:p2"),)
+    newcomer = backend.acquire(KEY, "n", limit=2, ttl_ms=60_000)
+    assert not newcomer.acquired and newcomer.holders == ("p2", "p1")
+
+
+def test_a_handoff_whose_caller_dies_before_confirming_goes_back_to_the_head(
+    crash_env: tuple[Env, bool], procs: Callable[..., Proc]
+) -> None:
+    env, in_a_process = crash_env
+    backend = env.backend(handoff_ttl_ms=300)
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    for waiter in ["p1", "p2"]:
+        park(backend, waiter)
+    if in_a_process:
+        proc = procs(env, "handoff", KEY, "a", 1, "released", handoff_ttl_ms=300)
+        assert proc.read() == {"released": True, "handoffs": [["p1", "msg:p1"]]}
+        proc.kill()
+    else:
+        assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
+    # The caller died before re-enqueuing and confirming: the slot stays reserved for p1...
+    state = backend.inspect(KEY)
+    assert state.reserved == ("p1",) and waiter_ids(state) == ["p2"]
+    assert not backend.acquire(KEY, "n", limit=1, ttl_ms=60_000).acquired
+    # ...until the reservation lapses; then p1 is back at the head with its payload.
+    env.wait_past(deadline_of(backend, KEY, "p1"))
+    assert backend.sweep(KEY, limit=1) == ReleaseResult(True, (Handoff(KEY, "p1", b"msg:p1"),))
+    assert waiter_ids(backend.inspect(KEY)) == ["p2"]
+
+
+def test_a_confirmed_handoff_is_not_duplicated_when_its_caller_dies(
+    crash_env: tuple[Env, bool], procs: Callable[..., Proc]
+) -> None:
+    env, in_a_process = crash_env
+    backend = env.backend(handoff_ttl_ms=300)
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    for waiter in ["p1", "p2"]:
+        park(backend, waiter)
+    if in_a_process:
+        proc = procs(env, "handoff", KEY, "a", 1, "confirmed", handoff_ttl_ms=300)
+        assert proc.read()["handoffs"] == [["p1", "msg:p1"]]
+        assert proc.read() == {"confirmed": [True]}
+        proc.kill()
+    else:
+        assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
+        assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000)
+    # p1 is on the broker now: its payload is gone from the lockwait area, its slot is held
+    # for it beyond the short hand-off reservation, and no operation hands it out again.
+    env.wait_past(env.now_ms() + 300)
+    assert backend.sweep(KEY, limit=1).handoffs == ()
+    state = backend.inspect(KEY)
+    assert state.holders[0][0] == "p1" and state.reserved == () and waiter_ids(state) == ["p2"]
+    started = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000)  # the re-enqueued copy starts
+    assert started.acquired and started.handoffs == ()
+    assert backend.release(KEY, "p1", limit=1).handoffs == (Handoff(KEY, "p2", b"msg:p2"),)
+
+
+def test_confirm_after_the_reservation_lapsed_removes_the_reparked_copy(env: Env) -> None:
+    backend = env.backend(handoff_ttl_ms=200)
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    for waiter in ["p1", "p2"]:
+        park(backend, waiter)
+    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
+    env.wait_past(deadline_of(backend, KEY, "p1"))
+    # The slow caller re-enqueued p1 after all: that copy wins, the parked one is dropped.
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000) is False
+    state = backend.inspect(KEY)
+    assert waiter_ids(state) == ["p2"] and state.holders == () and state.reserved == ()
+    # confirm_handoff hands nothing off; the next operation does.
+    assert backend.sweep(KEY, limit=1).handoffs == (Handoff(KEY, "p2", b"msg:p2"),)
+    # The re-enqueued p1 starts later and finds the slot taken: it parks again, at the back.
+    park(backend, "p1")
+    assert backend.confirm_handoff(KEY, "p2", ttl_ms=60_000)
+    assert backend.release(KEY, "p2", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
+    assert backend.cancel_wait(KEY, "p1", limit=1).released
+    assert_drained(env, backend)
+
+
+# --- Blocking waiters ---------------------------------------------------------------------------
+
+
+def test_a_blocking_waiter_is_woken_by_a_push(env: Env) -> None:
+    backend = env.backend()
+    waiter_side = env.another_client(backend)
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    result = waiter_side.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000))
+    assert not result.acquired and result.parked
+    assert backend.inspect(KEY).waiters[0][::2] == ("w", False)
+    woken: list[bool] = []
+    thread = threading.Thread(
+        target=lambda: woken.append(waiter_side.wait_for_handoff(KEY, "w", timeout_ms=60_000))
+    )
+    thread.start()
+    released = backend.release(KEY, "a", limit=1)
+    assert released.handoffs == (Handoff(KEY, "w", None),)
+    thread.join(MARGIN_S)  # far less than the waiter's own timeout: it was woken, not timed out
+    assert woken == [True]
+    taken = waiter_side.acquire(KEY, "w", limit=1, ttl_ms=60_000)
+    assert taken.acquired and taken.holders == ("w",)
+    assert waiter_side.wait_for_handoff(KEY, "w", timeout_ms=0) is False  # the push was consumed
+    assert backend.release(KEY, "w", limit=1).released
+    assert_drained(env, backend)
+
+
+def test_blocking_and_parked_waiters_share_one_fifo(env: Env) -> None:
+    backend = env.backend()
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    park(backend, "p1")
+    assert backend.acquire(KEY, "w2", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    park(backend, "p3")
+    assert [(w, parked) for w, _, parked in backend.inspect(KEY).waiters] == [
+        ("p1", True),
+        ("w2", False),
+        ("p3", True),
+    ]
+    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000)
+    assert backend.release(KEY, "p1", limit=1).handoffs == (Handoff(KEY, "w2", None),)
+    assert backend.wait_for_handoff(KEY, "w2", timeout_ms=10_000)
+    assert backend.acquire(KEY, "w2", limit=1, ttl_ms=60_000).acquired
+    assert backend.release(KEY, "w2", limit=1).handoffs == (Handoff(KEY, "p3", b"msg:p3"),)
+
+
+def test_a_dead_blocking_waiters_entry_is_dropped_after_wait_ms(env: Env) -> None:
+    backend = env.backend()
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=200)).parked
+    since = backend.inspect(KEY).waiters[0][1]
+    env.wait_past(since + 200)  # its thread died: nobody waits on it
+    assert backend.release(KEY, "a", limit=1) == ReleaseResult(True, ())
+    assert_drained(env, backend)
+
+
+def test_cancel_wait_hands_a_reservation_on(env: Env) -> None:
+    backend = env.backend()
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(KEY, "w1", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.acquire(KEY, "w2", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    park(backend, "p3")
+    # w2 gives up while still queued: it just leaves.
+    assert backend.cancel_wait(KEY, "w2", limit=1).released is False
+    assert waiter_ids(backend.inspect(KEY)) == ["w1", "p3"]
+    # w1 is handed the slot but gives up (timed out) before taking it: the slot goes on.
+    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "w1", None),)
+    cancelled = backend.cancel_wait(KEY, "w1", limit=1)
+    assert cancelled.released and cancelled.handoffs == (Handoff(KEY, "p3", b"msg:p3"),)
+    assert backend.wait_for_handoff(KEY, "w1", timeout_ms=0) is False
+
+
+# --- Standbys -----------------------------------------------------------------------------------
+
+
+def pick_up(backend: GuardBackend, waiter: str, *, limit: int = 1, wait_ms: int = 60_000) -> Any:
+    """The standby's message is picked up and acquires in park mode, allowed to block."""
+    return backend.acquire(
+        KEY,
+        waiter,
+        limit=limit,
+        ttl_ms=60_000,
+        wait=Waiter(payload=f"msg:{waiter}".encode(), wait_ms=wait_ms),
+    )
+
+
+def test_standbys_are_sent_ahead_in_fifo_order_and_block_when_picked_up(env: Env) -> None:
+    backend = env.backend()
+    for holder in ["a", "b"]:
+        assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired
+    for waiter in ["p1", "p2", "p3", "p4"]:
+        park(backend, waiter, limit=2)
+    handoffs, sent = backend.send_standbys(KEY, limit=2, count=8)  # at most one per slot
+    assert handoffs == () and sent == (Handoff(KEY, "p1", b"msg:p1"), Handoff(KEY, "p2", b"msg:p2"))
+    assert backend.send_standbys(KEY, limit=2, count=8) == ((), ())  # already sent
+    for waiter in ["p1", "p2"]:
+        assert backend.confirm_standby(KEY, waiter, f"msg:{waiter}".encode(), ttl_ms=60_000)
+    state = backend.inspect(KEY)  # they keep their places; their payloads are on the broker now
+    assert state.waiters[0][::2] == ("p1", False) and state.waiters[1][::2] == ("p2", False)
+    assert waiter_ids(state) == ["p1", "p2", "p3", "p4"]
+    # p1 is picked up while the key is full: it blocks instead of parking.
+    waiting = pick_up(backend, "p1", limit=2)
+    assert not waiting.acquired and waiting.parked and waiting.standby
+    assert waiter_ids(backend.inspect(KEY)) == ["p1", "p2", "p3", "p4"]
+    # A freed slot goes to it by a push; nothing to re-enqueue.
+    assert backend.release(KEY, "a", limit=2).handoffs == (Handoff(KEY, "p1", None),)
+    assert backend.wait_for_handoff(KEY, "p1", timeout_ms=10_000)
+    assert backend.acquire(KEY, "p1", limit=2, ttl_ms=60_000).acquired
+    # p2 gets a slot before it is picked up: it starts as soon as it is.
+    assert backend.release(KEY, "b", limit=2).handoffs == (Handoff(KEY, "p2", None),)
+    started = pick_up(backend, "p2", limit=2)
+    assert started.acquired and not started.standby
+    handoffs, sent = backend.send_standbys(KEY, limit=2, count=1)
+    assert sent == (Handoff(KEY, "p3", b"msg:p3"),)
+    assert backend.confirm_standby(KEY, "p3", b"msg:p3", ttl_ms=60_000)
+    for holder, waiter in [("p1", "p3"), ("p2", "p4")]:
+        [handoff] = backend.release(KEY, holder, limit=2).handoffs
+        assert handoff.waiter_id == waiter
+    assert backend.confirm_handoff(KEY, "p4", ttl_ms=60_000)
+    for holder in ["p3", "p4"]:
+        assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired
+        assert backend.release(KEY, holder, limit=2).released
+    assert_drained(env, backend)
+
+
+def test_a_standby_whose_sender_dies_before_confirming_parks_again_in_its_place(env: Env) -> None:
+    backend = env.backend(handoff_ttl_ms=200)
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    for waiter in ["p1", "p2"]:
+        park(backend, waiter)
+    _, sent = backend.send_standbys(KEY, limit=1, count=1)
+    assert sent == (Handoff(KEY, "p1", b"msg:p1"),)
+    env.wait_past(env.now_ms() + 200)  # the sender died: never enqueued, never confirmed
+    assert backend.sweep(KEY, limit=1) == ReleaseResult(False, ())
+    state = backend.inspect(KEY)
+    assert [(w, parked) for w, _, parked in state.waiters] == [("p1", True), ("p2", True)]
+    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
+
+
+def test_a_standby_handed_a_slot_before_it_is_confirmed_keeps_its_payload_until_then(env: Env) -> None:
+    backend = env.backend(handoff_ttl_ms=200)
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    for waiter in ["p1", "p2"]:
+        park(backend, waiter)
+    _, sent = backend.send_standbys(KEY, limit=1, count=1)
+    # The slot is reserved for p1, but its payload is not handed out twice: its sender enqueues it.
+    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "p1", None),)
+    assert backend.inspect(KEY).reserved == ("p1",)
+    # The sender died: the reservation lapses and p1 is back at the head, with its payload.
+    env.wait_past(deadline_of(backend, KEY, "p1"))
+    assert backend.sweep(KEY, limit=1) == ReleaseResult(True, (Handoff(KEY, "p1", b"msg:p1"),))
+    # Or the sender confirms: the slot is held for the enqueued copy, the payload is dropped.
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000)
+    assert backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000).acquired
+    _, sent = backend.send_standbys(KEY, limit=1, count=1)
+    assert sent == (Handoff(KEY, "p2", b"msg:p2"),)
+    assert backend.release(KEY, "p1", limit=1).handoffs == (Handoff(KEY, "p2", None),)
+    assert backend.confirm_standby(KEY, "p2", b"msg:p2", ttl_ms=60_000)
+    state = backend.inspect(KEY)
+    assert state.reserved == () and state.holders[0][0] == "p2" and state.waiters == ()
+    assert pick_up(backend, "p2").acquired
+    assert backend.release(KEY, "p2", limit=1).released
+    assert_drained(env, backend)
+
+
+def test_a_standby_that_parks_again_keeps_its_place_and_a_late_confirm_leaves_it(env: Env) -> None:
+    backend = env.backend()
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    for waiter in ["p1", "p2"]:
+        park(backend, waiter)
+    backend.send_standbys(KEY, limit=1, count=1)
+    # Picked up before its sender confirmed, by a worker that lets no standby block (wait_ms=0).
+    reparked = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, wait=Waiter(payload=b"msg:p1 again"))
+    assert reparked.parked and not reparked.standby
+    assert backend.confirm_standby(KEY, "p1", b"msg:p1", ttl_ms=60_000) is False
+    state = backend.inspect(KEY)
+    assert [(w, parked) for w, _, parked in state.waiters] == [("p1", True), ("p2", True)]
+    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1 again"),)
+
+
+def test_a_standby_whose_entry_lapsed_is_an_ordinary_message(env: Env) -> None:
+    backend = env.backend()
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    for waiter in ["p1", "p2"]:
+        park(backend, waiter)
+    backend.send_standbys(KEY, limit=1, count=1)
+    assert backend.confirm_standby(KEY, "p1", b"msg:p1", ttl_ms=200)
+    env.wait_past(env.now_ms() + 200)  # never picked up in time (its worker died with it)
+    assert backend.sweep(KEY, limit=1) == ReleaseResult(False, ())
+    assert waiter_ids(backend.inspect(KEY)) == ["p2"]
+    # Picked up at last (redelivered): it parks at the back like any message.
+    late = pick_up(backend, "p1")
+    assert late.parked and not late.standby
+    assert [(w, parked) for w, _, parked in backend.inspect(KEY).waiters] == [("p2", True), ("p1", True)]
+
+
+def test_no_standby_is_sent_while_the_key_is_halted(env: Env) -> None:
+    backend = env.backend()
+    backend.set_limit(KEY, 0)
+    park(backend, "p1")
+    assert backend.send_standbys(KEY, limit=1, count=1) == ((), ())
+    assert [(w, parked) for w, _, parked in backend.inspect(KEY).waiters] == [("p1", True)]
+    assert backend.set_limit(KEY, None).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
+
+
+# --- Limits -------------------------------------------------------------------------------------
+
+
+def test_set_limit_halts_releases_and_clears(env: Env) -> None:
+    backend = env.backend()
+    assert backend.get_limit(KEY) is None
+    assert backend.set_limit(KEY, 0, default=1).handoffs == ()
+    assert backend.get_limit(KEY) == 0
+    halted = backend.acquire(KEY, "a", limit=1, ttl_ms=60_000)
+    assert not halted.acquired and halted.limit == 0 and not halted.parked
+    for waiter in ["p1", "p2", "p3"]:
+        park(backend, waiter)
+    assert backend.sweep(KEY, limit=1).handoffs == ()  # halted: the waiters stay
+    assert waiter_ids(backend.inspect(KEY)) == ["p1", "p2", "p3"]
+    raised = backend.set_limit(KEY, 2, default=1)  # raising it releases waiters at once
+    assert raised.handoffs == (Handoff(KEY, "p1", b"msg:p1"), Handoff(KEY, "p2", b"msg:p2"))
+    for waiter in ["p1", "p2"]:
+        assert backend.confirm_handoff(KEY, waiter, ttl_ms=60_000)
+    assert backend.set_limit(KEY, None, default=1).handoffs == ()  # cleared: back to the default
+    assert backend.get_limit(KEY) is None and backend.inspect(KEY).limit is None
+    assert backend.release(KEY, "p1", limit=1).handoffs == ()  # p2 still holds: 1 of 1
+    assert backend.release(KEY, "p2", limit=1).handoffs == (Handoff(KEY, "p3", b"msg:p3"),)
+    with pytest.raises(ValueError):
+        backend.set_limit(KEY, -1)
+
+
+def test_limited_keys_are_found_through_the_limits_index(env: Env) -> None:
+    backend = env.backend()
+    other = env.another_client(backend)
+    assert backend.limit_keys() == []
+    backend.set_limit(KEY, 0)
+    other.set_limit("slots:other", 4)
+    other.set_limit("slots:other", 5)  # set again: listed once
+    assert backend.limit_keys() == ["slots:other", KEY]  # no holder, no waiter: found all the same
+    assert backend.waiting_keys() == []
+    backend.set_limit(KEY, None)
+    assert other.limit_keys() == ["slots:other"]
+    backend.set_limit(KEY, None)  # clearing an unset limit is harmless
+    assert backend.limit_keys() == ["slots:other"]
+    assert backend.acquire("slots:other", "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.release("slots:other", "a", limit=1).released
+    assert_drained(env, backend, key="slots:other", limit=5)
+    other.set_limit("slots:other", None)
+    assert_drained(env, backend, key="slots:other")
+    assert backend.limit_keys() == []
+
+
+def test_a_lowered_limit_evicts_nobody(env: Env) -> None:
+    backend = env.backend()
+    for holder in "abc":
+        assert backend.acquire(KEY, holder, limit=3, ttl_ms=60_000).acquired
+    backend.set_limit(KEY, 1)
+    assert backend.acquire(KEY, "a", limit=3, ttl_ms=60_000).acquired  # re-entrant still works
+    assert not backend.acquire(KEY, "d", limit=3, ttl_ms=60_000).acquired
+    assert backend.release(KEY, "b", limit=3).released
+    assert not backend.acquire(KEY, "d", limit=3, ttl_ms=60_000).acquired  # 2 holders > 1
+
+
+# --- Memory -------------------------------------------------------------------------------------
+
+
+def test_nothing_is_left_after_the_work_drains_but_the_limit(env: Env) -> None:
+    backend = env.backend(handoff_ttl_ms=200)
+    backend.set_limit(KEY, 1)
+    assert backend.acquire(KEY, "a", limit=5, ttl_ms=60_000).acquired
+    park(backend, "p1")
+    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.acquire(KEY, "dead", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=1)).parked
+    env.wait_past(backend.inspect(KEY).waiters[-1][1] + 1)  # its thread died: dropped
+    [handoff] = backend.release(KEY, "a", limit=5).handoffs
+    assert handoff.waiter_id == "p1"
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000)
+    assert backend.acquire(KEY, "p1", limit=5, ttl_ms=60_000).acquired
+    assert backend.release(KEY, "p1", limit=5).handoffs == (Handoff(KEY, "w", None),)
+    assert backend.wait_for_handoff(KEY, "w", timeout_ms=10_000)
+    assert backend.acquire(KEY, "w", limit=5, ttl_ms=60_000).acquired
+    assert backend.release(KEY, "w", limit=5).handoffs == ()
+    assert_drained(env, backend, limit=1)
+
+
+def test_a_drained_key_leaves_the_waiting_keys_index_at_once(env: Env) -> None:
+    # A grace far longer than the test: on a standalone Redis (and in memory) the index is kept
+    # in the same step as the waiters, so it does not matter; on a Redis Cluster it is the
+    # documented time a drained key's entry may stay.
+    backend = env.backend(index_grace_ms=3_600_000)
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    park(backend, "p1")
+    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.waiting_keys() == [KEY]
+    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
+    assert backend.waiting_keys() == [KEY]  # an unconfirmed reservation and a waiter
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000)
+    assert backend.release(KEY, "p1", limit=1).handoffs == (Handoff(KEY, "w", None),)
+    # w was handed the slot: nobody waits and nothing is unconfirmed, though w still holds.
+    if env.kind == "cluster":
+        assert backend.waiting_keys() == [KEY]  # kept for index_grace_ms...
+        assert env.backend(index_grace_ms=0).waiting_keys() == []  # ...and dropped after it
+    else:
+        assert backend.waiting_keys() == []
+    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000).acquired
+    assert backend.release(KEY, "w", limit=1).released
+    assert backend.inspect(KEY) == KeyState((), (), (), None, None)
+    if env.client is not None:
+        assert env.stored() == set()
+
+
+def test_a_park_racing_the_drain_is_never_left_unindexed(env: Env) -> None:
+    # The holder releases and the key falls idle while another client parks on it, in every
+    # order the two round trips can take: whichever lands last, the parked waiter is indexed.
+    backend = env.backend()
+    other = env.another_client(backend)
+    for round_ in range(50):
+        holder, waiter = f"a{round_}", f"p{round_}"
+        assert backend.acquire(KEY, holder, limit=1, ttl_ms=60_000).acquired
+        parked = threading.Event()
+
+        def park_now(waiter: str = waiter, parked: threading.Event = parked) -> None:
+            result = other.acquire(KEY, waiter, limit=1, ttl_ms=60_000, wait=Waiter(payload=b"m"))
+            if result.parked:
+                parked.set()
+
+        thread = threading.Thread(target=park_now)
+        thread.start()
+        released = backend.release(KEY, holder, limit=1)
+        thread.join(MARGIN_S)
+        state = backend.inspect(KEY)
+        if parked.is_set() and not released.handoffs:
+            assert waiter_ids(state) == [waiter] and KEY in backend.waiting_keys()
+            assert backend.cancel_wait(KEY, waiter, limit=1) == ReleaseResult(False, ())
+        elif released.handoffs:
+            assert backend.confirm_handoff(KEY, waiter, ttl_ms=60_000)
+            assert backend.release(KEY, waiter, limit=1).released
+        else:  # the waiter came after the release: it took the idle key
+            assert backend.release(KEY, waiter, limit=1).released
+        assert_drained(env, backend)
+
+
+def test_a_key_whose_holders_all_died_vanishes_by_itself(redis_env: Env) -> None:
+    backend = redis_env.backend()
+    assert backend.acquire(KEY, "a", limit=2, ttl_ms=200).acquired
+    assert backend.acquire(KEY, "b", limit=2, ttl_ms=300).acquired
+    assert redis_env.client is not None
+    assert redis_env.stored()
+    redis_env.wait_past(deadline_of(backend, KEY, "b"))
+    assert redis_env.stored() == set()  # nobody touched it: it expired
+
+
+def test_waiters_and_payloads_never_expire_and_a_sweep_recovers_them(redis_env: Env) -> None:
+    backend = redis_env.backend(handoff_ttl_ms=200)
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=200).acquired
+    park(backend, "p1")
+    park(backend, "p2")
+    backend.release(KEY, "a", limit=1)  # p1 is handed the slot; then everybody dies
+    redis_env.wait_past(deadline_of(backend, KEY, "p1"))
+    assert redis_env.client is not None
+    names = redis_env.stored()
+    assert f"{redis_env.namespace}:{{{KEY}}}:holders" not in names  # holder-derived: expired
+    assert KEY in backend.waiting_keys()  # a worker's sweep finds the key...
+    swept = backend.sweep(KEY, limit=1)  # ...and p1 is back first, with its payload
+    assert swept.released and swept.handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
+
+
+# --- Redis specifics ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["plain", "with{braces}inside", "a}b{c", "{leading}", "x{}y"])
+def test_every_key_of_a_guard_key_is_in_one_cluster_slot(redis_env: Env, key: str) -> None:
+    backend = redis_env.backend()
+    assert backend.acquire(key, "a", limit=1, ttl_ms=60_000).acquired
+    park(backend, "p1", key=key)
+    assert backend.acquire(key, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    park(backend, "p2", key=key)
+    assert backend.set_limit(key, 3).handoffs == (Handoff(key, "p1", b"msg:p1"), Handoff(key, "w", None))
+    names = redis_env.stored(":{*")
+    suffixes = {"holders", "waiters", "payloads", "reserved", "token", "limit", "info", "wake:w"}
+    assert names == {f"{redis_env.namespace}:{{{key}}}:{suffix}" for suffix in suffixes}
+    assert len({key_slot(name.encode()) for name in names}) == 1
+
+
+@pytest.mark.parametrize("key", ["", "}starts-with-a-closing-brace"])
+def test_keys_that_would_leave_the_hash_tag_empty_are_rejected(env: Env, key: str) -> None:
+    backend = env.backend()
+    calls: list[Callable[[], object]] = [
+        lambda: backend.acquire(key, "a", limit=1, ttl_ms=1000),
+        lambda: backend.acquire(key, "a", limit=1, ttl_ms=1000, wait=Waiter(payload=b"m")),
+        lambda: backend.renew(key, "a", ttl_ms=1000),
+        lambda: backend.release(key, "a", limit=1),
+        lambda: backend.confirm_handoff(key, "a", ttl_ms=1000),
+        lambda: backend.wait_for_handoff(key, "a", timeout_ms=0),
+        lambda: backend.cancel_wait(key, "a", limit=1),
+        lambda: backend.sweep(key, limit=1),
+        lambda: backend.set_limit(key, 1),
+        lambda: backend.get_limit(key),
+        lambda: backend.inspect(key),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"^a guard key must be non-empty and must not start with '}'"):
+            call()
+    assert backend.waiting_keys() == [] and backend.limit_keys() == []
+
+
+def test_wait_for_handoff_outlasts_the_clients_socket_timeout(env: Env) -> None:
+    # redis-py 8 clients time a read out after socket_timeout (5 s by default): a longer wait is
+    # made of shorter BLPOPs, transparently.
+    backend = env.backend(socket_timeout=0.3)
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.wait_for_handoff(KEY, "w", timeout_ms=1000) is False  # timed out, no error
+    woken: list[bool] = []
+    started = env.now_ms()
+    thread = threading.Thread(
+        target=lambda: woken.append(backend.wait_for_handoff(KEY, "w", timeout_ms=60_000))
+    )
+    thread.start()
+    env.wait_past(started + 800)  # a wait on time itself: past a few socket timeouts
+    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "w", None),)
+    thread.join(MARGIN_S)
+    assert woken == [True]
+    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000).acquired
+    assert backend.release(KEY, "w", limit=1).released
+    assert_drained(env, backend)
+
+
+def test_a_client_that_decodes_responses_works_too(redis_env: Env) -> None:
+    backend = redis_env.backend(decode=True)
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    park(backend, "p1")
+    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
+    assert backend.inspect(KEY).reserved == ("p1",)
+    assert backend.waiting_keys() == [KEY]
+
+
+def test_an_unreachable_redis_raises_backend_unavailable() -> None:
+    client = redis.Redis(port=free_port(), socket_connect_timeout=2, retry=Retry(NoBackoff(), 0))
+    backend = RedisBackend(client)
+    with pytest.raises(BackendUnavailable):
+        backend.acquire(KEY, "a", limit=1, ttl_ms=1000)
+    with pytest.raises(BackendUnavailable):
+        backend.renew_many([(KEY, "a", 1000)])
+    with pytest.raises(BackendUnavailable):
+        backend.waiting_keys()
+    client.close()
+
+
+def test_scripts_are_reloaded_after_a_script_flush(redis_env: Env) -> None:
+    backend = redis_env.backend()
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert redis_env.client is not None
+    redis_env.client.script_flush()
+    assert backend.renew_many([(KEY, "a", 60_000)]) == [True]  # pipelined: NOSCRIPT handled
+    redis_env.client.script_flush()
+    park(backend, "p1")  # pipelined with the index update
+    redis_env.client.script_flush()
+    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
