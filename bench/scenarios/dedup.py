@@ -1,0 +1,88 @@
+"""Deduplicated sends (``dedup="until_executed"``) on a RedisBroker, against plain sends."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dramatiq
+from dramatiq.brokers.redis import RedisBroker
+from dramatiq.middleware import Retries
+
+from bench.core import Context, Figure, scenario
+from dramatiq_guard.middleware.dedup import Deduplication
+
+
+@scenario("dedup", title="Deduplication (dedup=until_executed) on a RedisBroker", order=10)
+def dedup(ctx: Context) -> list[Figure]:
+    """``dedup="until_executed"`` on a RedisBroker whose own client holds the guard state.
+
+    * send rate, accepted: ``actor.send(i)`` with a new key each time, so every send takes a
+      lock (one Lua script) and is pushed; the confirmations (pending lock -> ttl) are
+      batched by the producer's background thread.
+    * send rate, duplicates: ``actor.send(0)`` N times: the first takes the lock, the
+      others are dropped after one round trip, without touching the broker.
+    * round trips / commands per accepted send: as in the baseline, over a batch of sends
+      with new keys; the background confirmations made during the batch are counted, and
+      the batch ends with a flush of the last ones (so they are counted too).
+    """
+    broker = RedisBroker(url=ctx.redis_url)
+    middleware = Deduplication()
+    broker.add_middleware(middleware, before=Retries)
+
+    @dramatiq.actor(broker=broker, queue_name="bench_dedup", dedup="until_executed", max_retries=0)
+    def guarded(i: int) -> None:
+        """Never runs: no worker consumes ``bench_dedup``."""
+
+    n_send = ctx.n(5000, 300)
+    n_count = ctx.n(500, 50)
+
+    accepted_rate = ctx.send_rate(lambda i: guarded.send(i), n_send)
+    duplicate_rate = ctx.send_rate(lambda i: guarded.send(0), n_send)
+    middleware.flush()
+
+    def send_and_confirm(i: int) -> Any:
+        message = guarded.send(i)
+        if i == n_count - 1:
+            middleware.flush()
+        return message
+
+    calls = ctx.count_calls(send_and_confirm, n_count)
+    broker.close()
+
+    sized = f"N={n_send}, median of {ctx.repeats}"
+    return [
+        Figure(
+            "send_rate",
+            "send rate, accepted (a new key each send)",
+            accepted_rate,
+            "msg/s",
+            vs="baseline/send_rate",
+            detail=sized,
+        ),
+        Figure(
+            "duplicate_send_rate",
+            "send rate, duplicates (one key)",
+            duplicate_rate,
+            "msg/s",
+            vs="baseline/send_rate",
+            detail=sized,
+        ),
+        Figure(
+            "commands_per_send",
+            "Redis commands per accepted send",
+            calls.commands,
+            vs="baseline/commands_per_send",
+            compare="delta",
+            better="lower",
+            detail=f"over {calls.calls} sends: {calls.breakdown()}",
+        ),
+        Figure(
+            "round_trips_per_send",
+            "Redis round trips per accepted send",
+            calls.round_trips,
+            vs="baseline/round_trips_per_send",
+            compare="delta",
+            better="lower",
+            detail=f"requests written by the sender (confirmations included), over {calls.calls} sends",
+        ),
+    ]

@@ -1,0 +1,593 @@
+"""Enqueue-time deduplication: the ``dedup`` actor option.
+
+An actor declared with ``dedup=`` takes a lock per *dedup key* when one of
+its messages is sent; while the lock holds, an identical message is not
+pushed to the broker. The lock is a limit-1 lease of the guard backend whose
+holder is the message id of the message that took it (the *holder*), so its
+release is checked and the holder's own re-enqueues pass.
+
+The lock's life
+  * **Pending.** ``send()`` takes the lock for ``pending_ttl`` (10 s by
+    default) in one backend round trip, then pushes the message. A producer
+    that dies between the two leaves a lock that lapses within seconds.
+  * **Confirmed.** Once the push succeeded the lock is extended to ``ttl``.
+    The confirmation is not a second round trip on ``send()``: a background
+    thread of the producer batches the confirmations of every send of the
+    last few milliseconds into one pipelined ``renew_many`` (one round trip
+    for many sends, far inside the pending lapse). The thread is flushed at
+    interpreter exit and when a worker shuts down; :meth:`Deduplication.flush`
+    flushes it on demand. A push that fails releases the lock at once.
+  * **Released** at the holder's terminal event, by strategy:
+
+    - ``until_executing``: when the holder starts (its
+      ``before_process_message``). A retry of a holder that started takes no
+      lock again.
+    - ``until_executed``: when the holder finishes for good: success; final
+      failure once Retries gave up (dead letter); a skip by AgeLimit or any
+      other middleware; a TimeLimit kill that is not retried. A failure that
+      Retries will retry keeps it (this middleware sits before Retries, so in
+      ``after_process_message`` it sees Retries' decision). While the holder
+      runs, the process's lease renewer renews the lock every ``ttl / 3``.
+    - ``until_expired``: never released; it lives ``ttl`` after the send was
+      confirmed, whatever the holder does. Workers make no backend call.
+
+    A holder that is queued, delayed for a retry, parked by the concurrency
+    middlewares, or redelivered after a worker crash keeps its lock: a crash
+    never lets a duplicate in. A message that a slots middleware parks after
+    pickup has not started: that skip is not a terminal event. Every lock is
+    capped by ``ttl`` counted from the last sign of life of its holder (the
+    confirmation, the start of an ``until_executed`` holder, a renewal).
+
+Duplicates (``on_duplicate``)
+  * ``"drop"`` (default): the duplicate is not pushed; ``send()`` returns a
+    copy of it whose ``options["deduplicated_by"]`` is the holder's message
+    id (:func:`deduplicated_by`). Its own ``get_result()`` never arrives.
+  * ``"raise"``: ``send()`` raises :class:`DuplicateMessage`, carrying the
+    holder's id.
+  * ``"reschedule_once"`` (``until_executed`` only): the duplicate is not
+    pushed, but if any duplicate arrived while the holder was executing, the
+    job runs once more after the holder finishes, however many duplicates
+    arrived. The rerun is parked in the lock's waiter queue under an id
+    derived from the holder's (:func:`rerun_id`), so every duplicate of one
+    holder lands on the same entry (the latest one's arguments win); the
+    holder's start cancels the requests that arrived before it started (its
+    run covers them); its release hands the lock to the rerun atomically,
+    and the worker re-enqueues it. ``send()`` returns a copy marked like a
+    drop, with ``options["dedup_rerun"]`` naming the rerun's message id. A
+    duplicate costs two round trips here (one to find the holder, one to
+    park the rerun).
+
+Scheduled messages
+  A message sent with a delay is not deduplicated (it neither checks nor
+  takes the lock) unless ``including_scheduled=True``; then the lock covers
+  the delay too (it is held ``delay + ttl``).
+
+The key
+  From the policy's ``key`` (see :mod:`dramatiq_guard.keys`), prefixed with
+  ``"dedup:"``. A message may override it at send time::
+
+      refresh.send_with_options(args=(user_id,), dedup_key=f"user:{user_id}")
+
+Message options this middleware writes (they travel with the message, so
+Retries, delay-queue moves, slots hand-offs and redeliveries see them):
+``dedup_lock`` (the guard key a holder holds), ``dedup_exempt`` (why a
+message was enqueued without deduplication), and on the message a dropped
+send returns, ``deduplicated_by`` and ``dedup_rerun``.
+
+Groups and pipelines
+  Members of a pipeline (every step) and of a group with completion callbacks
+  are never deduplicated and take no lock: dropping one would leave the
+  pipeline unfinished or the group's barrier short forever. A group without
+  completion callbacks is a plain batch of sends that Dramatiq does not track:
+  its members are deduplicated like any send (a dropped member never gets a
+  result, so ``group.wait()`` reports a ``ResultTimeout`` for it rather than
+  hanging).
+
+Failures
+  The backend unreachable at send time: ``send()`` raises
+  :class:`~dramatiq_guard.errors.BackendUnavailable` (fail closed), unless
+  the policy says ``fail_open=True`` (then the message is enqueued without
+  deduplication). On a worker, a failed release at start
+  (``until_executing``) or refresh (``until_executed``) raises it too, so
+  the message is retried; a failed release at the end is logged and the lock
+  lapses at ``ttl``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from dramatiq import Broker, Message
+from dramatiq.broker import MessageProxy
+from dramatiq.middleware import Retries
+
+from dramatiq_guard import events
+from dramatiq_guard.backends.base import GuardBackend, Handoff, Waiter
+from dramatiq_guard.errors import BackendUnavailable, GuardError, GuardOptionError
+from dramatiq_guard.gate import Diverted
+from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware, execution_state
+from dramatiq_guard.policies import DedupPolicy, duration_ms
+from dramatiq_guard.renewer import LeaseHandle, get_renewer
+
+__all__ = [
+    "BY_OPTION",
+    "EXEMPT_OPTION",
+    "KEY_OPTION",
+    "LOCK_OPTION",
+    "PREFIX",
+    "RERUN_OPTION",
+    "Deduplication",
+    "DuplicateMessage",
+    "deduplicated_by",
+    "rerun_id",
+]
+
+logger = logging.getLogger("dramatiq_guard.dedup")
+
+#: The prefix of every deduplication guard key.
+PREFIX = "dedup:"
+#: Message option: a dedup key given at send time, overriding the policy's.
+KEY_OPTION = "dedup_key"
+#: Message option (written): the guard key a holder holds; its message id is the holder.
+LOCK_OPTION = "dedup_lock"
+#: Message option (written): why a message was enqueued without deduplication.
+EXEMPT_OPTION = "dedup_exempt"
+#: Message option (written on the returned message of a deduplicated send): the holder's id.
+BY_OPTION = "deduplicated_by"
+#: Message option (written on the returned message of a rescheduled duplicate): the rerun's id.
+RERUN_OPTION = "dedup_rerun"
+
+_RERUN_NAMESPACE = uuid.UUID("6c1f8f0e-3a0e-4e55-9d3f-2f4f1c6a9b51")
+#: How long the confirmation thread waits before trying an unreachable backend again.
+RETRY_S = 0.5
+#: A lock's ttl when the message's actor is not declared in this process.
+_FALLBACK_TTL_MS = 3_600_000
+
+
+class DuplicateMessage(GuardError):
+    """Raised by ``send()`` for a duplicate of an actor with ``on_duplicate="raise"``.
+
+    Parameters:
+      message_id(str): The refused message's id.
+      holder(str): The message id of the message holding the lock.
+      key(str): The guard key.
+    """
+
+    def __init__(self, message_id: str, holder: str, key: str) -> None:
+        super().__init__(
+            f"message {message_id!r} is a duplicate of message {holder!r}, which holds dedup key {key!r}"
+        )
+        self.message_id = message_id
+        self.holder = holder
+        self.key = key
+
+
+def deduplicated_by(message: Message[Any]) -> str | None:
+    """The message id of the holder that deduplicated ``message``, or None if it was enqueued.
+
+    Parameters:
+      message(Message): What ``send()`` (or ``broker.enqueue``) returned.
+    """
+    value = message.options.get(BY_OPTION)
+    return value if isinstance(value, str) else None
+
+
+def rerun_id(holder: str) -> str:
+    """The message id of the ``reschedule_once`` rerun of ``holder`` (a UUID derived from it)."""
+    return str(uuid.uuid5(_RERUN_NAMESPACE, holder))
+
+
+class _Confirmer:
+    """Confirms pushed sends (pending lock -> ``ttl``) in batches, from one daemon thread.
+
+    Each flush is one :meth:`~GuardBackend.renew_many` per backend: one
+    round trip on Redis, however many sends it confirms. A flush starts
+    ``linger`` seconds after the first unconfirmed send (or at once when
+    ``batch`` sends are waiting), so a burst shares one round trip.
+    """
+
+    def __init__(self, *, linger: float, batch: int = 1000) -> None:
+        self.linger = linger
+        self.batch = batch
+        self._start()
+
+    def _start(self) -> None:
+        self._pid = os.getpid()
+        self._cond = threading.Condition(threading.Lock())
+        # (backend, key, holder, ttl_ms, monotonic time its pending lock lapses)
+        self._items: list[tuple[GuardBackend, str, str, int, float]] = []
+        self._busy = 0
+        self._thread: threading.Thread | None = None
+
+    def add(self, backend: GuardBackend, key: str, holder: str, ttl_ms: int, lapses_at: float) -> None:
+        if os.getpid() != self._pid:  # forked: the parent's thread and lock are not ours
+            self._start()
+        with self._cond:
+            self._items.append((backend, key, holder, ttl_ms, lapses_at))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="dramatiq-guard-dedup", daemon=True)
+                self._thread.start()
+            if len(self._items) == 1 or len(self._items) >= self.batch:
+                self._cond.notify_all()
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Confirm everything added so far, and wait for a flush in progress."""
+        if os.getpid() != self._pid:
+            return
+        with self._cond:
+            items, self._items = self._items, []
+            self._busy += 1
+        try:
+            self._send(items)
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self._busy == 0, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._items))
+                self._cond.wait_for(lambda: len(self._items) >= self.batch, self.linger)
+                items, self._items = self._items, []
+                self._busy += 1
+            failed = True
+            try:
+                failed = not self._send(items)
+            finally:
+                with self._cond:
+                    self._busy -= 1
+                    self._cond.notify_all()
+                    if failed:  # the backend is unreachable: do not hammer it
+                        self._cond.wait(RETRY_S)
+
+    def _send(self, items: list[tuple[GuardBackend, str, str, int, float]]) -> bool:
+        """Confirm ``items``; False if a backend was unreachable (the still-pending ones are kept)."""
+        ok = True
+        groups: dict[int, list[tuple[GuardBackend, str, str, int, float]]] = {}
+        for item in items:
+            groups.setdefault(id(item[0]), []).append(item)
+        for group in groups.values():
+            try:
+                renewed = group[0][0].renew_many([(key, holder, ttl) for _, key, holder, ttl, _ in group])
+            except Exception:
+                ok = False
+                now = time.monotonic()
+                retry = [item for item in group if item[4] > now]
+                logger.warning(
+                    "Could not confirm %d dedup lock(s); retrying %d before they lapse.",
+                    len(group),
+                    len(retry),
+                    exc_info=True,
+                )
+                if retry:
+                    with self._cond:
+                        self._items.extend(retry)
+                continue
+            for (_, key, holder, _, _), ok in zip(group, renewed, strict=True):
+                if not ok:
+                    # Released already (an until_executing holder that started at
+                    # once, a holder that finished) or lapsed before confirmation.
+                    logger.debug("Dedup lock %r of %r was gone when confirmed.", key, holder)
+        return ok
+
+
+_confirmers: weakref.WeakSet[_Confirmer] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:  # pragma: no cover - runs at interpreter exit
+    for confirmer in list(_confirmers):
+        try:
+            confirmer.flush(timeout=5.0)
+        except Exception:
+            logger.exception("Could not confirm dedup locks at exit.")
+
+
+class Deduplication(GuardMiddleware[DedupPolicy]):
+    """Enqueue-time deduplication for actors declared with ``dedup=``.
+
+    See the module docstring for the semantics. Place it before Retries
+    (:func:`dramatiq_guard.install` does), after the mutex and concurrency
+    middlewares.
+
+    Example:
+
+      >>> @dramatiq.actor(dedup="until_executing")
+      ... def refresh_authorizations(user_id): ...
+      >>> first = refresh_authorizations.send(42)
+      >>> second = refresh_authorizations.send(42)
+      >>> deduplicated_by(second) == first.message_id
+      True
+
+    Parameters:
+      redis: The backend (see :class:`~dramatiq_guard.middleware.base.GuardMiddleware`).
+      pending_ttl(int|timedelta): How long a lock taken by ``send()`` lives
+        before its push is confirmed, in ms. A producer that dies between the
+        lock and the push blocks duplicates this long. Default: 10 seconds.
+    """
+
+    policy_class = DedupPolicy
+    #: Deduplication decides before the slots middlewares park (20).
+    gate_priority = 10
+
+    def __init__(self, *, redis: Any = None, pending_ttl: int | datetime.timedelta = 10_000) -> None:
+        super().__init__(redis=redis)
+        pending = duration_ms(pending_ttl, what="pending_ttl")
+        if not pending:
+            raise GuardOptionError(f"Deduplication: pending_ttl must be positive, not {pending_ttl!r}")
+        self.pending_ttl_ms: int = pending
+        self._confirmer = _Confirmer(linger=min(0.05, pending / 10_000))
+        _confirmers.add(self._confirmer)
+        self._local = threading.local()
+        self._retries: dict[int, bool] = {}
+
+    @property
+    def actor_options(self) -> set[str]:
+        return {self.option}
+
+    def flush(self) -> None:
+        """Confirm now every pending lock whose push succeeded (normally done in the background)."""
+        self._confirmer.flush()
+
+    # --- enqueue time -----------------------------------------------------------------------
+
+    def before_push(self, broker: Broker, message: Message[Any], delay: int | None) -> _LockTicket | None:
+        """Take the dedup lock for ``message``, or divert it as a duplicate (see the module docstring)."""
+        options = message.options
+        if LOCK_OPTION in options or EXEMPT_OPTION in options:
+            # A holder's own re-enqueue (Retries, delay-queue move, slots
+            # hand-off, rerun) or a message already let through unguarded.
+            return None
+        guard = self.guard_of(message)
+        if guard is None:
+            return None
+        policy = guard.policy
+        reason = self._exemption(message, delay, policy)
+        if reason is not None:
+            options[EXEMPT_OPTION] = reason
+            return None
+
+        key = PREFIX + self._key(guard, message)
+        backend = self.backend(broker)
+        try:
+            result = backend.acquire(
+                key, message.message_id, limit=1, ttl_ms=self.pending_ttl_ms, info=message.actor_name
+            )
+            self._deliver(broker, backend, key, result.handoffs)
+            if result.acquired:
+                options[LOCK_OPTION] = key
+                ttl = policy.ttl_ms + ((delay or 0) if policy.including_scheduled else 0)
+                return _LockTicket(self, broker, backend, key, message, ttl)
+            holder = result.holders[0] if result.holders else ""
+            events.deduplicated(message.actor_name)
+            logger.info("Deduplicated %s: %r is held by %s.", message, key, holder or "nobody")
+            if policy.on_duplicate == "raise":
+                raise DuplicateMessage(message.message_id, holder, key)
+            marks: dict[str, Any] = {BY_OPTION: holder}
+            if policy.on_duplicate == "reschedule_once":
+                marks = self._reschedule(broker, backend, key, message, holder, policy)
+        except BackendUnavailable:
+            if not policy.fail_open:
+                raise
+            logger.warning(
+                "The guard backend is unavailable: enqueuing %s without deduplication (fail_open).",
+                message.message_id,
+                exc_info=True,
+            )
+            options.pop(LOCK_OPTION, None)
+            options[EXEMPT_OPTION] = "backend_unavailable"
+            return None
+        raise Diverted(message.copy(options=marks), accepted=False)
+
+    def _exemption(self, message: Message[Any], delay: int | None, policy: DedupPolicy) -> str | None:
+        options = message.options
+        if delay and not policy.including_scheduled:
+            return "scheduled"
+        if "pipe_target" in options or message.message_id == getattr(self._local, "pipe_next", None):
+            return "pipeline"
+        if options.get("group_completion_uuid"):
+            return "group"
+        return None
+
+    def _key(self, guard: ActorGuard[DedupPolicy], message: Message[Any]) -> str:
+        override = message.options.get(KEY_OPTION)
+        if override is None:
+            return guard.key_of(message)
+        if not isinstance(override, str) or not override:
+            raise GuardOptionError(
+                f"actor {guard.actor_name!r}: message option {KEY_OPTION}={override!r} is not valid: "
+                f"it must be a non-empty str"
+            )
+        return override
+
+    def _reschedule(
+        self,
+        broker: Broker,
+        backend: GuardBackend,
+        key: str,
+        message: Message[Any],
+        holder: str,
+        policy: DedupPolicy,
+    ) -> dict[str, Any]:
+        """Park (or refresh) the single rerun of ``holder`` in the lock's waiter queue.
+
+        ``limit=0`` makes the acquire park the rerun even if the lock was freed
+        since the holder was seen; it only "acquires" if the rerun already holds
+        the lock (it was handed it meanwhile), which leaves it as it is.
+        """
+        rerun = rerun_id(holder)
+        copy = message.copy(message_id=rerun, options={LOCK_OPTION: key})
+        for name in (KEY_OPTION, BY_OPTION, RERUN_OPTION, EXEMPT_OPTION):
+            copy.options.pop(name, None)
+        result = backend.acquire(
+            key, rerun, limit=0, ttl_ms=policy.ttl_ms, wait=Waiter(payload=copy.encode())
+        )
+        self._deliver(broker, backend, key, result.handoffs)
+        if result.parked and not result.holders:
+            # The holder finished between the two calls: nobody will hand the
+            # lock on, so hand it to the rerun now.
+            swept = backend.sweep(key, limit=1)
+            self._deliver(broker, backend, key, swept.handoffs)
+        return {BY_OPTION: holder, RERUN_OPTION: rerun}
+
+    def _deliver(self, broker: Broker, backend: GuardBackend, key: str, handoffs: Sequence[Handoff]) -> None:
+        """Re-enqueue reruns that were just handed the lock, then confirm them."""
+        for handoff in handoffs:
+            if handoff.payload is None:
+                continue
+            try:
+                rerun: Message[Any] = Message.decode(handoff.payload)
+                guard = self.guard_of(rerun)
+                broker.enqueue(rerun)
+                backend.confirm_handoff(
+                    handoff.key,
+                    handoff.waiter_id,
+                    ttl_ms=guard.policy.ttl_ms if guard is not None else _FALLBACK_TTL_MS,
+                )
+            except Exception:
+                # The reservation lapses and the rerun goes back to the queue,
+                # to be handed on by the next operation on the key.
+                logger.exception("Could not re-enqueue the rerun %r of dedup key %r.", handoff.waiter_id, key)
+
+    # --- execution time ---------------------------------------------------------------------
+
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        self._local.pipe_next = None
+        key = message.options.get(LOCK_OPTION)
+        if not isinstance(key, str):
+            return
+        guard = self.guard_of(message)
+        if guard is not None and guard.policy.strategy == "until_expired":
+            return
+        backend = self.backend(broker)
+        holder = message.message_id
+        try:
+            if guard is None or guard.policy.strategy == "until_executing":
+                # (An actor no longer declared with dedup here: release at once.)
+                released = backend.release(key, holder, limit=1)
+                # Later attempts (retries) of a started holder take no lock.
+                message.options.pop(LOCK_OPTION, None)
+                message.options[EXEMPT_OPTION] = "started"
+                self._deliver(broker, backend, key, released.handoffs)
+                return
+            policy = guard.policy
+            if policy.on_duplicate == "reschedule_once":
+                # Duplicates that arrived before this start are covered by this run.
+                cancelled = backend.cancel_wait(key, rerun_id(holder), limit=1)
+                self._deliver(broker, backend, key, cancelled.handoffs)
+            else:
+                result = backend.acquire(key, holder, limit=1, ttl_ms=policy.ttl_ms, info=message.actor_name)
+                self._deliver(broker, backend, key, result.handoffs)
+                if not result.acquired:
+                    logger.warning(
+                        "Message %s starts without its dedup lock %r: it lapsed and %s holds it now.",
+                        holder,
+                        key,
+                        ", ".join(result.holders) or "nobody",
+                    )
+                    return
+            lease: LeaseHandle = get_renewer().register(backend, key, holder, policy.ttl_ms)
+            execution_state(message).data[self.option] = lease
+        except BackendUnavailable:
+            if guard is not None and guard.policy.fail_open:
+                logger.warning("The guard backend is unavailable: %s runs anyway (fail_open).", holder)
+                return
+            raise
+
+    def after_process_message(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        if exception is None and not message.failed:
+            target = message.options.get("pipe_target")
+            if isinstance(target, dict):
+                # Pipelines (after this middleware in the after-hooks) enqueues
+                # this next step from this thread: let it through.
+                self._local.pipe_next = target.get("message_id")
+        will_retry = exception is not None and not message.failed and self._has_retries(broker)
+        self._finish(broker, message, terminal=not will_retry)
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        self._finish(broker, message, terminal=not execution_state(message).parked)
+
+    def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
+        self.flush()
+
+    def _finish(self, broker: Broker, message: MessageProxy, *, terminal: bool) -> None:
+        lease = execution_state(message).data.pop(self.option, None)
+        if isinstance(lease, LeaseHandle):
+            lease.unregister()
+        key = message.options.get(LOCK_OPTION)
+        if not terminal or not isinstance(key, str):
+            return
+        guard = self.guard_of(message)
+        if guard is not None and guard.policy.strategy == "until_expired":
+            return
+        backend = self.backend(broker)
+        try:
+            released = backend.release(key, message.message_id, limit=1)
+        except BackendUnavailable:
+            logger.error(
+                "Could not release dedup lock %r of %s: it lapses at its ttl.",
+                key,
+                message.message_id,
+                exc_info=True,
+            )
+            return
+        if not released.released:
+            logger.debug("Dedup lock %r of %s had lapsed before its release.", key, message.message_id)
+        self._deliver(broker, backend, key, released.handoffs)
+
+    def _has_retries(self, broker: Broker) -> bool:
+        known = self._retries.get(id(broker))
+        if known is None:
+            known = self._retries[id(broker)] = any(isinstance(m, Retries) for m in broker.middleware)
+        return known
+
+
+class _LockTicket:
+    """The pending lock of one send: confirmed in the background once pushed, released if not."""
+
+    __slots__ = ("backend", "broker", "key", "message", "middleware", "ttl_ms")
+
+    def __init__(
+        self,
+        middleware: Deduplication,
+        broker: Broker,
+        backend: GuardBackend,
+        key: str,
+        message: Message[Any],
+        ttl_ms: int,
+    ) -> None:
+        self.middleware = middleware
+        self.broker = broker
+        self.backend = backend
+        self.key = key
+        self.message = message
+        self.ttl_ms = ttl_ms
+
+    def pushed(self) -> None:
+        lapses_at = time.monotonic() + self.middleware.pending_ttl_ms / 1000
+        self.middleware._confirmer.add(
+            self.backend, self.key, self.message.message_id, self.ttl_ms, lapses_at
+        )
+
+    def failed(self) -> None:
+        self.message.options.pop(LOCK_OPTION, None)
+        released = self.backend.release(self.key, self.message.message_id, limit=1)
+        self.middleware._deliver(self.broker, self.backend, self.key, released.handoffs)
