@@ -1,0 +1,145 @@
+"""Concurrency slots and mutex hand-off, side by side with what Dramatiq users do today."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import statistics
+import time
+
+import redis
+
+from bench.actors import finish_key
+from bench.core import Context, Figure, scenario
+
+PROCESSES, THREADS = 2, 8
+LIMIT, JOB_S = 8, 0.010
+
+
+def _wait_finish(ctx: Context, run_id: str) -> float:
+    """Like ``ctx.wait_finish``, on a client without redis-py 8's default 5 s socket timeout."""
+    with redis.Redis.from_url(ctx.redis_url, socket_timeout=None) as client:
+        item = client.blpop([finish_key(run_id)], timeout=600)
+    if item is None:
+        raise TimeoutError(f"bench run {run_id} did not finish")
+    return float(item[1])
+
+
+def _drain(ctx: Context, actor: object, name: str, n: int) -> tuple[float, float]:
+    """(makespan / ideal, pickups per message) of ``n`` sends of ``actor`` to a running worker."""
+    ctx.client.delete(f"bench:pickups:{name}")
+    run_id = ctx.new_run_id()
+    start = time.time()
+    for _ in range(n):
+        actor.send(run_id, n)  # type: ignore[attr-defined]
+    makespan = _wait_finish(ctx, run_id) - start
+    ideal = n * JOB_S / LIMIT
+    pickups = int(ctx.client.get(f"bench:pickups:{name}") or 0) / n
+    return makespan / ideal, pickups
+
+
+def _handoff_ms(ctx: Context, actor: object, n: int) -> float:
+    """Median ms from one holder's end to the next holder's start, over ``n`` sequential runs."""
+    run_id = ctx.new_run_id()
+    for _ in range(n):
+        actor.send(run_id, n)  # type: ignore[attr-defined]
+    _wait_finish(ctx, run_id)
+    spans = sorted(
+        tuple(map(float, raw.decode().split(",")))
+        for raw in ctx.client.lrange(f"bench:spans:{run_id}", 0, -1)
+    )
+    gaps = [(nxt[0] - cur[1]) * 1000 for cur, nxt in itertools.pairwise(spans)]
+    return statistics.median(gaps)
+
+
+@scenario("slots", title="Concurrency slots and mutex hand-off", order=40)
+def slots(ctx: Context) -> list[Figure]:
+    """Slot drain and hand-off latency (``bench/scenarios/slots_actors.py``), 2 processes x 8 threads.
+
+    * slot drain: N messages of 10 ms on one key with limit 8, sent at once to a running
+      worker; makespan (first send to last completion) over the ideal N x 10 ms / 8, and
+      broker pickups per message (a first middleware counts every message taken), for
+      ``concurrency=8`` (with standbys, the default, and without: ``lookahead=0``, a worker of
+      its own) and for Dramatiq's ``ConcurrentRateLimiter`` (RateLimitExceeded retried with a
+      100 ms - 2 s backoff).
+    * hand-off: M messages on one mutex key, each 2 ms; the median gap from one holder's end
+      to the next one's start, for ``on_busy="wait"``, ``"park"`` (with a standby, and
+      without) and redis-py's ``Lock`` (which polls every 0.1 s).
+    """
+    os.environ["BENCH_SLOTS"] = "1"
+    # The loader imported it inert (without BENCH_SLOTS): import it again, armed.
+    actors = importlib.reload(ctx.import_actors("bench.scenarios.slots_actors"))
+    n = ctx.n(2000, 400)
+    m = ctx.n(200, 40)
+    ctx.flush()
+    # Without standbys first (lookahead=0), on a worker of its own.
+    env = {"BENCH_SLOTS": "1", "BENCH_SLOTS_LOOKAHEAD": "0"}
+    ctx.worker("bench.scenarios.slots_actors", processes=PROCESSES, threads=THREADS, env=env)
+    plain_ratio, plain_pickups = _drain(ctx, actors.slot_job, "slot_job", n)
+    plain_park_ms = _handoff_ms(ctx, actors.handoff_park, m)
+    ctx.stop_workers()
+    ctx.worker("bench.scenarios.slots_actors", processes=PROCESSES, threads=THREADS, env={"BENCH_SLOTS": "1"})
+    slot_ratio, slot_pickups = _drain(ctx, actors.slot_job, "slot_job", n)
+    crl_ratio, crl_pickups = _drain(ctx, actors.crl_job, "crl_job", n)
+    wait_ms = _handoff_ms(ctx, actors.handoff_wait, m)
+    park_ms = _handoff_ms(ctx, actors.handoff_park, m)
+    redispy_ms = _handoff_ms(ctx, actors.handoff_redispy, m)
+    ctx.stop_workers()
+    drained = f"N={n} x 10 ms, limit {LIMIT}, {PROCESSES}x{THREADS}"
+    return [
+        Figure(
+            "slot_makespan_ratio",
+            "slot drain makespan / ideal",
+            slot_ratio,
+            vs="slots/crl_makespan_ratio",
+            better="lower",
+            detail=drained,
+        ),
+        Figure(
+            "slot_pickups", "broker pickups per message (slots)", slot_pickups, better="lower", detail=drained
+        ),
+        Figure(
+            "slot_nolookahead_makespan_ratio",
+            "slot drain makespan / ideal, without standbys (lookahead=0)",
+            plain_ratio,
+            vs="slots/slot_makespan_ratio",
+            better="lower",
+            detail=drained,
+        ),
+        Figure(
+            "slot_nolookahead_pickups",
+            "broker pickups per message (slots, without standbys)",
+            plain_pickups,
+            better="lower",
+        ),
+        Figure("crl_makespan_ratio", "ConcurrentRateLimiter makespan / ideal", crl_ratio, better="lower"),
+        Figure(
+            "crl_pickups", "broker pickups per message (ConcurrentRateLimiter)", crl_pickups, better="lower"
+        ),
+        Figure(
+            "handoff_wait_ms",
+            'mutex hand-off, on_busy="wait" (median)',
+            wait_ms,
+            "ms",
+            vs="slots/handoff_redispy_ms",
+            better="lower",
+        ),
+        Figure(
+            "handoff_park_ms",
+            'mutex hand-off, on_busy="park" (median)',
+            park_ms,
+            "ms",
+            vs="slots/handoff_redispy_ms",
+            better="lower",
+        ),
+        Figure(
+            "handoff_park_nolookahead_ms",
+            'mutex hand-off, on_busy="park" without a standby (median)',
+            plain_park_ms,
+            "ms",
+            vs="slots/handoff_park_ms",
+            better="lower",
+        ),
+        Figure("handoff_redispy_ms", "redis-py Lock hand-off (median)", redispy_ms, "ms", better="lower"),
+    ]

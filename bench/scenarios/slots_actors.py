@@ -1,0 +1,75 @@
+"""Worker-side actors of the slots and mutex bench (``python -m dramatiq bench.scenarios.slots_actors``).
+
+Inert unless ``BENCH_SLOTS`` is set (the scenario loader imports every module here). A first
+middleware counts broker pickups (every message a worker takes, run or parked after pickup).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import dramatiq
+
+if os.environ.get("BENCH_SLOTS"):
+    from dramatiq.brokers.redis import RedisBroker
+    from dramatiq.middleware import AgeLimit, Retries
+    from dramatiq.rate_limits import ConcurrentRateLimiter
+    from dramatiq.rate_limits.backends import RedisBackend as RateLimiterBackend
+
+    from bench.actors import cross_finish_line, redis_url
+    from dramatiq_guard.middleware.slots import Concurrency, Mutex
+
+    class PickupCounter(dramatiq.Middleware):
+        """Counts every message a worker takes off the broker, per actor."""
+
+        def before_process_message(self, broker: Any, message: Any) -> None:
+            broker.client.incr(f"bench:pickups:{message.actor_name}")
+
+    broker = RedisBroker(url=redis_url())
+    broker.add_middleware(PickupCounter(), before=AgeLimit)
+    # BENCH_SLOTS_LOOKAHEAD=0: no standbys (how slots drained before them), for the side-by-side figure.
+    lookahead = int(os.environ["BENCH_SLOTS_LOOKAHEAD"]) if os.environ.get("BENCH_SLOTS_LOOKAHEAD") else None
+    broker.add_middleware(Mutex(lookahead=lookahead), before=Retries)
+    broker.add_middleware(Concurrency(lookahead=lookahead), before=Retries)
+    dramatiq.set_broker(broker)
+    limiter_backend = RateLimiterBackend(client=broker.client)
+    drain_limiter = ConcurrentRateLimiter(limiter_backend, "bench-drain", limit=8, ttl=60_000)
+
+    @dramatiq.actor(
+        concurrency={"limit": 8, "key": lambda *a: "drain"}, queue_name="bench_slots", max_retries=0
+    )
+    def slot_job(run_id: str, total: int) -> None:
+        time.sleep(0.01)  # the job's 10 ms of work
+        cross_finish_line(broker.client, run_id, total)
+
+    # The way users limit concurrency with Dramatiq alone: RateLimitExceeded, retried with backoff
+    # (tuned down from Dramatiq's 15 s default minimum, as users of this pattern do).
+    @dramatiq.actor(queue_name="bench_slots", max_retries=100_000, min_backoff=100, max_backoff=2_000)
+    def crl_job(run_id: str, total: int) -> None:
+        with drain_limiter.acquire():
+            time.sleep(0.01)
+        cross_finish_line(broker.client, run_id, total)
+
+    def _timed(run_id: str, total: int) -> None:
+        start = time.time()
+        time.sleep(0.002)
+        broker.client.rpush(f"bench:spans:{run_id}", f"{start},{time.time()}")
+        cross_finish_line(broker.client, run_id, total)
+
+    @dramatiq.actor(
+        mutex={"key": lambda *a: "handoff", "on_busy": "wait", "wait": 600_000}, queue_name="bench_slots"
+    )
+    def handoff_wait(run_id: str, total: int) -> None:
+        _timed(run_id, total)
+
+    @dramatiq.actor(mutex={"key": lambda *a: "handoff", "on_busy": "park"}, queue_name="bench_slots")
+    def handoff_park(run_id: str, total: int) -> None:
+        _timed(run_id, total)
+
+    @dramatiq.actor(queue_name="bench_slots", max_retries=0)
+    def handoff_redispy(run_id: str, total: int) -> None:
+        # redis-py's Lock: a waiter polls every `sleep` (0.1 s, its default).
+        with broker.client.lock("bench-redispy", timeout=30, sleep=0.1, blocking_timeout=600):
+            _timed(run_id, total)

@@ -1,0 +1,234 @@
+"""Leases: what a holder of a mutex or a concurrency slot holds.
+
+A :class:`Lease` is one holder's membership of a guard key, with a deadline
+on the backend's clock. While it is held, the process's lease renewer
+(:mod:`dramatiq_guard.renewer`) extends it every third of its duration; if
+the process dies, renewals stop and the lease lapses within one lease
+duration, after which any operation on the key reclaims the slot.
+
+Every acquire returns a *fencing token* that is strictly greater than every
+token issued before for the same key. Pass it along with writes to a
+downstream system that can check it (reject a write whose token is lower
+than one it has already seen): a holder that was paused past its lease and
+lost it then cannot overwrite the work of the holder that came after it.
+
+A holder is always told when it loses its lease: :attr:`Lease.lost` turns
+True as soon as the renewer finds out (a renewal was refused, or the backend
+stayed unreachable for a whole lease), :meth:`Lease.check` raises
+:class:`~dramatiq_guard.errors.LeaseLost`, and :meth:`Lease.release` returns
+a result whose ``released`` is False.
+
+``cap`` (the ``ttl`` of a ``mutex`` or ``concurrency`` option, and of the
+standalone lock) bounds how long a lease may be held, renewals included:
+when it passes, renewals stop and the lease is expired on the backend at
+once (the holder sees it as lost).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+
+from dramatiq_guard.backends.base import GuardBackend, ReleaseResult
+from dramatiq_guard.errors import LeaseLost
+from dramatiq_guard.renewer import LeaseHandle, get_renewer
+
+__all__ = ["Lease"]
+
+logger = logging.getLogger(__name__)
+
+
+class Lease:
+    """A held slot of a guard key: its holder, fencing token and whether it is still held.
+
+    Leases are made by the guard middlewares (``dramatiq_guard.current_lease()``
+    inside a guarded actor) and by :class:`dramatiq_guard.lock.Lock`; do not
+    build one yourself.
+
+    Parameters:
+      backend(GuardBackend): The backend the lease lives on.
+      key(str): The guard key (with its capability prefix, e.g. ``"mutex:report"``).
+      holder(str): The holder id (a message id, or a random id for the standalone lock).
+      token(int): The fencing token of this acquire.
+      limit(int): The default limit of the key, used to hand the slot on at release.
+      ttl_ms(int): The lease duration (renewed every third of it).
+      cap_ms(int|None): The most the lease may be held, renewals included.
+
+    Attributes:
+      key(str): The guard key.
+      holder(str): The holder id.
+      token(int): The fencing token: strictly greater than every token issued
+        before it for this key.
+      acquired_at(float): When it was acquired (``time.time()``).
+      release_result(ReleaseResult|None): What the release reported, once released.
+    """
+
+    def __init__(
+        self,
+        backend: GuardBackend,
+        key: str,
+        holder: str,
+        token: int,
+        *,
+        limit: int,
+        ttl_ms: int,
+        cap_ms: int | None = None,
+    ) -> None:
+        self.backend = backend
+        self.key = key
+        self.holder = holder
+        self.token = token
+        self.limit = limit
+        self.ttl_ms = ttl_ms
+        self.cap_ms = cap_ms
+        self.acquired_at = time.time()
+        self.release_result: ReleaseResult | None = None
+        self._released = False
+        self._lost = threading.Event()
+        self._handle: LeaseHandle | None = None
+        if cap_ms is None or cap_ms > ttl_ms:
+            # The backend deadline is ttl_ms: keep it alive while held.
+            self._handle = get_renewer().register(backend, key, holder, ttl_ms)
+            self._handle.on_lost.append(lambda _handle: self._lost.set())
+        # Else the acquire's own deadline (cap_ms) ends it: nothing to renew.
+        if cap_ms is not None:
+            _expirer.schedule(self, cap_ms)
+
+    @property
+    def fencing_token(self) -> int:
+        """The fencing token (same as :attr:`token`)."""
+        return self.token
+
+    @property
+    def lost(self) -> bool:
+        """Whether the lease was lost while held: it lapsed, was reclaimed, or hit its cap."""
+        return self._lost.is_set()
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` was called."""
+        return self._released
+
+    @property
+    def held(self) -> bool:
+        """Whether the lease is, as far as this process knows, still held.
+
+        False once it was released or found lost. A lease can lapse between
+        two renewals without this process knowing yet (a stopped process, a
+        partition): protect downstream writes with :attr:`token`, not with
+        this flag alone.
+        """
+        return not self._released and not self._lost.is_set()
+
+    def check(self) -> None:
+        """Raise :class:`~dramatiq_guard.errors.LeaseLost` if the lease was lost.
+
+        Raises:
+          LeaseLost: The lease lapsed or was taken over.
+        """
+        if self._lost.is_set():
+            raise LeaseLost(self.key, self.holder)
+
+    def wait_lost(self, timeout: float | None = None) -> bool:
+        """Block until the lease is found lost, or ``timeout`` seconds pass.
+
+        Returns:
+          bool: Whether it is lost.
+        """
+        return self._lost.wait(timeout)
+
+    def release(self) -> ReleaseResult:
+        """Stop renewing the lease and give the slot back (checked: only this holder's own).
+
+        The freed slot is handed to the oldest waiter of the key; the result's
+        ``handoffs`` with a payload must be re-enqueued by the caller (the
+        middlewares and the lock do it). If ``released`` is False the lease
+        had been lost before it was released: :attr:`lost` is then True.
+        Releasing twice returns the first result.
+
+        Raises:
+          BackendUnavailable: The backend could not be reached; the lease is
+            no longer renewed and lapses within one lease duration.
+        """
+        if self.release_result is not None:
+            return self.release_result
+        self._released = True
+        if self._handle is not None:
+            self._handle.unregister()
+        _expirer.cancel(self)
+        result = self.backend.release(self.key, self.holder, limit=self.limit)
+        if not result.released:
+            self._lost.set()
+        self.release_result = result
+        return result
+
+    def _expire(self) -> None:
+        """The cap passed: stop renewing and end the lease on the backend now."""
+        if self._released:
+            return
+        if self._handle is not None:
+            self._handle.unregister()
+        try:
+            # A renewal to 0 ms ends the lease now; the next operation on the key reclaims it.
+            self.backend.renew(self.key, self.holder, ttl_ms=0)
+        except Exception:
+            logger.warning(
+                "Could not expire the capped lease of %r on %r.", self.holder, self.key, exc_info=True
+            )
+        logger.warning(
+            "The lease of %r on guard key %r reached its ttl of %d ms and was ended.",
+            self.holder,
+            self.key,
+            self.cap_ms,
+        )
+        if self._handle is not None:
+            self._handle.mark_lost()
+        self._lost.set()
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "lost" if self.lost else "held"
+        return f"Lease(key={self.key!r}, holder={self.holder!r}, token={self.token}, {state})"
+
+
+class _Expirer:
+    """One daemon thread that ends capped leases when their cap passes (a timer heap)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Lease]] = []
+        self._count = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def schedule(self, lease: Lease, after_ms: int) -> None:
+        with self._cond:
+            if self._thread is None or self._pid != os.getpid():
+                self._heap = []
+                self._pid = os.getpid()
+                self._thread = threading.Thread(
+                    target=self._run, name="dramatiq-guard-lease-cap", daemon=True
+                )
+                self._thread.start()
+            heapq.heappush(self._heap, (time.monotonic() + after_ms / 1000, next(self._count), lease))
+            self._cond.notify()
+
+    def cancel(self, lease: Lease) -> None:
+        with self._cond:
+            if any(entry[2] is lease for entry in self._heap):
+                self._heap = [entry for entry in self._heap if entry[2] is not lease]
+                heapq.heapify(self._heap)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                _, _, lease = heapq.heappop(self._heap)
+            lease._expire()
+
+
+_expirer = _Expirer()

@@ -1,0 +1,302 @@
+"""A standalone lock for code that is not an actor, with the mutex's lease, renewal and fencing.
+
+In the shape of redis-py's :class:`redis.lock.Lock`::
+
+    from dramatiq_guard.lock import Lock
+
+    lock = Lock("nightly-report")                     # redis=None: the global broker's backend
+    if lock.acquire(blocking=False):                  # non-blocking: True if acquired
+        try:
+            build_report(fencing_token=lock.lease.token)
+        finally:
+            lock.release()
+
+    with Lock("nightly-report", blocking_timeout=5):  # blocking, up to 5 s, else LockNotAcquired
+        ...
+
+    outcome = Lock("nightly-report", blocking=False).run(build_report)
+    if outcome.ran:                                   # whether the function ran, and its value
+        print(outcome.value)
+
+Semantics
+  * The lock's guard key is ``"mutex:<name>"``: the same key as a ``mutex``
+    actor whose ``key`` callable returns ``name``, so a script and an actor
+    can exclude each other.
+  * A lease per acquire (a fresh random holder id), renewed by the process's
+    renewer every third of ``lease_ttl`` while held; a killed process's lock
+    is free within ``lease_ttl``. ``ttl`` caps how long it may be held,
+    renewals included. Every acquire gets a fencing token greater than every
+    token issued before for the key (:attr:`Lease.token`).
+  * Blocking acquires wait in the key's FIFO as blocking waiters, woken by a
+    push when the lock is handed to them (no polling; a re-check every few
+    seconds reclaims a dead holder's lapsed lease).
+  * Durations: ``blocking_timeout`` is in **seconds** (a float, or a
+    ``timedelta``), as in redis-py; ``lease_ttl`` and ``ttl`` are integer
+    milliseconds (or a ``timedelta``), as everywhere in Dramatiq.
+  * A lease lost while held (it lapsed under a stalled process and was
+    taken) is reported: :attr:`Lease.lost`, and :meth:`Lock.release` (so the
+    ``with`` block and :meth:`Lock.run`) raise
+    :class:`~dramatiq_guard.errors.LeaseLost`, as redis-py raises
+    ``LockNotOwnedError``.
+  * One ``Lock`` object is one holder at a time: do not share one object
+    between threads that lock concurrently (make one per thread).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, TypeVar
+
+import dramatiq
+from dramatiq import Broker
+
+from dramatiq_guard.backends.base import GuardBackend, Handoff, Waiter
+from dramatiq_guard.errors import GuardError, LeaseLost
+from dramatiq_guard.lease import Lease
+from dramatiq_guard.policies import duration_ms
+from dramatiq_guard.resolve import backend_from, resolve_backend
+
+__all__ = ["Lock", "LockNotAcquired", "LockRun"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: The longest a blocking acquire sleeps before re-checking the key.
+BACKSTOP_MS = 2_000
+
+
+class LockNotAcquired(GuardError):
+    """``with lock:`` could not acquire the lock (non-blocking, or ``blocking_timeout`` ran out).
+
+    Parameters:
+      key(str): The guard key.
+      holders(tuple[str, ...]): Who held it.
+    """
+
+    def __init__(self, key: str, holders: tuple[str, ...] = ()) -> None:
+        held_by = f" (held by {', '.join(holders)})" if holders else ""
+        super().__init__(f"could not acquire the lock {key!r}{held_by}")
+        self.key = key
+        self.holders = holders
+
+
+@dataclasses.dataclass(frozen=True)
+class LockRun(Generic[T]):
+    """What :meth:`Lock.run` did.
+
+    Parameters:
+      ran(bool): Whether the lock was acquired and the function ran.
+      value: The function's return value (None if it did not run).
+      token(int|None): The fencing token it ran under.
+    """
+
+    ran: bool
+    value: T | None = None
+    token: int | None = None
+
+
+class Lock:
+    """A lock on ``name``, for code outside actors; see the module docstring.
+
+    Parameters:
+      name(str): The lock's name (its guard key is ``"mutex:<name>"``).
+      redis: A GuardBackend, a redis-py client or a URL; None: the backend of
+        ``broker`` (or of the global broker).
+      broker(Broker|None): Where to re-enqueue parked ``mutex`` messages this
+        lock hands the key to when it releases (default: the global broker,
+        if it has a Mutex middleware; otherwise the workers' sweep does it).
+      lease_ttl: The lease duration in ms (renewed every third of it). Default 30 s.
+      ttl: The most the lock is held, renewals included, in ms (None: no cap).
+      blocking(bool): The default of :meth:`acquire`'s ``blocking``.
+      blocking_timeout: The default of :meth:`acquire`'s ``blocking_timeout``, in seconds.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        redis: Any = None,
+        broker: Broker | None = None,
+        lease_ttl: int | datetime.timedelta = 30_000,
+        ttl: int | datetime.timedelta | None = None,
+        blocking: bool = True,
+        blocking_timeout: float | datetime.timedelta | None = None,
+    ) -> None:
+        if not name:
+            raise ValueError("a lock needs a non-empty name")
+        self.name = name
+        self.key = f"mutex:{name}"
+        self.lease_ttl_ms = duration_ms(lease_ttl, what="lease_ttl") or 30_000
+        self.ttl_ms = duration_ms(ttl, what="ttl", allow_none=True)
+        self.blocking = blocking
+        self.blocking_timeout = blocking_timeout
+        self._redis = redis
+        self._broker = broker
+        self._backend: GuardBackend | None = None
+        self.lease: Lease | None = None
+        self._last_holders: tuple[str, ...] = ()
+
+    # -- backend and hand-offs ------------------------------------------------
+
+    def backend(self) -> GuardBackend:
+        """The guard backend (resolved on first use)."""
+        if self._backend is None:
+            if self._redis is not None:
+                self._backend = backend_from(self._redis)
+            else:
+                self._backend = resolve_backend(self._broker or dramatiq.get_broker())
+        return self._backend
+
+    def _requeue(self, handoffs: Iterable[Handoff]) -> None:
+        handoffs = [h for h in handoffs if h.payload is not None]
+        if not handoffs:
+            return
+        from dramatiq_guard.middleware.slots import Mutex
+
+        try:
+            broker = self._broker or dramatiq.get_broker()
+        except Exception:
+            broker = None
+        mutex = next((m for m in broker.middleware if isinstance(m, Mutex)), None) if broker else None
+        if broker is None or mutex is None:
+            logger.info("No broker with a Mutex middleware: the workers' sweep re-enqueues the hand-off.")
+            return
+        mutex.requeue(broker, handoffs)
+
+    # -- redis-py's shape -----------------------------------------------------
+
+    def acquire(
+        self, blocking: bool | None = None, blocking_timeout: float | datetime.timedelta | None = None
+    ) -> bool:
+        """Acquire the lock.
+
+        Parameters:
+          blocking(bool|None): Wait for it (default: the lock's ``blocking``).
+          blocking_timeout(float|timedelta|None): The most to wait, in seconds
+            (default: the lock's; None waits as long as it takes).
+
+        Returns:
+          bool: Whether it was acquired (:attr:`lease` is then set).
+
+        Raises:
+          BackendUnavailable: The backend could not be reached.
+          RuntimeError: This object already holds the lock.
+        """
+        if self.lease is not None and self.lease.held:
+            raise RuntimeError(f"this Lock already holds {self.key!r}; make one Lock object per holder")
+        blocking = self.blocking if blocking is None else blocking
+        timeout = self.blocking_timeout if blocking_timeout is None else blocking_timeout
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds()
+        backend = self.backend()
+        holder = uuid.uuid4().hex
+        ttl = self.lease_ttl_ms if self.ttl_ms is None else max(1, min(self.lease_ttl_ms, self.ttl_ms))
+        if not blocking:
+            result = backend.acquire(self.key, holder, limit=1, ttl_ms=ttl)
+            self._requeue(result.handoffs)
+        else:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            result = backend.acquire(
+                self.key, holder, limit=1, ttl_ms=ttl, wait=Waiter(wait_ms=_chunk(deadline) + BACKSTOP_MS)
+            )
+            self._requeue(result.handoffs)
+            acquired = result.acquired
+            try:
+                while not acquired:
+                    chunk = _chunk(deadline)
+                    if chunk > 0:
+                        backend.wait_for_handoff(self.key, holder, timeout_ms=chunk)
+                    chunk = _chunk(deadline)
+                    wait = Waiter(wait_ms=chunk + BACKSTOP_MS) if chunk > 0 else None
+                    result = backend.acquire(self.key, holder, limit=1, ttl_ms=ttl, wait=wait)
+                    self._requeue(result.handoffs)
+                    acquired = result.acquired
+                    if not acquired and chunk <= 0:
+                        break
+            finally:
+                if not acquired:
+                    try:
+                        self._requeue(backend.cancel_wait(self.key, holder, limit=1).handoffs)
+                    except Exception:
+                        logger.warning("Could not leave the waiters of %r; the entry lapses.", self.key)
+        if not result.acquired:
+            self._last_holders = result.holders
+            return False
+        assert result.token is not None
+        self.lease = Lease(
+            backend, self.key, holder, result.token, limit=1, ttl_ms=self.lease_ttl_ms, cap_ms=self.ttl_ms
+        )
+        return True
+
+    def release(self) -> None:
+        """Release the lock and hand it to the next waiter.
+
+        Raises:
+          LeaseLost: The lease was lost before the release (it lapsed and may
+            have been taken by another holder meanwhile).
+          RuntimeError: This object does not hold the lock.
+        """
+        lease = self.lease
+        if lease is None or lease.released:
+            raise RuntimeError(f"this Lock does not hold {self.key!r}")
+        result = lease.release()
+        self._requeue(result.handoffs)
+        if not result.released:
+            logger.error("%r was lost before it was released: %r", lease, result)
+            raise LeaseLost(self.key, lease.holder)
+
+    def owned(self) -> bool:
+        """Whether this object holds the lock (as far as this process knows)."""
+        return self.lease is not None and self.lease.held
+
+    def locked(self) -> bool:
+        """Whether anyone holds the lock (a snapshot)."""
+        return bool(self.backend().inspect(self.key).holders)
+
+    def __enter__(self) -> Lease:
+        if not self.acquire():
+            raise LockNotAcquired(self.key, self._last_holders)
+        assert self.lease is not None
+        return self.lease
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        try:
+            self.release()
+        except LeaseLost:
+            if exc is None:
+                raise
+            logger.error("The lease of %r was lost while the block raised %r.", self.key, exc)
+
+    def run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> LockRun[T]:
+        """Run ``fn(*args, **kwargs)`` under the lock, if it can be acquired (the lock's defaults).
+
+        Returns:
+          LockRun: Whether it ran, its value and its fencing token.
+
+        Raises:
+          LeaseLost: It ran but the lease was lost before it finished.
+        """
+        if not self.acquire():
+            return LockRun(False)
+        assert self.lease is not None
+        token = self.lease.token
+        try:
+            value = fn(*args, **kwargs)
+        except BaseException:
+            self.__exit__(None, Exception("the function raised"), None)
+            raise
+        self.release()
+        return LockRun(True, value, token)
+
+
+def _chunk(deadline: float | None) -> int:
+    """How long the next wait may last, in ms (at most the backstop)."""
+    if deadline is None:
+        return BACKSTOP_MS
+    return max(0, min(BACKSTOP_MS, int((deadline - time.monotonic()) * 1000)))

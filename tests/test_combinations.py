@@ -1,0 +1,201 @@
+"""Capabilities combined on one actor, through ``dramatiq_guard.install()``.
+
+A RedisBroker with real ``dramatiq`` worker processes; the guard state in the
+same Redis. Each test checks what a user sees (what ran, how many at once, what
+``send()`` returned, results) and that nothing of the guard is left in Redis
+once the work drained, except run-time limits and the waiting-keys index
+(``dramatiq-guard:waiting``, whose entries are pruned lazily by design).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+from harness import DramatiqWorker, Recorder, wait_for_redis_broker_drain, wait_until
+
+from dramatiq_guard.backends.redis import RedisBackend
+from dramatiq_guard.ledger import COMPLETED, Ledger
+from dramatiq_guard.ledger.engine import LEDGER_URL_ENV
+from dramatiq_guard.middleware.dedup import deduplicated_by
+
+Start = Callable[..., DramatiqWorker]
+
+ACTORS = """
+import os
+
+import dramatiq
+import sqlalchemy as sa
+from dramatiq.results import Results
+from dramatiq.results.backends.redis import RedisBackend
+from harness import Gate, Recorder, broker_from_env, redis_url_from_env
+
+import dramatiq_guard
+
+broker = broker_from_env()
+broker.add_middleware(Results(backend=RedisBackend(url=redis_url_from_env())))
+dramatiq_guard.install(broker, lease_ttl=2_000, sweep_interval=200)  # ledger: DRAMATIQ_GUARD_LEDGER_URL
+dramatiq.set_broker(broker)
+rec = Recorder.from_env()
+
+entries = sa.Table(
+    "entries", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True), sa.Column("note", sa.String(64))
+)
+
+
+@dramatiq.actor(
+    dedup={"strategy": "until_executed", "key": ["key"]},
+    concurrency={"limit": 2, "key": lambda key, n: "pool"},
+    max_retries=0,
+)
+def collapse(key, n):
+    with rec.track("pool") as running:
+        rec.record(key=key, n=n, running=running)
+
+
+@dramatiq.actor(
+    mutex={"on_busy": "park", "key": lambda user: "serial"},
+    dedup={"strategy": "until_executed", "key": ["user"]},
+    max_retries=0,
+)
+def serial(user):
+    with rec.track("serial"):
+        rec.record(user=user)
+        if user == "holder":
+            Gate.from_env("serial").wait()
+
+
+@dramatiq.actor(
+    concurrency={"limit": 2, "key": lambda transfer_id: "books"},
+    idempotency_key=lambda transfer_id: transfer_id,
+    store_results=True,
+    max_retries=3,
+    min_backoff=10,
+    max_backoff=50,
+)
+def book(transfer_id):
+    dramatiq_guard.ledger_session().execute(sa.insert(entries).values(note=transfer_id))
+    return {"transfer_id": transfer_id, "pid": os.getpid()}
+
+
+@dramatiq.actor(
+    mutex={"on_busy": "park", "key": lambda user, n: user},
+    concurrency={"limit": 2, "key": lambda user, n: "pool"},
+    max_retries=0,
+)
+def both(user, n):
+    with rec.track(f"user:{user}"), rec.track("pool"):
+        rec.record(user=user, n=n)
+"""
+
+
+@pytest.fixture
+def actors(
+    actor_module: Callable[..., ModuleType], sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> ModuleType:
+    monkeypatch.setenv(LEDGER_URL_ENV, sqlite_url)  # also in the workers' environment
+    return actor_module(ACTORS)
+
+
+def guard_leftovers(client: redis.Redis) -> list[bytes]:
+    """Guard keys left in Redis, except run-time limits and the waiting-keys index."""
+    return sorted(
+        k
+        for k in client.scan_iter(b"dramatiq-guard:*")
+        if not k.endswith(b":limit") and k != b"dramatiq-guard:waiting"
+    )
+
+
+def drained(client: redis.Redis, recorder: Recorder) -> None:
+    """Wait until the broker and the guard hold nothing; then no run may be left to record."""
+    wait_for_redis_broker_drain(client)
+    wait_until(lambda: not guard_leftovers(client), what="no guard state left", redis=client)
+    assert recorder.pending() == 0, "a message ran more than once"
+
+
+def test_dedup_and_concurrency_collapse_a_burst_and_park_the_other_keys(
+    actors: ModuleType, dramatiq_worker: Start, recorder: Recorder, redisdb: redis.Redis
+) -> None:
+    first = actors.collapse.send("a", 0)
+    burst = [actors.collapse.send("a", n) for n in range(1, 20)]
+    assert {deduplicated_by(m) for m in burst} == {first.message_id}
+    others = [actors.collapse.send(f"k{n}", n) for n in range(10)]
+    assert all(deduplicated_by(m) is None for m in others)
+    state = RedisBackend(redisdb).inspect("concurrency:pool")
+    assert len(state.holders) == 2  # "a" and k0 hold the limit's reservations
+    assert [w for w, _, parked in state.waiters if parked] == [m.message_id for m in others[1:]]
+    # A parked holder keeps its dedup lock.
+    assert deduplicated_by(actors.collapse.send("k5", 99)) == others[5].message_id
+
+    dramatiq_worker("actors", processes=2, threads=4)
+    records = recorder.take(11, timeout=60)
+    assert Counter(r["key"] for r in records) == Counter(["a"] + [f"k{n}" for n in range(10)])
+    assert {(r["key"], r["n"]) for r in records} == {("a", 0)} | {(f"k{n}", n) for n in range(10)}
+    assert recorder.max_concurrency("pool") <= 2
+    drained(redisdb, recorder)
+
+    # Everything ran: the locks are gone, a new send of "a" is enqueued and runs.
+    assert deduplicated_by(actors.collapse.send("a", 100)) is None
+    assert recorder.take_one()["n"] == 100
+
+
+def test_a_parking_mutex_with_dedup_runs_each_user_once_one_at_a_time(
+    actors: ModuleType, dramatiq_worker: Start, recorder: Recorder, redisdb: redis.Redis
+) -> None:
+    dramatiq_worker("actors", processes=2, threads=4)
+    holder = actors.serial.send("holder")
+    assert recorder.take_one()["user"] == "holder"  # it holds the mutex until the gate opens
+    users = [f"u{n}" for n in range(8)]
+    firsts = {user: actors.serial.send(user) for user in users}
+    for _ in range(2):
+        for user in users:
+            assert deduplicated_by(actors.serial.send(user)) == firsts[user].message_id
+    assert deduplicated_by(actors.serial.send("holder")) == holder.message_id  # running: still locked
+    state = RedisBackend(redisdb).inspect("mutex:serial")
+    assert [w for w, _, parked in state.waiters if parked] == [firsts[u].message_id for u in users]
+
+    recorder.gate("serial").open()
+    records = recorder.take(8, timeout=60)
+    assert [r["user"] for r in records] == users  # FIFO, each once
+    assert recorder.max_concurrency("serial") == 1
+    drained(redisdb, recorder)
+
+
+def test_concurrency_and_idempotency_key_commit_once_and_strand_nothing(
+    actors: ModuleType, dramatiq_worker: Start, recorder: Recorder, redisdb: redis.Redis, sqlite_url: str
+) -> None:
+    engine = sa.create_engine(sqlite_url)
+    actors.entries.metadata.create_all(engine)
+    sent = [actors.book.send("t-1") for _ in range(20)]
+    dramatiq_worker("actors", processes=2, threads=2)
+    results = [m.get_result(block=True, timeout=60_000) for m in sent]
+    assert all(r == results[0] for r in results)
+    assert results[0]["transfer_id"] == "t-1"
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(actors.entries.c.note)).scalars().all() == ["t-1"]
+    record = Ledger(engine).get("t-1")
+    assert record is not None and (record.state, record.attempts) == (COMPLETED, 1)
+    drained(redisdb, recorder)
+    engine.dispose()
+
+
+def test_mutex_and_concurrency_on_one_actor_hold_both_limits(
+    actors: ModuleType, dramatiq_worker: Start, recorder: Recorder, redisdb: redis.Redis
+) -> None:
+    users = ["a", "b", "c"]
+    expected = [(user, n) for n in range(5) for user in users]
+    for user, n in expected[:6]:  # some parked at enqueue, before any worker runs
+        actors.both.send(user, n)
+    dramatiq_worker("actors", processes=2, threads=4)
+    for user, n in expected[6:]:  # the rest while it runs
+        actors.both.send(user, n)
+    records: list[dict[str, Any]] = recorder.take(len(expected), timeout=60)
+    assert sorted((r["user"], r["n"]) for r in records) == sorted(expected)
+    assert recorder.max_concurrency("pool") <= 2
+    assert all(recorder.max_concurrency(f"user:{user}") == 1 for user in users)
+    drained(redisdb, recorder)

@@ -1,0 +1,83 @@
+"""The mutex on RabbitMQ with a real ``dramatiq`` worker (2 processes x 4 threads).
+
+The guard state lives in the harness's Redis (``DRAMATIQ_GUARD_REDIS_URL``,
+which ``install()`` uses for a broker that is not a RedisBroker). Parked
+messages leave RabbitMQ and are re-published on hand-off; blocking waiters
+hold a worker thread (and so an unacked delivery) while they wait.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import pytest
+import redis
+from harness import DramatiqWorker, Recorder, wait_until
+
+ACTORS = """
+import dramatiq
+from harness import Recorder, broker_from_env
+
+import dramatiq_guard
+
+broker = broker_from_env()
+dramatiq_guard.install(broker, lease_ttl=2_000, sweep_interval=200)  # guard state: DRAMATIQ_GUARD_REDIS_URL
+dramatiq.set_broker(broker)
+rec = Recorder.from_env()
+
+
+def run(n):
+    with rec.track("one") as running:
+        rec.record(n=n, running=running, token=dramatiq_guard.current_lease().token)
+
+
+@dramatiq.actor(queue_name={queue!r}, mutex={{"on_busy": "park", "key": lambda n: "one"}}, max_retries=0)
+def parking(n):
+    run(n)
+
+
+@dramatiq.actor(
+    queue_name={queue!r}, mutex={{"on_busy": "wait", "wait": 60_000, "key": lambda n: "one"}}, max_retries=0
+)
+def waiting(n):
+    run(n)
+"""
+
+
+def guard_leftovers(client: redis.Redis) -> list[bytes]:
+    """Guard keys left in Redis, except run-time limits and the waiting-keys index."""
+    return sorted(
+        k
+        for k in client.scan_iter(b"dramatiq-guard:*")
+        if not k.endswith(b":limit") and k != b"dramatiq-guard:waiting"
+    )
+
+
+@pytest.mark.parametrize("actor", ["parking", "waiting"])
+def test_a_mutex_on_rabbitmq_never_runs_two_at_once_and_runs_every_message(
+    actor: str,
+    actor_module: Callable[..., ModuleType],
+    dramatiq_worker: Callable[..., DramatiqWorker],
+    rabbitmq_url: str,
+    rabbitmq_broker: Any,
+    unique_name: str,
+    recorder: Recorder,
+    redisdb: redis.Redis,
+) -> None:
+    actors = actor_module(ACTORS.format(queue=f"{unique_name}_q"), broker_url=rabbitmq_url)
+    send = getattr(actors, actor).send
+    for n in range(10):  # before any worker: parked at enqueue (park), or queued (wait)
+        send(n)
+    worker = dramatiq_worker("actors", broker_url=rabbitmq_url, processes=2, threads=4)
+    for n in range(10, 40):
+        send(n)
+    records = recorder.take(40, timeout=90)
+    assert sorted(r["n"] for r in records) == list(range(40))
+    assert recorder.max_concurrency("one") == 1
+    tokens = [r["token"] for r in records]
+    assert tokens == sorted(tokens)  # each holder's fencing token is above the one before
+    wait_until(lambda: not guard_leftovers(redisdb), what="no guard state left", redis=redisdb)
+    assert worker.stop() == 0  # a graceful stop finishes whatever is in flight
+    assert recorder.pending() == 0, "a message ran more than once"

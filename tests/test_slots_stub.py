@@ -1,0 +1,439 @@
+"""Concurrency slots and the mutex on a StubBroker with the in-memory backend (one process, no services)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import dramatiq
+import pytest
+from dramatiq.brokers.stub import StubBroker
+from dramatiq.middleware import CurrentMessage, Retries
+from dramatiq.results import ResultMissing, Results
+from dramatiq.results.backends import StubBackend
+from harness import wait_until
+
+from dramatiq_guard import current_lease
+from dramatiq_guard.backends.memory import MemoryBackend
+from dramatiq_guard.lease import Lease
+from dramatiq_guard.middleware.slots import Concurrency, Mutex, MutexWaitTimeout
+from dramatiq_guard.testing import join, parked_count
+
+
+class Tracker:
+    """Counts what runs, per key, from inside the actors."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self.done: list[Any] = []
+        self.release = threading.Event()
+
+    def enter(self, key: str) -> None:
+        with self.lock:
+            self.running[key] = self.running.get(key, 0) + 1
+            self.peak[key] = max(self.peak.get(key, 0), self.running[key])
+
+    def leave(self, key: str, value: Any) -> None:
+        with self.lock:
+            self.running[key] -= 1
+            self.done.append(value)
+
+
+class Env:
+    def __init__(self) -> None:
+        self.broker = StubBroker()
+        self.broker.emit_after("process_boot")
+        self.backend = MemoryBackend()
+        self.results = StubBackend()
+        self.broker.add_middleware(Results(backend=self.results))
+        self.mutex = Mutex(redis=self.backend, lease_ttl=2_000, sweep_interval=50)
+        self.concurrency = Concurrency(redis=self.backend, lease_ttl=2_000, sweep_interval=50, limit_cache=0)
+        self.broker.add_middleware(self.mutex, before=Retries)
+        self.broker.add_middleware(self.concurrency, before=Retries)
+        dramatiq.set_broker(self.broker)
+        self.tracker = Tracker()
+        self.worker: dramatiq.Worker | None = None
+
+    def start(self, threads: int = 8) -> None:
+        self.worker = dramatiq.Worker(self.broker, worker_threads=threads, worker_timeout=20)
+        self.worker.start()
+
+    def close(self) -> None:
+        self.tracker.release.set()
+        if self.worker is not None:
+            self.worker.stop()
+        self.broker.close()
+
+
+@pytest.fixture
+def env(restore_global_broker: None) -> Iterator[Env]:
+    env = Env()
+    yield env
+    env.close()
+
+
+def test_a_burst_reserves_the_limit_and_parks_the_rest_at_enqueue(env: Env) -> None:
+    t = env.tracker
+
+    @dramatiq.actor(concurrency={"limit": 2, "key": lambda n: "k"}, store_results=True)
+    def job(n: int) -> int:
+        t.enter("k")
+        t.leave("k", n)
+        return n * 10
+
+    messages = [job.send(n) for n in range(10)]
+    state = env.backend.inspect("concurrency:k")
+    assert len(state.holders) == 2  # reservations of the two pushed messages
+    assert [w for w, _, parked in state.waiters if parked] == [m.message_id for m in messages[2:]]
+    assert env.broker.queues[job.queue_name].qsize() == 2  # the rest never reach the broker
+
+    env.start()
+    join(env.broker, job.queue_name, timeout=10_000)
+    env.worker.join()  # type: ignore[union-attr]
+    assert sorted(t.done) == list(range(10))
+    assert t.peak["k"] <= 2
+    # A parked message's result is its real one, not the None of a skip.
+    assert [m.get_result(block=True, timeout=5_000) for m in messages] == [n * 10 for n in range(10)]
+    assert env.backend.inspect("concurrency:k").holders == ()
+
+
+def test_observed_concurrency_never_exceeds_the_limit_per_key(env: Env) -> None:
+    t = env.tracker
+
+    @dramatiq.actor(concurrency={"limit": 3, "key": ["customer"]}, max_retries=0)
+    def deliver(customer: str, n: int) -> None:
+        t.enter(customer)
+        t.leave(customer, (customer, n))
+
+    @dramatiq.actor(concurrency=1, max_retries=0)
+    def export(n: int) -> None:
+        t.enter("export")
+        t.leave("export", ("export", n))
+
+    env.start(threads=12)
+    for n in range(60):
+        deliver.send("a" if n % 2 else "b", n)
+        export.send(0)  # all the same arguments: one key, one at a time
+    join(env.broker, deliver.queue_name, timeout=20_000)
+    env.worker.join()  # type: ignore[union-attr]
+    assert len(t.done) == 120
+    assert t.peak["a"] <= 3 and t.peak["b"] <= 3
+    assert t.peak["export"] == 1
+
+
+def test_a_message_parked_after_pickup_keeps_its_id_and_retries_and_stores_no_result(env: Env) -> None:
+    t = env.tracker
+    started = threading.Event()
+
+    @dramatiq.actor(concurrency={"limit": 1, "key": lambda n: "k"}, store_results=True, max_retries=0)
+    def job(n: int) -> int:
+        if n == 0:
+            started.set()
+            t.release.wait(10)
+        t.enter("k")
+        t.leave("k", n)
+        return n
+
+    env.start(threads=4)
+    first = job.send(0)
+    assert started.wait(10)
+    # Bypass the gate so the second message reaches the broker while the key is full.
+    second = job.message(1).copy(options={"retries": 3})
+    env.broker.queues[job.queue_name].put(second.encode())
+    wait_until(lambda: parked_count(env.broker) == 1, what="the second message parked after pickup")
+    state = env.backend.inspect("concurrency:k")
+    assert [w for w, _, _ in state.waiters] == [second.message_id]
+    with pytest.raises(Exception):  # noqa: B017 - no result was stored for the skip
+        env.results.get_result(second, block=False)
+    t.release.set()
+    join(env.broker, job.queue_name, timeout=10_000)
+    assert first.get_result(block=True, timeout=5_000) == 0
+    assert env.results.get_result(second, block=True, timeout=5_000) == 1
+    assert sorted(t.done) == [0, 1]
+
+
+def test_a_pipeline_through_a_limited_actor_runs_each_step_once_in_order(env: Env) -> None:
+    t = env.tracker
+
+    @dramatiq.actor(concurrency={"limit": 1, "key": lambda *a: "p"}, store_results=True)
+    def step(*values: int) -> int:
+        t.enter("p")
+        t.leave("p", values)
+        return sum(values) + 1
+
+    env.start(threads=4)
+    # Fill the key first, so the pipeline's steps park on the way.
+    for _ in range(3):
+        step.send(100)
+    pipe = dramatiq.pipeline([step.message(0), step.message(), step.message()]).run()
+    assert pipe.get_result(block=True, timeout=10_000) == 3
+    join(env.broker, step.queue_name, timeout=10_000)
+    steps = [v for v in t.done if v != (100,)]
+    assert steps == [(0,), (1,), (2,)]
+    assert t.peak["p"] == 1
+
+
+def test_limit_zero_parks_everything_and_raising_it_drains_that_many_at_a_time(env: Env) -> None:
+    t = env.tracker
+    four_running = threading.Event()
+
+    @dramatiq.actor(concurrency={"limit": 2, "key": lambda n: "h"}, max_retries=0)
+    def job(n: int) -> None:
+        t.enter("h")
+        with t.lock:
+            if t.running["h"] >= 4:
+                four_running.set()
+        assert t.release.wait(10)
+        t.leave("h", n)
+
+    env.concurrency.set_limit("h", 0)
+    env.start(threads=8)
+    for n in range(12):
+        job.send(n)
+    assert parked_count(env.broker) == 12  # all parked: nothing reached the broker
+    assert env.broker.queues[job.queue_name].qsize() == 0
+
+    env.concurrency.set_limit("h", 4)
+    assert four_running.wait(10)
+    assert t.peak["h"] == 4
+    t.release.set()
+    join(env.broker, job.queue_name, timeout=10_000)
+    assert len(t.done) == 12 and t.peak["h"] == 4
+    env.concurrency.set_limit("h", None)
+    assert env.backend.inspect("concurrency:h") == env.backend.inspect("concurrency:nothing")
+
+
+def test_a_per_actor_default_limit_set_at_run_time(env: Env) -> None:
+    @dramatiq.actor(concurrency={"limit": 5, "key": lambda n: f"c{n}"})
+    def job(n: int) -> None:
+        pass
+
+    env.concurrency.set_actor_limit(job, 0)
+    assert env.concurrency.get_actor_limit(job) == 0
+    job.send(1)
+    assert parked_count(env.broker) == 1
+    env.concurrency.set_actor_limit(job, None)  # back to 5: the sweep hands the slot on
+    assert parked_count(env.broker) == 0
+    assert env.broker.queues[job.queue_name].qsize() == 1
+
+
+def test_mutex_drop_five_sends_during_a_run_give_one_run(env: Env) -> None:
+    t = env.tracker
+    started = threading.Event()
+
+    @dramatiq.actor(mutex=True)
+    def report() -> None:
+        started.set()
+        t.enter("report")
+        assert t.release.wait(10)
+        t.leave("report", current_lease().token)
+
+    env.start(threads=4)
+    report.send()
+    assert started.wait(10)
+    for _ in range(4):
+        report.send()
+    wait_until(lambda: env.mutex.dropped == 4, what="four dropped")
+    t.release.set()
+    join(env.broker, report.queue_name, timeout=10_000)
+    assert len(t.done) == 1
+
+
+def test_mutex_wait_runs_sends_one_after_another(env: Env) -> None:
+    t = env.tracker
+    tokens: list[int] = []
+
+    @dramatiq.actor(mutex={"on_busy": "wait", "wait": 10_000})
+    def report(n: int) -> None:
+        t.enter("r")
+        tokens.append(current_lease().token)
+        t.leave("r", n)
+
+    env.start(threads=3)
+    for _ in range(3):
+        report.send(0)
+    join(env.broker, report.queue_name, timeout=10_000)
+    assert len(t.done) == 3 and t.peak["r"] == 1
+    assert tokens == sorted(tokens) and len(set(tokens)) == 3
+
+
+def test_mutex_wait_timeout_raises_and_retries_retry_it(env: Env) -> None:
+    t = env.tracker
+    started = threading.Event()
+    failures: list[BaseException] = []
+
+    class Spy(dramatiq.Middleware):
+        def after_process_message(
+            self, broker: Any, message: Any, *, result: Any = None, exception: Any = None
+        ):
+            if isinstance(exception, MutexWaitTimeout):
+                failures.append(exception)
+
+    env.broker.add_middleware(Spy())
+
+    @dramatiq.actor(
+        mutex={"on_busy": "wait", "wait": 50, "key": lambda n: "w"}, min_backoff=10, max_backoff=20
+    )
+    def report(n: int) -> None:
+        if n == 0:
+            started.set()
+            assert t.release.wait(10)
+        t.done.append(n)
+
+    env.start(threads=3)
+    report.send(0)
+    assert started.wait(10)
+    report.send(1)
+    wait_until(lambda: len(failures) >= 2, what="the waiter timed out twice (a retry)")
+    t.release.set()
+    join(env.broker, report.queue_name, timeout=10_000)
+    assert sorted(t.done) == [0, 1]
+    assert "waited 50 ms" in str(failures[0])
+
+
+def test_mutex_park_is_a_one_slot_limit(env: Env) -> None:
+    t = env.tracker
+
+    @dramatiq.actor(mutex={"on_busy": "park", "key": lambda n: "m"})
+    def job(n: int) -> None:
+        t.enter("m")
+        t.leave("m", n)
+
+    for n in range(8):
+        job.send(n)
+    assert parked_count(env.broker) == 7
+    env.start(threads=4)
+    join(env.broker, job.queue_name, timeout=10_000)
+    assert sorted(t.done) == list(range(8)) and t.peak["m"] == 1
+
+
+def test_a_lost_lease_is_reported_and_its_token_is_lower(env: Env) -> None:
+    backend = env.backend
+    first = backend.acquire("mutex:x", "a", limit=1, ttl_ms=100)
+    assert first.token is not None
+    lease = Lease(backend, "mutex:x", "a", first.token, limit=1, ttl_ms=100)
+    # The holder stalls: its renewals stop (as if paused), the lease lapses and is taken over.
+    assert lease._handle is not None
+    lease._handle.unregister()
+    second = wait_until(
+        lambda: (r := backend.acquire("mutex:x", "b", limit=1, ttl_ms=10_000)).acquired and r,
+        what="the lease to lapse and be taken over",
+    )
+    assert second.token is not None and second.token > lease.token
+    result = lease.release()
+    assert not result.released and lease.lost and not lease.held
+    assert backend.inspect("mutex:x").holders[0][0] == "b"  # the release did not free b's lock
+
+
+def test_the_renewer_tells_a_holder_its_lease_was_taken(env: Env) -> None:
+    backend = env.backend
+    first = backend.acquire("mutex:y", "a", limit=1, ttl_ms=300)
+    assert first.token is not None
+    lease = Lease(backend, "mutex:y", "a", first.token, limit=1, ttl_ms=300)
+    backend.release("mutex:y", "a", limit=1)  # released by force (e.g. the CLI)
+    assert lease.wait_lost(10)
+    assert not lease.held
+
+
+def test_a_capped_lease_ends_at_its_ttl(env: Env) -> None:
+    backend = env.backend
+    first = backend.acquire("mutex:z", "a", limit=1, ttl_ms=10_000)
+    assert first.token is not None
+    lease = Lease(backend, "mutex:z", "a", first.token, limit=1, ttl_ms=10_000, cap_ms=50)
+    assert lease.wait_lost(10)
+    assert backend.acquire("mutex:z", "b", limit=1, ttl_ms=1_000).acquired
+
+
+def test_a_standby_never_woken_parks_again_first_in_line_without_a_retry_or_a_result(env: Env) -> None:
+    t = env.tracker
+    started = threading.Event()
+    retries: dict[int, int] = {}
+    env.broker.add_middleware(CurrentMessage())
+    env.concurrency.standby_wait_ms = 200  # the standby gives up soon: a wait on time itself
+
+    @dramatiq.actor(concurrency={"limit": 1, "key": lambda n: "k"}, store_results=True, max_retries=0)
+    def job(n: int) -> int:
+        current = CurrentMessage.get_current_message()
+        assert current is not None
+        retries[n] = current.options.get("retries", 0)
+        if n == 0:
+            started.set()
+            t.release.wait(30)
+        t.enter("k")
+        t.leave("k", n)
+        return n * 10
+
+    env.start(threads=4)
+    holder = job.send(0)
+    assert started.wait(10)
+    first, second = job.send(1), job.send(2)  # parked at enqueue: the key is full
+    env.concurrency.send_standbys(env.broker, "concurrency:k", 1)
+    assert [(w, parked) for w, _, parked in env.backend.inspect("concurrency:k").waiters] == [
+        (first.message_id, False),  # a standby, on the broker, in its place
+        (second.message_id, True),
+    ]
+
+    def parked_again() -> bool:
+        waiters = env.backend.inspect("concurrency:k").waiters
+        return [(w, parked) for w, _, parked in waiters] == [
+            (first.message_id, True),
+            (second.message_id, True),
+        ]
+
+    # Picked up, it blocks for a slot; nobody frees one, so it parks again, keeping its place.
+    wait_until(parked_again, timeout=10, what="the standby to park again")
+    assert env.broker.queues[job.queue_name].qsize() == 0
+    with pytest.raises(ResultMissing):  # the skip stored no result
+        env.results.get_result(first, block=False)
+    t.release.set()
+    join(env.broker, job.queue_name, timeout=10_000)
+    env.worker.join()  # type: ignore[union-attr]
+    assert t.done == [0, 1, 2]  # each once, in order
+    assert retries == {0: 0, 1: 0, 2: 0}  # parking again consumed no retry
+    assert [m.get_result(block=True, timeout=5_000) for m in (holder, first, second)] == [0, 10, 20]
+    assert env.backend.inspect("concurrency:k").holders == ()
+
+
+def test_a_freed_slot_goes_to_the_standby_sent_ahead_by_a_push(env: Env) -> None:
+    t = env.tracker
+    gates = {n: threading.Event() for n in range(3)}
+    handed: list[Any] = []
+    release = env.concurrency.release
+
+    def spy(broker: Any, lease: Lease) -> Any:
+        result = release(broker, lease)
+        if result is not None:
+            handed.extend((h.waiter_id, h.payload is None) for h in result.handoffs)
+        return result
+
+    env.concurrency.release = spy  # type: ignore[method-assign]
+
+    @dramatiq.actor(concurrency={"limit": 1, "key": lambda n: "k"}, max_retries=0)
+    def job(n: int) -> None:
+        if n in gates:
+            assert gates[n].wait(30)
+        t.enter("k")
+        t.leave("k", n)
+
+    messages = [job.send(n) for n in range(4)]
+    ids = [m.message_id for m in messages]
+    env.start(threads=4)
+    gates[0].set()
+
+    def waiting() -> list[tuple[str, bool]]:
+        return [(w, parked) for w, _, parked in env.backend.inspect("concurrency:k").waiters]
+
+    # 0 released: its slot went to 1 (parked: re-enqueued), and 2 was sent ahead as a standby.
+    wait_until(lambda: waiting() == [(ids[2], False), (ids[3], True)], what="2 to be a standby")
+    assert handed == [(ids[1], False)]
+    gates[1].set()
+    wait_until(lambda: waiting() == [(ids[3], False)], what="3 to be a standby")
+    gates[2].set()
+    join(env.broker, job.queue_name, timeout=10_000)
+    env.worker.join()  # type: ignore[union-attr]
+    assert t.done == [0, 1, 2, 3] and t.peak["k"] == 1
+    # 1's slot went to the standby by a push (nothing to re-enqueue), and so on.
+    assert handed == [(ids[1], False), (ids[2], True), (ids[3], True)]

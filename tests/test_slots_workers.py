@@ -1,0 +1,283 @@
+"""Concurrency slots with real Redis / RabbitMQ and real ``dramatiq`` worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import redis
+from harness import (
+    DramatiqWorker,
+    Gate,
+    Recorder,
+    pid_alive,
+    redis_broker_pending,
+    wait_for_redis_broker_drain,
+    wait_until,
+)
+
+SOURCE = """
+import os
+import time
+
+import dramatiq
+from dramatiq.middleware import Retries
+from harness import Gate, Recorder, broker_from_env
+
+from dramatiq_guard.middleware.slots import Concurrency, Mutex
+
+broker = broker_from_env()
+concurrency = Concurrency(lease_ttl=2_000, sweep_interval=200)
+broker.add_middleware(Mutex(lease_ttl=2_000, sweep_interval=200), before=Retries)
+broker.add_middleware(concurrency, before=Retries)
+dramatiq.set_broker(broker)
+rec = Recorder.from_env()
+LIMITS = {"k3": 3, "k5": 5}
+
+
+@dramatiq.actor(concurrency={"limit": 3, "key": lambda key, n: key}, max_retries=0, queue_name=QUEUE)
+def deliver(key, n):
+    rec.record(phase="start", key=key, n=n, pid=os.getpid())
+    with rec.track(key):
+        time.sleep(0.02)  # the job's own work
+    rec.record(phase="end", key=key, n=n, pid=os.getpid())
+
+
+@dramatiq.actor(concurrency={"limit": 5, "key": lambda key, n: key}, max_retries=0, queue_name=QUEUE)
+def deliver5(key, n):
+    deliver.fn(key, n)
+
+
+@dramatiq.actor(concurrency={"limit": 2, "key": lambda n: "shared"}, max_retries=0, queue_name=QUEUE + "_a")
+def hold(n):
+    rec.record(phase="holding", n=n, pid=os.getpid())
+    Gate.from_env("never").wait(timeout=600)
+
+
+@dramatiq.actor(concurrency={"limit": 2, "key": lambda n: "shared"}, max_retries=0, queue_name=QUEUE + "_b")
+def wait_for_slot(n):
+    with rec.track("shared"):
+        rec.record(phase="waiter", n=n)
+"""
+
+Start = Callable[..., DramatiqWorker]
+
+
+def source(queue: str) -> str:
+    return f"QUEUE = {queue!r}\n" + SOURCE
+
+
+def guard_leftovers(client: redis.Redis) -> list[bytes]:
+    """Guard keys left in Redis, except run-time limits (and their index) and the waiting-keys index."""
+    return sorted(
+        k
+        for k in client.scan_iter(b"dramatiq-guard:*")
+        if not k.endswith((b":limit", b":limits", b":waiting"))
+    )
+
+
+def test_two_keys_never_exceed_their_limits_while_a_worker_is_sigkilled(
+    actor_module: Callable[..., ModuleType],
+    dramatiq_worker: Start,
+    recorder: Recorder,
+    rabbitmq_url: str,
+    rabbitmq_broker: Any,
+    unique_name: str,
+) -> None:
+    queue = f"{unique_name}_q"
+    module = actor_module(source(queue), broker_url=rabbitmq_url)
+    doomed = dramatiq_worker("actors", threads=8, broker_url=rabbitmq_url, queues=[queue])
+    dramatiq_worker("actors", threads=8, broker_url=rabbitmq_url, queues=[queue])
+    sent = 120
+    for n in range(sent):
+        if n % 2:
+            module.deliver.send("k3", n)
+        else:
+            module.deliver5.send("k5", n)
+    wait_until(
+        lambda: sum(1 for r in _records(recorder) if r["phase"] == "end") >= 30, timeout=60, what="30 runs"
+    )
+    pid = doomed.worker_pids[0]
+    killed_at = kill(pid)
+
+    def all_ran() -> bool:
+        return {r["n"] for r in _records(recorder) if r["phase"] == "end"} == set(range(sent))
+
+    wait_until(all_ran, timeout=90, what="every message to run")
+    records = _records(recorder)
+    # Each run's [start, end] record lies inside its lease; the killed process's runs end at the kill.
+    assert max_overlap(records, "k3", pid, killed_at) <= 3
+    assert max_overlap(records, "k5", pid, killed_at) <= 5
+    runs = Counter(r["n"] for r in records if r["phase"] == "start")
+    started_on_killed = {r["n"] for r in records if r["phase"] == "start" and r["pid"] == pid}
+    twice = {n for n, count in runs.items() if count > 1}
+    assert twice <= started_on_killed  # only what the broker redelivered from the killed worker
+
+
+def test_waiters_of_a_key_whose_holders_all_died_run_after_their_leases_lapse(
+    actor_module: Callable[..., ModuleType],
+    dramatiq_worker: Start,
+    recorder: Recorder,
+    redisdb: Any,
+    unique_name: str,
+) -> None:
+    queue = f"{unique_name}_q"
+    module = actor_module(source(queue))
+    holders = dramatiq_worker("actors", threads=4, queues=[f"{queue}_a"])
+    dramatiq_worker("actors", threads=4, queues=[f"{queue}_b"])
+    module.hold.send(0)
+    module.hold.send(1)
+    assert {r["n"] for r in recorder.take(2)} == {0, 1}
+    for n in range(5):
+        module.wait_for_slot.send(n)
+    assert len(module.concurrency.backend(module.broker).inspect("concurrency:shared").waiters) == 5
+    kill(holders.worker_pids[0])
+    # The other worker's sweep reclaims the dead leases and hands the slots on.
+    assert sorted(r["n"] for r in recorder.take(5, timeout=30)) == list(range(5))
+    assert recorder.max_concurrency("shared") <= 2
+    wait_for_redis_broker_drain(redisdb, [f"{queue}_b"])
+    wait_until(lambda: not guard_leftovers(redisdb), what="no guard state left", redis=redisdb)
+
+
+def test_limit_zero_parks_everything_and_four_drains_four_at_a_time(
+    actor_module: Callable[..., ModuleType],
+    dramatiq_worker: Start,
+    recorder: Recorder,
+    redisdb: Any,
+    unique_name: str,
+) -> None:
+    queue = f"{unique_name}_q"
+    module = actor_module(source(queue))
+    dramatiq_worker("actors", processes=2, threads=8, queues=[queue])
+    module.concurrency.set_limit("k3", 0)
+    for n in range(40):
+        module.deliver.send("k3", n)
+    assert redis_broker_pending(redisdb, [queue]) == 0  # everything parked, nothing on the broker
+    module.concurrency.set_limit("k3", 4)
+    wait_until(
+        lambda: sum(1 for r in _records(recorder) if r["phase"] == "end") == 40, timeout=60, what="40 runs"
+    )
+    assert recorder.max_concurrency("k3") == 4
+    wait_for_redis_broker_drain(redisdb, [queue])
+    assert guard_leftovers(redisdb) == []
+    assert module.concurrency.get_limit("k3") == 4  # a configured limit stays until cleared
+    module.concurrency.set_limit("k3", None)
+    assert not [k for k in redisdb.scan_iter(b"dramatiq-guard:*") if not k.endswith(b":waiting")]
+
+
+def kill(pid: int) -> float:
+    """SIGKILL a worker process and wait until it is gone; return when it was killed."""
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(pid), what=f"worker process {pid} to die")
+    return killed_at
+
+
+def max_overlap(records: list[dict[str, Any]], key: str, dead_pid: int, killed_at: float) -> int:
+    """The most runs of ``key`` whose [start, end] records overlap (``dead_pid``'s end at the kill)."""
+    starts: dict[tuple[int, int], float] = {}
+    events: list[tuple[float, int]] = []
+    for r in records:
+        if r["key"] != key:
+            continue
+        if r["phase"] == "start":
+            starts[(r["pid"], r["n"])] = r["ts"]
+        elif r["phase"] == "end":
+            events += [(starts.pop((r["pid"], r["n"])), 1), (r["ts"], -1)]
+    for (pid, _), ts in starts.items():
+        assert pid == dead_pid, "a run that did not end on a live worker"
+        events += [(ts, 1), (killed_at, -1)]
+    running = peak = 0
+    for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
+        running += delta
+        peak = max(peak, running)
+    return peak
+
+
+def _records(recorder: Recorder) -> list[dict[str, Any]]:
+    return [json.loads(item) for item in recorder.client.lrange(recorder.key, 0, -1)]
+
+
+STANDBY_SOURCE = """
+import os
+
+import dramatiq
+from dramatiq.middleware import Retries
+from harness import Gate, Recorder, WaitTimeout, broker_from_env
+
+from dramatiq_guard.middleware.slots import Concurrency
+
+broker = broker_from_env()
+concurrency = Concurrency(lease_ttl=2_000, sweep_interval=200, standby_wait=60_000, standby_threads=2)
+broker.add_middleware(concurrency, before=Retries)
+rec = Recorder.from_env()
+
+
+class PickedUp(dramatiq.Middleware):
+    def before_process_message(self, broker, message):
+        if message.actor_name == "standby_job":
+            rec.record(phase="picked", n=message.args[0], pid=os.getpid())
+
+
+broker.add_middleware(PickedUp(), before=Concurrency)
+dramatiq.set_broker(broker)
+
+
+@dramatiq.actor(concurrency={"limit": 2, "key": lambda n: "shared"}, max_retries=0, queue_name=QUEUE + "_a")
+def hold(n):
+    rec.record(phase="holding", n=n, pid=os.getpid())
+    while True:  # each wait under redis-py's 5 s socket timeout
+        try:
+            Gate.from_env(QUEUE).wait(timeout=2)
+            return
+        except WaitTimeout:
+            pass
+
+
+@dramatiq.actor(concurrency={"limit": 2, "key": lambda n: "shared"}, max_retries=0, queue_name=QUEUE + "_b")
+def standby_job(n):
+    with rec.track("shared"):
+        rec.record(phase="ran", n=n, pid=os.getpid())
+"""
+
+
+def test_a_sigkilled_standby_loses_nothing_and_runs_once(
+    actor_module: Callable[..., ModuleType],
+    dramatiq_worker: Start,
+    recorder: Recorder,
+    redisdb: Any,
+    rabbitmq_url: str,
+    rabbitmq_broker: Any,
+    unique_name: str,
+) -> None:
+    queue = f"{unique_name}_q"
+    module = actor_module(f"QUEUE = {queue!r}\n" + STANDBY_SOURCE, broker_url=rabbitmq_url)
+    dramatiq_worker("actors", threads=4, broker_url=rabbitmq_url, queues=[f"{queue}_a"])
+    doomed = dramatiq_worker("actors", threads=4, broker_url=rabbitmq_url, queues=[f"{queue}_b"])
+    module.hold.send(0)
+    module.hold.send(1)
+    assert {r["n"] for r in recorder.take(2)} == {0, 1}  # both slots held
+    for n in range(5):
+        module.standby_job.send(n)  # parked at enqueue
+    # The next two waiters go to the broker ahead as standbys; the doomed worker picks them up,
+    # and they block there for a slot.
+    module.concurrency.send_standbys(module.broker, "concurrency:shared", 2)
+    picked = recorder.take(2)
+    assert {r["n"] for r in picked} == {0, 1} and {r["pid"] for r in picked} == {doomed.worker_pids[0]}
+    kill(doomed.worker_pids[0])  # RabbitMQ redelivers the two unacked standbys
+    dramatiq_worker("actors", threads=4, broker_url=rabbitmq_url, queues=[f"{queue}_b"])
+    Gate(redisdb, queue).open(2)  # the holders finish: their slots go on
+
+    def runs() -> Counter[int]:
+        return Counter(r["n"] for r in _records(recorder) if r["phase"] == "ran")
+
+    wait_until(lambda: sum(runs().values()) >= 5, timeout=60, what="every standby_job to run")
+    assert runs() == Counter(range(5))  # each exactly once: the killed standbys never ran
+    assert recorder.max_concurrency("shared") <= 2
+    wait_until(lambda: not guard_leftovers(redisdb), what="no guard state left", redis=redisdb)
