@@ -1,0 +1,30 @@
+"""The idempotency ledger: a message's effects committed at most once, in SQL.
+
+See :mod:`dramatiq_guard.ledger.store` for how a run claims its key, and
+:class:`dramatiq_guard.middleware.idempotency.Idempotency` for the middleware
+that puts guarded actors through it.
+"""
+
+from dramatiq_guard.ledger.engine import LEDGER_URL_ENV, default_ledger_url, default_sqlite_path
+from dramatiq_guard.ledger.errors import IdempotencyConflict, LedgerError, UnstorableResult
+from dramatiq_guard.ledger.schema import COMPLETED, DEFAULT_TABLE_NAME, FAILED, IN_PROGRESS, ledger_table
+from dramatiq_guard.ledger.store import DEFAULT_RETENTION, Claim, Ledger, LedgerRecord, current_claim
+
+__all__ = [
+    "COMPLETED",
+    "DEFAULT_RETENTION",
+    "DEFAULT_TABLE_NAME",
+    "FAILED",
+    "IN_PROGRESS",
+    "LEDGER_URL_ENV",
+    "Claim",
+    "IdempotencyConflict",
+    "Ledger",
+    "LedgerError",
+    "LedgerRecord",
+    "UnstorableResult",
+    "current_claim",
+    "default_ledger_url",
+    "default_sqlite_path",
+    "ledger_table",
+]

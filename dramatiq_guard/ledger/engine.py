@@ -1,0 +1,106 @@
+"""Where the ledger lives: an Engine, a URL, the environment, or a SQLite file.
+
+``ledger`` (the argument of :func:`dramatiq_guard.install`, of
+:class:`~dramatiq_guard.Idempotency` and of :class:`~dramatiq_guard.ledger.Ledger`) may be:
+
+* an SQLAlchemy :class:`~sqlalchemy.engine.Engine`: used as is;
+* a database URL (``postgresql+psycopg://...``, ``mysql+pymysql://...``,
+  ``sqlite:////var/lib/app/ledger.sqlite3``);
+* None: the ``DRAMATIQ_GUARD_LEDGER_URL`` environment variable, else a
+  SQLite file at :func:`default_sqlite_path`:
+  ``$XDG_DATA_HOME/dramatiq-guard/ledger.sqlite3`` (``~/.local/share/...``
+  when ``XDG_DATA_HOME`` is unset; ``%LOCALAPPDATA%\\dramatiq-guard\\ledger.sqlite3``
+  on Windows). It does not depend on the working directory, so every worker
+  process of one user on one machine shares it; workers on other machines do
+  not, so a deployment with several hosts must set a shared database. A
+  warning names the file the first time it is used.
+
+SQLite engines the ledger creates itself wait up to 30 s for the database
+lock (``timeout=30``) and use write-ahead logging. SQLite has one writer at a
+time: guarded actors on SQLite run one at a time across all processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from dramatiq_guard.errors import ConfigurationError
+
+LEDGER_URL_ENV = "DRAMATIQ_GUARD_LEDGER_URL"
+#: Seconds a SQLite connection the ledger created waits for the database lock.
+SQLITE_TIMEOUT = 30.0
+
+logger = logging.getLogger(__name__)
+
+
+def default_sqlite_path() -> Path:
+    """The SQLite file used when neither ``ledger=`` nor ``DRAMATIQ_GUARD_LEDGER_URL`` is set."""
+    if sys.platform == "win32":
+        base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
+    else:
+        base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return base / "dramatiq-guard" / "ledger.sqlite3"
+
+
+def default_ledger_url() -> str:
+    """``DRAMATIQ_GUARD_LEDGER_URL``, else the URL of :func:`default_sqlite_path`."""
+    url = os.environ.get(LEDGER_URL_ENV)
+    if url:
+        return url
+    return f"sqlite:///{default_sqlite_path()}"
+
+
+def resolve_engine(ledger: Any) -> sa.Engine:
+    """An Engine for ``ledger`` (see the module docstring).
+
+    Raises:
+      ConfigurationError: If ``ledger`` is not an Engine, a URL or None.
+    """
+    if isinstance(ledger, sa.Engine):
+        return ledger
+    if ledger is None:
+        url = default_ledger_url()
+        if LEDGER_URL_ENV not in os.environ or not os.environ[LEDGER_URL_ENV]:
+            path = default_sqlite_path()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            logger.warning(
+                "dramatiq-guard's idempotency ledger uses the SQLite file %s: only workers on this "
+                "machine share it. Pass ledger=<an Engine or a URL> or set %s for a shared database.",
+                path,
+                LEDGER_URL_ENV,
+            )
+        return create_engine(url)
+    if isinstance(ledger, (str, sa.URL)):
+        return create_engine(ledger)
+    raise ConfigurationError(
+        f"ledger={ledger!r} is not usable: pass an SQLAlchemy Engine, a database URL, "
+        f"or None ({LEDGER_URL_ENV}, else a SQLite file)"
+    )
+
+
+def create_engine(url: str | sa.URL) -> sa.Engine:
+    """An Engine for ``url``; SQLite files get a 30 s lock timeout and write-ahead logging."""
+    parsed = sa.make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return sa.create_engine(parsed, pool_pre_ping=True)
+    engine = sa.create_engine(parsed, connect_args={"timeout": SQLITE_TIMEOUT})
+
+    @sa.event.listens_for(engine, "connect")
+    def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        try:
+            if parsed.database and parsed.database != ":memory:":
+                cursor.execute("PRAGMA journal_mode=WAL")
+        finally:
+            cursor.close()
+
+    return engine
+
+
+__all__ = ["LEDGER_URL_ENV", "create_engine", "default_ledger_url", "default_sqlite_path", "resolve_engine"]

@@ -1,0 +1,593 @@
+"""The idempotency ledger: claim a key, run the work in the ledger's transaction, complete.
+
+How one run goes (:meth:`Ledger.run`), all in ONE database transaction on one
+connection:
+
+1. **Claim.** Insert the key's row if it is absent, in the dialect's
+   conflict-free way (PostgreSQL and SQLite ``INSERT ... ON CONFLICT DO
+   NOTHING``; MySQL/MariaDB ``INSERT ... ON DUPLICATE KEY UPDATE`` with a no-op
+   update, which takes an exclusive row lock at once instead of a shared lock
+   that two waiters could not both upgrade; others ``SELECT ... FOR UPDATE``
+   then a plain ``INSERT`` in a savepoint). A fresh row is this
+   transaction's own and already locked: on PostgreSQL and SQLite, where the
+   insert's row count says so, the claim is that one statement. Otherwise
+   the row is read with ``SELECT ... FOR UPDATE``.
+2. **Decide**, holding the row lock. A different fingerprint (payload) is an
+   :class:`~dramatiq_guard.ledger.IdempotencyConflict`; a completed row
+   returns its stored result without running anything; a failed row (an
+   earlier run raised) runs again. A row past its ``expires_at`` counts as
+   absent.
+3. **Run** the work with :func:`dramatiq_guard.ledger_session` set to a
+   Session on the same connection and transaction.
+4. **Complete**: ``UPDATE ... SET state='completed', result=..., fencing_token=...
+   WHERE idempotency_key=:key AND fencing_token=:seen`` (the fencing check),
+   then COMMIT: the work's writes and the completion commit together.
+
+If the work raises, the transaction is rolled back (nothing of the run is
+kept) and a second, short transaction records ``failed``, the error and the
+attempt, so a retry runs again.
+
+**Two runs of one key at once.** The second waits on the first's row lock
+(PostgreSQL, MySQL/MariaDB) or database lock (SQLite) until the first commits
+or rolls back, then finds the key completed (and returns its result) or not
+(and runs). Never both. The wait is bounded by the database: PostgreSQL's
+``lock_timeout`` (default: none), MariaDB's ``innodb_lock_wait_timeout``
+(default 50 s), SQLite's busy timeout (30 s for engines the ledger creates); a
+timeout is a database error, and Retries retries the message.
+
+**Leases and fencing.** The holder's lease is its transaction: the row lock
+is held from the claim to the commit, and ends when the transaction does,
+including when the worker dies (the database rolls back a dead connection's
+transaction, and a redelivered message finds the key as it was). So an
+``in_progress`` row is never visible to another transaction, and a crashed
+run leaves nothing behind that blocks the key. The fencing token grows with
+every completed or failed run; the completing UPDATE is fenced on the token
+read at the claim, so if the row changed under a holder anyway (the database
+released its lock, or someone edited the table), the holder's run is rolled
+back with :class:`~dramatiq_guard.errors.LeaseLost` instead of completing
+over the newer state. :func:`current_claim` gives the running work its key
+and token, for downstream writes that want to check it.
+
+Timestamps are naive UTC datetimes taken from the worker's clock.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import datetime
+import json
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql, postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from dramatiq_guard import events
+from dramatiq_guard.context import ledger_session_var
+from dramatiq_guard.errors import LeaseLost
+from dramatiq_guard.ledger.engine import resolve_engine
+from dramatiq_guard.ledger.errors import IdempotencyConflict, LedgerError, UnstorableResult
+from dramatiq_guard.ledger.schema import (
+    COMPLETED,
+    DEFAULT_TABLE_NAME,
+    FAILED,
+    IN_PROGRESS,
+    ledger_table,
+    storage_key,
+)
+from dramatiq_guard.policies import Duration, duration_ms
+
+#: Completed and failed rows protect their key for this long by default: 7 days.
+DEFAULT_RETENTION = datetime.timedelta(days=7)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """What a running guarded actor holds (see :func:`current_claim`).
+
+    Attributes:
+      key(str): The idempotency key.
+      holder(str): This run's holder: the message's ``message_id`` (``call:<hex>``
+        for a direct call of the actor).
+      fencing_token(int): The token the row will carry once this run completes;
+        it grows with every run of the key.
+      attempt(int): This run's number among the key's runs that completed or failed.
+    """
+
+    key: str
+    holder: str
+    fencing_token: int
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LedgerRecord:
+    """One row of the ledger, as :meth:`Ledger.get` returns it (see :mod:`.schema`)."""
+
+    key: str
+    state: str
+    actor_name: str
+    fingerprint: str
+    payload: Any
+    result: Any
+    error: str | None
+    attempts: int
+    holder: str | None
+    fencing_token: int
+    created_at: datetime.datetime
+    updated_at: datetime.datetime
+    completed_at: datetime.datetime | None
+    expires_at: datetime.datetime | None
+
+
+_claim_var: contextvars.ContextVar[Claim | None] = contextvars.ContextVar(
+    "dramatiq_guard_claim", default=None
+)
+
+
+def current_claim() -> Claim:
+    """The ledger claim of the running actor: its key, holder and fencing token.
+
+    Raises:
+      RuntimeError: Outside an actor guarded by ``idempotency_key=``.
+    """
+    claim = _claim_var.get()
+    if claim is None:
+        raise RuntimeError(
+            "dramatiq_guard.ledger.current_claim() was called outside an actor guarded by idempotency_key="
+        )
+    return claim
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    expected_token: int
+    new_token: int
+    attempts: int
+    reset: bool  # the row expired: the run takes it over as if it were new
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+    result: Any
+
+
+def _utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None)
+
+
+class Ledger:
+    """An idempotency ledger in a SQL database.
+
+    Parameters:
+      engine: An SQLAlchemy Engine, a database URL, or None
+        (``DRAMATIQ_GUARD_LEDGER_URL``, else a SQLite file; see
+        :mod:`dramatiq_guard.ledger.engine`). Connected on first use.
+      metadata(MetaData): The MetaData to define the table on (pass your
+        Alembic ``target_metadata``). Default: a private one.
+      table_name(str): The table's name.
+      schema(str): The table's schema, if not the default.
+      retention: How long a completed (or failed) row protects its key, in ms
+        or a timedelta; then it counts as absent and :meth:`prune` deletes it.
+        None keeps rows forever. Default: 7 days. A guarded actor's
+        ``retention`` overrides it for its keys.
+      create_tables(bool): Create the table (if missing) on first use. Pass
+        False when migrations manage it.
+    """
+
+    def __init__(
+        self,
+        engine: sa.Engine | str | None = None,
+        *,
+        metadata: sa.MetaData | None = None,
+        table_name: str = DEFAULT_TABLE_NAME,
+        schema: str | None = None,
+        retention: Duration | None = DEFAULT_RETENTION,
+        create_tables: bool = True,
+    ) -> None:
+        self._engine_arg = engine
+        self._engine: sa.Engine | None = engine if isinstance(engine, sa.Engine) else None
+        self.metadata = metadata if metadata is not None else sa.MetaData()
+        self.table = ledger_table(self.metadata, table_name, schema=schema)
+        self.retention_ms = duration_ms(retention, what="retention", allow_none=True)
+        self.create_tables = create_tables
+        self._lock = threading.RLock()
+        self._prepared = False
+        # Statements built once (their values are bound at execution): building a statement
+        # with its values each time costs more than running it.
+        t = self.table
+        self._select_for_update = (
+            sa.select(t).where(t.c.idempotency_key == sa.bindparam("row_key")).with_for_update()
+        )
+        self._fenced_update = sa.update(t).where(
+            t.c.idempotency_key == sa.bindparam("b_row_key"),
+            t.c.fencing_token == sa.bindparam("b_expected_token"),
+        )
+        self._claims: dict[str, sa.Executable] = {}
+
+    def _stmt_claim(self, dialect: str) -> sa.Executable:
+        """The dialect's insert-if-absent of a claim (see the module docstring)."""
+        stmt = self._claims.get(dialect)
+        if stmt is None:
+            t = self.table
+            if dialect == "postgresql":
+                stmt = postgresql.insert(t).on_conflict_do_nothing(index_elements=[t.c.idempotency_key])
+            elif dialect == "sqlite":
+                stmt = sqlite.insert(t).on_conflict_do_nothing(index_elements=[t.c.idempotency_key])
+            else:
+                upsert = mysql.insert(t)
+                stmt = upsert.on_duplicate_key_update(idempotency_key=upsert.inserted.idempotency_key)
+            self._claims[dialect] = stmt
+        return stmt
+
+    # --- setup ----------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> sa.Engine:
+        """The Engine, created on first use."""
+        if self._engine is None:
+            with self._lock:
+                if self._engine is None:
+                    self._engine = resolve_engine(self._engine_arg)
+        return self._engine
+
+    def create_all(self) -> None:
+        """Create the ledger table and its index if they do not exist.
+
+        Safe to call from several processes at once.
+        """
+        engine = self.engine
+        try:
+            self.metadata.create_all(engine, tables=[self.table], checkfirst=True)
+        except sa.exc.DBAPIError:
+            # Another process created it between the check and the CREATE.
+            if not sa.inspect(engine).has_table(self.table.name, schema=self.table.schema):
+                raise
+
+    def prepare(self) -> None:
+        """Create the table on first use if ``create_tables`` (once per Ledger)."""
+        if self._prepared:
+            return
+        with self._lock:
+            if not self._prepared:
+                if self.create_tables:
+                    self.create_all()
+                self._prepared = True
+
+    def dispose(self) -> None:
+        """Close the pooled connections of an Engine the ledger created itself."""
+        if self._engine is not None and not isinstance(self._engine_arg, sa.Engine):
+            self._engine.dispose()
+
+    # --- running work ---------------------------------------------------------------------
+
+    def run(
+        self,
+        key: str,
+        fn: Callable[[], Any],
+        *,
+        actor_name: str,
+        payload: Any,
+        fingerprint: str,
+        holder: str,
+        retention_ms: int | None = None,
+    ) -> Any:
+        """Run ``fn`` at most once per ``key``, atomically with the ledger row (module docstring).
+
+        Parameters:
+          key(str): The idempotency key.
+          fn: The work; it may write through :func:`dramatiq_guard.ledger_session`.
+            Its return value must be JSON-serialisable; it is stored.
+          actor_name(str): Recorded with the row.
+          payload: The JSON-serialisable payload recorded with the row.
+          fingerprint(str): The payload's fingerprint; the key is bound to it.
+          holder(str): Who runs it (a message id).
+          retention_ms(int): Overrides the ledger's retention for this key.
+
+        Returns:
+          What ``fn`` returned, or the stored result if the key was completed.
+
+        Raises:
+          IdempotencyConflict: The key is bound to another fingerprint.
+          UnstorableResult: ``fn`` returned something JSON cannot encode.
+          LeaseLost: The row changed under this run; nothing was committed.
+          Exception: Whatever ``fn`` or the database raised; nothing was committed.
+        """
+        self.prepare()
+        retention = self.retention_ms if retention_ms is None else retention_ms
+        row_key = storage_key(key)
+        with self.engine.connect() as conn:
+            tx = conn.begin()
+            try:
+                plan = self._claim(conn, row_key, key, actor_name, payload, fingerprint, holder)
+            except BaseException:
+                tx.rollback()
+                raise
+            if isinstance(plan, _Stored):
+                tx.rollback()  # nothing was written; this ends the row lock
+                events.ledger_hit(actor_name)
+                return plan.result
+
+            claim = Claim(key, holder, plan.new_token, plan.attempts)
+            session = Session(bind=conn)  # joins `tx`: its commit() does not end it
+            session_token = ledger_session_var.set(session)
+            claim_token = _claim_var.set(claim)
+            try:
+                try:
+                    result = fn()
+                    session.flush()
+                finally:
+                    ledger_session_var.reset(session_token)
+                    _claim_var.reset(claim_token)
+                _check_storable(result)
+                if not tx.is_active:
+                    raise LedgerError(
+                        f"the ledger transaction of key {key!r} was rolled back inside the actor "
+                        f"(ledger_session().rollback()?): raise an exception to abort instead"
+                    )
+                self._complete(
+                    conn, row_key, key, plan, holder, result, retention, actor_name, payload, fingerprint
+                )
+                tx.commit()
+            except BaseException as e:
+                if tx.is_active:
+                    tx.rollback()
+                session.close()
+                if isinstance(e, LeaseLost):
+                    events.lease_lost(actor_name)
+                elif not isinstance(e, UnstorableResult):
+                    self._record_failure(
+                        conn, row_key, actor_name, payload, fingerprint, holder, e, retention
+                    )
+                raise
+            session.close()
+            return result
+
+    def _claim(
+        self,
+        conn: sa.Connection,
+        row_key: str,
+        key: str,
+        actor_name: str,
+        payload: Any,
+        fingerprint: str,
+        holder: str,
+    ) -> _Plan | _Stored:
+        t = self.table
+        now = _utcnow()
+        values = _row(
+            row_key, IN_PROGRESS, actor_name, payload, fingerprint, holder, now, attempts=1, token=1
+        )
+        dialect = conn.dialect.name
+        if dialect in ("postgresql", "sqlite"):
+            inserted = conn.execute(
+                self._stmt_claim(dialect), values, execution_options={"preserve_rowcount": True}
+            )
+            if inserted.rowcount == 1:
+                return _Plan(expected_token=1, new_token=1, attempts=1, reset=False)
+        elif dialect in ("mysql", "mariadb"):
+            conn.execute(self._stmt_claim(dialect), values)
+        else:  # generic SQL: lock an existing row, else insert in a savepoint
+            if conn.execute(self._select_for_update, {"row_key": row_key}).first() is None:
+                try:
+                    with conn.begin_nested():
+                        conn.execute(sa.insert(t), values)
+                    return _Plan(expected_token=1, new_token=1, attempts=1, reset=False)
+                except sa.exc.IntegrityError:
+                    pass  # inserted meanwhile by another transaction, now committed: read it
+        row = conn.execute(self._select_for_update, {"row_key": row_key}).one()
+        if row.state == IN_PROGRESS:
+            # Only this transaction's own fresh insert can be in progress: another
+            # transaction's uncommitted row would have blocked the insert above.
+            return _Plan(
+                expected_token=row.fencing_token, new_token=row.fencing_token, attempts=1, reset=False
+            )
+        if row.expires_at is not None and row.expires_at <= now:
+            return _Plan(row.fencing_token, row.fencing_token + 1, attempts=1, reset=True)
+        if row.fingerprint != fingerprint:
+            raise IdempotencyConflict(
+                key,
+                stored_fingerprint=row.fingerprint,
+                fingerprint=fingerprint,
+                stored_payload=row.payload,
+                payload=payload,
+                holder=row.holder,
+            )
+        if row.state == COMPLETED:
+            return _Stored(row.result)
+        return _Plan(row.fencing_token, row.fencing_token + 1, attempts=row.attempts + 1, reset=False)
+
+    def _complete(
+        self,
+        conn: sa.Connection,
+        row_key: str,
+        key: str,
+        plan: _Plan,
+        holder: str,
+        result: Any,
+        retention_ms: int | None,
+        actor_name: str,
+        payload: Any,
+        fingerprint: str,
+    ) -> None:
+        now = _utcnow()
+        values: dict[str, Any] = {
+            "state": COMPLETED,
+            "result": result,
+            "error": None,
+            "attempts": plan.attempts,
+            "holder": holder,
+            "fencing_token": plan.new_token,
+            "updated_at": now,
+            "completed_at": now,
+            "expires_at": _expiry(now, retention_ms),
+        }
+        if plan.reset:
+            values.update(actor_name=actor_name, payload=payload, fingerprint=fingerprint, created_at=now)
+        values.update(b_row_key=row_key, b_expected_token=plan.expected_token)
+        if conn.execute(self._fenced_update, values).rowcount != 1:
+            raise LeaseLost(key, holder)
+
+    def _record_failure(
+        self,
+        conn: sa.Connection,
+        row_key: str,
+        actor_name: str,
+        payload: Any,
+        fingerprint: str,
+        holder: str,
+        exc: BaseException,
+        retention_ms: int | None,
+    ) -> None:
+        """Mark the key failed (state, error, attempts) in a short transaction of its own.
+
+        Best effort: the run was already rolled back, so a failure here changes
+        nothing that matters and is only logged.
+        """
+        t = self.table
+        now = _utcnow()
+        error = f"{type(exc).__name__}: {exc}"[:2000]
+        try:
+            with conn.begin():
+                failed = (
+                    sa.update(t)
+                    .where(
+                        t.c.idempotency_key == row_key, t.c.state != COMPLETED, t.c.fingerprint == fingerprint
+                    )
+                    .values(
+                        state=FAILED,
+                        error=error,
+                        attempts=t.c.attempts + 1,
+                        holder=holder,
+                        fencing_token=t.c.fencing_token + 1,
+                        updated_at=now,
+                        expires_at=_expiry(now, retention_ms),
+                    )
+                )
+                if conn.execute(failed).rowcount == 0:
+                    values = _row(
+                        row_key, FAILED, actor_name, payload, fingerprint, holder, now, attempts=1, token=1
+                    )
+                    values.update(error=error, expires_at=_expiry(now, retention_ms))
+                    _insert_ignore(conn, t, values)
+        except Exception:
+            logger.warning("Could not record the failure of idempotency key %r.", row_key, exc_info=True)
+
+    # --- inspection and retention ---------------------------------------------------------
+
+    def get(self, key: str) -> LedgerRecord | None:
+        """The committed row of ``key``, or None."""
+        self.prepare()
+        t = self.table
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(t).where(t.c.idempotency_key == storage_key(key))).first()
+        if row is None:
+            return None
+        return LedgerRecord(
+            key=row.idempotency_key,
+            state=row.state,
+            actor_name=row.actor_name,
+            fingerprint=row.fingerprint,
+            payload=row.payload,
+            result=row.result,
+            error=row.error,
+            attempts=row.attempts,
+            holder=row.holder,
+            fencing_token=row.fencing_token,
+            created_at=row.created_at,
+            updated_at=row.updated_at,
+            completed_at=row.completed_at,
+            expires_at=row.expires_at,
+        )
+
+    def prune(self, older_than: Duration | None = None) -> int:
+        """Delete the rows that no longer protect their key; return how many.
+
+        Parameters:
+          older_than: Also delete completed and failed rows last changed at
+            least this long ago (ms or a timedelta), whatever their expiry.
+
+        Without ``older_than``, deletes the rows past their ``expires_at``
+        (which already count as absent). Rows being claimed are locked and
+        never deleted under their holder.
+        """
+        self.prepare()
+        t = self.table
+        now = _utcnow()
+        condition: sa.ColumnElement[bool] = sa.and_(t.c.expires_at.is_not(None), t.c.expires_at <= now)
+        age = duration_ms(older_than, what="older_than", allow_none=True)
+        if age is not None:
+            cutoff = now - datetime.timedelta(milliseconds=age)
+            condition = sa.or_(condition, sa.and_(t.c.state != IN_PROGRESS, t.c.updated_at <= cutoff))
+        with self.engine.begin() as conn:
+            return int(conn.execute(sa.delete(t).where(condition)).rowcount)
+
+
+def _row(
+    row_key: str,
+    state: str,
+    actor_name: str,
+    payload: Any,
+    fingerprint: str,
+    holder: str,
+    now: datetime.datetime,
+    *,
+    attempts: int,
+    token: int,
+) -> dict[str, Any]:
+    return {
+        "idempotency_key": row_key,
+        "state": state,
+        "actor_name": actor_name,
+        "fingerprint": fingerprint,
+        "payload": payload,
+        "result": None,
+        "error": None,
+        "attempts": attempts,
+        "holder": holder,
+        "fencing_token": token,
+        "created_at": now,
+        "updated_at": now,
+        "completed_at": None,
+        "expires_at": None,
+    }
+
+
+def _insert_ignore(conn: sa.Connection, table: sa.Table, values: dict[str, Any]) -> None:
+    """Insert a row unless its key exists."""
+    dialect = conn.dialect.name
+    if dialect == "postgresql":
+        conn.execute(postgresql.insert(table).values(values).on_conflict_do_nothing())
+    elif dialect == "sqlite":
+        conn.execute(sqlite.insert(table).values(values).on_conflict_do_nothing())
+    elif dialect in ("mysql", "mariadb"):
+        conn.execute(mysql.insert(table).values(values).prefix_with("IGNORE"))
+    else:
+        try:
+            with conn.begin_nested():
+                conn.execute(sa.insert(table).values(values))
+        except sa.exc.IntegrityError:
+            pass
+
+
+def _expiry(now: datetime.datetime, retention_ms: int | None) -> datetime.datetime | None:
+    return None if retention_ms is None else now + datetime.timedelta(milliseconds=retention_ms)
+
+
+def _check_storable(result: Any) -> None:
+    try:
+        json.dumps(result, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise UnstorableResult(
+            f"the actor returned {type(result).__name__} {result!r:.200}, which the idempotency ledger "
+            f"cannot store as JSON ({e}); nothing was committed"
+        ) from e
+
+
+__all__ = ["DEFAULT_RETENTION", "Claim", "Ledger", "LedgerRecord", "current_claim"]

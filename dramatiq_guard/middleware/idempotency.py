@@ -1,0 +1,310 @@
+"""The ``idempotency_key`` actor option: a message's effects committed at most once, in SQL.
+
+::
+
+    @dramatiq.actor(idempotency_key=lambda transfer_id, *_: transfer_id)
+    def transfer(transfer_id, source_id, destination_id, amount):
+        session = dramatiq_guard.ledger_session()   # commits together with the ledger row
+        ...
+
+The key of a message, first match wins:
+
+1. the message's own ``idempotency_key`` option
+   (``actor.send_with_options(args=..., idempotency_key="...")``), used as given;
+2. the actor's ``idempotency_key``: a callable of the arguments (its string
+   used as given, so actors returning the same string share the key) or a
+   list of argument names (``"<actor>:<digest>"``, see :mod:`dramatiq_guard.keys`);
+3. with ``idempotency_key=True``, the message's ``message_id``: the default
+   protection, against redelivery after a worker crash and against Retries
+   running a message whose first run did commit.
+
+A message may carry ``idempotency_key`` only for an actor declared with the
+option: ``send()`` raises a :class:`~dramatiq_guard.errors.GuardOptionError`
+otherwise, rather than silently running it unguarded.
+
+The key is bound to the message's payload: the SHA-256 (via
+:func:`dramatiq_guard.keys.digest`) of the canonical JSON of
+``{"actor": actor_name, "arguments": {name: value}}``, the arguments bound
+through the actor's signature so positional and keyword calls agree. A key
+reused with another payload fails with
+:class:`~dramatiq_guard.ledger.IdempotencyConflict`, which names both.
+
+**Why the actor's function is wrapped.** The ledger must (a) commit the
+actor's writes and the row's move to completed in one transaction, which
+has to be open around the call and committed after it returns, and (b) make
+a completed key return its stored result *as the actor's return value*, so
+that the Results middleware stores it and a pipeline passes it on. No
+middleware hook can do (b): ``before_process_message`` can only let the
+actor run or skip it (and Results then stores None), and
+``after_process_message`` cannot change the result. So at
+``before_declare_actor`` the middleware replaces ``actor.fn`` with a wrapper
+(``functools.wraps``, so the signature is unchanged) that runs the call
+through :meth:`dramatiq_guard.ledger.Ledger.run`; ``before_process_message``
+tells the wrapper which message it is running. Consequences:
+
+* the middleware must be on the broker before the actor is declared (as for
+  any actor option);
+* calling the actor directly (``transfer(...)``, not ``send``) also goes
+  through the ledger, as a message of its own: the key comes from the
+  arguments (or is unique per call with ``idempotency_key=True``) and the
+  holder is ``call:<hex>``;
+* async actors work: Dramatiq turns them into a synchronous function first,
+  and the ledger session is set in the context the coroutine inherits. The
+  session is a synchronous SQLAlchemy Session.
+
+**Retries.** :class:`~dramatiq_guard.ledger.IdempotencyConflict` and
+:class:`~dramatiq_guard.ledger.UnstorableResult` are added to each guarded
+actor's ``throws`` option, so Retries fails such a message at once instead
+of retrying it (a ``throws`` message option replaces the actor's and loses
+this). Any other exception, database deadlocks and lock timeouts included,
+rolls the run back and is retried as usual.
+
+**Retention.** A completed key is protected for the actor's ``retention``,
+else the middleware's (default 7 days); then its row counts as absent and
+:meth:`~dramatiq_guard.ledger.Ledger.prune` (``dramatiq-guard ledger prune``)
+deletes it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import inspect
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import dramatiq
+import sqlalchemy as sa
+from dramatiq import Broker, Message
+from dramatiq.broker import MessageProxy
+
+from dramatiq_guard.errors import ConfigurationError
+from dramatiq_guard.keys import KeyResolver, canonical_json, digest
+from dramatiq_guard.ledger.errors import IdempotencyConflict, UnstorableResult
+from dramatiq_guard.ledger.schema import DEFAULT_TABLE_NAME
+from dramatiq_guard.ledger.store import DEFAULT_RETENTION, Ledger
+from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware
+from dramatiq_guard.policies import Duration, IdempotencyPolicy, option_error, parse_policy
+
+#: The message option that carries a message's own idempotency key.
+MESSAGE_OPTION = "idempotency_key"
+#: Exceptions that retrying cannot fix; added to each guarded actor's ``throws``.
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (IdempotencyConflict, UnstorableResult)
+
+#: The message the worker thread is about to run (set in before_process_message).
+_running: contextvars.ContextVar[MessageProxy | None] = contextvars.ContextVar(
+    "dramatiq_guard_ledger_message", default=None
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LedgerActor:
+    name: str
+    policy: IdempotencyPolicy
+    resolver: KeyResolver | None  # None: each message is its own key
+    signature: inspect.Signature
+
+
+class Idempotency(GuardMiddleware[IdempotencyPolicy]):
+    """Runs actors declared with ``idempotency_key=`` through the SQL idempotency ledger.
+
+    Constructible with no arguments. See the module docstring for keys,
+    results and retries, and :mod:`dramatiq_guard.ledger.store` for how a run
+    claims its key.
+
+    Parameters:
+      ledger: An SQLAlchemy Engine, a database URL, a
+        :class:`~dramatiq_guard.ledger.Ledger`, or None: the
+        ``DRAMATIQ_GUARD_LEDGER_URL`` environment variable, else a SQLite file
+        (:func:`dramatiq_guard.ledger.default_sqlite_path`). Resolved, and the
+        table created, on the first guarded run.
+      metadata(MetaData): The MetaData to define the ledger table on, so
+        Alembic sees it (ignored when ``ledger`` is a Ledger).
+      table_name(str): The ledger table's name (ignored when ``ledger`` is a Ledger).
+      retention: How long a completed key stays protected by default (ms or a
+        timedelta; None: forever). Actors override it with ``retention``.
+      create_tables(bool): Create the table on first use if missing (pass
+        False when migrations manage it).
+      redis: Unused (the ledger keeps no state in Redis); accepted for
+        symmetry with the other guard middlewares.
+    """
+
+    policy_class = IdempotencyPolicy
+
+    def __init__(
+        self,
+        *,
+        ledger: sa.Engine | str | Ledger | None = None,
+        metadata: sa.MetaData | None = None,
+        table_name: str | None = None,
+        retention: Duration | None = DEFAULT_RETENTION,
+        create_tables: bool = True,
+        redis: Any = None,
+    ) -> None:
+        super().__init__(redis=redis)
+        if not isinstance(ledger, (Ledger, str, sa.Engine)) and ledger is not None:
+            raise ConfigurationError(
+                f"ledger={ledger!r} is not usable: pass an SQLAlchemy Engine, a database URL, "
+                f"a dramatiq_guard.ledger.Ledger, or None"
+            )
+        self._ledger: Ledger | None = ledger if isinstance(ledger, Ledger) else None
+        self._engine_arg = None if isinstance(ledger, Ledger) else ledger
+        self._metadata = metadata
+        self._table_name = table_name
+        self._retention = retention
+        self._create_tables = create_tables
+        self._ledger_lock = threading.Lock()
+        self._actors: dict[str, _LedgerActor] = {}
+
+    @property
+    def ledger(self) -> Ledger:
+        """The ledger (created on first use; its database is connected on first run)."""
+        if self._ledger is None:
+            with self._ledger_lock:
+                if self._ledger is None:
+                    self._ledger = Ledger(
+                        self._engine_arg,
+                        metadata=self._metadata,
+                        table_name=self._table_name or DEFAULT_TABLE_NAME,
+                        retention=self._retention,
+                        create_tables=self._create_tables,
+                    )
+        return self._ledger
+
+    def attach(self, broker: Broker) -> None:
+        """Nothing to join: the ledger takes no part in enqueues."""
+
+    # --- declaration ----------------------------------------------------------------------
+
+    def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
+        value = actor.options.get(self.option)
+        if value is None or value is False:
+            self.guarded.pop(actor.actor_name, None)
+            self._actors.pop(actor.actor_name, None)
+            return
+        policy = parse_policy(IdempotencyPolicy, value, actor_name=actor.actor_name)
+        try:
+            resolver = KeyResolver(actor.actor_name, actor.fn, policy.key)
+        except ValueError as e:
+            raise option_error(actor.actor_name, self.option, value, str(e)) from None
+        self.guarded[actor.actor_name] = ActorGuard(actor.actor_name, policy, resolver)
+        self._actors[actor.actor_name] = _LedgerActor(
+            actor.actor_name,
+            policy,
+            resolver if policy.key is not None else None,
+            inspect.signature(actor.fn),
+        )
+        actor.options["throws"] = _with_permanent_errors(actor.options.get("throws"))
+        if not getattr(actor.fn, "__dramatiq_guard_ledger__", False):
+            actor.fn = self._wrap(actor.actor_name, actor.fn)
+
+    def _wrap(self, actor_name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def run_in_ledger(*args: Any, **kwargs: Any) -> Any:
+            return self._run(actor_name, fn, args, kwargs)
+
+        run_in_ledger.__dramatiq_guard_ledger__ = True  # type: ignore[attr-defined]
+        return run_in_ledger
+
+    # --- enqueue and execution ------------------------------------------------------------
+
+    def before_enqueue(self, broker: Broker, message: Message[Any], delay: int | None) -> None:
+        key = message.options.get(MESSAGE_OPTION)
+        if key is None:
+            return
+        if message.actor_name in broker.actors and message.actor_name not in self._actors:
+            raise option_error(
+                message.actor_name,
+                MESSAGE_OPTION,
+                key,
+                f"the message carries an idempotency key but actor {message.actor_name!r} is not "
+                f"declared with idempotency_key= (declare it with idempotency_key=True to key its "
+                f"messages by this option)",
+            )
+        if not isinstance(key, str) or not key:
+            raise option_error(
+                message.actor_name, MESSAGE_OPTION, key, "a message's key must be a non-empty str"
+            )
+
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        if message.actor_name in self._actors:
+            _running.set(message)
+
+    def after_process_message(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        if _running.get() is message:
+            _running.set(None)
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        if _running.get() is message:
+            _running.set(None)
+
+    def _run(
+        self, actor_name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        spec = self._actors.get(actor_name)
+        if spec is None:  # the actor was redeclared without the option
+            return fn(*args, **kwargs)
+        message = _running.get()
+        if message is not None and message.actor_name == actor_name:
+            holder = message.message_id
+            key = message.options.get(MESSAGE_OPTION)
+            if key is None:
+                key = spec.resolver(args, kwargs) if spec.resolver is not None else holder
+        else:  # a direct call of the actor: a message of its own
+            holder = f"call:{uuid.uuid4().hex}"
+            key = spec.resolver(args, kwargs) if spec.resolver is not None else holder
+        payload, fingerprint = _fingerprint(actor_name, spec.signature, args, kwargs)
+        running = _running.set(None)  # a guarded actor called inside is a direct call
+        try:
+            return self.ledger.run(
+                key,
+                functools.partial(fn, *args, **kwargs),
+                actor_name=actor_name,
+                payload=payload,
+                fingerprint=fingerprint,
+                holder=holder,
+                retention_ms=spec.policy.retention_ms,
+            )
+        finally:
+            _running.reset(running)
+
+
+def _fingerprint(
+    actor_name: str, signature: inspect.Signature, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[Any, str]:
+    """The payload recorded with a key and its fingerprint (see the module docstring)."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments: Any = dict(bound.arguments)
+    except TypeError:  # the call itself will fail the same way
+        arguments = {"args": list(args), "kwargs": kwargs}
+    payload = {"actor": actor_name, "arguments": arguments}
+    try:
+        canonical_json(payload)
+    except (TypeError, ValueError):  # a direct call with arguments a message could not carry
+        payload = {"actor": actor_name, "arguments": repr(arguments)}
+    return payload, digest(payload)
+
+
+def _with_permanent_errors(throws: Any) -> tuple[type[BaseException], ...]:
+    if throws is None:
+        current: tuple[type[BaseException], ...] = ()
+    elif isinstance(throws, type):
+        current = (throws,)
+    else:
+        current = tuple(throws)
+    return current + tuple(e for e in PERMANENT_ERRORS if e not in current)
+
+
+__all__ = ["MESSAGE_OPTION", "PERMANENT_ERRORS", "Idempotency"]

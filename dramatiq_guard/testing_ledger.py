@@ -1,0 +1,167 @@
+"""A pytest helper: assert that an actor's effects happen once when it runs twice.
+
+Like GitLab's "an idempotent worker" shared example: run the actor twice with
+the same arguments, for real (a real broker, a real worker, your real
+database, no mocks), and compare what you can observe of its effects after
+the first run and after the second::
+
+    from dramatiq_guard.testing_ledger import assert_idempotent
+
+    def test_transfer_is_idempotent(broker, db):
+        assert_idempotent(
+            transfer, "t-1", 1, 2, 10,
+            effects=lambda: db.execute(select(accounts)).all(),
+        )
+
+It fails if the first run changed nothing (``expect_change=False`` to allow
+it), if a run raised, or if the second run changed the effects again.
+
+The runs happen in a :class:`dramatiq.Worker` started in this process on the
+actor's broker (or the ``worker`` you pass): with a RedisBroker or a
+RabbitmqBroker, no other worker must consume the actor's queue meanwhile.
+
+What "twice" means: for an actor keyed by its arguments (``idempotency_key=``
+a callable or argument names), and for a message that carries its own
+``idempotency_key`` option, the second run is a *new* message with the same
+arguments (a duplicate send). For ``idempotency_key=True`` (each message is its
+own key) and for an actor with no ``idempotency_key``, it is the *same*
+message enqueued again (a redelivery); pass ``same_message=`` to choose.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import dramatiq
+from dramatiq import Broker, Message
+from dramatiq.broker import MessageProxy
+
+__all__ = ["assert_idempotent"]
+
+
+class _Outcomes(dramatiq.Middleware):
+    """Tells the helper when a message it enqueued has run, and how."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[str, tuple[threading.Event, list[Any]]] = {}
+
+    def expect(self, message_id: str) -> tuple[threading.Event, list[Any]]:
+        entry: tuple[threading.Event, list[Any]] = (threading.Event(), [])
+        with self._lock:
+            self._waiting[message_id] = entry
+        return entry
+
+    def _done(self, message: MessageProxy, outcome: Any) -> None:
+        with self._lock:
+            entry = self._waiting.pop(message.message_id, None)
+        if entry is not None:
+            entry[1].append(outcome)
+            entry[0].set()
+
+    def after_process_message(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        self._done(message, ("raised", exception) if exception is not None else ("returned", result))
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        self._done(message, ("skipped", None))
+
+
+_outcomes: weakref.WeakKeyDictionary[Broker, _Outcomes] = weakref.WeakKeyDictionary()
+_outcomes_lock = threading.Lock()
+
+
+def _outcomes_of(broker: Broker) -> _Outcomes:
+    with _outcomes_lock:
+        middleware = _outcomes.get(broker)
+        if middleware is None:
+            middleware = _outcomes[broker] = _Outcomes()
+            broker.add_middleware(middleware)
+        return middleware
+
+
+def _run(broker: Broker, message: Message[Any], timeout: float, which: str) -> Any:
+    event, outcome = _outcomes_of(broker).expect(message.message_id)
+    broker.enqueue(message)
+    if not event.wait(timeout):
+        raise AssertionError(f"the {which} run of {message} did not finish within {timeout:g}s")
+    kind, value = outcome[0]
+    if kind == "raised":
+        raise AssertionError(f"the {which} run of {message} raised {value!r}") from value
+    return value
+
+
+def assert_idempotent(
+    actor: dramatiq.Actor[Any, Any],
+    *args: Any,
+    effects: Callable[[], Any],
+    options: Mapping[str, Any] | None = None,
+    same_message: bool | None = None,
+    expect_change: bool = True,
+    worker: dramatiq.Worker | None = None,
+    timeout: float = 30.0,
+    **kwargs: Any,
+) -> Any:
+    """Run ``actor`` twice with the same arguments and assert its effects happened once.
+
+    Parameters:
+      actor: The actor (declared on the broker it will run on).
+      *args, **kwargs: Its arguments.
+      effects: Returns a comparable snapshot of the actor's effects (rows,
+        balances, sent emails...). Called before, after the first and after
+        the second run.
+      options: Message options (e.g. ``{"idempotency_key": "order-1"}``).
+      same_message: Enqueue the same message twice (a redelivery) rather than
+        two messages with the same arguments (a duplicate send). Default: see
+        the module docstring.
+      expect_change: Require the first run to change the effects.
+      worker: A running worker on the actor's broker; default: one started
+        (with one thread) for the call and stopped after.
+      timeout: Seconds to wait for each run.
+
+    Returns:
+      The effects after the first run.
+
+    Raises:
+      AssertionError: A run raised or did not finish, the first run changed
+        nothing, or the second run changed the effects again.
+    """
+    broker = actor.broker
+    options = dict(options or {})
+    if same_message is None:
+        same_message = (
+            actor.options.get("idempotency_key") in (None, True) and "idempotency_key" not in options
+        )
+    first = actor.message_with_options(args=args, kwargs=kwargs, **options)
+    second = first if same_message else actor.message_with_options(args=args, kwargs=kwargs, **options)
+    _outcomes_of(broker)
+    own_worker = worker is None
+    if worker is None:
+        worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
+        worker.start()
+    try:
+        before = effects()
+        _run(broker, first, timeout, "first")
+        once = effects()
+        if expect_change:
+            assert once != before, f"the first run of {actor.actor_name} changed nothing: {once!r}"
+        _run(broker, second, timeout, "second")
+        twice = effects()
+    finally:
+        if own_worker:
+            worker.stop()
+    assert twice == once, (
+        f"{actor.actor_name} is not idempotent: its effects changed again on the second run "
+        f"({'the same message' if same_message else 'a new message with the same arguments'}):\n"
+        f"  after one run:  {once!r}\n  after two runs: {twice!r}"
+    )
+    return once
