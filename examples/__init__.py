@@ -1,0 +1,1 @@
+"""Runnable examples of dramatiq-guard (run them from the repository root)."""
