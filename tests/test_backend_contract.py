@@ -1021,15 +1021,21 @@ def test_a_key_whose_holders_all_died_vanishes_by_itself(redis_env: Env) -> None
 
 
 def test_waiters_and_payloads_never_expire_and_a_sweep_recovers_them(redis_env: Env) -> None:
-    backend = redis_env.backend(handoff_ttl_ms=200)
+    backend = redis_env.backend(handoff_ttl_ms=1_000)
     assert backend.acquire(KEY, "a", limit=1, ttl_ms=200).acquired
     park(backend, "p1")
     park(backend, "p2")
     backend.release(KEY, "a", limit=1)  # p1 is handed the slot; then everybody dies
-    redis_env.wait_past(deadline_of(backend, KEY, "p1"))
+    deadline = deadline_of(backend, KEY, "p1")
     assert redis_env.client is not None
+    # Holder-derived state expires with the last holder (its actual vanishing is the test above).
+    holders_expire_at = redis_env.client.pexpiretime(f"{redis_env.namespace}:{{{KEY}}}:holders")
+    assert 0 < holders_expire_at <= deadline
     names = redis_env.stored()
-    assert f"{redis_env.namespace}:{{{KEY}}}:holders" not in names  # holder-derived: expired
+    assert all(
+        redis_env.client.pexpiretime(name) == -1 for name in names if name.endswith(("waiters", "payloads"))
+    )
+    redis_env.wait_past(deadline)
     assert KEY in backend.waiting_keys()  # a worker's sweep finds the key...
     swept = backend.sweep(KEY, limit=1)  # ...and p1 is back first, with its payload
     assert swept.released and swept.handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
