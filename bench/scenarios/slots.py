@@ -62,7 +62,8 @@ def slots(ctx: Context) -> list[Figure]:
       broker pickups per message (a first middleware counts every message taken), for
       ``concurrency=8`` (with standbys, the default, and without: ``lookahead=0``, a worker of
       its own) and for Dramatiq's ``ConcurrentRateLimiter`` (RateLimitExceeded retried with a
-      100 ms - 2 s backoff).
+      100 ms - 2 s backoff). The floor: the same jobs unguarded on a worker of exactly 8
+      threads (1 x 8), the makespan Dramatiq itself reaches with 8 at a time on this machine.
     * hand-off: M messages on one mutex key, each 2 ms; the median gap from one holder's end
       to the next one's start, for ``on_busy="wait"``, ``"park"`` (with a standby, and
       without) and redis-py's ``Lock`` (which polls every 0.1 s).
@@ -86,6 +87,9 @@ def slots(ctx: Context) -> list[Figure]:
     park_ms = _handoff_ms(ctx, actors.handoff_park, m)
     redispy_ms = _handoff_ms(ctx, actors.handoff_redispy, m)
     ctx.stop_workers()
+    ctx.worker("bench.scenarios.slots_actors", processes=1, threads=LIMIT, env={"BENCH_SLOTS": "1"})
+    floor_ratio, _ = _drain(ctx, actors.floor_job, "floor_job", n)
+    ctx.stop_workers()
     drained = f"N={n} x 10 ms, limit {LIMIT}, {PROCESSES}x{THREADS}"
     return [
         Figure(
@@ -95,6 +99,20 @@ def slots(ctx: Context) -> list[Figure]:
             vs="slots/crl_makespan_ratio",
             better="lower",
             detail=drained,
+        ),
+        Figure(
+            "floor_makespan_ratio",
+            "unguarded floor: the same drain on exactly 8 threads (1 x 8), makespan / ideal",
+            floor_ratio,
+            better="lower",
+            detail=f"N={n} x 10 ms, no guard, 1x{LIMIT}",
+        ),
+        Figure(
+            "slot_floor_ratio",
+            "slot drain makespan / unguarded floor",
+            slot_ratio / floor_ratio,
+            better="lower",
+            detail="what the guard adds over what this machine allows",
         ),
         Figure(
             "slot_pickups", "broker pickups per message (slots)", slot_pickups, better="lower", detail=drained

@@ -44,6 +44,13 @@ if os.environ.get("BENCH_SLOTS"):
         time.sleep(0.01)  # the job's 10 ms of work
         cross_finish_line(broker.client, run_id, total)
 
+    # The floor: the same jobs with no guard at all, on a worker of exactly 8 threads (1 x 8), so
+    # that 8 run at a time because there are 8 threads. What this machine allows, guard or not.
+    @dramatiq.actor(queue_name="bench_floor", max_retries=0)
+    def floor_job(run_id: str, total: int) -> None:
+        time.sleep(0.01)
+        cross_finish_line(broker.client, run_id, total)
+
     # The way users limit concurrency with Dramatiq alone: RateLimitExceeded, retried with backoff
     # (tuned down from Dramatiq's 15 s default minimum, as users of this pattern do).
     @dramatiq.actor(queue_name="bench_slots", max_retries=100_000, min_backoff=100, max_backoff=2_000)
