@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -14,7 +15,7 @@ from dramatiq.results import ResultMissing, Results
 from dramatiq.results.backends import StubBackend
 from harness import wait_until
 
-from dramatiq_guard import current_lease
+from dramatiq_guard import current_lease, events
 from dramatiq_guard.backends.memory import MemoryBackend
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.slots import Concurrency, Mutex, MutexWaitTimeout
@@ -40,6 +41,25 @@ class Tracker:
         with self.lock:
             self.running[key] -= 1
             self.done.append(value)
+
+
+class CountingSink:
+    """An event sink (:mod:`dramatiq_guard.events`) that only counts."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def count(self, event: str, actor: str) -> None:
+        self.counts[event, actor] += 1
+
+    def holders(self, actor: str, delta: int) -> None:
+        pass
+
+    def waiters(self, actor: str, delta: int) -> None:
+        pass
+
+    def lock_waited(self, actor: str, duration_ms: float) -> None:
+        pass
 
 
 class Env:
@@ -410,6 +430,8 @@ def test_a_freed_slot_goes_to_the_standby_sent_ahead_by_a_push(env: Env) -> None
         return result
 
     env.concurrency.release = spy  # type: ignore[method-assign]
+    counted = CountingSink()
+    previous_sink = events.set_sink(counted)
 
     @dramatiq.actor(concurrency={"limit": 1, "key": lambda n: "k"}, max_retries=0)
     def job(n: int) -> None:
@@ -437,3 +459,6 @@ def test_a_freed_slot_goes_to_the_standby_sent_ahead_by_a_push(env: Env) -> None
     assert t.done == [0, 1, 2, 3] and t.peak["k"] == 1
     # 1's slot went to the standby by a push (nothing to re-enqueue), and so on.
     assert handed == [(ids[1], False), (ids[2], True), (ids[3], True)]
+    events.set_sink(previous_sink)
+    # Every hand-off is counted for the metrics, re-enqueued or pushed.
+    assert counted.counts[("handed_off", "job")] == 3

@@ -436,8 +436,12 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             raise ValueError(f"actor {name!r} has no {self.option}= option")
         return guard.resolve_key(args, kwargs)
 
-    def _limit_for_key(self, key: str) -> int:
-        """The default limit of a guard key this process may never have seen (for sweeps)."""
+    def _guard_of_key(self, key: str) -> ActorGuard[P] | None:
+        """The guard of the actor a guard key belongs to, if this process can tell.
+
+        It can for a key it has seen, and for a digested key (``<actor>:<sha256>``);
+        not for a key given by a callable that it never computed.
+        """
         with self._known_lock:
             actor_name = self._known.get(key)
         guard = self.guarded.get(actor_name) if actor_name is not None else None
@@ -446,6 +450,11 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             candidate = self.guarded.get(actor_name)
             if candidate is not None and not callable(candidate.resolve_key.spec) and len(digest) == 64:
                 guard = candidate
+        return guard
+
+    def _limit_for_key(self, key: str) -> int:
+        """The default limit of a guard key this process may never have seen (for sweeps)."""
+        guard = self._guard_of_key(key)
         if guard is not None:
             return self.default_limit(guard)
         callables = [g for g in list(self.guarded.values()) if callable(g.resolve_key.spec)]
@@ -828,10 +837,15 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
 
         Blocking waiters (no payload) were already woken by the backend. If a
         re-enqueue fails, the payload stays stored: the reservation lapses and
-        the waiter goes back to its place in the queue.
+        the waiter goes back to its place in the queue. Every hand-off counts in
+        :func:`~dramatiq_guard.events.handed_off` (a woken waiter's actor is the
+        key's, when this process can tell it).
         """
         for handoff in handoffs:
             if handoff.payload is None:
+                guard = self._guard_of_key(handoff.key)
+                if guard is not None:
+                    events.handed_off(guard.actor_name)
                 continue
             try:
                 self._requeue_one(broker, handoff)
