@@ -136,9 +136,14 @@ def _format_ms(ms: int | None) -> str:
 
 
 def _common() -> argparse.ArgumentParser:
-    """The connection options, accepted before or after the command."""
+    """The connection options, accepted after the command too (given there, they win)."""
     common = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
-    group = common.add_argument_group("connection")
+    _connection_options(common)
+    return common
+
+
+def _connection_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("connection")
     group.add_argument(
         "--redis",
         metavar="URL",
@@ -149,7 +154,6 @@ def _common() -> argparse.ArgumentParser:
         metavar="NS",
         help=f"the prefix of the guard's Redis keys (default: {DEFAULT_NAMESPACE})",
     )
-    return common
 
 
 def _broker_option(parser: argparse.ArgumentParser) -> None:
@@ -176,17 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog="Exit status: 0 ok, 1 operational error, 2 usage error.",
     )
-    group = parser.add_argument_group("connection")
-    group.add_argument(
-        "--redis",
-        metavar="URL",
-        help=f"the guard's Redis (default: ${REDIS_URL_ENV}, else {DEFAULT_REDIS_URL})",
-    )
-    group.add_argument(
-        "--namespace",
-        metavar="NS",
-        help=f"the prefix of the guard's Redis keys (default: {DEFAULT_NAMESPACE})",
-    )
+    _connection_options(parser)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     inspect = commands.add_parser(
