@@ -49,6 +49,14 @@ def deliver(key, n):
     rec.record(phase="end", key=key, n=n, pid=os.getpid())
 
 
+@dramatiq.actor(concurrency={"limit": 3, "key": lambda key, n: key}, max_retries=0, queue_name=QUEUE)
+def deliver_gated(key, n):
+    rec.record(phase="start", key=key, n=n, pid=os.getpid())
+    with rec.track(key):
+        Gate.from_env(QUEUE).wait(timeout=60)  # until the test has seen the limit reached
+    rec.record(phase="end", key=key, n=n, pid=os.getpid())
+
+
 @dramatiq.actor(concurrency={"limit": 5, "key": lambda key, n: key}, max_retries=0, queue_name=QUEUE)
 def deliver5(key, n):
     deliver.fn(key, n)
@@ -157,9 +165,12 @@ def test_limit_zero_parks_everything_and_four_drains_four_at_a_time(
     dramatiq_worker("actors", processes=2, threads=8, queues=[queue])
     module.concurrency.set_limit("k3", 0)
     for n in range(40):
-        module.deliver.send("k3", n)
+        module.deliver_gated.send("k3", n)
     assert redis_broker_pending(redisdb, [queue]) == 0  # everything parked, nothing on the broker
     module.concurrency.set_limit("k3", 4)
+    # The first four run at once (they hold until the gate opens), and no fifth joins them.
+    wait_until(lambda: recorder.concurrency("k3") == 4, timeout=60, what="4 runs at once")
+    recorder.gate(queue).open(40)
     wait_until(
         lambda: sum(1 for r in _records(recorder) if r["phase"] == "end") == 40, timeout=60, what="40 runs"
     )
