@@ -433,15 +433,20 @@ def test_a_lapsed_holder_is_reclaimed(env: Env) -> None:
     assert_drained(env, backend)
 
 
+# Leases of a second: long enough that a loaded machine's stall (GC, a busy CI box) does not
+# pass for a lapse; the tests still wait on the backend's clock, never on a guess.
+TTL = 1_000
+
+
 def test_renewal_keeps_a_lease_alive_past_its_ttl(env: Env) -> None:
     backend = env.backend()
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=300).acquired
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=TTL).acquired
     first_deadline = deadline_of(backend, KEY, "a")
-    while env.now_ms() <= first_deadline + 300:  # renew by hand across two ttls
-        assert backend.renew(KEY, "a", ttl_ms=300)
+    while env.now_ms() <= first_deadline + TTL:  # renew by hand across two ttls
+        assert backend.renew(KEY, "a", ttl_ms=TTL)
         time.sleep(0.05)
-    assert not backend.acquire(KEY, "b", limit=1, ttl_ms=300).acquired
-    assert backend.renew_many([(KEY, "a", 300), (KEY, "b", 300), ("other", "a", 300)]) == [True, False, False]
+    assert not backend.acquire(KEY, "b", limit=1, ttl_ms=TTL).acquired
+    assert backend.renew_many([(KEY, "a", TTL), (KEY, "b", TTL), ("other", "a", TTL)]) == [True, False, False]
     assert backend.release(KEY, "a", limit=1).released
 
 
@@ -449,14 +454,14 @@ def test_the_renewer_keeps_leases_alive_and_reports_lost_ones(env: Env) -> None:
     backend = env.backend()
     renewer = LeaseRenewer()
     try:
-        assert backend.acquire(KEY, "a", limit=2, ttl_ms=300).acquired
-        assert backend.acquire(KEY, "b", limit=2, ttl_ms=300).acquired
+        assert backend.acquire(KEY, "a", limit=2, ttl_ms=TTL).acquired
+        assert backend.acquire(KEY, "b", limit=2, ttl_ms=TTL).acquired
         lost: list[LeaseHandle] = []
-        handle_a = renewer.register(backend, KEY, "a", 300)
-        handle_b = renewer.register(backend, KEY, "b", 300)
+        handle_a = renewer.register(backend, KEY, "a", TTL)
+        handle_b = renewer.register(backend, KEY, "b", TTL)
         handle_b.on_lost.append(lost.append)
         first_deadline = deadline_of(backend, KEY, "a")
-        env.wait_past(first_deadline + 300)
+        env.wait_past(first_deadline + TTL)
         assert {h for h, _ in backend.inspect(KEY).holders} == {"a", "b"}
         assert not handle_a.lost and not handle_b.lost
         # Released by force: the next renewal finds it gone and reports it.
