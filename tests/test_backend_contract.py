@@ -813,7 +813,7 @@ def test_a_standby_whose_sender_dies_before_confirming_parks_again_in_its_place(
 
 
 def test_a_standby_handed_a_slot_before_it_is_confirmed_keeps_its_payload_until_then(env: Env) -> None:
-    backend = env.backend(handoff_ttl_ms=200)
+    backend = env.backend(handoff_ttl_ms=TTL)  # the confirmations below must come before it lapses
     assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
     for waiter in ["p1", "p2"]:
         park(backend, waiter)
