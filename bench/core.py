@@ -108,13 +108,16 @@ class CallCounts:
 
     ``commands`` counts every command Redis executed (INFO commandstats deltas,
     so the commands run inside a Lua script count too); ``round_trips`` counts
-    the requests this process sent (a pipeline or a script call is one).
+    the requests the calling thread sent (a pipeline or a script call is one):
+    what the caller waits for; ``background_round_trips`` the requests other
+    threads of this process sent meanwhile (batched work off the call's path).
     """
 
     calls: int
     commands: float
     round_trips: float
     by_command: dict[str, float]
+    background_round_trips: float = 0.0
 
     def breakdown(self) -> str:
         parts = sorted(self.by_command.items(), key=lambda kv: (-kv[1], kv[0]))
@@ -125,7 +128,9 @@ class _RequestCounter:
     """Counts requests written by every redis-py connection of this process (a patch, undone on exit)."""
 
     def __init__(self) -> None:
-        self.count = 0
+        self.count = 0  # by the thread that installed the counter
+        self.background = 0  # by the other threads
+        self._caller = threading.get_ident()
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -135,7 +140,10 @@ class _RequestCounter:
 
         def send_packed_command(self: AbstractConnection, command: object, check_health: bool = True) -> None:
             with counter._lock:
-                counter.count += 1
+                if threading.get_ident() == counter._caller:
+                    counter.count += 1
+                else:
+                    counter.background += 1
             original(self, command, check_health)
 
         AbstractConnection.send_packed_command = send_packed_command  # type: ignore[method-assign]
@@ -253,6 +261,7 @@ class Context:
             commands=total / n,
             round_trips=requests.count / n,
             by_command={k: v / n for k, v in delta.items()},
+            background_round_trips=requests.background / n,
         )
 
     def _commandstats(self) -> Counter[str]:
