@@ -141,14 +141,17 @@ class Lease:
         """
         return self._lost.wait(timeout)
 
-    def release(self) -> ReleaseResult:
+    def release(self, *, send_ahead: int = 0) -> ReleaseResult:
         """Stop renewing the lease and give the slot back (checked: only this holder's own).
 
         The freed slot is handed to the oldest waiter of the key; the result's
         ``handoffs`` with a payload must be re-enqueued by the caller (the
-        middlewares and the lock do it). If ``released`` is False the lease
-        had been lost before it was released: :attr:`lost` is then True.
-        Releasing twice returns the first result.
+        middlewares and the lock do it), and its ``standbys`` (sent ahead when
+        ``send_ahead`` > 0, see
+        :meth:`~dramatiq_guard.backends.GuardBackend.release`) enqueued and
+        confirmed. If ``released`` is False the lease had been lost before it
+        was released: :attr:`lost` is then True. Releasing twice returns the
+        first result.
 
         Raises:
           BackendUnavailable: The backend could not be reached; the lease is
@@ -160,7 +163,7 @@ class Lease:
         if self._handle is not None:
             self._handle.unregister()
         _expirer.cancel(self)
-        result = self.backend.release(self.key, self.holder, limit=self.limit)
+        result = self.backend.release(self.key, self.holder, limit=self.limit, send_ahead=send_ahead)
         if not result.released:
             self._lost.set()
         self.release_result = result

@@ -869,11 +869,52 @@ def test_a_standby_whose_entry_lapsed_is_an_ordinary_message(env: Env) -> None:
     assert [(w, parked) for w, _, parked in backend.inspect(KEY).waiters] == [("p2", True), ("p1", True)]
 
 
+def test_a_release_sends_the_next_waiters_ahead_in_the_same_step(env: Env) -> None:
+    backend = env.backend()
+    for holder in ["a", "b"]:
+        assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired
+    for waiter in ["p1", "p2", "p3", "p4"]:
+        park(backend, waiter, limit=2)
+    # a's slot goes to p1 (re-enqueued by the caller); then p2 and p3 are sent ahead (at most the
+    # limit), exactly as a send_standbys() right after would have.
+    released = backend.release(KEY, "a", limit=2, send_ahead=8)
+    assert released == ReleaseResult(
+        True,
+        (Handoff(KEY, "p1", b"msg:p1"),),
+        (Handoff(KEY, "p2", b"msg:p2"), Handoff(KEY, "p3", b"msg:p3")),
+    )
+    assert backend.send_standbys(KEY, limit=2, count=8) == ((), ())  # already sent
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000)
+    for waiter in ["p2", "p3"]:
+        assert backend.confirm_standby(KEY, waiter, f"msg:{waiter}".encode(), ttl_ms=60_000)
+    state = backend.inspect(KEY)
+    assert [(w, parked) for w, _, parked in state.waiters] == [("p2", False), ("p3", False), ("p4", True)]
+    # Nobody waiting: nothing to send. Without send_ahead, a release sends nothing.
+    assert backend.release(KEY, "b", limit=2).standbys == ()
+    assert pick_up(backend, "p2", limit=2).acquired
+    assert backend.acquire(KEY, "p1", limit=2, ttl_ms=60_000).acquired
+    # p1's slot goes to the standby p3 by a push; p4, the last waiter, is sent ahead.
+    assert backend.release(KEY, "p1", limit=2, send_ahead=8) == ReleaseResult(
+        True, (Handoff(KEY, "p3", None),), (Handoff(KEY, "p4", b"msg:p4"),)
+    )
+    assert backend.confirm_standby(KEY, "p4", b"msg:p4", ttl_ms=60_000)
+    assert pick_up(backend, "p3", limit=2).acquired
+    assert backend.release(KEY, "p2", limit=2, send_ahead=8) == ReleaseResult(
+        True, (Handoff(KEY, "p4", None),)
+    )
+    assert pick_up(backend, "p4", limit=2).acquired
+    for holder in ["p3", "p4"]:
+        assert backend.release(KEY, holder, limit=2, send_ahead=8) == ReleaseResult(True)
+    assert_drained(env, backend)
+
+
 def test_no_standby_is_sent_while_the_key_is_halted(env: Env) -> None:
     backend = env.backend()
     backend.set_limit(KEY, 0)
     park(backend, "p1")
     assert backend.send_standbys(KEY, limit=1, count=1) == ((), ())
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).parked is False
+    assert backend.release(KEY, "a", limit=1, send_ahead=1) == ReleaseResult(False)
     assert [(w, parked) for w, _, parked in backend.inspect(KEY).waiters] == [("p1", True)]
     assert backend.set_limit(KEY, None).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
 

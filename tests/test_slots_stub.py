@@ -423,8 +423,8 @@ def test_a_freed_slot_goes_to_the_standby_sent_ahead_by_a_push(env: Env) -> None
     handed: list[Any] = []
     release = env.concurrency.release
 
-    def spy(broker: Any, lease: Lease) -> Any:
-        result = release(broker, lease)
+    def spy(broker: Any, lease: Lease, **options: Any) -> Any:
+        result = release(broker, lease, **options)
         if result is not None:
             handed.extend((h.waiter_id, h.payload is None) for h in result.handoffs)
         return result

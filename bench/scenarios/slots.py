@@ -26,17 +26,29 @@ def _wait_finish(ctx: Context, run_id: str) -> float:
     return float(item[1])
 
 
-def _drain(ctx: Context, actor: object, name: str, n: int) -> tuple[float, float]:
-    """(makespan / ideal, pickups per message) of ``n`` sends of ``actor`` to a running worker."""
+def _scripts(ctx: Context) -> int:
+    """How many Lua script calls (EVALSHA, EVAL) the run's Redis has executed, from every client."""
+    stats = ctx.client.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval"))
+
+
+def _drain(ctx: Context, actor: object, name: str, n: int) -> tuple[float, float, float]:
+    """(makespan / ideal, pickups per message, script calls per message) of ``n`` sends of ``actor``.
+
+    Script calls count the broker's (enqueue, fetch, ack) and the guard's, from the sender
+    and the workers alike.
+    """
     ctx.client.delete(f"bench:pickups:{name}")
     run_id = ctx.new_run_id()
+    scripts = _scripts(ctx)
     start = time.time()
     for _ in range(n):
         actor.send(run_id, n)  # type: ignore[attr-defined]
     makespan = _wait_finish(ctx, run_id) - start
+    scripts = _scripts(ctx) - scripts
     ideal = n * JOB_S / LIMIT
     pickups = int(ctx.client.get(f"bench:pickups:{name}") or 0) / n
-    return makespan / ideal, pickups
+    return makespan / ideal, pickups, scripts / n
 
 
 def _handoff_ms(ctx: Context, actor: object, n: int) -> float:
@@ -77,18 +89,18 @@ def slots(ctx: Context) -> list[Figure]:
     # Without standbys first (lookahead=0), on a worker of its own.
     env = {"BENCH_SLOTS": "1", "BENCH_SLOTS_LOOKAHEAD": "0"}
     ctx.worker("bench.scenarios.slots_actors", processes=PROCESSES, threads=THREADS, env=env)
-    plain_ratio, plain_pickups = _drain(ctx, actors.slot_job, "slot_job", n)
+    plain_ratio, plain_pickups, _ = _drain(ctx, actors.slot_job, "slot_job", n)
     plain_park_ms = _handoff_ms(ctx, actors.handoff_park, m)
     ctx.stop_workers()
     ctx.worker("bench.scenarios.slots_actors", processes=PROCESSES, threads=THREADS, env={"BENCH_SLOTS": "1"})
-    slot_ratio, slot_pickups = _drain(ctx, actors.slot_job, "slot_job", n)
-    crl_ratio, crl_pickups = _drain(ctx, actors.crl_job, "crl_job", n)
+    slot_ratio, slot_pickups, slot_scripts = _drain(ctx, actors.slot_job, "slot_job", n)
+    crl_ratio, crl_pickups, _ = _drain(ctx, actors.crl_job, "crl_job", n)
     wait_ms = _handoff_ms(ctx, actors.handoff_wait, m)
     park_ms = _handoff_ms(ctx, actors.handoff_park, m)
     redispy_ms = _handoff_ms(ctx, actors.handoff_redispy, m)
     ctx.stop_workers()
     ctx.worker("bench.scenarios.slots_actors", processes=1, threads=LIMIT, env={"BENCH_SLOTS": "1"})
-    floor_ratio, _ = _drain(ctx, actors.floor_job, "floor_job", n)
+    floor_ratio, _, floor_scripts = _drain(ctx, actors.floor_job, "floor_job", n)
     ctx.stop_workers()
     drained = f"N={n} x 10 ms, limit {LIMIT}, {PROCESSES}x{THREADS}"
     return [
@@ -113,6 +125,21 @@ def slots(ctx: Context) -> list[Figure]:
             slot_ratio / floor_ratio,
             better="lower",
             detail="what the guard adds over what this machine allows",
+        ),
+        Figure(
+            "slot_scripts",
+            "Redis script calls per message (slots)",
+            slot_scripts,
+            vs="slots/floor_scripts",
+            compare="delta",
+            better="lower",
+            detail="the broker's and the guard's, every client, during the drain",
+        ),
+        Figure(
+            "floor_scripts",
+            "Redis script calls per message (unguarded floor: the broker's own)",
+            floor_scripts,
+            better="lower",
         ),
         Figure(
             "slot_pickups", "broker pickups per message (slots)", slot_pickups, better="lower", detail=drained

@@ -154,10 +154,15 @@ class ReleaseResult:
         holder, e.g. its lease had lapsed and was reclaimed; the caller must
         report this, never swallow it).
       handoffs(tuple[Handoff, ...]): Waiters given a slot by this operation.
+      standbys(tuple[Handoff, ...]): Parked waiters sent ahead as standbys by
+        a release with ``send_ahead`` (see :meth:`GuardBackend.release`); the
+        caller enqueues each and confirms it with
+        :meth:`GuardBackend.confirm_standby`.
     """
 
     released: bool
     handoffs: tuple[Handoff, ...] = ()
+    standbys: tuple[Handoff, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +282,7 @@ class GuardBackend(abc.ABC):
         return [self.renew(key, holder, ttl_ms=ttl_ms) for key, holder, ttl_ms in leases]
 
     @abc.abstractmethod
-    def release(self, key: str, holder: str, *, limit: int) -> ReleaseResult:
+    def release(self, key: str, holder: str, *, limit: int, send_ahead: int = 0) -> ReleaseResult:
         """Give up ``holder``'s slot (checked: only the holder itself releases it).
 
         Frees the slot and hands it to the oldest waiter if any. When the key
@@ -286,6 +291,10 @@ class GuardBackend(abc.ABC):
 
         Parameters:
           limit(int): The default limit (needed to hand off freed slots).
+          send_ahead(int): Then, in the same atomic step, send waiters ahead
+            as :meth:`send_standbys` with ``count=send_ahead`` would (0: none);
+            they are the result's ``standbys``. One operation where a
+            releasing worker would otherwise need two.
         """
 
     @abc.abstractmethod

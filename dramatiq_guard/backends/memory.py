@@ -122,6 +122,15 @@ class MemoryBackend(GuardBackend):
             handed.append(Handoff(key, waiter, payload))
         return handed
 
+    def _send_ahead(self, key: str, guard: _Guard, count: int, now: int) -> tuple[Handoff, ...]:
+        """Mark the parked waiters among the first ``count`` as standbys being sent; return them."""
+        sent = []
+        for waiter, entry in sorted(guard.queue.items(), key=lambda item: item[1].place)[: max(0, count)]:
+            if entry.payload is not None and entry.drop_at_ms is None:
+                entry.drop_at_ms = now + self.handoff_ttl_ms
+                sent.append(Handoff(key, waiter, entry.payload))
+        return tuple(sent)
+
     def _end(self, key: str, guard: _Guard) -> None:
         if guard.is_idle():
             self._guards.pop(key, None)
@@ -186,7 +195,7 @@ class MemoryBackend(GuardBackend):
             guard.holders[holder] = now + ttl_ms
             return True
 
-    def release(self, key: str, holder: str, *, limit: int) -> ReleaseResult:
+    def release(self, key: str, holder: str, *, limit: int, send_ahead: int = 0) -> ReleaseResult:
         """Give up ``holder``'s slot; see :meth:`GuardBackend.release`."""
         with self._changed:
             guard, now = self._begin(key)
@@ -194,9 +203,11 @@ class MemoryBackend(GuardBackend):
             guard.info.pop(holder, None)
             if released:
                 guard.unconfirmed.pop(holder, None)
-            handoffs = self._hand_off(key, guard, self._limits.get(key, limit), now)
+            in_force = self._limits.get(key, limit)
+            handoffs = self._hand_off(key, guard, in_force, now)
+            standbys = self._send_ahead(key, guard, min(send_ahead, in_force), now)
             self._end(key, guard)
-            return ReleaseResult(released, tuple(handoffs))
+            return ReleaseResult(released, tuple(handoffs), standbys)
 
     def confirm_handoff(self, key: str, waiter_id: str, *, ttl_ms: int) -> bool:
         """Confirm a handed-off parked message was re-enqueued; see :meth:`GuardBackend.confirm_handoff`."""
@@ -220,14 +231,9 @@ class MemoryBackend(GuardBackend):
             guard, now = self._begin(key)
             in_force = self._limits.get(key, limit)
             handoffs = self._hand_off(key, guard, in_force, now)
-            sent = []
-            head = sorted(guard.queue.items(), key=lambda item: item[1].place)[: max(0, min(count, in_force))]
-            for waiter, entry in head:
-                if entry.payload is not None and entry.drop_at_ms is None:
-                    entry.drop_at_ms = now + self.handoff_ttl_ms
-                    sent.append(Handoff(key, waiter, entry.payload))
+            sent = self._send_ahead(key, guard, min(count, in_force), now)
             self._end(key, guard)
-            return tuple(handoffs), tuple(sent)
+            return tuple(handoffs), sent
 
     def confirm_standby(self, key: str, waiter_id: str, payload: bytes, *, ttl_ms: int) -> bool:
         """Confirm a standby was enqueued; see :meth:`GuardBackend.confirm_standby`."""

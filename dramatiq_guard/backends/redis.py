@@ -349,14 +349,14 @@ class RedisBackend(GuardBackend):
         calls = [(script, self._keys(key), self._args(key, 0, holder, ttl)) for key, holder, ttl in leases]
         return [bool(result) for result in self._pipelined(calls)]
 
-    def release(self, key: str, holder: str, *, limit: int) -> ReleaseResult:
+    def release(self, key: str, holder: str, *, limit: int, send_ahead: int = 0) -> ReleaseResult:
         """Give up ``holder``'s slot; see :meth:`GuardBackend.release`.
 
         Raises:
           BackendUnavailable: If Redis cannot be reached.
         """
-        released, handoffs = self._run("release", key, limit, holder)
-        return ReleaseResult(bool(released), self._handoffs(key, handoffs))
+        released, handoffs, standbys = self._run("release", key, limit, holder, send_ahead)
+        return ReleaseResult(bool(released), self._handoffs(key, handoffs), self._handoffs(key, standbys))
 
     def confirm_handoff(self, key: str, waiter_id: str, *, ttl_ms: int) -> bool:
         """Confirm a handed-off parked message was re-enqueued; see :meth:`GuardBackend.confirm_handoff`.

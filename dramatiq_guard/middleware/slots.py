@@ -58,7 +58,8 @@ Standbys (``lookahead``, ``standby_wait``, ``standby_threads``)
   its queue is empty, and with everything parked it nearly always is), the
   slot idle meanwhile. So a worker that releases a slot of a key that has
   waiters also sends the next waiters to the broker *ahead*, as standbys
-  (:meth:`SlotsMiddleware.send_standbys`): the backend keeps the first
+  (chosen by the release itself, in the same backend operation;
+  :meth:`SlotsMiddleware.send_standbys` does it alone): the backend keeps the first
   ``lookahead`` waiters of the FIFO (default: the limit, i.e. at most one per
   slot; ``0``: none) on the broker, each enqueued (bypassing the gate) and
   then confirmed, keeping its place. A standby that is picked up blocks its
@@ -797,26 +798,28 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
                 current_lease_var.reset(held.context)
             except ValueError:
                 current_lease_var.set(None)
-        result = self.release(broker, held.lease)
+        # If the key has waiters, the release keeps the next ones on the broker ahead of the next
+        # free slot, as standbys.
+        send_ahead = self._lookahead() if self.mode(guard.policy) == "park" else 0
+        result = self.release(broker, held.lease, send_ahead=send_ahead)
         events.released(message.actor_name)
         if result is not None and not result.released:
             events.lease_lost(message.actor_name)
-        if result is not None and result.handoffs and self.mode(guard.policy) == "park":
-            # The key has waiters: keep the next ones on the broker ahead of the next free slot.
-            self.send_standbys(broker, held.lease.key, held.lease.limit)
 
-    def release(self, broker: Broker, lease: Lease) -> ReleaseResult | None:
-        """Release ``lease`` and re-enqueue the waiters it hands the slot to.
+    def release(self, broker: Broker, lease: Lease, *, send_ahead: int = 0) -> ReleaseResult | None:
+        """Release ``lease``, re-enqueue the waiters it hands the slot to, and send its standbys.
 
-        A lease that was lost is reported (an error is logged with the lease
-        and the release result), never silently dropped.
+        ``send_ahead``: how many waiters the same backend operation sends ahead
+        as standbys (see :meth:`send_standbys`). A lease that was lost is
+        reported (an error is logged with the lease and the release result),
+        never silently dropped.
 
         Returns:
           ReleaseResult|None: The result, or None if the backend was
           unreachable (the lease then lapses within ``lease_ttl``).
         """
         try:
-            result = lease.release()
+            result = lease.release(send_ahead=send_ahead)
         except BackendUnavailable:
             logger.error("Could not release %r: the backend is unavailable; it lapses on its own.", lease)
             return None
@@ -827,6 +830,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
                 result,
             )
         self.requeue(broker, result.handoffs)
+        self._send_standbys(broker, lease.key, lease.limit, result.standbys)
         _notify()
         return result
 
@@ -885,8 +889,8 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         lets no standby block (``standby_threads``). Failures are logged: an
         unsent standby parks again on its own.
         """
-        count = self.lookahead if self.lookahead is not None else 1 << 30
-        if count <= 0 or self._standby_cap <= 0:
+        count = self._lookahead()
+        if count <= 0:
             return
         backend = self.backend(broker)
         try:
@@ -895,6 +899,16 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             logger.warning("Could not send the standbys of %r; they stay parked.", key, exc_info=True)
             return
         self.requeue(broker, handoffs)
+        self._send_standbys(broker, key, limit, sent)
+
+    def _lookahead(self) -> int:
+        """How many waiters per key to keep on the broker as standbys (0 if this process lets none block)."""
+        if self._standby_cap <= 0:
+            return 0
+        return self.lookahead if self.lookahead is not None else 1 << 30
+
+    def _send_standbys(self, broker: Broker, key: str, limit: int, sent: Iterable[Handoff]) -> None:
+        """Enqueue and confirm each standby selected by the backend; failures are logged."""
         for standby in sent:
             try:
                 self._send_standby(broker, standby, limit)

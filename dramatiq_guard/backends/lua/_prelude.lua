@@ -247,6 +247,25 @@ local function handoff(limit, out)
   end
 end
 
+-- Send the first `count` waiters of the FIFO ahead as standbys (see standby.lua): each parked
+-- one among them (a payload, no deadline in D) gets a deadline in D, and its waiter, payload
+-- pair is appended to `out`; blocking waiters and standbys already sent are left as they are.
+local function send_ahead(count, out)
+  if not (QUEUED and count > 0) then
+    return
+  end
+  for _, w in ipairs(redis.call('ZRANGE', W, 0, count - 1)) do
+    if not redis.call('ZSCORE', D, w) then
+      local payload = redis.call('HGET', P, w)
+      if payload then
+        redis.call('ZADD', D, NOW + HANDOFF_TTL, w)
+        out[#out + 1] = w
+        out[#out + 1] = payload
+      end
+    end
+  end
+end
+
 -- Make H, T and I expire no earlier than `at` (PEXPIREAT GT: never sooner than
 -- they already do; on a server without GT, Redis < 7, from the latest deadline).
 local function extend_to(at)

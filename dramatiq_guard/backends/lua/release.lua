@@ -1,4 +1,6 @@
--- release(holder) -> {released, handoffs}
+-- release(holder, send_ahead) -> {released, handoffs, standbys}
+--   With send_ahead > 0, then sends the first send_ahead waiters ahead as standbys, as
+--   standby('send') would (at most the limit): the caller enqueues and confirms them.
 local holder = ARGV[4]
 OWNED = true
 reclaim()
@@ -17,7 +19,9 @@ if HS[holder] ~= nil then
     end
   end
 end
-local handoffs = {}
-handoff(limit_in_force(), handoffs)
+local handoffs, standbys = {}, {}
+local limit = limit_in_force()
+handoff(limit, handoffs)
+send_ahead(math.min(tonumber(ARGV[5] or '0'), limit), standbys)
 finish()
-return { released, handoffs }
+return { released, handoffs, standbys }

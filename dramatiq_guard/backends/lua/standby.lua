@@ -20,19 +20,7 @@ if ARGV[4] == 'send' then
   local handoffs, sent = {}, {}
   local limit = limit_in_force()
   handoff(limit, handoffs)
-  local count = math.min(tonumber(ARGV[5]), limit)
-  if QUEUED and count > 0 then
-    for _, w in ipairs(redis.call('ZRANGE', W, 0, count - 1)) do
-      if not redis.call('ZSCORE', D, w) then
-        local payload = redis.call('HGET', P, w)
-        if payload then
-          redis.call('ZADD', D, NOW + HANDOFF_TTL, w)
-          sent[#sent + 1] = w
-          sent[#sent + 1] = payload
-        end
-      end
-    end
-  end
+  send_ahead(math.min(tonumber(ARGV[5]), limit), sent)
   finish()
   return { handoffs, sent }
 end
