@@ -54,6 +54,16 @@ def dropping(n):
     run(n)
 
 
+@dramatiq.actor(
+    mutex={"on_busy": "wait", "wait": 300, "key": lambda n: "timed"}, min_backoff=50, max_backoff=100
+)
+def timed(n):
+    rec.record(n=n, started=True)
+    if n == 0:
+        Gate.from_env("timed").wait(timeout=60)
+    rec.record(n=n, done=True)
+
+
 @dramatiq.actor(mutex={"key": lambda: "killed"}, max_retries=0)
 def hold_forever():
     rec.record(holding=True, pid=__import__("os").getpid())
@@ -132,3 +142,21 @@ def test_a_sigkilled_holders_lock_is_free_within_one_lease(
         what="the dead holder's lease to lapse",
     )
     assert probe.token is not None and state.token is not None and probe.token > state.token
+
+
+def test_a_wait_that_times_out_raises_mutex_wait_timeout_and_retries_retry_it(
+    actor_module: Callable[..., ModuleType], dramatiq_worker: Start, recorder: Recorder, redisdb: Any
+) -> None:
+    module = actor_module(SOURCE)
+    worker = dramatiq_worker("actors", processes=2, threads=2)
+    module.timed.send(0)
+    assert recorder.take_one()["started"]
+    module.timed.send(1)  # waits 300 ms, times out, is retried, waits again...
+    wait_until(lambda: worker.log.count("Retrying message") >= 2, timeout=60, what="two retried waits")
+    assert "MutexWaitTimeout" in worker.log
+    assert recorder.pending() == 0  # 1 never started while 0 held the lock
+    recorder.gate("timed").open()
+    records = [(r["n"], "done" if r.get("done") else "started") for r in recorder.take(3, timeout=60)]
+    assert records == [(0, "done"), (1, "started"), (1, "done")]
+    wait_for_redis_broker_drain(redisdb)
+    assert not guard_leftovers(redisdb)
