@@ -55,13 +55,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import shutil
 import sys
 import textwrap
 import uuid
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 import dramatiq
 import dramatiq.broker
@@ -140,14 +141,18 @@ def pytest_runtest_makereport(
 # --- shared helpers -------------------------------------------------------------------------
 
 
+def _unavailable(message: str) -> NoReturn:
+    """Skip the test for want of ``message``'s service; with CI=true, fail it instead."""
+    if in_ci():
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
+
+
 def _require(service: services.Service) -> str:
     """The service's URL, or skip (fail with CI=true) when it does not answer."""
     reason = services.unreachable(service)
     if reason is not None:
-        message = services.unreachable_message(service, reason)
-        if in_ci():
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
+        _unavailable(services.unreachable_message(service, reason))
     return service.url
 
 
@@ -227,6 +232,15 @@ def stub_broker(restore_global_broker: None) -> Any:
     broker.emit_after("process_boot")
     dramatiq.set_broker(broker)
     return broker
+
+
+@pytest.fixture
+def redis_server_on_path() -> str:
+    """The ``redis-server`` executable, for a test that starts one itself (skip, or fail with CI=true)."""
+    path = shutil.which("redis-server")
+    if path is None:
+        _unavailable("redis-server is not on PATH")
+    return path
 
 
 @pytest.fixture

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import redis
-from harness import free_port, in_ci, pid_alive
+from harness import free_port, pid_alive
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,14 +64,6 @@ def closed_url() -> str:
     return f"redis://127.0.0.1:{free_port()}/0"
 
 
-def require_redis_server() -> None:
-    if shutil.which("redis-server") is None:
-        message = "redis-server is not on PATH"
-        if in_ci():
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
-
-
 @pytest.mark.worker
 def test_the_tour_on_a_reachable_redis_leaves_nothing_there(redis_url: str, redisdb: redis.Redis) -> None:
     redisdb.set("users-own-key", "untouched")
@@ -88,8 +79,7 @@ def test_the_tour_on_a_reachable_redis_leaves_nothing_there(redis_url: str, redi
 
 
 @pytest.mark.worker
-def test_without_redis_the_tour_starts_a_private_redis_server_and_stops_it() -> None:
-    require_redis_server()
+def test_without_redis_the_tour_starts_a_private_redis_server_and_stops_it(redis_server_on_path: str) -> None:
     url = closed_url()
     out = run_tour(env={"DRAMATIQ_GUARD_REDIS_URL": url})
     assert f"Where: no Redis answers at {url}; started a private redis-server at redis://127.0.0.1:" in out
