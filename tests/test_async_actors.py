@@ -25,7 +25,7 @@ from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware.asyncio import AsyncIO
 from dramatiq.results import Results
 from dramatiq.results.backends import StubBackend
-from harness import DramatiqWorker, Recorder, wait_for_redis_broker_drain, wait_until
+from harness import DramatiqWorker, Recorder, guard_leftovers, wait_for_redis_broker_drain, wait_until
 
 import dramatiq_guard
 from dramatiq_guard.backends.redis import RedisBackend
@@ -88,15 +88,6 @@ async def limited(n):
         await asyncio.sleep(0.002)
         rec.record(n=n, running=running, holder=lease.holder)
 """
-
-
-def guard_leftovers(client: redis.Redis) -> list[bytes]:
-    """Guard keys left in Redis, except run-time limits and the waiting-keys index."""
-    return sorted(
-        k
-        for k in client.scan_iter(b"dramatiq-guard:*")
-        if not k.endswith(b":limit") and not k.endswith(b":waiting")
-    )
 
 
 def test_until_executed_is_released_when_the_async_holder_finishes(

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 import sqlalchemy as sa
-from harness import DramatiqWorker, Recorder, wait_for_redis_broker_drain, wait_until
+from harness import DramatiqWorker, Recorder, guard_leftovers, wait_for_redis_broker_drain, wait_until
 
 from dramatiq_guard.backends.redis import RedisBackend
 from dramatiq_guard.ledger import COMPLETED, Ledger
@@ -100,15 +100,6 @@ def actors(
 ) -> ModuleType:
     monkeypatch.setenv(LEDGER_URL_ENV, sqlite_url)  # also in the workers' environment
     return actor_module(ACTORS)
-
-
-def guard_leftovers(client: redis.Redis) -> list[bytes]:
-    """Guard keys left in Redis, except run-time limits and the waiting-keys index."""
-    return sorted(
-        k
-        for k in client.scan_iter(b"dramatiq-guard:*")
-        if not k.endswith(b":limit") and k != b"dramatiq-guard:waiting"
-    )
 
 
 def drained(client: redis.Redis, recorder: Recorder) -> None:

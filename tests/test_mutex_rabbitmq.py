@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import redis
-from harness import DramatiqWorker, Recorder, wait_until
+from harness import DramatiqWorker, Recorder, guard_leftovers, wait_until
 
 ACTORS = """
 import dramatiq
@@ -44,15 +44,6 @@ def parking(n):
 def waiting(n):
     run(n)
 """
-
-
-def guard_leftovers(client: redis.Redis) -> list[bytes]:
-    """Guard keys left in Redis, except run-time limits and the waiting-keys index."""
-    return sorted(
-        k
-        for k in client.scan_iter(b"dramatiq-guard:*")
-        if not k.endswith(b":limit") and k != b"dramatiq-guard:waiting"
-    )
 
 
 @pytest.mark.parametrize("actor", ["parking", "waiting"])

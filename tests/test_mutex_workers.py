@@ -9,8 +9,14 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-import redis
-from harness import DramatiqWorker, Recorder, pid_alive, wait_for_redis_broker_drain, wait_until
+from harness import (
+    DramatiqWorker,
+    Recorder,
+    guard_leftovers,
+    pid_alive,
+    wait_for_redis_broker_drain,
+    wait_until,
+)
 
 from dramatiq_guard.backends.redis import RedisBackend
 
@@ -71,15 +77,6 @@ def hold_forever():
 """
 
 Start = Callable[..., DramatiqWorker]
-
-
-def guard_leftovers(client: redis.Redis) -> list[bytes]:
-    """Guard keys left in Redis, except run-time limits and the waiting-keys index."""
-    return sorted(
-        k
-        for k in client.scan_iter(b"dramatiq-guard:*")
-        if not k.endswith(b":limit") and not k.endswith(b":waiting")
-    )
 
 
 @pytest.mark.parametrize("actor", ["waiting", "parking"])

@@ -27,6 +27,7 @@ from .recorder import Gate, Recorder
 from .redis_server import RedisServer, free_port
 from .waiting import (
     WaitTimeout,
+    guard_leftovers,
     redis_broker_dead,
     redis_broker_pending,
     wait_for_redis_broker_drain,
@@ -50,6 +51,7 @@ __all__ = [
     "broker_from_env",
     "broker_url_from_env",
     "free_port",
+    "guard_leftovers",
     "in_ci",
     "pid_alive",
     "redis_broker_dead",

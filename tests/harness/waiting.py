@@ -106,6 +106,23 @@ def redis_broker_pending(
     return sum(int(n) for n in pipe.execute())
 
 
+def guard_leftovers(
+    client: redis_lib.Redis, *, keep_limits_index: bool = False, namespace: str = "dramatiq-guard"
+) -> list[bytes]:
+    """The guard's keys left in Redis (sorted), but for run-time limits and the waiting-keys index.
+
+    Per-key run-time limits (``<namespace>:{K}:limit``) and ``<namespace>:waiting``
+    are left out; ``<namespace>:limits`` too with ``keep_limits_index``, for a test
+    that set limits. Once the work drained, anything else is guard state left behind.
+    """
+    kept = {f"{namespace}:waiting".encode()}
+    if keep_limits_index:
+        kept.add(f"{namespace}:limits".encode())
+    return sorted(
+        k for k in client.scan_iter(f"{namespace}:*".encode()) if not k.endswith(b":limit") and k not in kept
+    )
+
+
 def redis_broker_dead(
     client: redis_lib.Redis, queues: Iterable[str] = ("default",), *, namespace: str = "dramatiq"
 ) -> int:
