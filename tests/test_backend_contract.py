@@ -798,6 +798,42 @@ def test_standbys_are_sent_ahead_in_fifo_order_and_block_when_picked_up(env: Env
     assert_drained(env, backend)
 
 
+def test_a_freed_slot_goes_to_a_ready_standby_before_an_older_one_still_on_the_broker(env: Env) -> None:
+    backend = env.backend()
+    for holder in ["a", "b"]:
+        assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired
+    for waiter in ["p1", "p2", "p3"]:
+        park(backend, waiter, limit=2)
+    # w4 blocks too, but behind the first `limit` waiters: it does not jump them.
+    assert backend.acquire(KEY, "w4", limit=2, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    _, sent = backend.send_standbys(KEY, limit=2, count=2)
+    assert [s.waiter_id for s in sent] == ["p1", "p2"]
+    for waiter in ["p1", "p2"]:
+        assert backend.confirm_standby(KEY, waiter, f"msg:{waiter}".encode(), ttl_ms=60_000)
+    # p2 is picked up first (p1 sits on the broker, or in a busy worker's queue) and blocks.
+    assert pick_up(backend, "p2", limit=2).standby
+    # Its backstop re-check keeps it a standby, in its place.
+    assert pick_up(backend, "p2", limit=2).standby
+    assert waiter_ids(backend.inspect(KEY)) == ["p1", "p2", "p3", "w4"]
+    # The freed slot goes to p2, which starts on the push, not to p1 that no thread holds yet.
+    assert backend.release(KEY, "a", limit=2).handoffs == (Handoff(KEY, "p2", None),)
+    assert backend.wait_for_handoff(KEY, "p2", timeout_ms=10_000)
+    assert backend.acquire(KEY, "p2", limit=2, ttl_ms=60_000).acquired
+    # With no ready waiter in the window, the oldest goes first: p1, not w4 (beyond the window).
+    assert backend.release(KEY, "b", limit=2).handoffs == (Handoff(KEY, "p1", None),)
+    assert pick_up(backend, "p1", limit=2).acquired
+    # w4 is in the window now, and ready: it goes before the older p3, which is parked.
+    assert backend.release(KEY, "p2", limit=2).handoffs == (Handoff(KEY, "w4", None),)
+    assert backend.wait_for_handoff(KEY, "w4", timeout_ms=10_000)
+    assert backend.acquire(KEY, "w4", limit=2, ttl_ms=60_000).acquired
+    assert backend.release(KEY, "p1", limit=2).handoffs == (Handoff(KEY, "p3", b"msg:p3"),)
+    assert backend.confirm_handoff(KEY, "p3", ttl_ms=60_000)
+    for holder in ["p3", "w4"]:
+        assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired
+        assert backend.release(KEY, holder, limit=2).released
+    assert_drained(env, backend)
+
+
 def test_a_standby_whose_sender_dies_before_confirming_parks_again_in_its_place(env: Env) -> None:
     backend = env.backend(handoff_ttl_ms=200)
     assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired

@@ -36,14 +36,20 @@ waiters
       forever; nothing is lost if every process dies.
     * a *blocking* waiter carries no payload: a thread is waiting for it in
       :meth:`~GuardBackend.wait_for_handoff`. It has a deadline after which
-      it is dropped, so a dead thread strands nothing.
+      it is dropped, so a dead thread strands nothing. It is *ready*: a slot
+      handed to it is taken at once.
 
     Adding a waiter id that is already waiting keeps its original place
     (parking is idempotent).
 
 hand-off
-    Whenever a slot is free and a waiter is queued, the oldest waiter is
-    given the slot *atomically in the same operation that freed it*: it
+    Whenever a slot is free and a waiter is queued, a waiter is given the
+    slot *atomically in the same operation that freed it*: the oldest, except
+    that among the first ``limit`` waiters (the limit in force) the ready
+    ones go first, oldest first (so the order is strict FIFO for a limit of
+    one). A slot handed to a waiter no thread holds yet (a standby still on
+    the broker) would stand idle until a worker fetches it. The waiter
+    becomes a holder with a short *reservation* deadline
     becomes a holder with a short *reservation* deadline
     (``handoff_ttl_ms``), so the limit is never exceeded and no other
     acquirer can steal the slot. A blocking waiter is woken by a push (its
@@ -68,12 +74,13 @@ standbys
     if the sender dies, it becomes a parked waiter again after
     ``handoff_ttl_ms``, and a slot handed to it meanwhile is a reservation
     like a parked waiter's (but its payload is not returned: its sender
-    enqueues it). Once confirmed, it is a blocking waiter without payload,
-    dropped after a deadline. When its message is picked up and acquires in
-    park mode with ``Waiter.wait_ms > 0``, it blocks (``AcquireResult.standby``)
-    and is woken by a push like any blocking waiter; with ``wait_ms == 0`` it
-    parks again in its place. A standby whose entry was dropped is an
-    ordinary message when picked up.
+    enqueues it). Once confirmed, it waits without payload on the broker (not
+    ready: no thread holds it yet; a slot handed to it is pushed to its wake
+    list for when it is picked up), dropped after a deadline. When its
+    message is picked up and acquires in park mode with ``Waiter.wait_ms >
+    0``, it blocks (``AcquireResult.standby``) and is a ready blocking waiter
+    from then on; with ``wait_ms == 0`` it parks again in its place. A
+    standby whose entry was dropped is an ordinary message when picked up.
 
 Durations are integer milliseconds. Deadlines are absolute milliseconds on
 the backend's clock (Redis ``TIME`` for Redis, ``time.time()`` in memory).
@@ -285,7 +292,8 @@ class GuardBackend(abc.ABC):
     def release(self, key: str, holder: str, *, limit: int, send_ahead: int = 0) -> ReleaseResult:
         """Give up ``holder``'s slot (checked: only the holder itself releases it).
 
-        Frees the slot and hands it to the oldest waiter if any. When the key
+        Frees the slot and hands it to a waiter if any (see *hand-off* in the
+        module docstring). When the key
         has no holder and no waiter left, all its state except a run-time
         limit is deleted.
 
@@ -333,9 +341,9 @@ class GuardBackend(abc.ABC):
         """Confirm that a standby sent by :meth:`send_standbys` was enqueued.
 
         If the stored payload is still ``payload``, it is dropped: the
-        standby becomes a blocking waiter dropped after ``ttl_ms`` (or, if a
-        slot was handed to it meanwhile, keeps it for ``ttl_ms``, as
-        :meth:`confirm_handoff`). A standby that parked itself again
+        standby waits on the broker, without payload, until it is picked up
+        or ``ttl_ms`` passes (or, if a slot was handed to it meanwhile, keeps
+        it for ``ttl_ms``, as :meth:`confirm_handoff`). A standby that parked itself again
         meanwhile, or that became a parked waiter again because this came too
         late, is left parked (its enqueued copy parks into the same entry
         when picked up).

@@ -38,7 +38,13 @@ class _Entry:
     place: int
     since_ms: int
     payload: bytes | None = None
-    drop_at_ms: int | None = None  # blocking waiters only
+    drop_at_ms: int | None = None  # ready waiters and standbys only
+    on_broker: bool = False  # a standby sent ahead, not picked up (with a payload: not confirmed)
+
+    @property
+    def ready(self) -> bool:
+        """A thread is blocked on this waiter: a slot handed to it starts at once."""
+        return self.payload is None and self.drop_at_ms is not None and not self.on_broker
 
 
 @dataclasses.dataclass
@@ -68,13 +74,20 @@ class _Guard:
             entry = self.queue[waiter]
             if entry.payload is not None:
                 entry.drop_at_ms = None  # a standby sent but never confirmed parks again
+                entry.on_broker = False
             else:
                 del self.queue[waiter]
         self.woken = {w: until for w, until in self.woken.items() if until > now}
         return len(lapsed)
 
-    def oldest_waiter(self) -> str | None:
-        return min(self.queue, key=lambda w: self.queue[w].place, default=None)
+    def choose(self, free: int, limit: int) -> list[str]:
+        """Who ``free`` slots go to, oldest first: among the first ``limit`` waiters, the ready ones first."""
+        if free <= 0:
+            return []
+        window = sorted(self.queue, key=lambda w: self.queue[w].place)[: max(free, limit)]
+        ready = [w for w in window if self.queue[w].ready][:free]
+        others = [w for w in window if w not in ready][: free - len(ready)]
+        return sorted(ready + others, key=lambda w: self.queue[w].place)
 
 
 class MemoryBackend(GuardBackend):
@@ -104,18 +117,16 @@ class MemoryBackend(GuardBackend):
 
     def _hand_off(self, key: str, guard: _Guard, limit: int, now: int) -> list[Handoff]:
         handed: list[Handoff] = []
-        while len(guard.holders) < limit:
-            waiter = guard.oldest_waiter()
-            if waiter is None:
-                break
+        for waiter in guard.choose(limit - len(guard.holders), limit):
             entry = guard.queue.pop(waiter)
             guard.holders[waiter] = now + self.handoff_ttl_ms
             payload = entry.payload
             if payload is not None:
                 guard.unconfirmed[waiter] = entry
-                if entry.drop_at_ms is not None:
+                if entry.on_broker:
                     # A standby being sent: its sender enqueues and confirms it.
                     entry.drop_at_ms = payload = None
+                    entry.on_broker = False
             else:
                 guard.woken[waiter] = now + self.handoff_ttl_ms
                 self._changed.notify_all()
@@ -126,8 +137,9 @@ class MemoryBackend(GuardBackend):
         """Mark the parked waiters among the first ``count`` as standbys being sent; return them."""
         sent = []
         for waiter, entry in sorted(guard.queue.items(), key=lambda item: item[1].place)[: max(0, count)]:
-            if entry.payload is not None and entry.drop_at_ms is None:
+            if entry.payload is not None and not entry.on_broker:
                 entry.drop_at_ms = now + self.handoff_ttl_ms
+                entry.on_broker = True
                 sent.append(Handoff(key, waiter, entry.payload))
         return tuple(sent)
 
@@ -167,11 +179,12 @@ class MemoryBackend(GuardBackend):
                     wait.payload is not None
                     and wait.wait_ms > 0
                     and entry is not None
-                    and entry.drop_at_ms is not None
+                    and (entry.on_broker or entry.ready)
                 )
                 if entry is None:
                     entry = guard.queue[holder] = _Entry(next(self._places), now)
-                if standby:  # a standby sent ahead was picked up: it blocks in its place
+                entry.on_broker = False
+                if standby:  # a standby sent ahead was picked up (or asks again): it blocks in its place
                     entry.payload = None
                     entry.drop_at_ms = now + wait.wait_ms
                 else:
@@ -245,11 +258,11 @@ class MemoryBackend(GuardBackend):
             if reserved is not None and reserved.payload == payload:
                 del guard.unconfirmed[waiter_id]
                 guard.holders[waiter_id] = now + ttl_ms
-            elif entry is not None and entry.payload == payload and entry.drop_at_ms is not None:
+            elif entry is not None and entry.payload == payload and entry.on_broker:
                 entry.payload = None
                 entry.drop_at_ms = now + ttl_ms
             else:
-                # Picked up already (blocking, or holding its slot), or sent again; else parked.
+                # Picked up already (ready, or holding its slot), or sent again; else parked.
                 held = waiter_id in guard.holders or (entry is not None and entry.drop_at_ms is not None)
             self._end(key, guard)
             return held

@@ -8,7 +8,8 @@ key, so every script of ``K`` touches a single Redis Cluster slot)::
   ns:{K}:waiters    zset  waiter -> place in the FIFO (us)        never expires
   ns:{K}:payloads   hash  waiter -> parked message                never expires
   ns:{K}:reserved   hash  waiter -> its place, while its hand-off is unconfirmed
-  ns:{K}:deadlines  zset  blocking waiter -> when it is dropped (ms)
+  ns:{K}:deadlines  zset  ready waiter (a thread blocks on it) -> when it is dropped (ms)
+  ns:{K}:standbys   zset  waiter sent ahead to the broker, not picked up -> when it lapses (ms)
   ns:{K}:limit      str   the run-time limit (only this survives an idle key)
   ns:{K}:info       hash  holder -> "<since_ms>|<info>"            expires with its last holder
   ns:{K}:wake:<id>  list  a blocking waiter's wake-up push         expires after handoff_ttl_ms
@@ -92,7 +93,7 @@ __all__ = ["RedisBackend", "RedisClient"]
 #: A redis-py client the backend accepts.
 RedisClient: TypeAlias = redis.Redis | redis.cluster.RedisCluster
 
-_SUFFIXES = ("holders", "waiters", "payloads", "reserved", "deadlines", "token", "limit", "info")
+_SUFFIXES = ("holders", "waiters", "payloads", "reserved", "deadlines", "token", "limit", "info", "standbys")
 _LIMIT = _SUFFIXES.index("limit")
 _KEY_SCRIPTS = (
     "acquire",

@@ -66,7 +66,13 @@ Standbys (``lookahead``, ``standby_wait``, ``standby_threads``)
   worker thread as a waiter in that place (the TimeLimit timer paused), is
   woken by a push when a slot is handed to it, and runs at once; one handed a
   slot before it was picked up starts as soon as it is. Each message is still
-  fetched once.
+  fetched once. Dramatiq does not fetch the standbys in order across processes
+  (one can sit in the prefetch of a worker whose threads are all busy), so a
+  free slot goes to a waiter that a thread is already blocked on before an
+  older one that no thread holds yet, within the first ``limit`` waiters of
+  the FIFO (the backend decides it; see
+  :meth:`~dramatiq_guard.backends.GuardBackend.release`): FIFO is relaxed
+  within that window only, and not at all for a mutex.
 
   A process lets at most ``standby_threads`` threads (default: half its
   worker threads) block as standbys, so that standbys never take all the

@@ -6,11 +6,14 @@
 --   KEYS[2] W  zset  waiter -> place in the FIFO (a sequence in us, see park)
 --   KEYS[3] P  hash  waiter -> payload (parked waiters, and reservations not yet confirmed)
 --   KEYS[4] R  hash  waiter -> its place in W, while it holds an unconfirmed reservation
---   KEYS[5] D  zset  blocking waiter -> deadline (ms) after which its entry is dropped
+--   KEYS[5] D  zset  ready waiter -> deadline (ms) after which its entry is dropped: a waiter
+--                    a thread is blocked on (a blocking acquire, or a standby picked up)
 --   KEYS[6] T  string  the last fencing token
 --   KEYS[7] L  string  the run-time limit
 --   KEYS[8] I  hash  holder -> "<since_ms>|<info>": when it acquired, and what the caller said of it
---   KEYS[9] X  zset  the waiting-keys index (guard key -> when a waiter last parked), given on a
+--   KEYS[9] S  zset  standby -> deadline (ms): a waiter sent ahead to the broker and not picked
+--                    up yet (standby.lua); with a payload in P it is not confirmed yet
+--   KEYS[10] X zset  the waiting-keys index (guard key -> when a waiter last parked), given on a
 --                    standalone Redis only: it is in another Cluster slot. With it, the index
 --                    is kept here, atomically: K is in it exactly while W or R is not empty.
 -- and the same leading ARGV:
@@ -20,9 +23,9 @@
 -- Times come from the server's clock only.
 --
 -- Invariants the scripts keep, which let the common paths skip work:
---   * D's members are in W, R's members are in H (after reclaim) and have a payload in P,
---     and P's members are in W or R: with W, P, R and D all absent nothing is queued.
---     A member of both P and D is a standby being sent (standby.lua).
+--   * D's and S's members are in W (never in both), R's members are in H (after reclaim) and
+--     have a payload in P, and P's members are in W or R: with W, P, R, D and S all absent
+--     nothing is queued. A member of both P and S is a standby being sent (standby.lua).
 --   * H, T and I, when they exist, expire no earlier than the largest deadline in H,
 --     so a key whose holders all died vanishes by itself.
 --
@@ -32,7 +35,8 @@
 -- change H only through set_holders / drop_holders (or to keep HS, HN, RAISED right
 -- itself); finish() re-reads H for a script that does not.
 local H, W, P, R, D, T, L, I = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local X = KEYS[9]
+local S = KEYS[9]
+local X = KEYS[10]
 local WAKE = ARGV[1]
 local HANDOFF_TTL = tonumber(ARGV[2])
 local DEFAULT_LIMIT = tonumber(ARGV[3])
@@ -43,8 +47,8 @@ local NOW = math.floor(NOW_US / 1000)
 local HS = {} -- holder -> deadline: the script's copy of H
 local HN = 0 -- how many members HS has
 local HMAX = 0 -- the largest deadline H had when loaded (its expiry is at least that)
-local EXISTED = false -- whether H, W, P, R or D existed when loaded
-local QUEUED = false -- whether W, P, R or D existed when loaded (see the invariants)
+local EXISTED = false -- whether H, W, P, R, D or S existed when loaded
+local QUEUED = false -- whether W, P, R, D or S existed when loaded (see the invariants)
 local PARKED = false -- whether this script queued a waiter
 local LOADED = false
 local OWNED = false
@@ -77,7 +81,7 @@ local function load()
     return
   end
   LOADED = true
-  local present = redis.call('EXISTS', H, W, P, R, D)
+  local present = redis.call('EXISTS', H, W, P, R, D, S)
   EXISTED = present > 0
   if present == 0 then
     return
@@ -176,13 +180,20 @@ local function reclaim()
       call_many('HDEL', R, gone)
       call_many('ZADD', W, back)
     end
+    -- A ready waiter whose thread stopped waiting (it died, or gave up without a word) is dropped.
     local dropped = redis.call('ZRANGEBYSCORE', D, '-inf', NOW)
     if #dropped > 0 then
       call_many('ZREM', D, dropped)
-      -- A standby sent but never confirmed (standby.lua) still has its payload: it parks again.
-      local payloads = call_many('HMGET', P, dropped)
+      call_many('ZREM', W, dropped)
+    end
+    -- A standby not picked up in time: one never confirmed (standby.lua) still has its payload
+    -- and parks again; a confirmed one is on the broker and becomes an ordinary message there.
+    local lapsed_standbys = redis.call('ZRANGEBYSCORE', S, '-inf', NOW)
+    if #lapsed_standbys > 0 then
+      call_many('ZREM', S, lapsed_standbys)
+      local payloads = call_many('HMGET', P, lapsed_standbys)
       local gone = {}
-      for i, w in ipairs(dropped) do
+      for i, w in ipairs(lapsed_standbys) do
         if not payloads[i] then
           gone[#gone + 1] = w
         end
@@ -195,9 +206,47 @@ local function reclaim()
   return reclaimed
 end
 
--- Hand every free slot to the oldest waiters: each becomes a holder with a
+-- The waiters the next `free` slots go to, oldest first, with their places: among the first
+-- `limit` waiters of the FIFO, the ready ones (a thread is blocked on them, in D) are chosen
+-- first, then the oldest others. A ready waiter starts on a push; any other needs a worker
+-- to fetch its message first, and a slot handed to it stands idle until then. So the FIFO
+-- order is relaxed within a window of the limit's size only (not at all for a mutex).
+local function choose(free, limit)
+  if free >= limit or redis.call('EXISTS', D) == 0 then
+    return redis.call('ZRANGE', W, 0, free - 1, 'WITHSCORES')
+  end
+  local window = redis.call('ZRANGE', W, 0, limit - 1, 'WITHSCORES')
+  if #window <= 2 * free then
+    return window
+  end
+  local ready, n = {}, 0
+  for i = 1, #window, 2 do
+    if n == free then
+      break
+    end
+    if redis.call('ZSCORE', D, window[i]) then
+      ready[window[i]] = true
+      n = n + 1
+    end
+  end
+  local chosen, others = {}, free - n
+  for i = 1, #window, 2 do
+    local w = window[i]
+    if ready[w] or others > 0 then
+      if not ready[w] then
+        others = others - 1
+      end
+      chosen[#chosen + 1] = w
+      chosen[#chosen + 1] = window[i + 1]
+    end
+  end
+  return chosen
+end
+
+-- Hand every free slot to a waiter (see choose): each becomes a holder with a
 -- reservation deadline. A parked waiter keeps its payload (and its place, in
--- R) until confirm_handoff; a blocking waiter gets a push on its wake list.
+-- R) until confirm_handoff; a ready waiter, or a standby already confirmed on
+-- the broker, gets a push on its wake list.
 -- Appends waiter, payload-or-false pairs to `out`.
 local function handoff(limit, out)
   if not (QUEUED or PARKED) then
@@ -207,7 +256,7 @@ local function handoff(limit, out)
   if free <= 0 then
     return
   end
-  local heads = redis.call('ZRANGE', W, 0, free - 1, 'WITHSCORES')
+  local heads = choose(free, limit)
   if #heads == 0 then
     return
   end
@@ -227,7 +276,7 @@ local function handoff(limit, out)
     if payload then
       reserve[#reserve + 1] = w
       reserve[#reserve + 1] = heads[2 * i]
-      if redis.call('ZREM', D, w) == 1 then
+      if redis.call('ZREM', S, w) == 1 then
         -- A standby being sent (standby.lua): its sender enqueues and confirms it.
         payload = false
       end
@@ -244,21 +293,22 @@ local function handoff(limit, out)
   end
   if #woken > 0 then
     call_many('ZREM', D, woken)
+    call_many('ZREM', S, woken)
   end
 end
 
 -- Send the first `count` waiters of the FIFO ahead as standbys (see standby.lua): each parked
--- one among them (a payload, no deadline in D) gets a deadline in D, and its waiter, payload
--- pair is appended to `out`; blocking waiters and standbys already sent are left as they are.
+-- one among them (a payload, not in S) gets a deadline in S, and its waiter, payload pair is
+-- appended to `out`; ready waiters and standbys already sent are left as they are.
 local function send_ahead(count, out)
   if not (QUEUED and count > 0) then
     return
   end
   for _, w in ipairs(redis.call('ZRANGE', W, 0, count - 1)) do
-    if not redis.call('ZSCORE', D, w) then
+    if not redis.call('ZSCORE', S, w) then
       local payload = redis.call('HGET', P, w)
       if payload then
-        redis.call('ZADD', D, NOW + HANDOFF_TTL, w)
+        redis.call('ZADD', S, NOW + HANDOFF_TTL, w)
         out[#out + 1] = w
         out[#out + 1] = payload
       end
@@ -328,7 +378,7 @@ local function finish()
   end
   if HN == 0 and not queued then
     if EXISTED or PARKED or not OWNED then
-      redis.call('DEL', H, W, P, R, D, T, I)
+      redis.call('DEL', H, W, P, R, D, S, T, I)
     end
   elseif HN > 0 and (RAISED or META_AT) then
     local at = latest()

@@ -1,6 +1,7 @@
 -- acquire(holder, ttl_ms, mode, payload, wait_ms, info); mode: '' (no wait), 'park', 'block'.
 -- Returns {acquired, token|nil, limit, parked, holders, handoffs}; parked is 2 for a standby
--- (sent ahead, see standby.lua) picked up in 'park' mode with wait_ms > 0: it blocks in its place.
+-- (sent ahead, see standby.lua) picked up in 'park' mode with wait_ms > 0: it blocks in its
+-- place, a ready waiter (in D) from now on.
 local holder = ARGV[4]
 local ttl = tonumber(ARGV[5])
 local mode = ARGV[6]
@@ -43,6 +44,7 @@ if acquired then
   if QUEUED then
     if redis.call('ZREM', W, holder) == 1 then
       redis.call('ZREM', D, holder)
+      redis.call('ZREM', S, holder)
     end
     redis.call('HDEL', P, holder)
     redis.call('HDEL', R, holder)
@@ -52,9 +54,12 @@ if acquired then
   redis.call('SET', T, fmt(token), 'PXAT', META_AT)
 elseif mode ~= '' then
   local added = enqueue(holder)
-  local standby = mode == 'park' and not added and tonumber(ARGV[8]) > 0 and redis.call('ZSCORE', D, holder)
+  -- A standby sent ahead (standby.lua) that was picked up, or one already blocking in its place
+  -- that asks again, blocks (on) in its place, ready.
+  local sent = not added and redis.call('ZREM', S, holder) == 1
+  local standby = mode == 'park' and tonumber(ARGV[8]) > 0 and not added
+    and (sent or redis.call('ZSCORE', D, holder))
   if standby then
-    -- A standby sent ahead (standby.lua) was picked up: it blocks in its place.
     redis.call('ZADD', D, NOW + tonumber(ARGV[8]), holder)
     redis.call('HDEL', P, holder)
   elseif mode == 'park' then

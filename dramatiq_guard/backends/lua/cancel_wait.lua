@@ -10,6 +10,7 @@ end
 if QUEUED then
   redis.call('ZREM', W, waiter)
   redis.call('ZREM', D, waiter)
+  redis.call('ZREM', S, waiter)
   redis.call('HDEL', P, waiter)
   redis.call('HDEL', R, waiter)
 end

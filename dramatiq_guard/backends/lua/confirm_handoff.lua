@@ -16,6 +16,7 @@ elseif QUEUED then
   -- the re-enqueued copy wins.
   redis.call('ZREM', W, waiter)
   redis.call('ZREM', D, waiter)
+  redis.call('ZREM', S, waiter)
   redis.call('HDEL', P, waiter)
 end
 finish()

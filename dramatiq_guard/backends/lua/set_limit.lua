@@ -1,9 +1,9 @@
 -- set_limit(limit or '' to clear) -> {0, handoffs}
--- With the limits index (KEYS[10], standalone Redis only), the guard key is
+-- With the limits index (KEYS[11], standalone Redis only), the guard key is
 -- added to it or removed from it in the same step.
 OWNED = true
 reclaim()
-local LIMITS = KEYS[10]
+local LIMITS = KEYS[11]
 if ARGV[4] == '' then
   redis.call('DEL', L)
   LIMIT = DEFAULT_LIMIT

@@ -1,8 +1,8 @@
 -- standby('send', count) -> {handoffs, standbys}
 --   Sends the oldest parked waiters ahead as standbys, so that the first
---   min(count, limit) waiters of the FIFO are all standbys (or other blocking
+--   min(count, limit) waiters of the FIFO are all standbys (or ready
 --   waiters). A sent standby keeps its place and its payload, and gets a
---   deadline in D (a payload and a deadline together mark "sent, unconfirmed"):
+--   deadline in S (a payload and a deadline in S together mark "sent, unconfirmed"):
 --   if it is not confirmed by then, reclaim makes it a parked waiter again; if
 --   a slot is handed to it meanwhile, handoff reserves the slot (in R, as for a
 --   parked waiter) without returning its payload (its sender enqueues it).
@@ -10,8 +10,9 @@
 -- standby('confirm', waiter, ttl_ms, payload) -> 1 if the standby (or its slot) holds
 --   Its copy is on the broker now. If the stored payload is still the one sent
 --   (else the message parked itself again meanwhile, and its entry is left
---   alone), it is dropped: a standby still waiting becomes a blocking waiter
---   dropped after ttl_ms; one handed a slot meanwhile keeps the slot for ttl_ms
+--   alone), it is dropped: a standby still waiting stays in S, on the broker,
+--   until it is picked up (then it is a ready waiter, in D) or ttl_ms passes
+--   (then it is dropped); one handed a slot meanwhile keeps the slot for ttl_ms
 --   (as confirm_handoff). One that reclaim already made a parked waiter again
 --   is left parked (its enqueued copy parks into the same entry when picked up).
 OWNED = true
@@ -32,12 +33,12 @@ if QUEUED and redis.call('HGET', P, waiter) == ARGV[7] then
     set_holders({ NOW + ttl, waiter })
     redis.call('HDEL', P, waiter)
     held = 1
-  elseif redis.call('ZSCORE', D, waiter) then
-    redis.call('ZADD', D, NOW + ttl, waiter)
+  elseif redis.call('ZSCORE', S, waiter) then
+    redis.call('ZADD', S, NOW + ttl, waiter)
     redis.call('HDEL', P, waiter)
     held = 1
   end
-elseif HS[waiter] ~= nil or (QUEUED and redis.call('ZSCORE', D, waiter)) then
+elseif HS[waiter] ~= nil or (QUEUED and (redis.call('ZSCORE', D, waiter) or redis.call('ZSCORE', S, waiter))) then
   -- Picked up already (it blocks as a standby, or holds its slot), or sent again.
   held = 1
 end
