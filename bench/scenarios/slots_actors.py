@@ -1,7 +1,10 @@
 """Worker-side actors of the slots and mutex bench (``python -m dramatiq bench.scenarios.slots_actors``).
 
 Inert unless ``BENCH_SLOTS`` is set (the scenario loader imports every module here). A first
-middleware counts broker pickups (every message a worker takes, run or parked after pickup).
+middleware counts broker pickups (every message a worker takes, run or parked after pickup), and
+counts the slot drain's completions after the guard released the slot (its after hook runs last):
+the bench's own bookkeeping stays out of the slot, as it stays out of the ConcurrentRateLimiter's
+limited section in ``crl_job``.
 """
 
 from __future__ import annotations
@@ -22,10 +25,16 @@ if os.environ.get("BENCH_SLOTS"):
     from dramatiq_guard.middleware.slots import Concurrency, Mutex
 
     class PickupCounter(dramatiq.Middleware):
-        """Counts every message a worker takes off the broker, per actor."""
+        """Counts every message a worker takes off the broker, per actor, and slot_job completions."""
 
         def before_process_message(self, broker: Any, message: Any) -> None:
             broker.client.incr(f"bench:pickups:{message.actor_name}")
+
+        def after_process_message(
+            self, broker: Any, message: Any, *, result: Any = None, exception: Any = None
+        ) -> None:
+            if message.actor_name == "slot_job" and exception is None:
+                cross_finish_line(broker.client, *message.args)
 
     broker = RedisBroker(url=redis_url())
     broker.add_middleware(PickupCounter(), before=AgeLimit)
@@ -41,8 +50,7 @@ if os.environ.get("BENCH_SLOTS"):
         concurrency={"limit": 8, "key": lambda *a: "drain"}, queue_name="bench_slots", max_retries=0
     )
     def slot_job(run_id: str, total: int) -> None:
-        time.sleep(0.01)  # the job's 10 ms of work
-        cross_finish_line(broker.client, run_id, total)
+        time.sleep(0.01)  # the job's 10 ms of work; PickupCounter counts its completion
 
     # The floor: the same jobs with no guard at all, on a worker of exactly 8 threads (1 x 8), so
     # that 8 run at a time because there are 8 threads. What this machine allows, guard or not.
