@@ -57,6 +57,11 @@ class Lease:
       limit(int): The default limit of the key, used to hand the slot on at release.
       ttl_ms(int): The lease duration (renewed every third of it).
       cap_ms(int|None): The most the lease may be held, renewals included.
+      reserved_ms(int|None): Given when the slot was taken by a wake
+        (:attr:`AcquireResult.reserved_ms
+        <dramatiq_guard.backends.AcquireResult>`): the backend deadline is
+        still the hand-off reservation, at least this long from now, so the
+        lease is renewed at once, whatever ``cap_ms``.
 
     Attributes:
       key(str): The guard key.
@@ -77,6 +82,7 @@ class Lease:
         limit: int,
         ttl_ms: int,
         cap_ms: int | None = None,
+        reserved_ms: int | None = None,
     ) -> None:
         self.backend = backend
         self.key = key
@@ -90,9 +96,10 @@ class Lease:
         self._released = False
         self._lost = threading.Event()
         self._handle: LeaseHandle | None = None
-        if cap_ms is None or cap_ms > ttl_ms:
-            # The backend deadline is ttl_ms: keep it alive while held.
-            self._handle = get_renewer().register(backend, key, holder, ttl_ms)
+        if cap_ms is None or cap_ms > ttl_ms or reserved_ms is not None:
+            # The backend deadline is ttl_ms (or a reservation): keep it alive while held.
+            renew_ms = ttl_ms if cap_ms is None else min(ttl_ms, cap_ms)
+            self._handle = get_renewer().register(backend, key, holder, renew_ms, valid_for_ms=reserved_ms)
             self._handle.on_lost.append(lambda _handle: self._lost.set())
         # Else the acquire's own deadline (cap_ms) ends it: nothing to renew.
         if cap_ms is not None:

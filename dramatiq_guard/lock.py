@@ -210,8 +210,13 @@ class Lock:
             try:
                 while not acquired:
                     chunk = _chunk(deadline)
+                    woken = None
                     if chunk > 0:
-                        backend.wait_for_handoff(self.key, holder, timeout_ms=chunk)
+                        woken = backend.wait_for_handoff(self.key, holder, timeout_ms=chunk)
+                    if woken is not None:
+                        result = woken.result(1)  # the hand-off issued its token: it holds the lock now
+                        acquired = True
+                        break
                     chunk = _chunk(deadline)
                     wait = Waiter(wait_ms=chunk + BACKSTOP_MS) if chunk > 0 else None
                     result = backend.acquire(self.key, holder, limit=1, ttl_ms=ttl, wait=wait)
@@ -230,7 +235,14 @@ class Lock:
             return False
         assert result.token is not None
         self.lease = Lease(
-            backend, self.key, holder, result.token, limit=1, ttl_ms=self.lease_ttl_ms, cap_ms=self.ttl_ms
+            backend,
+            self.key,
+            holder,
+            result.token,
+            limit=1,
+            ttl_ms=self.lease_ttl_ms,
+            cap_ms=self.ttl_ms,
+            reserved_ms=result.reserved_ms,
         )
         return True
 

@@ -49,7 +49,13 @@ class LeaseHandle:
     """
 
     def __init__(
-        self, renewer: LeaseRenewer, backend: GuardBackend, key: str, holder: str, ttl_ms: int
+        self,
+        renewer: LeaseRenewer,
+        backend: GuardBackend,
+        key: str,
+        holder: str,
+        ttl_ms: int,
+        valid_for_ms: int | None = None,
     ) -> None:
         self.backend = backend
         self.key = key
@@ -61,9 +67,10 @@ class LeaseHandle:
         now = time.monotonic()
         # Guarded by the renewer's lock: when the next renewal is due, and
         # until when the lease is known to be held (counted from before the
-        # request that renewed it was sent).
-        self.due = now + ttl_ms / 3000
-        self.valid_until = now + ttl_ms / 1000
+        # request that renewed it was sent). A lease that starts with less
+        # than its ttl (a hand-off reservation) is renewed at once.
+        self.due = now + ttl_ms / 3000 if valid_for_ms is None else now
+        self.valid_until = now + (ttl_ms if valid_for_ms is None else valid_for_ms) / 1000
 
     @property
     def lost(self) -> bool:
@@ -118,7 +125,9 @@ class LeaseRenewer:
         self._thread: threading.Thread | None = None
         self._stopping = False
 
-    def register(self, backend: GuardBackend, key: str, holder: str, ttl_ms: int) -> LeaseHandle:
+    def register(
+        self, backend: GuardBackend, key: str, holder: str, ttl_ms: int, *, valid_for_ms: int | None = None
+    ) -> LeaseHandle:
         """Start renewing a lease that was just acquired.
 
         Parameters:
@@ -126,6 +135,9 @@ class LeaseRenewer:
           key(str): The guard key.
           holder(str): The holder id.
           ttl_ms(int): The lease duration; renewed every third of it.
+          valid_for_ms(int|None): How long the lease is held without renewal
+            from now, when less than ``ttl_ms`` (a slot taken by a hand-off
+            still has its reservation deadline): it is then renewed at once.
 
         Returns:
           LeaseHandle: The handle to watch (``lost``) and to unregister.
@@ -135,7 +147,7 @@ class LeaseRenewer:
         """
         if ttl_ms <= 0:
             raise ValueError(f"a lease ttl must be a positive number of milliseconds, got {ttl_ms!r}")
-        handle = LeaseHandle(self, backend, key, holder, ttl_ms)
+        handle = LeaseHandle(self, backend, key, holder, ttl_ms, valid_for_ms)
         with self._changed:
             if self._stopping:
                 raise RuntimeError("the lease renewer was stopped")

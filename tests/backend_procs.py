@@ -54,11 +54,10 @@ def contend(
                 holder = uuid.uuid4().hex
                 result = backend.acquire(key, holder, limit=limit, ttl_ms=30_000, wait=Waiter(wait_ms=30_000))
                 while not result.acquired:
-                    if not backend.wait_for_handoff(key, holder, timeout_ms=30_000):
+                    woken = backend.wait_for_handoff(key, holder, timeout_ms=30_000)
+                    if woken is None:
                         raise AssertionError(f"{holder} was never woken")
-                    result = backend.acquire(
-                        key, holder, limit=limit, ttl_ms=30_000, wait=Waiter(wait_ms=30_000)
-                    )
+                    result = woken.result(limit)  # the slot and token came with the wake
                 assert result.token is not None
                 inside = enter(result.token)
                 time.sleep(0.001)  # the work done under the slot

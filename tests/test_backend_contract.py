@@ -37,16 +37,18 @@ from dramatiq_guard.backends import (
     RedisBackend,
     ReleaseResult,
     Waiter,
+    Woken,
 )
 from dramatiq_guard.backends.redis import RedisClient
 from dramatiq_guard.errors import BackendUnavailable
+from dramatiq_guard.lease import Lease
 from dramatiq_guard.renewer import LeaseHandle, LeaseRenewer, get_renewer
 
 TESTS_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS_DIR))
 
 from backend_procs import contend  # noqa: E402
-from harness import free_port  # noqa: E402
+from harness import free_port, wait_until  # noqa: E402
 
 KEY = "slots:webhooks:42"
 #: How long a bounded wait on time may take beyond what it waits for.
@@ -677,14 +679,15 @@ def test_confirm_after_the_reservation_lapsed_removes_the_reparked_copy(env: Env
 # --- Blocking waiters ---------------------------------------------------------------------------
 
 
-def test_a_blocking_waiter_is_woken_by_a_push(env: Env) -> None:
+def test_a_blocking_waiter_is_woken_by_a_push_that_hands_it_the_slot_and_its_token(env: Env) -> None:
     backend = env.backend()
     waiter_side = env.another_client(backend)
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
-    result = waiter_side.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000))
+    first = backend.acquire(KEY, "a", limit=1, ttl_ms=60_000)
+    assert first.acquired and first.token is not None
+    result = waiter_side.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000), info="report")
     assert not result.acquired and result.parked
     assert backend.inspect(KEY).waiters[0][::2] == ("w", False)
-    woken: list[bool] = []
+    woken: list[Woken | None] = []
     thread = threading.Thread(
         target=lambda: woken.append(waiter_side.wait_for_handoff(KEY, "w", timeout_ms=60_000))
     )
@@ -692,11 +695,68 @@ def test_a_blocking_waiter_is_woken_by_a_push(env: Env) -> None:
     released = backend.release(KEY, "a", limit=1)
     assert released.handoffs == (Handoff(KEY, "w", None),)
     thread.join(MARGIN_S)  # far less than the waiter's own timeout: it was woken, not timed out
-    assert woken == [True]
-    taken = waiter_side.acquire(KEY, "w", limit=1, ttl_ms=60_000)
-    assert taken.acquired and taken.holders == ("w",)
-    assert waiter_side.wait_for_handoff(KEY, "w", timeout_ms=0) is False  # the push was consumed
+    # The push carried the token the hand-off issued: w holds the slot without an acquire, with
+    # at least half the reservation left to take it up, and its info recorded.
+    assert woken == [Woken(woken[0].token if woken[0] else 0, 5_000)]
+    assert woken[0] is not None and woken[0].token > first.token
+    state = backend.inspect(KEY)
+    assert [h for h, _ in state.holders] == ["w"] and state.token == woken[0].token
+    assert [(h, info) for h, _, info in state.holder_info] == [("w", "report")]
+    assert waiter_side.wait_for_handoff(KEY, "w", timeout_ms=0) is None  # the push was consumed
+    assert waiter_side.renew(KEY, "w", ttl_ms=60_000)  # taken up
     assert backend.release(KEY, "w", limit=1).released
+    assert_drained(env, backend)
+
+
+def test_tokens_a_handoff_pushes_stay_below_the_acquirers_in_the_same_step(env: Env) -> None:
+    backend = env.backend()
+    lapsing = backend.acquire(KEY, "a", limit=1, ttl_ms=200)
+    assert lapsing.acquired and lapsing.token is not None
+    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    env.wait_past(deadline_of(backend, KEY, "a"))
+    # One operation reclaims a, hands its slot to w (pushing w's token), and lets b acquire.
+    taken = backend.acquire(KEY, "b", limit=2, ttl_ms=60_000)
+    assert taken.acquired and taken.token is not None and taken.handoffs == (Handoff(KEY, "w", None),)
+    woken = backend.wait_for_handoff(KEY, "w", timeout_ms=10_000)
+    assert woken is not None and lapsing.token < woken.token < taken.token
+    for holder in ["w", "b"]:
+        assert backend.release(KEY, holder, limit=2).released
+    assert_drained(env, backend)
+
+
+def test_a_waiter_that_misses_its_wake_still_finds_its_slot(env: Env) -> None:
+    backend = env.backend(handoff_ttl_ms=2_000)
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "w", None),)
+    # The wake is dropped after half the reservation (a popped token always has the other half).
+    env.wait_past(deadline_of(backend, KEY, "w") - 1_000)
+    assert backend.wait_for_handoff(KEY, "w", timeout_ms=0) is None
+    late = backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000))
+    assert late.acquired and late.token is not None
+    assert backend.release(KEY, "w", limit=1).released
+    assert_drained(env, backend)
+
+
+def test_a_lease_taken_by_a_wake_is_renewed_from_its_reservation_at_once(env: Env) -> None:
+    backend = env.backend()
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    backend.release(KEY, "a", limit=1)
+    reserved_until = deadline_of(backend, KEY, "w")
+    woken = backend.wait_for_handoff(KEY, "w", timeout_ms=10_000)
+    assert woken is not None
+    lease = Lease(backend, KEY, "w", woken.token, limit=1, ttl_ms=60_000, reserved_ms=woken.reserved_ms)
+    try:
+        # Not a third of the ttl later: the renewer takes the reservation up to a full lease now.
+        wait_until(
+            lambda: deadline_of(backend, KEY, "w") > reserved_until + 30_000,
+            timeout=MARGIN_S,
+            what="the renewal of a lease taken by a wake",
+        )
+        assert lease.held
+    finally:
+        assert lease.release().released
     assert_drained(env, backend)
 
 
@@ -742,7 +802,7 @@ def test_cancel_wait_hands_a_reservation_on(env: Env) -> None:
     assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "w1", None),)
     cancelled = backend.cancel_wait(KEY, "w1", limit=1)
     assert cancelled.released and cancelled.handoffs == (Handoff(KEY, "p3", b"msg:p3"),)
-    assert backend.wait_for_handoff(KEY, "w1", timeout_ms=0) is False
+    assert backend.wait_for_handoff(KEY, "w1", timeout_ms=0) is None
 
 
 # --- Standbys -----------------------------------------------------------------------------------
@@ -1168,8 +1228,8 @@ def test_wait_for_handoff_outlasts_the_clients_socket_timeout(env: Env) -> None:
     backend = env.backend(socket_timeout=0.3)
     assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
     assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
-    assert backend.wait_for_handoff(KEY, "w", timeout_ms=1000) is False  # timed out, no error
-    woken: list[bool] = []
+    assert backend.wait_for_handoff(KEY, "w", timeout_ms=1000) is None  # timed out, no error
+    woken: list[Woken | None] = []
     started = env.now_ms()
     thread = threading.Thread(
         target=lambda: woken.append(backend.wait_for_handoff(KEY, "w", timeout_ms=60_000))
@@ -1178,7 +1238,7 @@ def test_wait_for_handoff_outlasts_the_clients_socket_timeout(env: Env) -> None:
     env.wait_past(started + 800)  # a wait on time itself: past a few socket timeouts
     assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "w", None),)
     thread.join(MARGIN_S)
-    assert woken == [True]
+    assert len(woken) == 1 and woken[0] is not None
     assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000).acquired
     assert backend.release(KEY, "w", limit=1).released
     assert_drained(env, backend)

@@ -7,6 +7,7 @@ from dramatiq_guard.backends.base import (
     KeyState,
     ReleaseResult,
     Waiter,
+    Woken,
 )
 from dramatiq_guard.backends.memory import MemoryBackend
 from dramatiq_guard.backends.redis import RedisBackend
@@ -20,4 +21,5 @@ __all__ = [
     "RedisBackend",
     "ReleaseResult",
     "Waiter",
+    "Woken",
 ]

@@ -53,8 +53,10 @@ hand-off
     becomes a holder with a short *reservation* deadline
     (``handoff_ttl_ms``), so the limit is never exceeded and no other
     acquirer can steal the slot. A blocking waiter is woken by a push (its
-    wake list gets an element). A parked waiter's payload is returned to the
-    caller in :attr:`Handoff.payload`, which must re-enqueue it on the broker
+    wake list gets its fencing token, issued by the hand-off itself, so it
+    starts without an acquire; the list expires after half the reservation).
+    A parked waiter's payload is returned to the caller in
+    :attr:`Handoff.payload`, which must re-enqueue it on the broker
     and then call :meth:`~GuardBackend.confirm_handoff`. Until that
     confirmation the payload stays stored: if the reservation lapses first
     (the caller died between the two steps), reclaim puts the waiter back at
@@ -141,6 +143,12 @@ class AcquireResult:
         :meth:`GuardBackend.send_standbys`) that acquired in park mode with
         ``Waiter.wait_ms > 0``: it was not parked but waits as a blocking
         waiter (``parked`` is True too), for :meth:`GuardBackend.wait_for_handoff`.
+      reserved_ms(int|None): Set only on a result made from a wake
+        (:meth:`Woken.result`): the slot was taken by the push that handed it
+        over, not by an acquire, so the holder's deadline is still the
+        hand-off reservation, which lasts at least this long from the wake.
+        The lease must be renewed at once (:class:`~dramatiq_guard.lease.Lease`
+        does it when given ``reserved_ms``).
     """
 
     acquired: bool
@@ -150,6 +158,25 @@ class AcquireResult:
     parked: bool = False
     handoffs: tuple[Handoff, ...] = ()
     standby: bool = False
+    reserved_ms: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Woken:
+    """A blocking waiter woken by a hand-off: it holds the slot now (:meth:`GuardBackend.wait_for_handoff`).
+
+    Parameters:
+      token(int): The fencing token the hand-off issued to it.
+      reserved_ms(int): How long its hand-off reservation lasts at least, from
+        when the wake was taken: the time it has to take the lease up (renew it).
+    """
+
+    token: int
+    reserved_ms: int
+
+    def result(self, limit: int) -> AcquireResult:
+        """This wake as an acquired :class:`AcquireResult` (with ``reserved_ms`` set)."""
+        return AcquireResult(True, self.token, (), limit, reserved_ms=self.reserved_ms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,12 +380,21 @@ class GuardBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def wait_for_handoff(self, key: str, waiter_id: str, *, timeout_ms: int) -> bool:
+    def wait_for_handoff(self, key: str, waiter_id: str, *, timeout_ms: int) -> Woken | None:
         """Block until a blocking waiter is handed a slot, or ``timeout_ms`` passes.
 
         Woken by a push from the operation that handed the slot, never by
-        polling. Returns True if woken; the caller then calls
-        :meth:`acquire` (which turns the reservation into a lease).
+        polling. The hand-off issued the waiter's fencing token and pushed it
+        with the wake, so a woken waiter holds the slot at once, without
+        another round trip; it must take its reservation up to a lease by
+        renewing it within :attr:`Woken.reserved_ms` (at least half of
+        ``handoff_ttl_ms``: a wake not taken by then is dropped, and the
+        waiter's next :meth:`acquire` finds the slot still reserved for it, or
+        reclaimed and handed on if it came after the reservation lapsed).
+
+        Returns:
+          Woken|None: The token and the reservation left, or None if no slot
+          was handed to the waiter within ``timeout_ms``.
         """
 
     @abc.abstractmethod

@@ -21,6 +21,7 @@ from dramatiq_guard.backends.base import (
     KeyState,
     ReleaseResult,
     Waiter,
+    Woken,
     check_key,
 )
 
@@ -40,6 +41,7 @@ class _Entry:
     payload: bytes | None = None
     drop_at_ms: int | None = None  # ready waiters and standbys only
     on_broker: bool = False  # a standby sent ahead, not picked up (with a payload: not confirmed)
+    info: str | None = None  # a ready waiter's, recorded as the holder's info by a hand-off
 
     @property
     def ready(self) -> bool:
@@ -54,9 +56,14 @@ class _Guard:
     holders: dict[str, int] = dataclasses.field(default_factory=dict)
     queue: dict[str, _Entry] = dataclasses.field(default_factory=dict)
     unconfirmed: dict[str, _Entry] = dataclasses.field(default_factory=dict)
-    woken: dict[str, int] = dataclasses.field(default_factory=dict)
+    woken: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # token, wake deadline
     info: dict[str, tuple[int, str | None]] = dataclasses.field(default_factory=dict)
     token: int = 0
+
+    def next_token(self) -> int:
+        """The next fencing token: above every one issued before, and at least the time in us."""
+        self.token = max(self.token + 1, time.time_ns() // 1000)
+        return self.token
 
     def is_idle(self) -> bool:
         return not (self.holders or self.queue or self.unconfirmed)
@@ -77,7 +84,7 @@ class _Guard:
                 entry.on_broker = False
             else:
                 del self.queue[waiter]
-        self.woken = {w: until for w, until in self.woken.items() if until > now}
+        self.woken = {w: wake for w, wake in self.woken.items() if wake[1] > now}
         return len(lapsed)
 
     def choose(self, free: int, limit: int) -> list[str]:
@@ -128,7 +135,9 @@ class MemoryBackend(GuardBackend):
                     entry.drop_at_ms = payload = None
                     entry.on_broker = False
             else:
-                guard.woken[waiter] = now + self.handoff_ttl_ms
+                guard.woken[waiter] = (guard.next_token(), now + self.handoff_ttl_ms // 2)
+                if entry.info is not None:
+                    guard.info[waiter] = (now, entry.info)
                 self._changed.notify_all()
             handed.append(Handoff(key, waiter, payload))
         return handed
@@ -172,7 +181,7 @@ class MemoryBackend(GuardBackend):
                 guard.queue.pop(holder, None)
                 guard.unconfirmed.pop(holder, None)
                 guard.woken.pop(holder, None)
-                token = guard.token = max(guard.token + 1, time.time_ns() // 1000)
+                token = guard.next_token()
             elif wait is not None:
                 entry = guard.queue.get(holder)
                 standby = (
@@ -190,6 +199,7 @@ class MemoryBackend(GuardBackend):
                 else:
                     entry.payload = wait.payload
                     entry.drop_at_ms = None if wait.payload is not None else now + wait.wait_ms
+                entry.info = (info or None) if entry.ready else None
                 parked = True
             holders = tuple(sorted(guard.holders, key=guard.holders.__getitem__))
             self._end(key, guard)
@@ -267,19 +277,19 @@ class MemoryBackend(GuardBackend):
             self._end(key, guard)
             return held
 
-    def wait_for_handoff(self, key: str, waiter_id: str, *, timeout_ms: int) -> bool:
+    def wait_for_handoff(self, key: str, waiter_id: str, *, timeout_ms: int) -> Woken | None:
         """Sleep until a slot is handed to ``waiter_id``; see :meth:`GuardBackend.wait_for_handoff`."""
         check_key(key)
         give_up = time.monotonic() + timeout_ms / 1000
         with self._changed:
             while True:
                 guard = self._guards.get(key)
-                until = None if guard is None else guard.woken.pop(waiter_id, None)
-                if until is not None and until > _now_ms():
-                    return True
+                wake = None if guard is None else guard.woken.pop(waiter_id, None)
+                if wake is not None and wake[1] > _now_ms():
+                    return Woken(wake[0], self.handoff_ttl_ms - self.handoff_ttl_ms // 2)
                 remaining = give_up - time.monotonic()
                 if remaining <= 0:
-                    return False
+                    return None
                 self._changed.wait(remaining)
 
     def cancel_wait(self, key: str, waiter_id: str, *, limit: int) -> ReleaseResult:

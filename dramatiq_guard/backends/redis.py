@@ -84,6 +84,7 @@ from dramatiq_guard.backends.base import (
     KeyState,
     ReleaseResult,
     Waiter,
+    Woken,
     check_key,
 )
 from dramatiq_guard.errors import BackendUnavailable
@@ -386,7 +387,7 @@ class RedisBackend(GuardBackend):
         """
         return bool(self._run("standby", key, 0, "confirm", waiter_id, ttl_ms, payload))
 
-    def wait_for_handoff(self, key: str, waiter_id: str, *, timeout_ms: int) -> bool:
+    def wait_for_handoff(self, key: str, waiter_id: str, *, timeout_ms: int) -> Woken | None:
         """Block on the waiter's wake list (BLPOP); see :meth:`GuardBackend.wait_for_handoff`.
 
         A BLPOP that outlasts the client's ``socket_timeout`` would fail as a
@@ -402,14 +403,17 @@ class RedisBackend(GuardBackend):
         wake = self._wake_prefix(key) + waiter_id
         chunk_s = self._blocking_chunk_s()
         give_up = time.monotonic() + timeout_ms / 1000
+        reserved_ms = self.handoff_ttl_ms - self.handoff_ttl_ms // 2
         with _reachable():
             while True:
                 remaining = give_up - time.monotonic()
                 if remaining < 0.001:  # BLPOP's resolution; 0 would block forever
-                    return self.client.lpop(wake) is not None
+                    token = cast("bytes | str | None", self.client.lpop(wake))
+                    return None if token is None else Woken(int(token), reserved_ms)
                 timeout = remaining if chunk_s is None else min(remaining, chunk_s)
-                if self.client.blpop([wake], timeout=timeout) is not None:
-                    return True
+                popped = cast("tuple[Any, bytes | str] | None", self.client.blpop([wake], timeout=timeout))
+                if popped is not None:
+                    return Woken(int(popped[1]), reserved_ms)
 
     def _blocking_chunk_s(self) -> float | None:
         """The longest BLPOP the client's ``socket_timeout`` allows, or None (no timeout).

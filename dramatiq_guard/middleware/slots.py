@@ -153,7 +153,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import Token
 from typing import Any, ClassVar, Generic, Literal, TypeVar
@@ -252,6 +252,29 @@ def _parked_now(message_id: str | None) -> None:
 
 def _was_parked_now(message_id: str) -> bool:
     return getattr(_local, "last_parked", None) == message_id
+
+
+@contextmanager
+def _time_limit_paused(broker: Broker, message: MessageProxy) -> Iterator[Callable[[], None]]:
+    """Pause this thread's TimeLimit timer while it waits for a slot: waiting does not eat the limit.
+
+    Yields the call that re-arms it with the message's full time limit, once the slot is held.
+    """
+    time_limit = next((m for m in broker.middleware if isinstance(m, TimeLimit)), None)
+    manager: Any = time_limit.manager if time_limit is not None else None
+    thread_id = threading.get_ident()
+    if manager is not None:
+        manager.remove_timeout(thread_id)
+
+    def rearm() -> None:
+        if time_limit is not None:
+            actor = broker.get_actor(message.actor_name)
+            limit_ms = message.options.get("time_limit") or actor.options.get(
+                "time_limit", time_limit.time_limit
+            )
+            manager.add_timeout(thread_id, limit_ms)
+
+    yield rearm
 
 
 # -- execution state ----------------------------------------------------------
@@ -592,8 +615,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             with events.lock_wait(message.actor_name):
                 result = self._wait(broker, message, guard, key, limit)
         if result.acquired:
-            assert result.token is not None
-            self._hold(message, state, guard, key, limit, result.token)
+            self._hold(message, state, guard, key, limit, result)
             return
         if mode == "drop":
             self._drop(message, state, key, result)
@@ -628,16 +650,24 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         return self.lease_ttl_ms if cap is None else max(1, min(self.lease_ttl_ms, cap))
 
     def _hold(
-        self, message: MessageProxy, state: Any, guard: ActorGuard[P], key: str, limit: int, token: int
+        self,
+        message: MessageProxy,
+        state: Any,
+        guard: ActorGuard[P],
+        key: str,
+        limit: int,
+        result: AcquireResult,
     ) -> None:
+        assert result.token is not None
         lease = Lease(
             self.backend_or_raise(),
             key,
             message.message_id,
-            token,
+            result.token,
             limit=limit,
             ttl_ms=self.lease_ttl_ms,
             cap_ms=guard.policy.ttl_ms,
+            reserved_ms=result.reserved_ms,
         )
         state.data[self.option] = _Held(lease, current_lease_var.set(lease))
         events.acquired(message.actor_name)
@@ -675,36 +705,29 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             self.requeue(broker, result.handoffs)
             return result
         deadline = time.monotonic() + self.standby_wait_ms / 1000
-        time_limit = next((m for m in broker.middleware if isinstance(m, TimeLimit)), None)
-        manager: Any = time_limit.manager if time_limit is not None else None
-        thread_id = threading.get_ident()
-        if manager is not None:
-            manager.remove_timeout(thread_id)
         try:
-            while True:
-                remaining_ms = int((deadline - time.monotonic()) * 1000)
-                if remaining_ms > 0:
-                    backend.wait_for_handoff(key, holder, timeout_ms=min(remaining_ms, WAIT_BACKSTOP_MS))
-                    remaining_ms = int((deadline - time.monotonic()) * 1000)
-                # Woken (or the backstop, or out of time: then wait_ms=0 parks it again).
-                result = backend.acquire(
-                    key,
-                    holder,
-                    limit=limit,
-                    ttl_ms=self._lease_ttl(guard),
-                    wait=Waiter(payload=payload, wait_ms=_block_ms(remaining_ms) if remaining_ms > 0 else 0),
-                    info=message.actor_name,
-                )
-                self.requeue(broker, result.handoffs)
-                if result.standby:
-                    continue
-                if result.acquired and time_limit is not None:
-                    actor = broker.get_actor(message.actor_name)
-                    limit_ms = message.options.get("time_limit") or actor.options.get(
-                        "time_limit", time_limit.time_limit
-                    )
-                    manager.add_timeout(thread_id, limit_ms)
-                return result
+            with _time_limit_paused(broker, message) as rearm:
+                while True:
+                    woken, remaining_ms = _await_wake(backend, key, holder, deadline, limit)
+                    if woken is not None:
+                        result = woken  # the hand-off issued its token: it starts now
+                    else:
+                        # The backstop, or out of time (then wait_ms=0 parks it again).
+                        block_ms = _block_ms(remaining_ms) if remaining_ms > 0 else 0
+                        result = backend.acquire(
+                            key,
+                            holder,
+                            limit=limit,
+                            ttl_ms=self._lease_ttl(guard),
+                            wait=Waiter(payload=payload, wait_ms=block_ms),
+                            info=message.actor_name,
+                        )
+                        self.requeue(broker, result.handoffs)
+                        if result.standby:
+                            continue
+                    if result.acquired:
+                        rearm()
+                    return result
         finally:
             self._sit()
 
@@ -728,45 +751,36 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         holder = message.message_id
         wait_ms = self.wait_ms(guard.policy)
         deadline = time.monotonic() + wait_ms / 1000
-        time_limit = next((m for m in broker.middleware if isinstance(m, TimeLimit)), None)
-        manager: Any = time_limit.manager if time_limit is not None else None
-        thread_id = threading.get_ident()
-        if manager is not None:
-            manager.remove_timeout(thread_id)
         done = False
         try:
-            while True:
-                remaining_ms = int((deadline - time.monotonic()) * 1000)
-                if remaining_ms > 0:
-                    backend.wait_for_handoff(key, holder, timeout_ms=min(remaining_ms, WAIT_BACKSTOP_MS))
-                    remaining_ms = int((deadline - time.monotonic()) * 1000)
-                if remaining_ms > 0:
-                    # Woken (or the backstop): take the slot if it is ours, else keep our place.
-                    waiter = Waiter(wait_ms=min(remaining_ms, WAIT_BACKSTOP_MS) + WAIT_BACKSTOP_MS)
-                    result = backend.acquire(
-                        key,
-                        holder,
-                        limit=limit,
-                        ttl_ms=self._lease_ttl(guard),
-                        wait=waiter,
-                        info=message.actor_name,
-                    )
-                else:
-                    result = backend.acquire(
-                        key, holder, limit=limit, ttl_ms=self._lease_ttl(guard), info=message.actor_name
-                    )
-                self.requeue(broker, result.handoffs)
-                if result.acquired:
-                    done = True
-                    if time_limit is not None:
-                        actor = broker.get_actor(message.actor_name)
-                        limit_ms = message.options.get("time_limit") or actor.options.get(
-                            "time_limit", time_limit.time_limit
+            with _time_limit_paused(broker, message) as rearm:
+                while True:
+                    woken, remaining_ms = _await_wake(backend, key, holder, deadline, limit)
+                    if woken is not None:
+                        result = woken  # the hand-off issued its token: it starts now
+                    else:
+                        # The backstop: take the slot if it is ours (a wake that lapsed), else keep
+                        # our place while there is time left.
+                        waiter = (
+                            Waiter(wait_ms=min(remaining_ms, WAIT_BACKSTOP_MS) + WAIT_BACKSTOP_MS)
+                            if remaining_ms > 0
+                            else None
                         )
-                        manager.add_timeout(thread_id, limit_ms)
-                    return result
-                if remaining_ms <= 0:
-                    return result
+                        result = backend.acquire(
+                            key,
+                            holder,
+                            limit=limit,
+                            ttl_ms=self._lease_ttl(guard),
+                            wait=waiter,
+                            info=message.actor_name,
+                        )
+                        self.requeue(broker, result.handoffs)
+                    if result.acquired:
+                        done = True
+                        rearm()
+                        return result
+                    if remaining_ms <= 0:
+                        return result
         finally:
             if not done:
                 try:
@@ -1077,6 +1091,23 @@ class Concurrency(SlotsMiddleware[ConcurrencyPolicy]):
         """An actor's run-time default limit, or None."""
         name = actor if isinstance(actor, str) else actor.actor_name
         return self.backend(self._broker_or(broker)).get_limit(f"{self.actor_limit_prefix}:{name}")
+
+
+def _await_wake(
+    backend: GuardBackend, key: str, holder: str, deadline: float, limit: int
+) -> tuple[AcquireResult | None, int]:
+    """Wait for a hand-off's push until the backstop or ``deadline`` (``time.monotonic()``).
+
+    Returns:
+      tuple: The acquired result if woken (the slot and its token came with
+      the push), else None; and the milliseconds left until ``deadline``.
+    """
+    remaining_ms = int((deadline - time.monotonic()) * 1000)
+    if remaining_ms <= 0:
+        return None, remaining_ms
+    woken = backend.wait_for_handoff(key, holder, timeout_ms=min(remaining_ms, WAIT_BACKSTOP_MS))
+    remaining_ms = int((deadline - time.monotonic()) * 1000)
+    return (None if woken is None else woken.result(limit)), remaining_ms
 
 
 def _block_ms(wait_ms: int) -> int:

@@ -10,7 +10,8 @@
 --                    a thread is blocked on (a blocking acquire, or a standby picked up)
 --   KEYS[6] T  string  the last fencing token
 --   KEYS[7] L  string  the run-time limit
---   KEYS[8] I  hash  holder -> "<since_ms>|<info>": when it acquired, and what the caller said of it
+--   KEYS[8] I  hash  holder -> "<since_ms>|<info>": when it acquired, and what the caller said of it;
+--                    a ready waiter -> "|<info>" (so a hand-off can record it)
 --   KEYS[9] S  zset  standby -> deadline (ms): a waiter sent ahead to the broker and not picked
 --                    up yet (standby.lua); with a payload in P it is not confirmed yet
 --   KEYS[10] X zset  the waiting-keys index (guard key -> when a waiter last parked), given on a
@@ -55,6 +56,7 @@ local OWNED = false
 local RAISED = false -- a deadline in H went above HMAX: H, T and I must expire later
 local META_AT = nil -- the expiry T and I were already given by this script (acquire)
 local LIMIT = nil
+local TOKEN = nil -- the last fencing token issued, once read (see next_token)
 
 -- Integers up to 2^53 as decimal strings (tostring would use an exponent).
 local function fmt(n)
@@ -96,6 +98,17 @@ local function load()
     present = present - 1
   end
   QUEUED = present > 0
+end
+
+-- The next fencing token: above every token issued before for this key, and at least
+-- the server's time in us (so a key that vanished and came back never goes back).
+-- The caller writes TOKEN to T.
+local function next_token()
+  if TOKEN == nil then
+    TOKEN = tonumber(redis.call('GET', T) or '0')
+  end
+  TOKEN = math.max(TOKEN + 1, NOW_US)
+  return TOKEN
 end
 
 local function limit_in_force()
@@ -185,6 +198,7 @@ local function reclaim()
     if #dropped > 0 then
       call_many('ZREM', D, dropped)
       call_many('ZREM', W, dropped)
+      call_many('HDEL', I, dropped)
     end
     -- A standby not picked up in time: one never confirmed (standby.lua) still has its payload
     -- and parks again; a confirmed one is on the broker and becomes an ordinary message there.
@@ -246,7 +260,9 @@ end
 -- Hand every free slot to a waiter (see choose): each becomes a holder with a
 -- reservation deadline. A parked waiter keeps its payload (and its place, in
 -- R) until confirm_handoff; a ready waiter, or a standby already confirmed on
--- the broker, gets a push on its wake list.
+-- the broker, gets its fencing token pushed on its wake list, which expires after
+-- half the reservation: a woken waiter that takes it holds the slot at once and
+-- has the other half, at least, to renew it into a lease.
 -- Appends waiter, payload-or-false pairs to `out`.
 local function handoff(limit, out)
   if not (QUEUED or PARKED) then
@@ -282,8 +298,13 @@ local function handoff(limit, out)
       end
     else
       woken[#woken + 1] = w
-      redis.call('RPUSH', WAKE .. w, '1')
-      redis.call('PEXPIRE', WAKE .. w, HANDOFF_TTL)
+      redis.call('RPUSH', WAKE .. w, fmt(next_token()))
+      redis.call('PEXPIRE', WAKE .. w, math.max(1, math.floor(HANDOFF_TTL / 2)))
+      -- A ready waiter left its info: it holds the slot from now on.
+      local info = redis.call('HGET', I, w)
+      if info then
+        redis.call('HSET', I, w, fmt(NOW) .. info)
+      end
     end
     out[#out + 1] = w
     out[#out + 1] = payload
@@ -294,6 +315,8 @@ local function handoff(limit, out)
   if #woken > 0 then
     call_many('ZREM', D, woken)
     call_many('ZREM', S, woken)
+    META_AT = latest()
+    redis.call('SET', T, fmt(TOKEN), 'PXAT', META_AT)
   end
 end
 

@@ -13,7 +13,8 @@ local was_holder = HS[holder] ~= nil
 local values = redis.call('MGET', L, T)
 LIMIT = values[1] and tonumber(values[1]) or DEFAULT_LIMIT
 local limit = LIMIT
-local token = values[2]
+TOKEN = tonumber(values[2] or '0')
+local token = false
 local handed = {}
 handoff(limit, handed)
 -- The acquirer itself may have been the head waiter: it starts now, so it
@@ -49,7 +50,7 @@ if acquired then
     redis.call('HDEL', P, holder)
     redis.call('HDEL', R, holder)
   end
-  token = math.max(tonumber(token or '0') + 1, NOW_US)
+  token = next_token()
   META_AT = latest()
   redis.call('SET', T, fmt(token), 'PXAT', META_AT)
 elseif mode ~= '' then
@@ -66,6 +67,7 @@ elseif mode ~= '' then
     redis.call('HSET', P, holder, ARGV[7])
     if not added then
       redis.call('ZREM', D, holder)
+      redis.call('HDEL', I, holder)
     end
   else
     redis.call('ZADD', D, NOW + tonumber(ARGV[8]), holder)
@@ -73,10 +75,11 @@ elseif mode ~= '' then
       redis.call('HDEL', P, holder)
     end
   end
+  if (standby or mode == 'block') and ARGV[9] ~= '' then
+    -- Ready: a hand-off records it as the holder's info.
+    redis.call('HSET', I, holder, '|' .. ARGV[9])
+  end
   parked = standby and 2 or 1
-  token = false
-else
-  token = false
 end
 finish()
 local order = {}

@@ -16,6 +16,8 @@ if QUEUED then
 end
 if released == 1 then
   redis.call('DEL', WAKE .. waiter)
+else
+  redis.call('HDEL', I, waiter)
 end
 local handoffs = {}
 handoff(limit_in_force(), handoffs)
