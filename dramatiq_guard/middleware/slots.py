@@ -93,8 +93,11 @@ Standbys (``lookahead``, ``standby_wait``, ``standby_threads``)
   ``"wait"``
     The worker thread blocks up to ``wait`` as a blocking waiter, woken by a
     push from the release that hands it the lock (no polling; a backstop
-    re-check every few seconds reclaims a dead holder's lapsed lease). It
-    then gives up with :class:`MutexWaitTimeout`, a
+    re-check every few seconds reclaims a dead holder's lapsed lease). The
+    push carries its fencing token, so it starts without another round trip
+    (the renewer takes the hand-off reservation up to a lease at once). If
+    the lock does not come within ``wait``, it gives up with
+    :class:`MutexWaitTimeout`, a
     :class:`~dramatiq.middleware.MiddlewareError` that the Retries middleware
     retries. Waiting does **not** eat the actor's ``time_limit``: the
     TimeLimit middleware's timer is paused while the thread waits and
