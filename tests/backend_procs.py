@@ -9,6 +9,9 @@ Modes:
                                     their tokens in ``test:{KEY}:tokens``
   hold KEY HOLDER TTL_MS            acquire, register with the process's renewer, print
                                     {"token", "deadline"}, then block (the test SIGKILLs it)
+  woken KEY WAITER                  queue WAITER as a blocking waiter (limit 1), print {"queued"};
+                                    wait for the hand-off, print {"token"} and block before its
+                                    lease is renewed (the test SIGKILLs it)
   handoff KEY HOLDER LIMIT STAGE    release HOLDER, print the hand-offs; with STAGE "confirmed",
                                     re-enqueue (nothing to do here) and confirm them, print
                                     {"confirmed"}; then block (the test SIGKILLs it)
@@ -119,6 +122,15 @@ def main(argv: list[str]) -> None:
         assert result.acquired
         get_renewer().register(backend, key, holder, ttl)
         _emit(token=result.token, deadline=dict(backend.inspect(key).holders)[holder])
+        threading.Event().wait()
+    elif mode == "woken":
+        waiter = args[0]
+        queued = backend.acquire(key, waiter, limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000))
+        assert queued.parked
+        _emit(queued=True)
+        woken = backend.wait_for_handoff(key, waiter, timeout_ms=60_000)
+        assert woken is not None
+        _emit(token=woken.token)
         threading.Event().wait()
     elif mode == "handoff":
         holder, limit, stage = args[0], int(args[1]), args[2]

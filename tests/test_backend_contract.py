@@ -544,6 +544,31 @@ def test_a_killed_holders_lease_lapses_within_a_ttl(redis_env: Env, procs: Calla
     assert taken.token is not None and taken.token > first["token"]
 
 
+def test_a_waiter_killed_between_its_wake_and_its_renewal_strands_nothing(
+    redis_env: Env, procs: Callable[..., Proc]
+) -> None:
+    # The worst moment of a hand-off by push: the waiter took its token (it holds the slot) and
+    # died before its lease was renewed. The slot lapses within the hand-off reservation and goes
+    # on, with a higher token.
+    backend = redis_env.backend(handoff_ttl_ms=1_000)
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    doomed = procs(redis_env, "woken", KEY, "doomed", handoff_ttl_ms=1_000)
+    assert doomed.read() == {"queued": True}
+    assert backend.acquire(KEY, "next", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "doomed", None),)
+    token = doomed.read()["token"]
+    reserved_until = deadline_of(backend, KEY, "doomed")
+    doomed.kill()
+    assert reserved_until <= redis_env.now_ms() + 1_000
+    redis_env.wait_past(reserved_until)
+    swept = backend.sweep(KEY, limit=1)  # what every worker's sweep does each second
+    assert swept.released and swept.handoffs == (Handoff(KEY, "next", None),)
+    woken = backend.wait_for_handoff(KEY, "next", timeout_ms=10_000)
+    assert woken is not None and woken.token > token
+    assert backend.release(KEY, "next", limit=1).released
+    assert_drained(redis_env, backend)
+
+
 def test_the_renewer_is_per_process_and_fresh_after_fork() -> None:
     parent = get_renewer()
     assert get_renewer() is parent
