@@ -263,6 +263,15 @@ class GuardBackend(abc.ABC):
     def __init__(self, *, handoff_ttl_ms: int = 10_000) -> None:
         self.handoff_ttl_ms = handoff_ttl_ms
 
+    @property
+    def wake_ttl_ms(self) -> int:
+        """How long a hand-off's push waits to be taken: half the reservation (at least 1 ms)."""
+        return max(1, self.handoff_ttl_ms // 2)
+
+    def woken(self, token: int) -> Woken:
+        """A wake taken now: its token, and the reservation it has left at least (the other half)."""
+        return Woken(token, self.handoff_ttl_ms - self.wake_ttl_ms)
+
     @abc.abstractmethod
     def acquire(
         self,

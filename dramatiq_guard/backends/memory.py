@@ -135,7 +135,7 @@ class MemoryBackend(GuardBackend):
                     entry.drop_at_ms = payload = None
                     entry.on_broker = False
             else:
-                guard.woken[waiter] = (guard.next_token(), now + self.handoff_ttl_ms // 2)
+                guard.woken[waiter] = (guard.next_token(), now + self.wake_ttl_ms)
                 if entry.info is not None:
                     guard.info[waiter] = (now, entry.info)
                 self._changed.notify_all()
@@ -286,7 +286,7 @@ class MemoryBackend(GuardBackend):
                 guard = self._guards.get(key)
                 wake = None if guard is None else guard.woken.pop(waiter_id, None)
                 if wake is not None and wake[1] > _now_ms():
-                    return Woken(wake[0], self.handoff_ttl_ms - self.handoff_ttl_ms // 2)
+                    return self.woken(wake[0])
                 remaining = give_up - time.monotonic()
                 if remaining <= 0:
                     return None

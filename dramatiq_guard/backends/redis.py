@@ -403,17 +403,16 @@ class RedisBackend(GuardBackend):
         wake = self._wake_prefix(key) + waiter_id
         chunk_s = self._blocking_chunk_s()
         give_up = time.monotonic() + timeout_ms / 1000
-        reserved_ms = self.handoff_ttl_ms - self.handoff_ttl_ms // 2
         with _reachable():
             while True:
                 remaining = give_up - time.monotonic()
                 if remaining < 0.001:  # BLPOP's resolution; 0 would block forever
                     token = cast("bytes | str | None", self.client.lpop(wake))
-                    return None if token is None else Woken(int(token), reserved_ms)
+                    return None if token is None else self.woken(int(token))
                 timeout = remaining if chunk_s is None else min(remaining, chunk_s)
                 popped = cast("tuple[Any, bytes | str] | None", self.client.blpop([wake], timeout=timeout))
                 if popped is not None:
-                    return Woken(int(popped[1]), reserved_ms)
+                    return self.woken(int(popped[1]))
 
     def _blocking_chunk_s(self) -> float | None:
         """The longest BLPOP the client's ``socket_timeout`` allows, or None (no timeout).

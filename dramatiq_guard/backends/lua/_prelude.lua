@@ -299,7 +299,7 @@ local function handoff(limit, out)
     else
       woken[#woken + 1] = w
       redis.call('RPUSH', WAKE .. w, fmt(next_token()))
-      redis.call('PEXPIRE', WAKE .. w, math.max(1, math.floor(HANDOFF_TTL / 2)))
+      redis.call('PEXPIRE', WAKE .. w, math.max(1, math.floor(HANDOFF_TTL / 2))) -- GuardBackend.wake_ttl_ms
       -- A ready waiter left its info: it holds the slot from now on.
       local info = redis.call('HGET', I, w)
       if info then
