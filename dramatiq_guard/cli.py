@@ -512,11 +512,10 @@ def _broker_requeue(ctx: Context) -> Requeue | None:
     """How to re-enqueue hand-offs on the ``--broker MODULE:ATTR``, or None without it.
 
     Loaded before anything changes, so a bad ``--broker`` changes nothing.
-    A hand-off of a key with a guard middleware on that broker (``mutex:``,
-    ``concurrency:``) is re-enqueued by that middleware, exactly as a worker
-    would (bypassing its own enqueue gate, then confirming). Any other
-    hand-off goes straight to the broker, around the enqueue gate (it holds
-    its reservation already), and is then confirmed.
+    Each hand-off is delivered exactly as a worker would
+    (:func:`dramatiq_guard.delivery.courier_for`): by the guard middleware on
+    that broker that claims its key, else enqueued through the gate as
+    holding its key and confirmed for the backend's hand-off time.
     """
     spec: str | None = getattr(ctx.args, "broker", None)
     if spec is None:
@@ -530,41 +529,25 @@ def _broker_requeue(ctx: Context) -> Requeue | None:
         broker = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
         raise UsageError(f"--broker {spec}: {e}") from None
-    from dramatiq import Broker, Message
+    from dramatiq import Broker
 
-    from dramatiq_guard.gate import EnqueueGate
-    from dramatiq_guard.middleware.slots import SlotsMiddleware
+    from dramatiq_guard.delivery import courier_for
 
     if not isinstance(broker, Broker):
         raise UsageError(f"--broker {spec} is a {type(broker).__name__}, not a dramatiq Broker")
-    slots = [m for m in broker.middleware if isinstance(m, SlotsMiddleware)]
-    gate = getattr(broker.enqueue, "__self__", None)
-    enqueue = gate.original if isinstance(gate, EnqueueGate) else broker.enqueue
     backend = ctx.backend
 
     def requeue(handoffs: Sequence[Handoff]) -> None:
         for handoff in handoffs:
-            middleware = next((m for m in slots if handoff.key.startswith(m.prefix + ":")), None)
-            if middleware is not None:
-                middleware.requeue(broker, [handoff])
-                continue
-            assert handoff.payload is not None
-            try:
-                enqueue(Message.decode(handoff.payload))
-            except Exception:
-                logger.exception(
-                    "Could not re-enqueue %s handed a slot of %r.", handoff.waiter_id, handoff.key
-                )
-                continue
-            backend.confirm_handoff(handoff.key, handoff.waiter_id, ttl_ms=backend.handoff_ttl_ms)
+            courier_for(broker, backend, handoff.key).deliver([handoff])
 
     return requeue
 
 
 def _actor_limit_key(name: str) -> str:
-    from dramatiq_guard.middleware.slots import Concurrency
+    from dramatiq_guard.middleware.slots.limits import ACTOR_LIMIT_PREFIX
 
-    return f"{Concurrency.actor_limit_prefix}:{name}"
+    return f"{ACTOR_LIMIT_PREFIX}:{name}"
 
 
 def _target(ctx: Context) -> str:

@@ -48,3 +48,60 @@ class LeaseLost(GuardError):
         super().__init__(f"the lease of {holder!r} on guard key {key!r} was lost before it was released")
         self.key = key
         self.holder = holder
+
+
+class DuplicateMessage(GuardError):
+    """Raised by ``send()`` for a duplicate of an actor with ``on_duplicate="raise"``.
+
+    Parameters:
+      message_id(str): The refused message's id.
+      holder(str): The message id of the message holding the lock.
+      key(str): The guard key.
+    """
+
+    def __init__(self, message_id: str, holder: str, key: str) -> None:
+        super().__init__(
+            f"message {message_id!r} is a duplicate of message {holder!r}, which holds dedup key {key!r}"
+        )
+        self.message_id = message_id
+        self.holder = holder
+        self.key = key
+
+
+class MutexWaitTimeout(GuardError):
+    """A ``mutex`` with ``on_busy="wait"`` was still held when ``wait`` ran out.
+
+    The Retries middleware retries the message (it is a MiddlewareError, so
+    Dramatiq does not swallow it in ``before_process_message``).
+
+    Parameters:
+      key(str): The guard key.
+      message_id(str): The message that waited.
+      wait_ms(int): How long it waited.
+      holders(tuple[str, ...]): Who held the key when it gave up.
+    """
+
+    def __init__(self, key: str, message_id: str, wait_ms: int, holders: tuple[str, ...] = ()) -> None:
+        held_by = f" (held by {', '.join(holders)})" if holders else ""
+        super().__init__(
+            f"message {message_id} waited {wait_ms} ms for the mutex {key!r}{held_by}; giving up"
+        )
+        self.key = key
+        self.message_id = message_id
+        self.wait_ms = wait_ms
+        self.holders = holders
+
+
+class LockNotAcquired(GuardError):
+    """``with lock:`` could not acquire the lock (non-blocking, or ``blocking_timeout`` ran out).
+
+    Parameters:
+      key(str): The guard key.
+      holders(tuple[str, ...]): Who held it.
+    """
+
+    def __init__(self, key: str, holders: tuple[str, ...] = ()) -> None:
+        held_by = f" (held by {', '.join(holders)})" if holders else ""
+        super().__init__(f"could not acquire the lock {key!r}{held_by}")
+        self.key = key
+        self.holders = holders

@@ -28,6 +28,12 @@ Counters
     An idempotency key was found completed: the stored result was returned
     and the actor did not run.
 
+Changes of the lockwait area
+  :func:`lockwait_changed`
+    This process parked, handed off, released or swept a slot key. It feeds
+    no metric: :func:`dramatiq_guard.testing.join` waits on
+    :func:`lockwait_condition` instead of polling.
+
 Gauges
   :func:`acquired` / :func:`released`
     A message of this process started / stopped holding a slot or lock (the
@@ -52,6 +58,7 @@ Logging conventions (every guard module follows them)
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from typing import Protocol
@@ -65,6 +72,8 @@ __all__ = [
     "lease_lost",
     "ledger_hit",
     "lock_wait",
+    "lockwait_changed",
+    "lockwait_condition",
     "parked",
     "released",
     "set_sink",
@@ -166,3 +175,17 @@ def lock_wait(actor: str) -> Iterator[None]:
     finally:
         sink.waiters(actor, -1)
         sink.lock_waited(actor, (time.monotonic() - start) * 1000)
+
+
+_lockwait = threading.Condition()
+
+
+def lockwait_changed() -> None:
+    """This process changed the lockwait area (parked, handed off, released or swept a slot key)."""
+    with _lockwait:
+        _lockwait.notify_all()
+
+
+def lockwait_condition() -> threading.Condition:
+    """The condition notified by :func:`lockwait_changed`, to wait for the next change."""
+    return _lockwait

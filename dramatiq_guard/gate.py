@@ -16,19 +16,29 @@ and the worker's delay-queue mover. The wrapper runs once per call to
 For each enqueue the gate asks its guards in order of ``gate_priority``
 (deduplication before parking). A guard may:
 
-* let it through, returning None or a :class:`PushTicket` whose ``pushed`` or
-  ``failed`` is called once the push succeeded or failed (a failed push emits
-  no Dramatiq after-hook, so this is how a guard undoes what it did);
-* divert it, raising :class:`Diverted` with the message ``send()`` returns:
-  the message is not pushed. ``accepted=True`` means it was taken care of
-  elsewhere (parked: earlier tickets count it as pushed); ``accepted=False``
-  means it was dropped (earlier tickets are undone);
+* let it through, returning None or a :class:`PushTicket` that is settled
+  once the outcome is known: ``pushed``, ``parked`` (a later guard parked it:
+  it is not on the broker, but will be), or ``failed`` (it will not be sent: a
+  failed push emits no Dramatiq after-hook, so this is how a guard undoes what
+  it did);
+* divert it, raising :class:`Diverted` with the message ``send()`` returns
+  and the :class:`Outcome` (``PARKED`` or ``DROPPED``): the message is not
+  pushed;
 * refuse it, raising a :class:`~dramatiq_guard.errors.GuardError`, which
-  reaches the caller of ``send()`` after earlier tickets are undone.
+  reaches the caller of ``send()`` after earlier tickets failed.
+
+A message that already holds a guard key (a parked message handed a slot,
+going back to the broker) is pushed with :meth:`EnqueueGate.admit` and
+``holds=<that key>``: the guard that claims the key lets it through, and the
+caller learns the outcome (it may have been parked by another guard on the
+way). Anything that is not a :class:`dramatiq.Message` goes to the broker
+untouched, so Dramatiq reports its own error.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
 import threading
 from collections.abc import Callable
@@ -36,17 +46,46 @@ from typing import Any, Protocol
 
 from dramatiq import Broker, Message
 
+__all__ = ["Admission", "Diverted", "EnqueueGate", "EnqueueGuard", "Outcome", "PushTicket", "gate_for"]
+
 logger = logging.getLogger("dramatiq_guard.gate")
 
 
+class Outcome(enum.Enum):
+    """What became of one enqueue."""
+
+    #: The message is on the broker.
+    PUSHED = "pushed"
+    #: A guard parked it in its lockwait area: not on the broker, but it will run.
+    PARKED = "parked"
+    #: A guard dropped it (a duplicate): it will not run.
+    DROPPED = "dropped"
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """The outcome of :meth:`EnqueueGate.admit`.
+
+    Parameters:
+      message(Message): What ``send()`` returns.
+      outcome(Outcome): Pushed, parked or dropped.
+    """
+
+    message: Message[Any]
+    outcome: Outcome
+
+
 class PushTicket(Protocol):
-    """What a guard did for one enqueue, to be confirmed or undone."""
+    """What a guard did for one enqueue, to be settled once the outcome is known."""
 
     def pushed(self) -> None:
-        """The message reached the broker (or was accepted by a later guard)."""
+        """The message reached the broker."""
+
+    def parked(self) -> None:
+        """A later guard parked the message: it is not on the broker, but it will run."""
 
     def failed(self) -> None:
-        """The message did not reach the broker: undo."""
+        """The message will not be sent (dropped, refused, or the push failed): undo."""
 
 
 class EnqueueGuard(Protocol):
@@ -54,8 +93,13 @@ class EnqueueGuard(Protocol):
 
     gate_priority: int
 
-    def before_push(self, broker: Broker, message: Message[Any], delay: int | None) -> PushTicket | None:
-        """Decide about ``message``; see the module docstring."""
+    def before_push(
+        self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None
+    ) -> PushTicket | None:
+        """Decide about ``message``; see the module docstring.
+
+        ``holds``: the guard key the message already holds, if any.
+        """
 
 
 class Diverted(Exception):
@@ -63,14 +107,14 @@ class Diverted(Exception):
 
     Parameters:
       message(Message): What ``broker.enqueue`` (and so ``send()``) returns.
-      accepted(bool): True if the message was taken care of (parked), False
-        if it was dropped.
+      outcome(Outcome): ``PARKED`` (taken care of: earlier tickets are told
+        so) or ``DROPPED`` (earlier tickets are undone).
     """
 
-    def __init__(self, message: Message[Any], *, accepted: bool) -> None:
+    def __init__(self, message: Message[Any], outcome: Outcome) -> None:
         super().__init__(message.message_id)
         self.message = message
-        self.accepted = accepted
+        self.outcome = outcome
 
 
 EnqueueFn = Callable[..., Message[Any]]
@@ -97,34 +141,58 @@ class EnqueueGate:
 
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
         """The wrapped ``broker.enqueue``."""
+        if not isinstance(message, Message):
+            return self.original(message, delay=delay)
+        return self.admit(message, delay=delay).message
+
+    def admit(
+        self, message: Message[Any], *, delay: int | None = None, holds: str | None = None
+    ) -> Admission:
+        """Let the guards decide about ``message``, push it unless diverted, and say what happened.
+
+        Parameters:
+          message(Message): The message.
+          delay(int|None): As ``broker.enqueue``'s.
+          holds(str|None): The guard key the message already holds (a
+            hand-off going back to the broker): its guard lets it through.
+
+        Raises:
+          GuardError: A guard refused the message.
+          Exception: Whatever the broker's push raised.
+        """
         tickets: list[PushTicket] = []
         try:
             for guard in self.guards:
-                ticket = guard.before_push(self.broker, message, delay)
+                ticket = guard.before_push(self.broker, message, delay, holds=holds)
                 if ticket is not None:
                     tickets.append(ticket)
         except Diverted as diverted:
-            _settle(tickets, pushed=diverted.accepted)
-            return diverted.message
+            _settle(tickets, diverted.outcome)
+            return Admission(diverted.message, diverted.outcome)
         except BaseException:
-            _settle(tickets, pushed=False)
+            _settle(tickets, Outcome.DROPPED)
             raise
 
         try:
             enqueued = self.original(message, delay=delay)
         except BaseException:
-            _settle(tickets, pushed=False)
+            _settle(tickets, Outcome.DROPPED)
             raise
-        _settle(tickets, pushed=True)
-        return enqueued
+        _settle(tickets, Outcome.PUSHED)
+        return Admission(enqueued, Outcome.PUSHED)
 
 
-def _settle(tickets: list[PushTicket], *, pushed: bool) -> None:
+def _settle(tickets: list[PushTicket], outcome: Outcome) -> None:
     for ticket in reversed(tickets):
         try:
-            ticket.pushed() if pushed else ticket.failed()
+            if outcome is Outcome.PUSHED:
+                ticket.pushed()
+            elif outcome is Outcome.PARKED:
+                ticket.parked()
+            else:
+                ticket.failed()
         except Exception:
-            logger.exception("Failed to settle an enqueue ticket (%s).", "pushed" if pushed else "failed")
+            logger.exception("Failed to settle an enqueue ticket (%s).", outcome.value)
 
 
 _lock = threading.Lock()

@@ -49,41 +49,25 @@ import datetime
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import dramatiq
 from dramatiq import Broker
 
 from dramatiq_guard.backends.base import GuardBackend, Handoff, Waiter
-from dramatiq_guard.errors import GuardError, LeaseLost
+from dramatiq_guard.delivery import courier_for
+from dramatiq_guard.errors import LeaseLost, LockNotAcquired
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.policies import duration_ms
 from dramatiq_guard.resolve import backend_from, resolve_backend
+from dramatiq_guard.waiting import BACKSTOP_MS, entry_ms, wait_for_slot
 
-__all__ = ["Lock", "LockNotAcquired", "LockRun"]
+__all__ = ["Lock", "LockNotAcquired", "LockRun"]  # LockNotAcquired lives in dramatiq_guard.errors
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: The longest a blocking acquire sleeps before re-checking the key.
-BACKSTOP_MS = 2_000
-
-
-class LockNotAcquired(GuardError):
-    """``with lock:`` could not acquire the lock (non-blocking, or ``blocking_timeout`` ran out).
-
-    Parameters:
-      key(str): The guard key.
-      holders(tuple[str, ...]): Who held it.
-    """
-
-    def __init__(self, key: str, holders: tuple[str, ...] = ()) -> None:
-        held_by = f" (held by {', '.join(holders)})" if holders else ""
-        super().__init__(f"could not acquire the lock {key!r}{held_by}")
-        self.key = key
-        self.holders = holders
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +93,8 @@ class Lock:
       redis: A GuardBackend, a redis-py client or a URL; None: the backend of
         ``broker`` (or of the global broker).
       broker(Broker|None): Where to re-enqueue parked ``mutex`` messages this
-        lock hands the key to when it releases (default: the global broker,
-        if it has a Mutex middleware; otherwise the workers' sweep does it).
+        lock hands the key to when it releases (default: the global broker;
+        without one, the workers' sweep does it).
       lease_ttl: The lease duration in ms (renewed every third of it). Default 30 s.
       ttl: The most the lock is held, renewals included, in ms (None: no cap).
       blocking(bool): The default of :meth:`acquire`'s ``blocking``.
@@ -153,21 +137,16 @@ class Lock:
                 self._backend = resolve_backend(self._broker or dramatiq.get_broker())
         return self._backend
 
-    def _requeue(self, handoffs: Iterable[Handoff]) -> None:
-        handoffs = [h for h in handoffs if h.payload is not None]
-        if not handoffs:
+    def _deliver(self, handoffs: Sequence[Handoff]) -> None:
+        """Re-enqueue parked ``mutex`` messages this lock handed the key to (on its broker)."""
+        if not any(h.payload is not None for h in handoffs):
             return
-        from dramatiq_guard.middleware.slots import Mutex
-
         try:
             broker = self._broker or dramatiq.get_broker()
         except Exception:
-            broker = None
-        mutex = next((m for m in broker.middleware if isinstance(m, Mutex)), None) if broker else None
-        if broker is None or mutex is None:
-            logger.info("No broker with a Mutex middleware: the workers' sweep re-enqueues the hand-off.")
+            logger.info("No broker to re-enqueue a hand-off on: the workers' sweep re-enqueues it.")
             return
-        mutex.requeue(broker, handoffs)
+        courier_for(broker, self.backend(), self.key).deliver(handoffs)
 
     # -- redis-py's shape -----------------------------------------------------
 
@@ -199,37 +178,16 @@ class Lock:
         ttl = self.lease_ttl_ms if self.ttl_ms is None else max(1, min(self.lease_ttl_ms, self.ttl_ms))
         if not blocking:
             result = backend.acquire(self.key, holder, limit=1, ttl_ms=ttl)
-            self._requeue(result.handoffs)
+            self._deliver(result.handoffs)
         else:
             deadline = None if timeout is None else time.monotonic() + timeout
-            result = backend.acquire(
-                self.key, holder, limit=1, ttl_ms=ttl, wait=Waiter(wait_ms=_chunk(deadline) + BACKSTOP_MS)
-            )
-            self._requeue(result.handoffs)
-            acquired = result.acquired
-            try:
-                while not acquired:
-                    chunk = _chunk(deadline)
-                    woken = None
-                    if chunk > 0:
-                        woken = backend.wait_for_handoff(self.key, holder, timeout_ms=chunk)
-                    if woken is not None:
-                        result = woken.result(1)  # the hand-off issued its token: it holds the lock now
-                        acquired = True
-                        break
-                    chunk = _chunk(deadline)
-                    wait = Waiter(wait_ms=chunk + BACKSTOP_MS) if chunk > 0 else None
-                    result = backend.acquire(self.key, holder, limit=1, ttl_ms=ttl, wait=wait)
-                    self._requeue(result.handoffs)
-                    acquired = result.acquired
-                    if not acquired and chunk <= 0:
-                        break
-            finally:
-                if not acquired:
-                    try:
-                        self._requeue(backend.cancel_wait(self.key, holder, limit=1).handoffs)
-                    except Exception:
-                        logger.warning("Could not leave the waiters of %r; the entry lapses.", self.key)
+            wait = Waiter(wait_ms=entry_ms(BACKSTOP_MS if timeout is None else int(timeout * 1000)))
+            result = backend.acquire(self.key, holder, limit=1, ttl_ms=ttl, wait=wait)
+            self._deliver(result.handoffs)
+            if not result.acquired:
+                result = wait_for_slot(
+                    backend, self.key, holder, limit=1, ttl_ms=ttl, deadline=deadline, deliver=self._deliver
+                )
         if not result.acquired:
             self._last_holders = result.holders
             return False
@@ -258,7 +216,7 @@ class Lock:
         if lease is None or lease.released:
             raise RuntimeError(f"this Lock does not hold {self.key!r}")
         result = lease.release()
-        self._requeue(result.handoffs)
+        self._deliver(result.handoffs)
         if not result.released:
             logger.error("%r was lost before it was released: %r", lease, result)
             raise LeaseLost(self.key, lease.holder)
@@ -305,10 +263,3 @@ class Lock:
             raise
         self.release()
         return LockRun(True, value, token)
-
-
-def _chunk(deadline: float | None) -> int:
-    """How long the next wait may last, in ms (at most the backstop)."""
-    if deadline is None:
-        return BACKSTOP_MS
-    return max(0, min(BACKSTOP_MS, int((deadline - time.monotonic()) * 1000)))

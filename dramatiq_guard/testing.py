@@ -21,7 +21,8 @@ from typing import Any
 
 from dramatiq import Broker
 
-from dramatiq_guard.middleware.slots import SlotsMiddleware, activity
+from dramatiq_guard.events import lockwait_condition
+from dramatiq_guard.middleware.slots import SlotsMiddleware
 
 __all__ = ["join", "parked_count"]
 
@@ -60,6 +61,7 @@ def join(broker: Broker, queue_name: str, *, timeout: int | None = None, **join_
     from dramatiq.errors import QueueJoinTimeout
 
     deadline = None if timeout is None else time.monotonic() + timeout / 1000
+    activity = lockwait_condition()
     while True:
         remaining = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
         broker.join(queue_name, timeout=remaining, **join_options)

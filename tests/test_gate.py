@@ -1,4 +1,5 @@
-"""The enqueue gate: guards decide in priority order; diverted sends return normally; failed pushes undo."""
+"""The enqueue gate: guards decide in priority order; diverted sends return normally; failed pushes undo;
+the caller of ``admit`` learns the outcome."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dramatiq import Broker, Message
 from dramatiq.brokers.stub import StubBroker
 
 from dramatiq_guard.errors import GuardError
-from dramatiq_guard.gate import Diverted, PushTicket, gate_for
+from dramatiq_guard.gate import Diverted, Outcome, PushTicket, gate_for
 
 
 class Ticket:
@@ -20,6 +21,9 @@ class Ticket:
 
     def pushed(self) -> None:
         self.log.append(f"{self.name}:pushed")
+
+    def parked(self) -> None:
+        self.log.append(f"{self.name}:parked")
 
     def failed(self) -> None:
         self.log.append(f"{self.name}:failed")
@@ -34,12 +38,16 @@ class RecordingGuard:
         self.gate_priority = priority
         self.action = action
 
-    def before_push(self, broker: Broker, message: Message[Any], delay: int | None) -> PushTicket | None:
+    def before_push(
+        self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None = None
+    ) -> PushTicket | None:
         self.log.append(f"{self.name}:before")
+        if holds is not None and holds.startswith(self.name + ":"):
+            return None  # the message holds this guard's key already
         if self.action == "drop":
-            raise Diverted(message.copy(options={"dropped_by": self.name}), accepted=False)
+            raise Diverted(message.copy(options={"dropped_by": self.name}), Outcome.DROPPED)
         if self.action == "park":
-            raise Diverted(message, accepted=True)
+            raise Diverted(message, Outcome.PARKED)
         if self.action == "refuse":
             raise GuardError("refused")
         return Ticket(self.log, self.name)
@@ -87,7 +95,7 @@ def test_a_dropped_message_is_not_pushed_and_send_returns_what_the_guard_said(br
     assert log == ["first:before", "dedup:before", "first:failed"]
 
 
-def test_a_parked_message_is_not_pushed_and_earlier_guards_count_it_as_enqueued(broker: StubBroker) -> None:
+def test_a_parked_message_is_not_pushed_and_earlier_guards_are_told_it_parked(broker: StubBroker) -> None:
     job = make_actor(broker)
     log: list[str] = []
     gate = gate_for(broker)
@@ -95,7 +103,7 @@ def test_a_parked_message_is_not_pushed_and_earlier_guards_count_it_as_enqueued(
     gate.add(RecordingGuard(log, "slots", 20, action="park"))
     job.send(1)
     assert broker.queues["default"].qsize() == 0
-    assert log == ["dedup:before", "slots:before", "dedup:pushed"]
+    assert log == ["dedup:before", "slots:before", "dedup:parked"]
 
 
 def test_a_refusal_reaches_the_caller_and_undoes_earlier_guards(broker: StubBroker) -> None:
@@ -117,3 +125,44 @@ def test_a_failed_push_undoes_every_guard(broker: StubBroker) -> None:
     with pytest.raises(dramatiq.errors.QueueNotFound):
         broker.enqueue(undeclared)
     assert log == ["dedup:before", "dedup:failed"]
+
+
+def test_admit_says_what_became_of_the_message_and_the_guard_of_a_held_key_lets_it_through(
+    broker: StubBroker,
+) -> None:
+    job = make_actor(broker)
+    log: list[str] = []
+    gate = gate_for(broker)
+    gate.add(RecordingGuard(log, "dedup", 10))
+    gate.add(RecordingGuard(log, "slots", 20, action="park"))
+    message = job.message(1)
+    parked = gate.admit(message)
+    assert parked.outcome is Outcome.PARKED
+    assert broker.queues["default"].qsize() == 0
+    # A hand-off of a "slots:" key going back to the broker: that guard lets it through.
+    pushed = gate.admit(message, holds="slots:k")
+    assert pushed.outcome is Outcome.PUSHED
+    assert pushed.message.message_id == message.message_id
+    assert broker.queues["default"].qsize() == 1
+    assert log == [
+        "dedup:before",
+        "slots:before",
+        "dedup:parked",
+        "dedup:before",
+        "slots:before",
+        "dedup:pushed",
+    ]
+
+
+def test_an_object_that_is_not_a_message_gets_the_brokers_own_error(broker: StubBroker) -> None:
+    """An enqueue that no guard can take part in behaves exactly as without the gate."""
+    make_actor(broker)
+    plain = StubBroker()
+    with pytest.raises(Exception) as without_gate:
+        plain.enqueue("not a message")  # type: ignore[arg-type]
+    log: list[str] = []
+    gate_for(broker).add(RecordingGuard(log, "dedup", 10))
+    with pytest.raises(type(without_gate.value)) as with_gate:
+        broker.enqueue("not a message")  # type: ignore[arg-type]
+    assert str(with_gate.value) == str(without_gate.value)
+    assert log == []

@@ -112,8 +112,9 @@ from dramatiq.middleware import Retries
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import GuardBackend, Handoff, Waiter
-from dramatiq_guard.errors import BackendUnavailable, GuardError, GuardOptionError
-from dramatiq_guard.gate import Diverted
+from dramatiq_guard.delivery import Courier
+from dramatiq_guard.errors import BackendUnavailable, DuplicateMessage, GuardOptionError
+from dramatiq_guard.gate import Diverted, Outcome
 from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware, execution_state
 from dramatiq_guard.policies import DedupPolicy, duration_ms
 from dramatiq_guard.renewer import LeaseHandle, get_renewer
@@ -151,24 +152,6 @@ _RERUN_NAMESPACE = uuid.UUID("6c1f8f0e-3a0e-4e55-9d3f-2f4f1c6a9b51")
 RETRY_S = 0.5
 #: A lock's ttl when the message's actor is not declared in this process.
 _FALLBACK_TTL_MS = 3_600_000
-
-
-class DuplicateMessage(GuardError):
-    """Raised by ``send()`` for a duplicate of an actor with ``on_duplicate="raise"``.
-
-    Parameters:
-      message_id(str): The refused message's id.
-      holder(str): The message id of the message holding the lock.
-      key(str): The guard key.
-    """
-
-    def __init__(self, message_id: str, holder: str, key: str) -> None:
-        super().__init__(
-            f"message {message_id!r} is a duplicate of message {holder!r}, which holds dedup key {key!r}"
-        )
-        self.message_id = message_id
-        self.holder = holder
-        self.key = key
 
 
 def deduplicated_by(message: Message[Any]) -> str | None:
@@ -331,6 +314,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         _confirmers.add(self._confirmer)
         self._local = threading.local()
         self._retries: dict[int, bool] = {}
+        self._couriers: dict[int, Courier] = {}
 
     @property
     def actor_options(self) -> set[str]:
@@ -342,7 +326,9 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
 
     # --- enqueue time -----------------------------------------------------------------------
 
-    def before_push(self, broker: Broker, message: Message[Any], delay: int | None) -> _LockTicket | None:
+    def before_push(
+        self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None = None
+    ) -> _LockTicket | None:
         """Take the dedup lock for ``message``, or divert it as a duplicate (see the module docstring)."""
         options = message.options
         if LOCK_OPTION in options or EXEMPT_OPTION in options:
@@ -364,7 +350,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
             result = backend.acquire(
                 key, message.message_id, limit=1, ttl_ms=self.pending_ttl_ms, info=message.actor_name
             )
-            self._deliver(broker, backend, key, result.handoffs)
+            self._deliver(broker, result.handoffs)
             if result.acquired:
                 options[LOCK_OPTION] = key
                 ttl = policy.ttl_ms + ((delay or 0) if policy.including_scheduled else 0)
@@ -388,7 +374,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
             options.pop(LOCK_OPTION, None)
             options[EXEMPT_OPTION] = "backend_unavailable"
             return None
-        raise Diverted(message.copy(options=marks), accepted=False)
+        raise Diverted(message.copy(options=marks), Outcome.DROPPED)
 
     def _exemption(self, message: Message[Any], delay: int | None, policy: DedupPolicy) -> str | None:
         options = message.options
@@ -433,32 +419,44 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         result = backend.acquire(
             key, rerun, limit=0, ttl_ms=policy.ttl_ms, wait=Waiter(payload=copy.encode())
         )
-        self._deliver(broker, backend, key, result.handoffs)
+        self._deliver(broker, result.handoffs)
         if result.parked and not result.holders:
             # The holder finished between the two calls: nobody will hand the
             # lock on, so hand it to the rerun now.
             swept = backend.sweep(key, limit=1)
-            self._deliver(broker, backend, key, swept.handoffs)
+            self._deliver(broker, swept.handoffs)
         return {BY_OPTION: holder, RERUN_OPTION: rerun}
 
-    def _deliver(self, broker: Broker, backend: GuardBackend, key: str, handoffs: Sequence[Handoff]) -> None:
-        """Re-enqueue reruns that were just handed the lock, then confirm them."""
-        for handoff in handoffs:
-            if handoff.payload is None:
-                continue
-            try:
-                rerun: Message[Any] = Message.decode(handoff.payload)
+    def claims(self, key: str) -> bool:
+        """Whether ``key`` is a dedup guard key."""
+        return key.startswith(PREFIX)
+
+    def courier(self, broker: Broker) -> Courier:
+        """How reruns handed the lock go back to ``broker``.
+
+        Confirmed for their actor's ``ttl``; a rerun that a slots guard parks
+        on its way keeps the lock (it has not run yet).
+        """
+        courier = self._couriers.get(id(broker))
+        if courier is None:
+
+            def ttl_ms(rerun: Message[Any]) -> int:
                 guard = self.guard_of(rerun)
-                broker.enqueue(rerun)
-                backend.confirm_handoff(
-                    handoff.key,
-                    handoff.waiter_id,
-                    ttl_ms=guard.policy.ttl_ms if guard is not None else _FALLBACK_TTL_MS,
-                )
-            except Exception:
-                # The reservation lapses and the rerun goes back to the queue,
-                # to be handed on by the next operation on the key.
-                logger.exception("Could not re-enqueue the rerun %r of dedup key %r.", handoff.waiter_id, key)
+                return guard.policy.ttl_ms if guard is not None else _FALLBACK_TTL_MS
+
+            courier = self._couriers[id(broker)] = Courier(
+                broker,
+                self.backend(broker),
+                ttl_ms=ttl_ms,
+                default_limit=lambda _key: 1,
+                keep_when_parked=True,
+            )
+        return courier
+
+    def _deliver(self, broker: Broker, handoffs: Sequence[Handoff]) -> None:
+        """Re-enqueue the reruns that were just handed the lock, then confirm them."""
+        if handoffs:
+            self.courier(broker).deliver(handoffs)
 
     # --- execution time ---------------------------------------------------------------------
 
@@ -479,16 +477,16 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
                 # Later attempts (retries) of a started holder take no lock.
                 message.options.pop(LOCK_OPTION, None)
                 message.options[EXEMPT_OPTION] = "started"
-                self._deliver(broker, backend, key, released.handoffs)
+                self._deliver(broker, released.handoffs)
                 return
             policy = guard.policy
             if policy.on_duplicate == "reschedule_once":
                 # Duplicates that arrived before this start are covered by this run.
                 cancelled = backend.cancel_wait(key, rerun_id(holder), limit=1)
-                self._deliver(broker, backend, key, cancelled.handoffs)
+                self._deliver(broker, cancelled.handoffs)
             else:
                 result = backend.acquire(key, holder, limit=1, ttl_ms=policy.ttl_ms, info=message.actor_name)
-                self._deliver(broker, backend, key, result.handoffs)
+                self._deliver(broker, result.handoffs)
                 if not result.acquired:
                     logger.warning(
                         "Message %s starts without its dedup lock %r: it lapsed and %s holds it now.",
@@ -551,7 +549,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
             return
         if not released.released:
             logger.debug("Dedup lock %r of %s had lapsed before its release.", key, message.message_id)
-        self._deliver(broker, backend, key, released.handoffs)
+        self._deliver(broker, released.handoffs)
 
     def _has_retries(self, broker: Broker) -> bool:
         known = self._retries.get(id(broker))
@@ -587,7 +585,11 @@ class _LockTicket:
             self.backend, self.key, self.message.message_id, self.ttl_ms, lapses_at
         )
 
+    def parked(self) -> None:
+        """A slots guard parked it: it will run, so it keeps the lock, as if pushed."""
+        self.pushed()
+
     def failed(self) -> None:
         self.message.options.pop(LOCK_OPTION, None)
         released = self.backend.release(self.key, self.message.message_id, limit=1)
-        self.middleware._deliver(self.broker, self.backend, self.key, released.handoffs)
+        self.middleware._deliver(self.broker, released.handoffs)

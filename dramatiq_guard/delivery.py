@@ -1,0 +1,168 @@
+"""Delivery: a parked message handed a slot goes back to its broker and queue, then is confirmed.
+
+A backend operation that frees a slot hands it to the oldest waiter and, for
+a parked one, returns its stored message (a :class:`~dramatiq_guard.backends.Handoff`
+with a payload). Whoever ran the operation delivers it: enqueues the message
+on the broker (its own queue, its own ``message_id`` and options) through the
+enqueue gate with ``holds=<key>``, so the guard of that key lets it through,
+and then confirms the hand-off, so the backend drops the stored copy. Until
+the confirmation the payload stays stored: a deliverer that dies in between
+loses nothing (the reservation lapses and the waiter is back in its place).
+Standbys (waiters sent ahead of a free slot) are delivered the same way and
+confirmed with :meth:`~dramatiq_guard.backends.GuardBackend.confirm_standby`.
+
+Every guard middleware, the standalone lock and the command line deliver
+through a :class:`Courier`; the rules behind it are in
+:mod:`dramatiq_guard.backends.base` (*hand-off*, *standbys*).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from dramatiq import Broker, Message
+
+from dramatiq_guard import events
+from dramatiq_guard.backends.base import GuardBackend, Handoff
+from dramatiq_guard.gate import Outcome, gate_for
+
+__all__ = ["Courier", "courier_for"]
+
+logger = logging.getLogger(__name__)
+
+
+class Courier:
+    """Delivers the hand-offs and standbys of one kind of guard key on one broker.
+
+    Parameters:
+      broker(Broker): Where the messages go (each to its own queue).
+      backend(GuardBackend): Where the hand-offs are confirmed.
+      ttl_ms: How long a confirmed hand-off waits for its message to start,
+        given the message.
+      default_limit: A key's default limit, given the key (to give back a
+        slot that the message will not use).
+      keep_when_parked(bool): What a message that another guard parked on
+        its way keeps: True, what it was handed (a dedup lock, held until the
+        message runs); False, nothing (a slot is given back at once, so it
+        does not stand idle while the message waits elsewhere).
+      counts_handoffs(bool): Count each delivered message in
+        :func:`~dramatiq_guard.events.handed_off`.
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        backend: GuardBackend,
+        *,
+        ttl_ms: Callable[[Message[Any]], int],
+        default_limit: Callable[[str], int],
+        keep_when_parked: bool,
+        counts_handoffs: bool = False,
+    ) -> None:
+        self.broker = broker
+        self.backend = backend
+        self.ttl_ms = ttl_ms
+        self.default_limit = default_limit
+        self.keep_when_parked = keep_when_parked
+        self.counts_handoffs = counts_handoffs
+
+    def deliver(self, handoffs: Iterable[Handoff]) -> None:
+        """Enqueue each handed-off parked message, then confirm its hand-off.
+
+        Blocking waiters (no payload) were woken by the backend and are
+        skipped. A failure is logged: the payload stays stored, the
+        reservation lapses and the waiter waits again in its place.
+        """
+        pending = [h for h in handoffs if h.payload is not None]
+        if not pending:
+            return
+        while pending:
+            handoff = pending.pop(0)
+            try:
+                pending.extend(self._deliver_one(handoff))
+            except Exception:
+                logger.exception(
+                    "Could not re-enqueue %s handed a slot of %r; its reservation lapses and it waits again.",
+                    handoff.waiter_id,
+                    handoff.key,
+                )
+        events.lockwait_changed()
+
+    def send_ahead(self, standbys: Iterable[Handoff]) -> None:
+        """Enqueue each standby the backend chose, then confirm it; failures are logged.
+
+        An unsent or unconfirmed standby parks again on its own.
+        """
+        for standby in standbys:
+            try:
+                self.deliver(self._send_one(standby))
+            except Exception:
+                logger.warning(
+                    "Could not send %s ahead as a standby of %r; it parks again on its own.",
+                    standby.waiter_id,
+                    standby.key,
+                    exc_info=True,
+                )
+
+    def _admit(self, handoff: Handoff) -> tuple[Message[Any], Outcome]:
+        assert handoff.payload is not None
+        message = Message.decode(handoff.payload)
+        admission = gate_for(self.broker).admit(message, holds=handoff.key)
+        return message, admission.outcome
+
+    def _deliver_one(self, handoff: Handoff) -> tuple[Handoff, ...]:
+        """Deliver one hand-off; returns the hand-offs that giving its slot back made."""
+        message, outcome = self._admit(handoff)
+        if self.counts_handoffs:
+            events.handed_off(message.actor_name)
+        if outcome is Outcome.PUSHED or (outcome is Outcome.PARKED and self.keep_when_parked):
+            if not self.backend.confirm_handoff(handoff.key, handoff.waiter_id, ttl_ms=self.ttl_ms(message)):
+                logger.warning(
+                    "The hand-off of %r to %s lapsed before it was confirmed; the re-enqueued copy runs.",
+                    handoff.key,
+                    handoff.waiter_id,
+                )
+            return ()
+        # Another guard parked it on the way (or dropped it): it does not keep this slot.
+        limit = self.default_limit(handoff.key)
+        return self.backend.release(handoff.key, handoff.waiter_id, limit=limit).handoffs
+
+    def _send_one(self, standby: Handoff) -> tuple[Handoff, ...]:
+        """Send one standby; returns the hand-offs that leaving its place made."""
+        assert standby.payload is not None
+        message, outcome = self._admit(standby)
+        if outcome is Outcome.PUSHED:
+            ttl_ms = self.ttl_ms(message)
+            if not self.backend.confirm_standby(
+                standby.key, standby.waiter_id, standby.payload, ttl_ms=ttl_ms
+            ):
+                logger.debug("Standby %s of %r parked again before it was confirmed.", message, standby.key)
+            return ()
+        # Another guard parked it on the way: it waits there, not here.
+        limit = self.default_limit(standby.key)
+        return self.backend.cancel_wait(standby.key, standby.waiter_id, limit=limit).handoffs
+
+
+def courier_for(broker: Broker, backend: GuardBackend, key: str) -> Courier:
+    """The courier of the guard middleware on ``broker`` that claims ``key``, else a plain one.
+
+    A middleware takes part by having ``claims(key) -> bool`` and
+    ``courier(broker) -> Courier``. The plain courier confirms a hand-off for
+    the backend's hand-off time and keeps it if the message parks elsewhere.
+    """
+    for middleware in broker.middleware:
+        claims = getattr(middleware, "claims", None)
+        make = getattr(middleware, "courier", None)
+        if callable(claims) and callable(make) and claims(key):
+            courier = make(broker)
+            assert isinstance(courier, Courier)
+            return courier
+    return Courier(
+        broker,
+        backend,
+        ttl_ms=lambda _message: backend.handoff_ttl_ms,
+        default_limit=lambda _key: 1,
+        keep_when_parked=True,
+    )

@@ -1,0 +1,532 @@
+"""The Dramatiq hooks of mutexes and concurrency slots (docs/slots.md).
+
+Before a guarded message runs it acquires a lease with its ``message_id`` as
+the holder (a slot reserved for it becomes its lease); if the key is full it
+parks, is dropped, or waits, by ``on_busy``. After it runs the lease is
+released (checked), and a freed slot goes to the oldest waiter, delivered by
+:class:`dramatiq_guard.delivery.Courier`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+import threading
+from collections.abc import Sequence
+from contextvars import Token
+from typing import Any, ClassVar, Generic, Literal, TypeVar
+
+import dramatiq
+from dramatiq import Broker, Message, Worker
+from dramatiq.broker import MessageProxy
+from dramatiq.middleware import SkipMessage
+
+from dramatiq_guard import events
+from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Waiter
+from dramatiq_guard.context import current_lease_var
+from dramatiq_guard.delivery import Courier
+from dramatiq_guard.errors import BackendUnavailable, GuardError, MutexWaitTimeout
+from dramatiq_guard.lease import Lease
+from dramatiq_guard.middleware.base import ActorGuard, ExecutionState, GuardMiddleware, execution_state
+from dramatiq_guard.middleware.slots.limits import KeyDirectory
+from dramatiq_guard.middleware.slots.reservation import ReservationTicket, reserve_or_park
+from dramatiq_guard.middleware.slots.sweep import Sweeper, join_sweep, leave_sweep
+from dramatiq_guard.middleware.slots.waits import StandbySeats, wait_as_standby, wait_for_mutex
+from dramatiq_guard.policies import ConcurrencyPolicy, MutexPolicy, OnBusy, duration_ms
+from dramatiq_guard.waiting import entry_ms
+
+__all__ = ["SlotsMiddleware"]
+
+logger = logging.getLogger("dramatiq_guard.middleware.slots")
+
+P = TypeVar("P", ConcurrencyPolicy, MutexPolicy)
+
+
+@dataclasses.dataclass
+class _Held:
+    """A lease held by one execution of a message."""
+
+    lease: Lease
+    context: Token[Any] | None
+
+
+@dataclasses.dataclass
+class _NotRun:
+    """This execution did not run: why."""
+
+    reason: Literal["parked", "dropped"]
+    key: str
+
+
+class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
+    """What :class:`~dramatiq_guard.Mutex` and :class:`~dramatiq_guard.Concurrency` share (docs/slots.md).
+
+    Every duration is integer milliseconds or a :class:`datetime.timedelta`.
+
+    Parameters:
+      redis: The backend (see :class:`~dramatiq_guard.middleware.base.GuardMiddleware`).
+      lease_ttl: How long a lease lives without renewal: a SIGKILLed holder's
+        slot is free within this. Renewed every third of it. Default 30 s.
+      pickup_ttl: How long a slot reserved for a queued message (at enqueue,
+        or handed to a parked one) waits for it to start before it lapses
+        and goes to the next waiter. Default 60 s.
+      sweep_interval: How often each worker sweeps keys with waiters. Default 1 s.
+      limit_cache: How long a process caches a per-actor default limit. Default 1 s.
+      lookahead(int|None): How many parked waiters per key are sent to the
+        broker ahead of a free slot, as standbys: at most the key's limit.
+        None (the default): the limit; 0: none.
+      standby_wait: How long a picked-up standby blocks its worker thread
+        waiting for a slot before it parks again. Default 5 s.
+      standby_threads(int|None): How many worker threads of a process may
+        block as standbys at once (a standby picked up beyond that parks
+        again). None (the default): half the worker's threads. A process
+        that allows none sends no standbys.
+    """
+
+    #: The guard key prefix (``"mutex"`` or ``"concurrency"``).
+    prefix: ClassVar[str]
+    #: Slots decide after deduplication (10) in the enqueue gate.
+    gate_priority = 20
+
+    def __init__(
+        self,
+        *,
+        redis: Any = None,
+        lease_ttl: Any = 30_000,
+        pickup_ttl: Any = 60_000,
+        sweep_interval: Any = 1_000,
+        limit_cache: Any = 1_000,
+        lookahead: int | None = None,
+        standby_wait: Any = 5_000,
+        standby_threads: int | None = None,
+    ) -> None:
+        super().__init__(redis=redis)
+        self.lease_ttl_ms = _positive(lease_ttl, "lease_ttl")
+        self.pickup_ttl_ms = _positive(pickup_ttl, "pickup_ttl")
+        self.sweep_interval_ms = _positive(sweep_interval, "sweep_interval")
+        self.limit_cache_ms = _positive(limit_cache, "limit_cache", allow_zero=True)
+        self.lookahead = _count(lookahead, "lookahead")
+        self.standby_wait_ms = _positive(standby_wait, "standby_wait")
+        self.standby_threads = _count(standby_threads, "standby_threads")
+        self.seats = StandbySeats(0 if standby_threads is None else standby_threads)
+        self.broker: Broker | None = None
+        self.keys: KeyDirectory[P] = KeyDirectory(self.prefix, self.guarded)
+        self._inflight: set[str] = set()
+        self._inflight_lock = threading.Lock()
+        self._couriers: dict[int, Courier] = {}
+        self._sweeper: Sweeper | None = None
+
+    # -- what the two capabilities differ in ----------------------------------
+
+    @abc.abstractmethod
+    def on_busy(self, policy: P) -> OnBusy:
+        """What a message that finds the key full does."""
+
+    @abc.abstractmethod
+    def default_limit(self, guard: ActorGuard[P]) -> int:
+        """The default limit of the actor's keys (a per-key run-time limit overrides it)."""
+
+    def wait_ms(self, policy: P) -> int:
+        """How long ``on_busy="wait"`` blocks."""
+        return 0
+
+    def count_drop(self) -> None:
+        """Count a message dropped because its key was held (:class:`~dramatiq_guard.Mutex`)."""
+
+    # -- keys -----------------------------------------------------------------
+
+    def claims(self, key: str) -> bool:
+        """Whether ``key`` is a guard key of this capability."""
+        return key.startswith(self.prefix + ":")
+
+    def guard_key_of(self, guard: ActorGuard[P], message: Message[Any] | MessageProxy) -> str:
+        """The guard key of ``message`` (with this capability's prefix).
+
+        Raises:
+          GuardError: If the key cannot be computed (a key callable failed,
+            or the arguments do not fit the actor).
+        """
+        try:
+            key = f"{self.prefix}:{guard.key_of(message)}"
+        except Exception as e:
+            raise GuardError(
+                f"the {self.option} key of message {message.message_id} ({message.actor_name}) "
+                f"could not be computed: {e}"
+            ) from e
+        self.keys.remember(key, guard.actor_name)
+        return key
+
+    def key_for(self, actor: dramatiq.Actor[Any, Any] | str, *args: Any, **kwargs: Any) -> str:
+        """The key (without prefix) a message of ``actor`` with these arguments would use.
+
+        Raises:
+          ValueError: If ``actor`` is not guarded by this middleware.
+        """
+        name = actor if isinstance(actor, str) else actor.actor_name
+        guard = self.guarded.get(name)
+        if guard is None:
+            raise ValueError(f"actor {name!r} has no {self.option}= option")
+        return guard.resolve_key(args, kwargs)
+
+    def limit_for_key(self, key: str) -> int:
+        """The default limit of a guard key this process may never have seen (for sweeps).
+
+        The limit of the key's actor if this process can tell it
+        (:class:`~dramatiq_guard.middleware.slots.limits.KeyDirectory`), else
+        the smallest default of the actors with callable keys: a lower bound,
+        so the limit is never exceeded (the first waiter that runs hands the
+        remaining slots on with the right limit).
+        """
+        guard = self.keys.guard_of(key)
+        if guard is not None:
+            return self.default_limit(guard)
+        return min((self.default_limit(g) for g in self.keys.callable_keyed()), default=0)
+
+    # -- wiring ---------------------------------------------------------------
+
+    def attach(self, broker: Broker) -> None:
+        """Remember ``broker`` and join its enqueue gate."""
+        self.broker = broker
+        super().attach(broker)
+
+    def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
+        """Start this process's sweep of keys with waiters."""
+        self.broker = broker
+        if self.standby_threads is None:
+            self.seats.seats = int(getattr(worker, "worker_threads", 0)) // 2
+        self._sweeper = join_sweep(self, broker, self.sweep_interval_ms)
+
+    def before_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
+        """Stop the sweep when the last middleware using it shuts down."""
+        sweeper, self._sweeper = self._sweeper, None
+        if sweeper is not None:
+            leave_sweep(self, sweeper)
+
+    # -- enqueue --------------------------------------------------------------
+
+    def before_push(
+        self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None = None
+    ) -> ReservationTicket | None:
+        """Reserve a slot for ``message``, or park it if its key is full (see :mod:`.reservation`).
+
+        A delayed message is decided when it comes due; one that holds a key
+        of this capability (a hand-off going back), or that holds a slot here
+        (its own re-enqueue by Retries), passes.
+        """
+        guard = self.guard_of(message)
+        if guard is None or delay is not None or self.on_busy(guard.policy) != "park":
+            return None
+        if holds is not None and self.claims(holds):
+            return None
+        with self._inflight_lock:
+            if message.message_id in self._inflight:
+                return None
+        return reserve_or_park(self, broker, guard, message)
+
+    # -- execution ------------------------------------------------------------
+
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        """Acquire the message's slot; park, drop or wait when the key is full.
+
+        Raises:
+          SkipMessage: The message was parked or dropped.
+          MutexWaitTimeout: ``on_busy="wait"`` gave up (Retries retries it).
+          BackendUnavailable: The backend could not be reached (unless ``fail_open``).
+          GuardError: The key could not be computed.
+        """
+        guard = self.guard_of(message)
+        if guard is None or message.failed:
+            return
+        backend = self.backend(broker)
+        key = self.guard_key_of(guard, message)
+        limit = self.default_limit(guard)
+        on_busy = self.on_busy(guard.policy)
+        wait = None
+        if on_busy == "park":
+            # A standby (sent ahead) may block for a slot instead of parking, if this process lets it.
+            wait = Waiter(
+                payload=message.encode(), wait_ms=entry_ms(self.standby_wait_ms) if self.seats.seats else 0
+            )
+        elif on_busy == "wait":
+            wait = Waiter(wait_ms=entry_ms(self.wait_ms(guard.policy)))
+        ttl_ms = self._lease_ttl(guard)
+        try:
+            result = backend.acquire(
+                key, message.message_id, limit=limit, ttl_ms=ttl_ms, wait=wait, info=message.actor_name
+            )
+        except BackendUnavailable:
+            if guard.policy.fail_open:
+                logger.warning("Guard backend unavailable: running %s unguarded (fail_open).", message)
+                return
+            raise
+        self.deliver(broker, result.handoffs)
+
+        def deliver(handoffs: Sequence[Handoff]) -> None:
+            self.deliver(broker, handoffs)
+
+        if result.standby:
+            assert wait is not None and wait.payload is not None
+            result = wait_as_standby(
+                broker,
+                backend,
+                message,
+                key,
+                wait.payload,
+                self.seats,
+                limit=limit,
+                ttl_ms=ttl_ms,
+                wait_ms=self.standby_wait_ms,
+                deliver=deliver,
+            )
+        if not result.acquired and on_busy == "wait" and result.parked:
+            with events.lock_wait(message.actor_name):
+                result = wait_for_mutex(
+                    broker,
+                    backend,
+                    message,
+                    key,
+                    limit=limit,
+                    ttl_ms=ttl_ms,
+                    wait_ms=self.wait_ms(guard.policy),
+                    deliver=deliver,
+                )
+        state = execution_state(message)
+        if result.acquired:
+            self._hold(message, state, guard, key, limit, result)
+        elif on_busy == "drop":
+            self._drop(message, state, key, result)
+        elif on_busy == "park":
+            self._park(message, state, key, result)
+        else:
+            raise MutexWaitTimeout(key, message.message_id, self.wait_ms(guard.policy), result.holders)
+
+    def _hold(
+        self,
+        message: MessageProxy,
+        state: ExecutionState,
+        guard: ActorGuard[P],
+        key: str,
+        limit: int,
+        result: AcquireResult,
+    ) -> None:
+        assert result.token is not None and self._backend is not None
+        lease = Lease(
+            self._backend,
+            key,
+            message.message_id,
+            result.token,
+            limit=limit,
+            ttl_ms=self.lease_ttl_ms,
+            cap_ms=guard.policy.ttl_ms,
+            reserved_ms=result.reserved_ms,
+        )
+        state.data[self.option] = _Held(lease, current_lease_var.set(lease))
+        events.acquired(message.actor_name)
+        with self._inflight_lock:
+            self._inflight.add(message.message_id)
+
+    def _drop(self, message: MessageProxy, state: ExecutionState, key: str, result: AcquireResult) -> None:
+        state.data[self.option] = _NotRun("dropped", key)
+        self.count_drop()
+        events.deduplicated(message.actor_name)
+        holders = ", ".join(result.holders) or "nobody"
+        logger.info("Dropped %s (deduplicated): %r is held by %s.", message, key, holders)
+        raise SkipMessage(f"dropped: {key!r} is held")
+
+    def _park(self, message: MessageProxy, state: ExecutionState, key: str, result: AcquireResult) -> None:
+        state.parked = True
+        state.data[self.option] = _NotRun("parked", key)
+        # The parked copy was encoded before the acquire; this copy is only acked.
+        message.options["store_results"] = False
+        logger.info("Parked %s after pickup: %r is full (limit %d).", message, key, result.limit)
+        events.parked(message.actor_name)
+        events.lockwait_changed()
+        raise SkipMessage(f"parked: {key!r} is full")
+
+    def _lease_ttl(self, guard: ActorGuard[P]) -> int:
+        cap = guard.policy.ttl_ms
+        return self.lease_ttl_ms if cap is None else max(1, min(self.lease_ttl_ms, cap))
+
+    def after_process_message(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        """Release the message's lease (Retries has already decided about a failure)."""
+        self._finish(broker, message)
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        """Release the lease if a later middleware skipped the message after it acquired."""
+        self._finish(broker, message)
+
+    def _finish(self, broker: Broker, message: MessageProxy) -> None:
+        guard = self.guard_of(message)
+        if guard is None:
+            return
+        held = execution_state(message).data.pop(self.option, None)
+        if not isinstance(held, _Held):
+            return
+        with self._inflight_lock:
+            self._inflight.discard(message.message_id)
+        if held.context is not None:
+            try:
+                current_lease_var.reset(held.context)
+            except ValueError:
+                current_lease_var.set(None)
+        # If the key has waiters, the release keeps the next ones on the broker ahead of the next
+        # free slot, as standbys.
+        send_ahead = self._lookahead() if self.on_busy(guard.policy) == "park" else 0
+        result = self.release(broker, held.lease, send_ahead=send_ahead)
+        events.released(message.actor_name)
+        if result is not None and not result.released:
+            events.lease_lost(message.actor_name)
+
+    def release(self, broker: Broker, lease: Lease, *, send_ahead: int = 0) -> ReleaseResult | None:
+        """Release ``lease``, deliver the waiters it hands the slot to, and send its standbys.
+
+        ``send_ahead``: how many waiters the same backend operation sends ahead
+        as standbys (see :meth:`send_standbys`). A lease that was lost is
+        reported (an error is logged with the lease and the release result),
+        never silently dropped.
+
+        Returns:
+          ReleaseResult|None: The result, or None if the backend was
+          unreachable (the lease then lapses within ``lease_ttl``).
+        """
+        try:
+            result = lease.release(send_ahead=send_ahead)
+        except BackendUnavailable:
+            logger.error("Could not release %r: the backend is unavailable; it lapses on its own.", lease)
+            return None
+        if not result.released:
+            logger.error(
+                "%r was lost before it was released (it lapsed and was reclaimed while the actor ran): %r",
+                lease,
+                result,
+            )
+        self.deliver(broker, result.handoffs)
+        self.courier(broker).send_ahead(result.standbys)
+        events.lockwait_changed()
+        return result
+
+    # -- hand-offs ------------------------------------------------------------
+
+    def courier(self, broker: Broker) -> Courier:
+        """How this capability's hand-offs go back to ``broker``.
+
+        Confirmed for ``pickup_ttl``; a slot handed to a message that another
+        guard parks on its way is given back.
+        """
+        courier = self._couriers.get(id(broker))
+        if courier is None:
+            courier = self._couriers[id(broker)] = Courier(
+                broker,
+                self.backend(broker),
+                ttl_ms=lambda _message: self.pickup_ttl_ms,
+                default_limit=self.limit_for_key,
+                keep_when_parked=False,
+                counts_handoffs=True,
+            )
+        return courier
+
+    def deliver(self, broker: Broker, handoffs: Sequence[Handoff]) -> None:
+        """Deliver the parked messages handed a slot (see :mod:`dramatiq_guard.delivery`).
+
+        Every hand-off counts in :func:`~dramatiq_guard.events.handed_off` (a
+        woken blocking waiter's actor is the key's, when this process can tell it).
+        """
+        if not handoffs:
+            return
+        for handoff in handoffs:
+            if handoff.payload is None:
+                guard = self.keys.guard_of(handoff.key)
+                if guard is not None:
+                    events.handed_off(guard.actor_name)
+        self.courier(broker).deliver(handoffs)
+
+    def send_standbys(self, broker: Broker, key: str, limit: int) -> None:
+        """Send the oldest parked waiters of ``key`` to the broker ahead, as standbys (up to ``lookahead``).
+
+        Nothing is sent if this process lets no standby block
+        (``standby_threads``). Failures are logged: an unsent standby parks
+        again on its own.
+        """
+        count = self._lookahead()
+        if count <= 0:
+            return
+        try:
+            handoffs, sent = self.backend(broker).send_standbys(key, limit=limit, count=count)
+        except Exception:
+            logger.warning("Could not send the standbys of %r; they stay parked.", key, exc_info=True)
+            return
+        self.deliver(broker, handoffs)
+        self.courier(broker).send_ahead(sent)
+
+    def _lookahead(self) -> int:
+        """How many waiters per key to keep on the broker as standbys (0 if this process lets none block)."""
+        if self.seats.seats <= 0:
+            return 0
+        return self.lookahead if self.lookahead is not None else 1 << 30
+
+    def sweep(self, broker: Broker, key: str) -> ReleaseResult:
+        """Reclaim lapsed leases of ``key`` and hand free slots to its waiters."""
+        result = self.backend(broker).sweep(key, limit=self.limit_for_key(key))
+        self.deliver(broker, result.handoffs)
+        if result.released or result.handoffs:
+            events.lockwait_changed()
+        return result
+
+    # -- run-time limits ------------------------------------------------------
+
+    def set_limit(self, key: str, limit: int | None, *, broker: Broker | None = None) -> ReleaseResult:
+        """Set (or with None, clear) the run-time limit of a key; 0 halts it.
+
+        Raising it hands the new slots to the key's waiters at once (their
+        messages are re-enqueued). The limit stays in the backend until cleared.
+
+        Parameters:
+          key(str): The key as the option's ``key`` gives it, without the
+            capability prefix (see :meth:`key_for`).
+          limit(int|None): The new limit, or None to go back to the default.
+          broker(Broker|None): The broker to re-enqueue on (default: the one
+            this middleware is attached to).
+        """
+        broker = self._broker_or(broker)
+        guard_key = f"{self.prefix}:{key}"
+        result = self.backend(broker).set_limit(guard_key, limit, default=self.limit_for_key(guard_key))
+        self.deliver(broker, result.handoffs)
+        events.lockwait_changed()
+        return result
+
+    def get_limit(self, key: str, *, broker: Broker | None = None) -> int | None:
+        """The run-time limit of a key (without the capability prefix), or None."""
+        return self.backend(self._broker_or(broker)).get_limit(f"{self.prefix}:{key}")
+
+    def _broker_or(self, broker: Broker | None) -> Broker:
+        broker = broker or self.broker
+        if broker is None:
+            broker = dramatiq.get_broker()
+        return broker
+
+    def backend_or_raise(self) -> GuardBackend:
+        """The backend already resolved (it is, once a hook ran)."""
+        assert self._backend is not None
+        return self._backend
+
+
+def _count(value: int | None, what: str) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"{what} must be a non-negative int or None, not {value!r}")
+    return value
+
+
+def _positive(value: Any, what: str, *, allow_zero: bool = False) -> int:
+    ms = duration_ms(value, what=what)
+    assert ms is not None
+    if ms == 0 and not allow_zero:
+        raise ValueError(f"{what} must be positive, not {value!r}")
+    return ms

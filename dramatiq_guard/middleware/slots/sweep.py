@@ -1,0 +1,83 @@
+"""Each worker process's sweep: waiters are never stranded when every holder died.
+
+One thread per process and backend, started in ``after_worker_boot``: every
+``sweep_interval`` it reclaims the lapsed leases and reservations of the keys
+that have waiters (from the backend's waiting-keys index) and hands their
+slots on (docs/slots.md, "Waiters are never stranded").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from dramatiq import Broker
+
+from dramatiq_guard.backends.base import GuardBackend
+
+if TYPE_CHECKING:
+    from dramatiq_guard.middleware.slots.middleware import SlotsMiddleware
+
+__all__ = ["Sweeper", "join_sweep", "leave_sweep", "sweep_all"]
+
+logger = logging.getLogger(__name__)
+
+Member = tuple["SlotsMiddleware[Any]", Broker]
+
+
+class Sweeper:
+    """The sweep thread of one backend in this process, shared by the slots middlewares using it."""
+
+    def __init__(self, backend: GuardBackend, interval_s: float) -> None:
+        self.backend = backend
+        self.interval_s = interval_s
+        self.members: dict[int, Member] = {}
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="dramatiq-guard-sweep", daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop_event.wait(self.interval_s):
+            sweep_all(self.backend, list(self.members.values()))
+
+
+def sweep_all(backend: GuardBackend, members: list[Member]) -> None:
+    """Sweep every key with waiters that belongs to one of ``members``; failures are logged."""
+    try:
+        keys = backend.waiting_keys()
+    except Exception:
+        logger.warning("The slot sweep could not list the waiting keys; retrying.", exc_info=True)
+        return
+    for middleware, broker in members:
+        for key in keys:
+            if middleware.claims(key):
+                try:
+                    middleware.sweep(broker, key)
+                except Exception:
+                    logger.warning("The slot sweep of %r failed; retrying.", key, exc_info=True)
+
+
+_sweepers: dict[int, Sweeper] = {}
+_sweepers_lock = threading.Lock()
+
+
+def join_sweep(middleware: SlotsMiddleware[Any], broker: Broker, interval_ms: int) -> Sweeper:
+    """Add ``middleware`` to its backend's sweep in this process (started on first use)."""
+    backend = middleware.backend(broker)
+    with _sweepers_lock:
+        sweeper = _sweepers.get(id(backend))
+        if sweeper is None or not sweeper.thread.is_alive():
+            sweeper = _sweepers[id(backend)] = Sweeper(backend, interval_ms / 1000)
+            sweeper.thread.start()
+        sweeper.members[id(middleware)] = (middleware, broker)
+        return sweeper
+
+
+def leave_sweep(middleware: SlotsMiddleware[Any], sweeper: Sweeper) -> None:
+    """Remove ``middleware`` from ``sweeper``; the last one out stops it."""
+    with _sweepers_lock:
+        sweeper.members.pop(id(middleware), None)
+        if not sweeper.members:
+            sweeper.stop_event.set()
+            if _sweepers.get(id(sweeper.backend)) is sweeper:
+                del _sweepers[id(sweeper.backend)]
