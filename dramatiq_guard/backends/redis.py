@@ -70,7 +70,7 @@ import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from importlib import resources
-from typing import Any, TypeAlias, cast
+from typing import Any, NamedTuple, TypeAlias, cast
 
 import redis
 import redis.cluster
@@ -94,8 +94,21 @@ __all__ = ["RedisBackend", "RedisClient"]
 #: A redis-py client the backend accepts.
 RedisClient: TypeAlias = redis.Redis | redis.cluster.RedisCluster
 
-_SUFFIXES = ("holders", "waiters", "payloads", "reserved", "deadlines", "token", "limit", "info", "standbys")
-_LIMIT = _SUFFIXES.index("limit")
+
+class _KeyNames(NamedTuple):
+    """The Redis keys of one guard key, in the order the scripts get them (KEYS[1..9], _prelude.lua)."""
+
+    holders: str
+    waiters: str
+    payloads: str
+    reserved: str
+    deadlines: str
+    token: str
+    limit: str
+    info: str
+    standbys: str
+
+
 _KEY_SCRIPTS = (
     "acquire",
     "renew",
@@ -214,9 +227,13 @@ class RedisBackend(GuardBackend):
             self._cluster = bool(info.get("cluster_enabled"))
         return self._cluster
 
-    def _keys(self, key: str) -> list[str]:
+    def _names(self, key: str) -> _KeyNames:
         check_key(key)
-        keys = [f"{self.namespace}:{{{key}}}:{suffix}" for suffix in _SUFFIXES]
+        return _KeyNames(*(f"{self.namespace}:{{{key}}}:{suffix}" for suffix in _KeyNames._fields))
+
+    def _keys(self, key: str) -> list[str]:
+        """The KEYS of a per-key script: the key's names, then the waiting-keys index (standalone only)."""
+        keys = list(self._names(key))
         if not self._in_cluster():
             keys.append(self._index)
         return keys
@@ -230,7 +247,8 @@ class RedisBackend(GuardBackend):
             raise ValueError(f"a waiter id must not contain '}}', got {waiter_id!r}")
 
     def _args(self, key: str, default_limit: int, *args: str | int | bytes) -> list[str | int | bytes]:
-        return [self._wake_prefix(key), self.handoff_ttl_ms, default_limit, *args]
+        """The ARGV of a per-key script: the values Python owns (see _prelude.lua), then its own."""
+        return [self._wake_prefix(key), self.handoff_ttl_ms, self.wake_ttl_ms, key, default_limit, *args]
 
     def _run(
         self, name: str, key: str, default_limit: int, *args: str | int | bytes, extra_key: str | None = None
@@ -277,9 +295,50 @@ class RedisBackend(GuardBackend):
         return list(results)
 
     def _handoffs(self, key: str, flat: list[Any]) -> tuple[Handoff, ...]:
+        """Decode ``waiter, payload-or-nil`` pairs (a nil payload: a blocking waiter, woken)."""
         return tuple(
             Handoff(key, _text(flat[i]), None if flat[i + 1] is None else _data(flat[i + 1]))
             for i in range(0, len(flat), 2)
+        )
+
+    def _acquire_reply(self, key: str, reply: list[Any]) -> AcquireResult:
+        """Decode acquire.lua's ``{acquired, token, limit, queued, holders, handoffs}``."""
+        acquired, token, in_force, queued, holders, handoffs = reply
+        queued = _text(queued)
+        return AcquireResult(
+            acquired=bool(acquired),
+            token=None if token is None else int(token),
+            holders=tuple(_text(h) for h in holders),
+            limit=int(in_force),
+            parked=queued != "",
+            handoffs=self._handoffs(key, handoffs),
+            standby=queued == "standby",
+        )
+
+    def _release_reply(self, key: str, reply: list[Any]) -> ReleaseResult:
+        """Decode ``{released, handoffs[, standbys]}`` (release, cancel_wait, sweep, set_limit)."""
+        released, handoffs, *standbys = reply
+        sent = self._handoffs(key, standbys[0]) if standbys else ()
+        return ReleaseResult(bool(released), self._handoffs(key, handoffs), sent)
+
+    def _inspect_reply(self, reply: list[Any]) -> KeyState:
+        """Decode inspect.lua's ``{holders, waiters, parked flags, reserved, limit, token, info}``."""
+        holders, waiters, parked, reserved, limit, token, info = reply
+        meta = {_text(info[i]): _text(info[i + 1]).partition("|") for i in range(0, len(info), 2)}
+        return KeyState(
+            holders=tuple((_text(holders[i]), int(float(holders[i + 1]))) for i in range(0, len(holders), 2)),
+            waiters=tuple(
+                (_text(waiters[i]), int(float(waiters[i + 1])) // 1000, bool(parked[i // 2]))
+                for i in range(0, len(waiters), 2)
+            ),
+            reserved=tuple(_text(r) for r in reserved),
+            limit=None if limit is None else int(limit),
+            token=None if token is None else int(token),
+            holder_info=tuple(
+                (holder, int(meta[holder][0]), meta[holder][2] or None)
+                for holder in (_text(h) for h in holders[::2])
+                if holder in meta
+            ),
         )
 
     # -- operations ---------------------------------------------------------
@@ -320,16 +379,7 @@ class RedisBackend(GuardBackend):
                 )
             else:
                 reply = self._run("acquire", key, limit, holder, ttl_ms, *mode)
-        acquired, token, in_force, parked, holders, handoffs = reply
-        return AcquireResult(
-            acquired=bool(acquired),
-            token=None if token is None else int(token),
-            holders=tuple(_text(h) for h in holders),
-            limit=int(in_force),
-            parked=bool(parked),
-            handoffs=self._handoffs(key, handoffs),
-            standby=int(parked) == 2,
-        )
+        return self._acquire_reply(key, reply)
 
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:
         """Extend ``holder``'s lease; see :meth:`GuardBackend.renew`.
@@ -357,8 +407,7 @@ class RedisBackend(GuardBackend):
         Raises:
           BackendUnavailable: If Redis cannot be reached.
         """
-        released, handoffs, standbys = self._run("release", key, limit, holder, send_ahead)
-        return ReleaseResult(bool(released), self._handoffs(key, handoffs), self._handoffs(key, standbys))
+        return self._release_reply(key, self._run("release", key, limit, holder, send_ahead))
 
     def confirm_handoff(self, key: str, waiter_id: str, *, ttl_ms: int) -> bool:
         """Confirm a handed-off parked message was re-enqueued; see :meth:`GuardBackend.confirm_handoff`.
@@ -376,7 +425,7 @@ class RedisBackend(GuardBackend):
         Raises:
           BackendUnavailable: If Redis cannot be reached.
         """
-        handoffs, sent = self._run("standby", key, limit, "send", count)
+        handoffs, sent = self._run("standby", key, limit, "send", count)  # {handoffs, standbys}
         return self._handoffs(key, handoffs), self._handoffs(key, sent)
 
     def confirm_standby(self, key: str, waiter_id: str, payload: bytes, *, ttl_ms: int) -> bool:
@@ -432,8 +481,7 @@ class RedisBackend(GuardBackend):
           BackendUnavailable: If Redis cannot be reached.
         """
         self._check_waiter(waiter_id)
-        released, handoffs = self._run("cancel_wait", key, limit, waiter_id)
-        return ReleaseResult(bool(released), self._handoffs(key, handoffs))
+        return self._release_reply(key, self._run("cancel_wait", key, limit, waiter_id))
 
     def sweep(self, key: str, *, limit: int) -> ReleaseResult:
         """Reclaim lapsed holders and hand free slots on; see :meth:`GuardBackend.sweep`.
@@ -444,8 +492,7 @@ class RedisBackend(GuardBackend):
         Raises:
           BackendUnavailable: If Redis cannot be reached.
         """
-        reclaimed, handoffs = self._run("sweep", key, limit)
-        return ReleaseResult(bool(reclaimed), self._handoffs(key, handoffs))
+        return self._release_reply(key, self._run("sweep", key, limit))
 
     def set_limit(self, key: str, limit: int | None, *, default: int = 1) -> ReleaseResult:
         """Set or clear the run-time limit; see :meth:`GuardBackend.set_limit`.
@@ -461,8 +508,9 @@ class RedisBackend(GuardBackend):
             raise ValueError(f"a limit must be >= 0, got {limit!r}")
         value = "" if limit is None else limit
         if not self._in_cluster():
-            _, handoffs = self._run("set_limit", key, default, value, extra_key=self._limits_index)
-            return ReleaseResult(False, self._handoffs(key, handoffs))
+            return self._release_reply(
+                key, self._run("set_limit", key, default, value, extra_key=self._limits_index)
+            )
         # A cluster: the index is in another slot. The key is added before its
         # limit is set and removed after it is cleared, so a limit is never
         # left unindexed by a failure in between.
@@ -470,11 +518,11 @@ class RedisBackend(GuardBackend):
         if limit is not None:
             with _reachable():
                 self.client.sadd(self._limits_index, key)
-        _, handoffs = self._run("set_limit", key, default, value)
+        result = self._release_reply(key, self._run("set_limit", key, default, value))
         if limit is None:
             with _reachable():
                 self.client.srem(self._limits_index, key)
-        return ReleaseResult(False, self._handoffs(key, handoffs))
+        return result
 
     def get_limit(self, key: str) -> int | None:
         """The run-time limit of ``key``, or None.
@@ -483,7 +531,7 @@ class RedisBackend(GuardBackend):
           BackendUnavailable: If Redis cannot be reached.
         """
         with _reachable():
-            value = self.client.get(self._keys(key)[_LIMIT])
+            value = self.client.get(self._names(key).limit)
         return None if value is None else int(value)
 
     def inspect(self, key: str) -> KeyState:
@@ -492,23 +540,7 @@ class RedisBackend(GuardBackend):
         Raises:
           BackendUnavailable: If Redis cannot be reached.
         """
-        holders, waiters, parked, reserved, limit, token, info = self._run("inspect", key, 0)
-        meta = {_text(info[i]): _text(info[i + 1]).partition("|") for i in range(0, len(info), 2)}
-        return KeyState(
-            holders=tuple((_text(holders[i]), int(float(holders[i + 1]))) for i in range(0, len(holders), 2)),
-            waiters=tuple(
-                (_text(waiters[i]), int(float(waiters[i + 1])) // 1000, bool(parked[i // 2]))
-                for i in range(0, len(waiters), 2)
-            ),
-            reserved=tuple(_text(r) for r in reserved),
-            limit=None if limit is None else int(limit),
-            token=None if token is None else int(token),
-            holder_info=tuple(
-                (holder, int(meta[holder][0]), meta[holder][2] or None)
-                for holder in (_text(h) for h in holders[::2])
-                if holder in meta
-            ),
-        )
+        return self._inspect_reply(self._run("inspect", key, 0))
 
     def waiting_keys(self) -> list[str]:
         """Keys in the waiting-keys index (see the module docstring).
@@ -536,9 +568,9 @@ class RedisBackend(GuardBackend):
                 return [k for k, _ in entries]
             pipe = self.client.pipeline(transaction=False)
             for k in stale:
-                keys = self._keys(k)
-                pipe.zcard(keys[1])
-                pipe.hlen(keys[3])
+                names = self._names(k)
+                pipe.zcard(names.waiters)
+                pipe.hlen(names.reserved)
             counts = pipe.execute()
             empty = [k for i, k in enumerate(stale) if counts[2 * i] == 0 and counts[2 * i + 1] == 0]
         dropped = self._pipelined([(self._unindex, [self._index], [k, cutoff]) for k in empty])

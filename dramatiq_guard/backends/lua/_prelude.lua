@@ -17,11 +17,15 @@
 --   KEYS[10] X zset  the waiting-keys index (guard key -> when a waiter last parked), given on a
 --                    standalone Redis only: it is in another Cluster slot. With it, the index
 --                    is kept here, atomically: K is in it exactly while W or R is not empty.
--- and the same leading ARGV:
+-- and the same leading ARGV, values the Python side owns (RedisBackend._common_args):
 --   ARGV[1] the prefix of the per-waiter wake lists (WAKE .. waiter_id)
 --   ARGV[2] handoff_ttl_ms
---   ARGV[3] the default limit
--- Times come from the server's clock only.
+--   ARGV[3] how long a wake waits to be taken (GuardBackend.wake_ttl_ms)
+--   ARGV[4] the guard key K itself (for the indexes)
+--   ARGV[5] the default limit
+-- A script's own arguments follow; it reads them with arg(1), arg(2), ...
+-- Times come from the server's clock only. The contract these scripts implement is
+-- GuardBackend's (backends/base.py); the comments here say how, not what.
 --
 -- Invariants the scripts keep, which let the common paths skip work:
 --   * D's and S's members are in W (never in both), R's members are in H (after reclaim) and
@@ -40,7 +44,14 @@ local S = KEYS[9]
 local X = KEYS[10]
 local WAKE = ARGV[1]
 local HANDOFF_TTL = tonumber(ARGV[2])
-local DEFAULT_LIMIT = tonumber(ARGV[3])
+local WAKE_TTL = tonumber(ARGV[3])
+local KEY = ARGV[4]
+local DEFAULT_LIMIT = tonumber(ARGV[5])
+
+-- The script's own i-th argument.
+local function arg(i)
+  return ARGV[5 + i]
+end
 local clock = redis.call('TIME')
 local NOW_US = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 local NOW = math.floor(NOW_US / 1000)
@@ -299,7 +310,7 @@ local function handoff(limit, out)
     else
       woken[#woken + 1] = w
       redis.call('RPUSH', WAKE .. w, fmt(next_token()))
-      redis.call('PEXPIRE', WAKE .. w, math.max(1, math.floor(HANDOFF_TTL / 2))) -- GuardBackend.wake_ttl_ms
+      redis.call('PEXPIRE', WAKE .. w, WAKE_TTL)
       -- A ready waiter left its info: it holds the slot from now on.
       local info = redis.call('HGET', I, w)
       if info then
@@ -355,12 +366,6 @@ local function extend_to(at)
   redis.call('PEXPIREAT', I, at, 'GT')
 end
 
--- The guard key itself, for the waiting-keys index: WAKE is "<ns>:{K}:wake:" and
--- the namespace has no braces.
-local function guard_key()
-  return string.sub(WAKE, string.find(WAKE, '{', 1, true) + 1, -8)
-end
-
 -- Queue `w` as a waiter at the back (keeping its place if it is already queued).
 -- Returns whether it was not queued before.
 local function enqueue(w)
@@ -374,7 +379,7 @@ local function enqueue(w)
   end
   local added = redis.call('ZADD', W, 'NX', fmt(place), w) == 1
   if added and X then
-    redis.call('ZADD', X, NOW, guard_key())
+    redis.call('ZADD', X, NOW, KEY)
   end
   PARKED = true
   return added
@@ -397,7 +402,7 @@ local function finish()
   end
   local queued = PARKED or (QUEUED and redis.call('EXISTS', W, R) > 0)
   if X and QUEUED and not queued then
-    redis.call('ZREM', X, guard_key())
+    redis.call('ZREM', X, KEY)
   end
   if HN == 0 and not queued then
     if EXISTED or PARKED or not OWNED then

@@ -1,10 +1,11 @@
 -- acquire(holder, ttl_ms, mode, payload, wait_ms, info); mode: '' (no wait), 'park', 'block'.
--- Returns {acquired, token|nil, limit, parked, holders, handoffs}; parked is 2 for a standby
--- (sent ahead, see standby.lua) picked up in 'park' mode with wait_ms > 0: it blocks in its
--- place, a ready waiter (in D) from now on.
-local holder = ARGV[4]
-local ttl = tonumber(ARGV[5])
-local mode = ARGV[6]
+-- Returns {acquired, token|nil, limit, queued, holders, handoffs} (RedisBackend._acquire_reply);
+-- queued is '' (not waiting), 'queued', or 'standby' for a standby (sent ahead, see
+-- standby.lua) picked up in 'park' mode with wait_ms > 0: it blocks in its place, a ready
+-- waiter (in D) from now on.
+local holder = arg(1)
+local ttl = tonumber(arg(2))
+local mode = arg(3)
 OWNED = true
 
 reclaim()
@@ -31,10 +32,10 @@ end
 
 -- Free slots left after the hand-off mean the queue is empty.
 local acquired = HS[holder] ~= nil or HN < limit
-local parked = 0
+local queued = ''
 if acquired then
   set_holders({ NOW + ttl, holder })
-  local since = fmt(NOW) .. '|' .. ARGV[9]
+  local since = fmt(NOW) .. '|' .. arg(6)
   if was_holder then
     -- A re-entrant acquire (or a reservation taken up): the first since and info stay.
     redis.call('HSETNX', I, holder, since)
@@ -58,28 +59,28 @@ elseif mode ~= '' then
   -- A standby sent ahead (standby.lua) that was picked up, or one already blocking in its place
   -- that asks again, blocks (on) in its place, ready.
   local sent = not added and redis.call('ZREM', S, holder) == 1
-  local standby = mode == 'park' and tonumber(ARGV[8]) > 0 and not added
+  local standby = mode == 'park' and tonumber(arg(5)) > 0 and not added
     and (sent or redis.call('ZSCORE', D, holder))
   if standby then
-    redis.call('ZADD', D, NOW + tonumber(ARGV[8]), holder)
+    redis.call('ZADD', D, NOW + tonumber(arg(5)), holder)
     redis.call('HDEL', P, holder)
   elseif mode == 'park' then
-    redis.call('HSET', P, holder, ARGV[7])
+    redis.call('HSET', P, holder, arg(4))
     if not added then
       redis.call('ZREM', D, holder)
       redis.call('HDEL', I, holder)
     end
   else
-    redis.call('ZADD', D, NOW + tonumber(ARGV[8]), holder)
+    redis.call('ZADD', D, NOW + tonumber(arg(5)), holder)
     if not added then
       redis.call('HDEL', P, holder)
     end
   end
-  if (standby or mode == 'block') and ARGV[9] ~= '' then
+  if (standby or mode == 'block') and arg(6) ~= '' then
     -- Ready: a hand-off records it as the holder's info.
-    redis.call('HSET', I, holder, '|' .. ARGV[9])
+    redis.call('HSET', I, holder, '|' .. arg(6))
   end
-  parked = standby and 2 or 1
+  queued = standby and 'standby' or 'queued'
 end
 finish()
 local order = {}
@@ -96,4 +97,4 @@ local holders = {}
 for i, entry in ipairs(order) do
   holders[i] = entry[2]
 end
-return { acquired and 1 or 0, token, limit, parked, holders, handoffs }
+return { acquired and 1 or 0, token, limit, queued, holders, handoffs }

@@ -1,5 +1,5 @@
 -- cancel_wait(waiter) -> {released, handoffs}
-local waiter = ARGV[4]
+local waiter = arg(1)
 OWNED = true
 reclaim()
 local released = 0

@@ -1,11 +1,11 @@
 -- confirm_handoff(waiter, ttl_ms) -> 1 if the waiter still holds its reservation.
-local waiter = ARGV[4]
+local waiter = arg(1)
 OWNED = true
 reclaim()
 local held = 0
 if QUEUED and redis.call('HDEL', R, waiter) == 1 then
   -- A live reservation: the payload is on the broker now.
-  set_holders({ NOW + tonumber(ARGV[5]), waiter })
+  set_holders({ NOW + tonumber(arg(2)), waiter })
   redis.call('HDEL', P, waiter)
   held = 1
 elseif HS[waiter] ~= nil then

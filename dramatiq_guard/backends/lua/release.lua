@@ -1,7 +1,7 @@
 -- release(holder, send_ahead) -> {released, handoffs, standbys}
 --   With send_ahead > 0, then sends the first send_ahead waiters ahead as standbys, as
 --   standby('send') would (at most the limit): the caller enqueues and confirms them.
-local holder = ARGV[4]
+local holder = arg(1)
 OWNED = true
 reclaim()
 local released = 0
@@ -22,6 +22,6 @@ end
 local handoffs, standbys = {}, {}
 local limit = limit_in_force()
 handoff(limit, handoffs)
-send_ahead(math.min(tonumber(ARGV[5] or '0'), limit), standbys)
+send_ahead(math.min(tonumber(arg(2) or '0'), limit), standbys)
 finish()
 return { released, handoffs, standbys }

@@ -4,17 +4,17 @@
 OWNED = true
 reclaim()
 local LIMITS = KEYS[11]
-if ARGV[4] == '' then
+if arg(1) == '' then
   redis.call('DEL', L)
   LIMIT = DEFAULT_LIMIT
   if LIMITS then
-    redis.call('SREM', LIMITS, guard_key())
+    redis.call('SREM', LIMITS, KEY)
   end
 else
-  redis.call('SET', L, ARGV[4])
-  LIMIT = tonumber(ARGV[4])
+  redis.call('SET', L, arg(1))
+  LIMIT = tonumber(arg(1))
   if LIMITS then
-    redis.call('SADD', LIMITS, guard_key())
+    redis.call('SADD', LIMITS, KEY)
   end
 end
 local handoffs = {}

@@ -17,18 +17,18 @@
 --   is left parked (its enqueued copy parks into the same entry when picked up).
 OWNED = true
 reclaim()
-if ARGV[4] == 'send' then
+if arg(1) == 'send' then
   local handoffs, sent = {}, {}
   local limit = limit_in_force()
   handoff(limit, handoffs)
-  send_ahead(math.min(tonumber(ARGV[5]), limit), sent)
+  send_ahead(math.min(tonumber(arg(2)), limit), sent)
   finish()
   return { handoffs, sent }
 end
-local waiter = ARGV[5]
-local ttl = tonumber(ARGV[6])
+local waiter = arg(2)
+local ttl = tonumber(arg(3))
 local held = 0
-if QUEUED and redis.call('HGET', P, waiter) == ARGV[7] then
+if QUEUED and redis.call('HGET', P, waiter) == arg(4) then
   if redis.call('HDEL', R, waiter) == 1 then
     set_holders({ NOW + ttl, waiter })
     redis.call('HDEL', P, waiter)

@@ -6,6 +6,6 @@ handoff(limit_in_force(), handoffs)
 finish()
 if X and not QUEUED then
   -- An index entry left from before (the scripts keep it exact from then on).
-  redis.call('ZREM', X, guard_key())
+  redis.call('ZREM', X, KEY)
 end
 return { reclaimed > 0 and 1 or 0, handoffs }
