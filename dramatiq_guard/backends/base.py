@@ -50,7 +50,6 @@ hand-off
     one). A slot handed to a waiter no thread holds yet (a standby still on
     the broker) would stand idle until a worker fetches it. The waiter
     becomes a holder with a short *reservation* deadline
-    becomes a holder with a short *reservation* deadline
     (``handoff_ttl_ms``), so the limit is never exceeded and no other
     acquirer can steal the slot. A blocking waiter is woken by a push (its
     wake list gets its fencing token, issued by the hand-off itself, so it
@@ -58,7 +57,9 @@ hand-off
     A parked waiter's payload is returned to the caller in
     :attr:`Handoff.payload`, which must re-enqueue it on the broker
     and then call :meth:`~GuardBackend.confirm_handoff`. Until that
-    confirmation the payload stays stored: if the reservation lapses first
+    confirmation the waiter is *reserved* (``KeyState.reserved``; ``R`` in the
+    Lua scripts, ``_Guard.reserved`` in memory) and its payload stays stored:
+    if the reservation lapses first
     (the caller died between the two steps), reclaim puts the waiter back at
     its original place in the queue. Nothing is lost at any step.
 

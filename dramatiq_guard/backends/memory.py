@@ -1,10 +1,10 @@
 """The in-memory guard backend, for tests with a StubBroker (one process only).
 
-Each guard key is a :class:`_Guard` object: live holders, a FIFO of waiting
-entries, and the entries of parked waiters that were handed a slot but whose
-re-enqueue is not confirmed yet. Every operation runs under one lock; blocking
-waiters sleep on a :class:`threading.Condition` of that lock and are woken by
-a notification when a slot is handed to them.
+It implements the contract of :mod:`dramatiq_guard.backends.base` (the model
+and its words are there): each guard key is a :class:`_Guard` object with its
+holders, its queue of waiters and its *reserved* waiters. Every operation runs
+under one lock; blocking waiters sleep on a :class:`threading.Condition` of
+that lock and are woken by a notification when a slot is handed to them.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class _Guard:
 
     holders: dict[str, int] = dataclasses.field(default_factory=dict)
     queue: dict[str, _Entry] = dataclasses.field(default_factory=dict)
-    unconfirmed: dict[str, _Entry] = dataclasses.field(default_factory=dict)
+    reserved: dict[str, _Entry] = dataclasses.field(default_factory=dict)
     woken: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # token, wake deadline
     info: dict[str, tuple[int, str | None]] = dataclasses.field(default_factory=dict)
     token: int = 0
@@ -66,7 +66,7 @@ class _Guard:
         return self.token
 
     def is_idle(self) -> bool:
-        return not (self.holders or self.queue or self.unconfirmed)
+        return not (self.holders or self.queue or self.reserved)
 
     def reclaim(self, now: int) -> int:
         """Drop lapsed holders (returning unconfirmed hand-offs to the queue) and expired waiters."""
@@ -74,7 +74,7 @@ class _Guard:
         for holder in lapsed:
             del self.holders[holder]
             self.info.pop(holder, None)
-            entry = self.unconfirmed.pop(holder, None)
+            entry = self.reserved.pop(holder, None)
             if entry is not None:
                 self.queue[holder] = entry
         for waiter in [w for w, e in self.queue.items() if e.drop_at_ms is not None and e.drop_at_ms <= now]:
@@ -129,7 +129,7 @@ class MemoryBackend(GuardBackend):
             guard.holders[waiter] = now + self.handoff_ttl_ms
             payload = entry.payload
             if payload is not None:
-                guard.unconfirmed[waiter] = entry
+                guard.reserved[waiter] = entry
                 if entry.on_broker:
                     # A standby being sent: its sender enqueues and confirms it.
                     entry.drop_at_ms = payload = None
@@ -179,7 +179,7 @@ class MemoryBackend(GuardBackend):
                 guard.holders[holder] = now + ttl_ms
                 guard.info.setdefault(holder, (now, info or None))
                 guard.queue.pop(holder, None)
-                guard.unconfirmed.pop(holder, None)
+                guard.reserved.pop(holder, None)
                 guard.woken.pop(holder, None)
                 token = guard.next_token()
             elif wait is not None:
@@ -225,7 +225,7 @@ class MemoryBackend(GuardBackend):
             released = guard.holders.pop(holder, None) is not None
             guard.info.pop(holder, None)
             if released:
-                guard.unconfirmed.pop(holder, None)
+                guard.reserved.pop(holder, None)
             in_force = self._limits.get(key, limit)
             handoffs = self._hand_off(key, guard, in_force, now)
             standbys = self._send_ahead(key, guard, min(send_ahead, in_force), now)
@@ -236,7 +236,7 @@ class MemoryBackend(GuardBackend):
         """Confirm a handed-off parked message was re-enqueued; see :meth:`GuardBackend.confirm_handoff`."""
         with self._changed:
             guard, now = self._begin(key)
-            if guard.unconfirmed.pop(waiter_id, None) is not None:
+            if guard.reserved.pop(waiter_id, None) is not None:
                 guard.holders[waiter_id] = now + ttl_ms
                 held = True
             else:
@@ -262,11 +262,11 @@ class MemoryBackend(GuardBackend):
         """Confirm a standby was enqueued; see :meth:`GuardBackend.confirm_standby`."""
         with self._changed:
             guard, now = self._begin(key)
-            reserved = guard.unconfirmed.get(waiter_id)
+            reserved = guard.reserved.get(waiter_id)
             entry = guard.queue.get(waiter_id)
             held = True
             if reserved is not None and reserved.payload == payload:
-                del guard.unconfirmed[waiter_id]
+                del guard.reserved[waiter_id]
                 guard.holders[waiter_id] = now + ttl_ms
             elif entry is not None and entry.payload == payload and entry.on_broker:
                 entry.payload = None
@@ -298,7 +298,7 @@ class MemoryBackend(GuardBackend):
             guard, now = self._begin(key)
             guard.queue.pop(waiter_id, None)
             guard.woken.pop(waiter_id, None)
-            guard.unconfirmed.pop(waiter_id, None)
+            guard.reserved.pop(waiter_id, None)
             released = guard.holders.pop(waiter_id, None) is not None
             guard.info.pop(waiter_id, None)
             handoffs = self._hand_off(key, guard, self._limits.get(key, limit), now)
@@ -360,7 +360,7 @@ class MemoryBackend(GuardBackend):
             return KeyState(
                 holders=holders,
                 waiters=tuple((w, e.since_ms, e.payload is not None) for w, e in queue),
-                reserved=tuple(guard.unconfirmed),
+                reserved=tuple(guard.reserved),
                 limit=self._limits.get(key),
                 token=guard.token or None,
                 holder_info=tuple((h, *guard.info[h]) for h, _ in holders if h in guard.info),
@@ -369,7 +369,7 @@ class MemoryBackend(GuardBackend):
     def waiting_keys(self) -> list[str]:
         """Keys with waiters or unconfirmed hand-offs (the backend's own table of keys)."""
         with self._changed:
-            return [key for key, guard in self._guards.items() if guard.queue or guard.unconfirmed]
+            return [key for key, guard in self._guards.items() if guard.queue or guard.reserved]
 
     def limit_keys(self) -> list[str]:
         """Keys that have a run-time limit (the backend's own table of limits), sorted."""
