@@ -238,59 +238,12 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         guard = self.guard_of(message)
         if guard is None or message.failed:
             return
-        backend = self.backend(broker)
         key = self.guard_key_of(guard, message)
         limit = self.default_limit(guard)
         on_busy = self.on_busy(guard.policy)
-        wait = None
-        if on_busy == "park":
-            # A standby (sent ahead) may block for a slot instead of parking, if this process lets it.
-            wait = Waiter(
-                payload=message.encode(), wait_ms=entry_ms(self.standby_wait_ms) if self.seats.seats else 0
-            )
-        elif on_busy == "wait":
-            wait = Waiter(wait_ms=entry_ms(self.wait_ms(guard.policy)))
-        ttl_ms = self._lease_ttl(guard)
-        try:
-            result = backend.acquire(
-                key, message.message_id, limit=limit, ttl_ms=ttl_ms, wait=wait, info=message.actor_name
-            )
-        except BackendUnavailable:
-            if guard.policy.fail_open:
-                logger.warning("Guard backend unavailable: running %s unguarded (fail_open).", message)
-                return
-            raise
-        self.deliver(broker, result.handoffs)
-
-        def deliver(handoffs: Sequence[Handoff]) -> None:
-            self.deliver(broker, handoffs)
-
-        if result.standby:
-            assert wait is not None and wait.payload is not None
-            result = wait_as_standby(
-                broker,
-                backend,
-                message,
-                key,
-                wait.payload,
-                self.seats,
-                limit=limit,
-                ttl_ms=ttl_ms,
-                wait_ms=self.standby_wait_ms,
-                deliver=deliver,
-            )
-        if not result.acquired and on_busy == "wait" and result.parked:
-            with events.lock_wait(message.actor_name):
-                result = wait_for_mutex(
-                    broker,
-                    backend,
-                    message,
-                    key,
-                    limit=limit,
-                    ttl_ms=ttl_ms,
-                    wait_ms=self.wait_ms(guard.policy),
-                    deliver=deliver,
-                )
+        result = self._acquire(broker, message, guard, key, limit, on_busy)
+        if result is None:
+            return  # the backend is unavailable and the policy fails open
         state = execution_state(message)
         if result.acquired:
             self._hold(message, state, guard, key, limit, result)
@@ -300,6 +253,64 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             self._park(message, state, key, result)
         else:
             raise MutexWaitTimeout(key, message.message_id, self.wait_ms(guard.policy), result.holders)
+
+    def _acquire(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        guard: ActorGuard[P],
+        key: str,
+        limit: int,
+        on_busy: OnBusy,
+    ) -> AcquireResult | None:
+        """Acquire the slot, blocking for it where the message may: a standby, or a mutex ``wait``.
+
+        Returns None if the backend is unavailable and the policy says ``fail_open``.
+        """
+        backend = self.backend(broker)
+        wait = None
+        if on_busy == "park":
+            # A standby (sent ahead) may block for a slot instead of parking, if this process lets it.
+            block_ms = entry_ms(self.standby_wait_ms) if self.seats.seats else 0
+            wait = Waiter(payload=message.encode(), wait_ms=block_ms)
+        elif on_busy == "wait":
+            wait = Waiter(wait_ms=entry_ms(self.wait_ms(guard.policy)))
+        ttl_ms = self._lease_ttl(guard)
+        try:
+            result = backend.acquire(
+                key, message.message_id, limit=limit, ttl_ms=ttl_ms, wait=wait, info=message.actor_name
+            )
+        except BackendUnavailable:
+            if not guard.policy.fail_open:
+                raise
+            logger.warning("Guard backend unavailable: running %s unguarded (fail_open).", message)
+            return None
+        self.deliver(broker, result.handoffs)
+
+        def deliver(handoffs: Sequence[Handoff]) -> None:
+            self.deliver(broker, handoffs)
+
+        if result.standby:
+            assert wait is not None and wait.payload is not None
+            wait_ms = self.standby_wait_ms
+            return wait_as_standby(
+                broker, backend, message, key, wait.payload, self.seats,
+                limit=limit, ttl_ms=ttl_ms, wait_ms=wait_ms, deliver=deliver,
+            )  # fmt: skip
+        if not result.acquired and on_busy == "wait" and result.parked:
+            wait_ms = self.wait_ms(guard.policy)
+            with events.lock_wait(message.actor_name):
+                return wait_for_mutex(
+                    broker,
+                    backend,
+                    message,
+                    key,
+                    limit=limit,
+                    ttl_ms=ttl_ms,
+                    wait_ms=wait_ms,
+                    deliver=deliver,
+                )
+        return result
 
     def _hold(
         self,

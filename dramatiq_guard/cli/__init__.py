@@ -1,0 +1,319 @@
+"""The ``dramatiq-guard`` command: see and steer what the guard holds.
+
+Usage (``dramatiq-guard COMMAND --help`` for each)::
+
+  dramatiq-guard [--redis URL] [--namespace NS] inspect [PATTERN] [--json]
+  dramatiq-guard limit get KEY [--json]
+  dramatiq-guard limit set KEY N [--broker MODULE:ATTR]
+  dramatiq-guard limit set --actor NAME N
+  dramatiq-guard limit clear KEY
+  dramatiq-guard release KEY [--yes] [--broker MODULE:ATTR]
+  dramatiq-guard ledger prune --older-than 30d [--ledger URL]
+  dramatiq-guard ledger show KEY [--ledger URL] [--json]
+
+Redis comes from ``--redis`` or ``DRAMATIQ_GUARD_REDIS_URL`` (default
+``redis://localhost:6379/0``); the ledger's database from ``--ledger`` or
+``DRAMATIQ_GUARD_LEDGER_URL``.
+
+Finding keys. No command scans the keyspace (no ``KEYS``, no ``SCAN``):
+``inspect`` lists the keys of the backend's own indexes (the keys that have or
+recently had waiters, and the keys with a run-time limit) and, when the
+pattern has no wildcard, the key it names. A key that only has holders and
+never had a waiter is therefore shown when named exactly.
+
+Hand-offs. Raising a limit or releasing holders gives free slots to parked
+waiters at once. A handed-off parked message must be put back on the broker,
+and the command has no broker of its own, so either:
+
+* with ``--broker MODULE:ATTR`` (your app's broker, e.g. ``myapp.tasks:broker``)
+  it re-enqueues each handed-off message and confirms the hand-off; or
+* without it, it leaves each hand-off *reserved*: the slot stays taken by
+  that waiter, its payload stays stored in Redis, and when the reservation
+  lapses (the backend's hand-off TTL, 10 s by default) it returns to its
+  place at the head of the queue, where the next worker sweep hands it off
+  and re-enqueues it. Nothing is lost either way; the second is only later.
+
+Forced release. ``release KEY`` releases each holder the key has at that
+moment (each one checked by its id, so a holder that starts meanwhile is not
+touched), except unconfirmed hand-offs: their payload is still the only copy
+of the message, and they lapse by themselves. A released holder that is still
+running learns it at its next lease renewal (its lease is lost). Freed slots
+are handed to waiters up to the number of holders released (the command does
+not know the actor's default limit, and that many were running at once, so
+the limit is never exceeded); a worker's sweep hands on any more.
+
+Exit status: 0 success, 1 operational error (Redis or the database
+unreachable, a confirmation declined), 2 usage error (a bad option, URL, key
+or duration); errors are one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import TextIO
+
+from dramatiq_guard.cli.commands import (
+    _cmd_inspect,
+    _cmd_ledger_prune,
+    _cmd_ledger_show,
+    _cmd_limit_clear,
+    _cmd_limit_get,
+    _cmd_limit_set,
+    _cmd_release,
+)
+from dramatiq_guard.cli.common import (
+    DEFAULT_NAMESPACE,
+    DEFAULT_REDIS_URL,
+    LEDGER_URL_ENV,
+    PROG,
+    Context,
+    OperationalError,
+    UsageError,
+    _duration_arg,
+    _limit_arg,
+    parse_duration,
+)
+from dramatiq_guard.resolve import REDIS_URL_ENV
+
+__all__ = ["REDIS_URL_ENV", "Context", "build_parser", "main", "parse_duration"]
+
+# -- the parser ---------------------------------------------------------------
+
+
+def _common() -> argparse.ArgumentParser:
+    """The connection options, accepted after the command too (given there, they win)."""
+    common = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    _connection_options(common)
+    return common
+
+
+def _connection_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("connection")
+    group.add_argument(
+        "--redis",
+        metavar="URL",
+        help=f"the guard's Redis (default: ${REDIS_URL_ENV}, else {DEFAULT_REDIS_URL})",
+    )
+    group.add_argument(
+        "--namespace",
+        metavar="NS",
+        help=f"the prefix of the guard's Redis keys (default: {DEFAULT_NAMESPACE})",
+    )
+
+
+def _broker_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--broker",
+        metavar="MODULE:ATTR",
+        help=(
+            "your app's broker (e.g. myapp.tasks:broker), used to re-enqueue parked messages that get a "
+            "slot; without it they stay reserved and a worker's sweep re-enqueues them once the "
+            "reservation lapses"
+        ),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the command."""
+    common = _common()
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=(
+            "See and steer the state of dramatiq-guard: holders, waiters and limits of guard keys, "
+            "and the idempotency ledger. Keys are found through the guard's own indexes, never by "
+            "scanning Redis."
+        ),
+        epilog="Exit status: 0 ok, 1 operational error, 2 usage error.",
+    )
+    _connection_options(parser)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    inspect = commands.add_parser(
+        "inspect",
+        parents=[common],
+        help="show holders, waiters and limits of guard keys",
+        description=(
+            "Show, for each guard key, its holders (message id, actor, since, lease left), its waiters "
+            "(count, parked, oldest age) and its limit. Keys come from the guard's indexes: keys that "
+            "have or recently had waiters, and keys with a run-time limit; a PATTERN without "
+            "wildcards also shows that key."
+        ),
+    )
+    inspect.add_argument(
+        "pattern", nargs="?", default="*", metavar="PATTERN", help="a key or a glob pattern (default: *)"
+    )
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    inspect.set_defaults(run=_cmd_inspect)
+
+    limit = commands.add_parser(
+        "limit",
+        parents=[common],
+        help="get, set or clear run-time limits",
+        description="Get, set or clear the run-time limit of a guard key (0 halts it: everything parks).",
+    )
+    limits = limit.add_subparsers(dest="limit_command", metavar="ACTION", required=True)
+    get = limits.add_parser(
+        "get",
+        parents=[common],
+        help="print a key's run-time limit",
+        description=(
+            "Print the run-time limit of KEY (or with --actor, actor NAME's run-time default), or that "
+            "none is set (the limit declared on the actor applies)."
+        ),
+    )
+    get.add_argument("target", metavar="KEY", nargs="?", help="the guard key (omit with --actor)")
+    get.add_argument("--actor", metavar="NAME", help="print the default limit of this actor's keys")
+    get.add_argument("--json", action="store_true", help="print JSON")
+    get.set_defaults(run=_cmd_limit_get)
+    set_ = limits.add_parser(
+        "set",
+        parents=[common],
+        help="set a key's (or an actor's) run-time limit",
+        usage=(
+            f"{PROG} limit set [-h] [--redis URL] [--namespace NS] [--broker MODULE:ATTR]\n"
+            "       (KEY N | --actor NAME N)"
+        ),
+        description=(
+            "Set the run-time limit of KEY to N, or with --actor, the default limit of every key of "
+            "actor NAME. 0 halts (new messages park, running ones finish); raising a limit hands the "
+            "new slots to waiters at once."
+        ),
+    )
+    set_.add_argument("target", metavar="KEY", nargs="?", help="the guard key (omit with --actor)")
+    set_.add_argument("limit", metavar="N", type=_limit_arg, help="the limit, an integer >= 0")
+    set_.add_argument("--actor", metavar="NAME", help="set the default limit of this actor's keys")
+    _broker_option(set_)
+    set_.set_defaults(run=_cmd_limit_set)
+    clear = limits.add_parser(
+        "clear",
+        parents=[common],
+        help="remove a key's run-time limit",
+        description=(
+            "Remove the run-time limit of KEY (or with --actor, of actor NAME): the limit declared on "
+            "the actor applies again. Waiters that the restored limit admits are handed off by the "
+            "workers' next sweep."
+        ),
+    )
+    clear.add_argument("target", metavar="KEY", nargs="?", help="the guard key (omit with --actor)")
+    clear.add_argument("--actor", metavar="NAME", help="clear the default limit of this actor's keys")
+    clear.set_defaults(run=_cmd_limit_clear)
+
+    release = commands.add_parser(
+        "release",
+        parents=[common],
+        help="force the release of a key's holders",
+        description=(
+            "Release every holder of KEY by force and hand the freed slots to its oldest waiters. A "
+            "released holder still running loses its lease (it is told at its next renewal). Hand-offs "
+            "not yet confirmed are left alone: they lapse by themselves. Asks for confirmation unless "
+            "--yes."
+        ),
+    )
+    release.add_argument("key", metavar="KEY", help="the guard key")
+    release.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+    _broker_option(release)
+    release.set_defaults(run=_cmd_release)
+
+    ledger = commands.add_parser(
+        "ledger",
+        help="show or prune the idempotency ledger",
+        description="Show or prune the rows of the SQL idempotency ledger.",
+    )
+    ledger_common = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    ledger_common.add_argument(
+        "--ledger",
+        metavar="URL",
+        help=f"the ledger's SQLAlchemy URL (default: ${LEDGER_URL_ENV}, else the default SQLite file)",
+    )
+    ledger_common.add_argument(
+        "--table",
+        metavar="NAME",
+        default="dramatiq_guard_ledger",
+        help="the ledger's table (default: %(default)s)",
+    )
+    ledger_common.add_argument(
+        "--schema", metavar="NAME", default=None, help="the table's schema, if not the default"
+    )
+    ledgers = ledger.add_subparsers(dest="ledger_command", metavar="ACTION", required=True)
+    prune = ledgers.add_parser(
+        "prune",
+        parents=[ledger_common],
+        help="delete finished rows older than a duration",
+        description="Delete the ledger rows of finished keys last updated longer ago than --older-than.",
+    )
+    prune.add_argument(
+        "--older-than",
+        metavar="DURATION",
+        type=_duration_arg,
+        required=True,
+        help="e.g. 30d, 12h, 15m, 90s (a bare number is seconds)",
+    )
+    prune.set_defaults(run=_cmd_ledger_prune)
+    show = ledgers.add_parser(
+        "show",
+        parents=[ledger_common],
+        help="show a key's ledger row",
+        description="Show the ledger row of an idempotency KEY: state, attempts, holder, timestamps.",
+    )
+    show.add_argument("key", metavar="KEY", help="the idempotency key")
+    show.add_argument("--json", action="store_true", help="print JSON")
+    show.set_defaults(run=_cmd_ledger_show)
+    return parser
+
+
+# -- running ------------------------------------------------------------------
+
+
+def main(
+    argv: Sequence[str] | None = None, *, stdin: TextIO | None = None, stdout: TextIO | None = None
+) -> int:
+    """Run the command; returns its exit status.
+
+    Parameters:
+      argv(Sequence[str]|None): The arguments (default: ``sys.argv[1:]``).
+      stdin(TextIO|None): Where a confirmation is read (default: ``sys.stdin``).
+      stdout(TextIO|None): Where output goes (default: ``sys.stdout``).
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    ctx = Context(args, stdin or sys.stdin, stdout or sys.stdout)
+    try:
+        run: Callable[[Context], int] = args.run
+        return run(ctx)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except OperationalError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 1
+    except Exception as e:
+        from redis.exceptions import RedisError
+
+        from dramatiq_guard.errors import BackendUnavailable
+
+        if isinstance(e, (BackendUnavailable, RedisError)):
+            print(f"{PROG}: error: cannot reach Redis at {_redacted(ctx.redis_url)}: {e}", file=sys.stderr)
+            return 1
+        import sqlalchemy as sa
+
+        if isinstance(e, sa.exc.SQLAlchemyError) and ctx.ledger_url is not None:
+            reason = str(getattr(e, "orig", None) or e).splitlines()[0]
+            print(f"{PROG}: error: the ledger at {ctx.ledger_url}: {reason}", file=sys.stderr)
+            return 1
+        raise
+    finally:
+        ctx.close()
+
+
+def _redacted(url: str) -> str:
+    """``url`` without its password."""
+    return re.sub(r"(://[^:@/]*:)[^@/]*@", r"\1***@", url)

@@ -1,0 +1,129 @@
+"""What every command of ``dramatiq-guard`` shares: constants, errors, argument types, the context."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+from typing import Any, TextIO
+
+from dramatiq_guard.backends.base import GuardBackend
+from dramatiq_guard.resolve import REDIS_URL_ENV
+
+__all__ = [
+    "DEFAULT_NAMESPACE",
+    "DEFAULT_REDIS_URL",
+    "LEDGER_URL_ENV",
+    "PROG",
+    "REDIS_URL_ENV",
+    "Context",
+    "OperationalError",
+    "UsageError",
+    "parse_duration",
+]
+
+PROG = "dramatiq-guard"
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+DEFAULT_NAMESPACE = "dramatiq-guard"
+LEDGER_URL_ENV = "DRAMATIQ_GUARD_LEDGER_URL"
+
+logger = logging.getLogger("dramatiq_guard.cli")
+
+_DURATION_RE = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d|w)?\s*$")
+_UNITS_MS = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
+
+
+class UsageError(Exception):
+    """A bad argument value found after parsing (exit status 2)."""
+
+
+class OperationalError(Exception):
+    """The command could not do its work (exit status 1)."""
+
+
+def parse_duration(text: str) -> int:
+    """Parse a duration such as ``30d``, ``12h``, ``15m``, ``90s``, ``500ms`` into milliseconds.
+
+    A bare number is seconds.
+
+    Raises:
+      ValueError: If ``text`` is not a duration.
+    """
+    match = _DURATION_RE.match(text)
+    if match is None:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 30d, 12h, 15m, 90s, 500ms)")
+    return int(match.group(1)) * _UNITS_MS[match.group(2) or "s"]
+
+
+def _duration_arg(text: str) -> int:
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _limit_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a limit must be an integer >= 0, got {text!r}")
+    return value
+
+
+def _format_ms(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    if ms < 0:
+        return "lapsed"
+    if ms < 10_000:
+        return f"{ms / 1000:.1f}s"
+    seconds = ms // 1000
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+    if seconds < 86_400:
+        return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
+    return f"{seconds // 86_400}d{(seconds % 86_400) // 3600:02d}h"
+
+
+# -- running ------------------------------------------------------------------
+
+
+class Context:
+    """What a command runs with: the parsed arguments, the streams, the backend (made on first use)."""
+
+    def __init__(self, args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> None:
+        self.args = args
+        self.stdin = stdin
+        self.stdout = stdout
+        self._backend: GuardBackend | None = None
+        self.ledger: Any = None
+        self.ledger_url: str | None = None
+
+    @property
+    def redis_url(self) -> str:
+        url: str | None = getattr(self.args, "redis", None)
+        return url or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
+
+    @property
+    def backend(self) -> GuardBackend:
+        if self._backend is None:
+            from dramatiq_guard.backends.redis import RedisBackend
+
+            namespace = getattr(self.args, "namespace", None) or DEFAULT_NAMESPACE
+            try:
+                self._backend = RedisBackend.from_url(self.redis_url, namespace=namespace)
+            except ValueError as e:
+                raise UsageError(f"bad Redis URL or namespace: {e}") from None
+        return self._backend
+
+    def print(self, text: str = "") -> None:
+        print(text, file=self.stdout)
+
+    def close(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+        if self.ledger is not None:
+            self.ledger.dispose()
