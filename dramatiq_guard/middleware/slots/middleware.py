@@ -10,29 +10,27 @@ released (checked), and a freed slot goes to the oldest waiter, delivered by
 from __future__ import annotations
 
 import abc
-import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
-from contextvars import Token
-from typing import Any, ClassVar, Generic, Literal, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import dramatiq
 from dramatiq import Broker, Message, Worker
 from dramatiq.broker import MessageProxy
-from dramatiq.middleware import SkipMessage
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Waiter
-from dramatiq_guard.context import current_lease_var
 from dramatiq_guard.delivery import Courier
 from dramatiq_guard.errors import BackendUnavailable, GuardError, MutexWaitTimeout
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.base import ActorGuard, ExecutionState, GuardMiddleware, execution_state
+from dramatiq_guard.middleware.slots.execution import hold, skip_dropped, skip_parked, take_held
 from dramatiq_guard.middleware.slots.limits import KeyDirectory
 from dramatiq_guard.middleware.slots.reservation import ReservationTicket, reserve_or_park
+from dramatiq_guard.middleware.slots.standbys import Standbys, wait_as_standby
 from dramatiq_guard.middleware.slots.sweep import Sweeper, join_sweep, leave_sweep
-from dramatiq_guard.middleware.slots.waits import StandbySeats, wait_as_standby, wait_for_mutex
+from dramatiq_guard.middleware.slots.waits import wait_for_mutex
 from dramatiq_guard.policies import ConcurrencyPolicy, MutexPolicy, OnBusy, duration_ms
 from dramatiq_guard.waiting import entry_ms
 
@@ -41,22 +39,6 @@ __all__ = ["SlotsMiddleware"]
 logger = logging.getLogger("dramatiq_guard.middleware.slots")
 
 P = TypeVar("P", ConcurrencyPolicy, MutexPolicy)
-
-
-@dataclasses.dataclass
-class _Held:
-    """A lease held by one execution of a message."""
-
-    lease: Lease
-    context: Token[Any] | None
-
-
-@dataclasses.dataclass
-class _NotRun:
-    """This execution did not run: why."""
-
-    reason: Literal["parked", "dropped"]
-    key: str
 
 
 class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
@@ -107,9 +89,9 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         self.sweep_interval_ms = _positive(sweep_interval, "sweep_interval")
         self.limit_cache_ms = _positive(limit_cache, "limit_cache", allow_zero=True)
         self.lookahead = _count(lookahead, "lookahead")
+        self.standbys = Standbys(self.lookahead, 0 if standby_threads is None else standby_threads)
         self.standby_wait_ms = _positive(standby_wait, "standby_wait")
         self.standby_threads = _count(standby_threads, "standby_threads")
-        self.seats = StandbySeats(0 if standby_threads is None else standby_threads)
         self.broker: Broker | None = None
         self.keys: KeyDirectory[P] = KeyDirectory(self.prefix, self.guarded)
         self._inflight: set[str] = set()
@@ -194,7 +176,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         """Start this process's sweep of keys with waiters."""
         self.broker = broker
         if self.standby_threads is None:
-            self.seats.seats = int(getattr(worker, "worker_threads", 0)) // 2
+            self.standbys.seats.seats = int(getattr(worker, "worker_threads", 0)) // 2
         self._sweeper = join_sweep(self, broker, self.sweep_interval_ms)
 
     def before_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
@@ -248,9 +230,10 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         if result.acquired:
             self._hold(message, state, guard, key, limit, result)
         elif on_busy == "drop":
-            self._drop(message, state, key, result)
+            self.count_drop()
+            skip_dropped(message, state, self.option, key, result.holders)
         elif on_busy == "park":
-            self._park(message, state, key, result)
+            skip_parked(message, state, self.option, key, result.limit)
         else:
             raise MutexWaitTimeout(key, message.message_id, self.wait_ms(guard.policy), result.holders)
 
@@ -271,7 +254,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         wait = None
         if on_busy == "park":
             # A standby (sent ahead) may block for a slot instead of parking, if this process lets it.
-            block_ms = entry_ms(self.standby_wait_ms) if self.seats.seats else 0
+            block_ms = entry_ms(self.standby_wait_ms) if self.standbys.seats.seats else 0
             wait = Waiter(payload=message.encode(), wait_ms=block_ms)
         elif on_busy == "wait":
             wait = Waiter(wait_ms=entry_ms(self.wait_ms(guard.policy)))
@@ -294,7 +277,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             assert wait is not None and wait.payload is not None
             wait_ms = self.standby_wait_ms
             return wait_as_standby(
-                broker, backend, message, key, wait.payload, self.seats,
+                broker, backend, message, key, wait.payload, self.standbys.seats,
                 limit=limit, ttl_ms=ttl_ms, wait_ms=wait_ms, deliver=deliver,
             )  # fmt: skip
         if not result.acquired and on_busy == "wait" and result.parked:
@@ -332,28 +315,9 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             cap_ms=guard.policy.ttl_ms,
             reserved_ms=result.reserved_ms,
         )
-        state.data[self.option] = _Held(lease, current_lease_var.set(lease))
-        events.acquired(message.actor_name)
+        hold(message, state, self.option, lease)
         with self._inflight_lock:
             self._inflight.add(message.message_id)
-
-    def _drop(self, message: MessageProxy, state: ExecutionState, key: str, result: AcquireResult) -> None:
-        state.data[self.option] = _NotRun("dropped", key)
-        self.count_drop()
-        events.deduplicated(message.actor_name)
-        holders = ", ".join(result.holders) or "nobody"
-        logger.info("Dropped %s (deduplicated): %r is held by %s.", message, key, holders)
-        raise SkipMessage(f"dropped: {key!r} is held")
-
-    def _park(self, message: MessageProxy, state: ExecutionState, key: str, result: AcquireResult) -> None:
-        state.parked = True
-        state.data[self.option] = _NotRun("parked", key)
-        # The parked copy was encoded before the acquire; this copy is only acked.
-        message.options["store_results"] = False
-        logger.info("Parked %s after pickup: %r is full (limit %d).", message, key, result.limit)
-        events.parked(message.actor_name)
-        events.lockwait_changed()
-        raise SkipMessage(f"parked: {key!r} is full")
 
     def _lease_ttl(self, guard: ActorGuard[P]) -> int:
         cap = guard.policy.ttl_ms
@@ -378,19 +342,14 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         guard = self.guard_of(message)
         if guard is None:
             return
-        held = execution_state(message).data.pop(self.option, None)
-        if not isinstance(held, _Held):
+        held = take_held(execution_state(message), self.option)
+        if held is None:
             return
         with self._inflight_lock:
             self._inflight.discard(message.message_id)
-        if held.context is not None:
-            try:
-                current_lease_var.reset(held.context)
-            except ValueError:
-                current_lease_var.set(None)
         # If the key has waiters, the release keeps the next ones on the broker ahead of the next
         # free slot, as standbys.
-        send_ahead = self._lookahead() if self.on_busy(guard.policy) == "park" else 0
+        send_ahead = self.standbys.count() if self.on_busy(guard.policy) == "park" else 0
         result = self.release(broker, held.lease, send_ahead=send_ahead)
         events.released(message.actor_name)
         if result is not None and not result.released:
@@ -462,26 +421,11 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
     def send_standbys(self, broker: Broker, key: str, limit: int) -> None:
         """Send the oldest parked waiters of ``key`` to the broker ahead, as standbys (up to ``lookahead``).
 
-        Nothing is sent if this process lets no standby block
-        (``standby_threads``). Failures are logged: an unsent standby parks
-        again on its own.
+        Nothing is sent if this process lets no standby block (``standby_threads``).
         """
-        count = self._lookahead()
-        if count <= 0:
-            return
-        try:
-            handoffs, sent = self.backend(broker).send_standbys(key, limit=limit, count=count)
-        except Exception:
-            logger.warning("Could not send the standbys of %r; they stay parked.", key, exc_info=True)
-            return
-        self.deliver(broker, handoffs)
-        self.courier(broker).send_ahead(sent)
-
-    def _lookahead(self) -> int:
-        """How many waiters per key to keep on the broker as standbys (0 if this process lets none block)."""
-        if self.seats.seats <= 0:
-            return 0
-        return self.lookahead if self.lookahead is not None else 1 << 30
+        self.standbys.send(
+            self.backend(broker), self.courier(broker), lambda h: self.deliver(broker, h), key, limit
+        )
 
     def sweep(self, broker: Broker, key: str) -> ReleaseResult:
         """Reclaim lapsed leases of ``key`` and hand free slots to its waiters."""

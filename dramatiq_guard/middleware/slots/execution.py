@@ -1,0 +1,81 @@
+"""One execution of a guarded message: the lease it holds, or why it did not run.
+
+Per-execution state lives on the message proxy (:func:`~dramatiq_guard.middleware.base.execution_state`),
+never in ``message.options``, which Retries re-enqueues as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from contextvars import Token
+from typing import Any, Literal, NoReturn
+
+from dramatiq.broker import MessageProxy
+from dramatiq.middleware import SkipMessage
+
+from dramatiq_guard import events
+from dramatiq_guard.context import current_lease_var
+from dramatiq_guard.lease import Lease
+from dramatiq_guard.middleware.base import ExecutionState
+
+__all__ = ["Held", "NotRun", "hold", "skip_dropped", "skip_parked", "take_held"]
+
+logger = logging.getLogger("dramatiq_guard.middleware.slots")
+
+
+@dataclasses.dataclass
+class Held:
+    """A lease held by one execution of a message, and the ``current_lease()`` it set."""
+
+    lease: Lease
+    context: Token[Any] | None
+
+
+@dataclasses.dataclass
+class NotRun:
+    """This execution did not run: why."""
+
+    reason: Literal["parked", "dropped"]
+    key: str
+
+
+def hold(message: MessageProxy, state: ExecutionState, option: str, lease: Lease) -> None:
+    """Record that this execution holds ``lease``, and expose it as ``current_lease()``."""
+    state.data[option] = Held(lease, current_lease_var.set(lease))
+    events.acquired(message.actor_name)
+
+
+def take_held(state: ExecutionState, option: str) -> Held | None:
+    """The lease this execution held, if any, forgotten (and ``current_lease()`` reset)."""
+    held = state.data.pop(option, None)
+    if not isinstance(held, Held):
+        return None
+    if held.context is not None:
+        try:
+            current_lease_var.reset(held.context)
+        except ValueError:
+            current_lease_var.set(None)
+    return held
+
+
+def skip_dropped(
+    message: MessageProxy, state: ExecutionState, option: str, key: str, holders: tuple[str, ...]
+) -> NoReturn:
+    """Skip the message: ``on_busy="drop"`` and the key is held (it counts as deduplicated)."""
+    state.data[option] = NotRun("dropped", key)
+    events.deduplicated(message.actor_name)
+    logger.info("Dropped %s (deduplicated): %r is held by %s.", message, key, ", ".join(holders) or "nobody")
+    raise SkipMessage(f"dropped: {key!r} is held")
+
+
+def skip_parked(message: MessageProxy, state: ExecutionState, option: str, key: str, limit: int) -> NoReturn:
+    """Skip the message: it was parked after pickup (not a terminal event: no result is stored)."""
+    state.parked = True
+    state.data[option] = NotRun("parked", key)
+    # The parked copy was encoded before the acquire; this copy is only acked.
+    message.options["store_results"] = False
+    logger.info("Parked %s after pickup: %r is full (limit %d).", message, key, limit)
+    events.parked(message.actor_name)
+    events.lockwait_changed()
+    raise SkipMessage(f"parked: {key!r} is full")
