@@ -9,37 +9,14 @@ In the shape of redis-py's :class:`redis.lock.Lock`::
         try:
             build_report(fencing_token=lock.lease.token)
         finally:
-            lock.release()
+            lock.release()                            # LeaseLost if the lease was lost
 
-    with Lock("nightly-report", blocking_timeout=5):  # blocking, up to 5 s, else LockNotAcquired
+    with Lock("nightly-report", blocking_timeout=5):  # seconds, as in redis-py; else LockNotAcquired
         ...
 
-    outcome = Lock("nightly-report", blocking=False).run(build_report)
-    if outcome.ran:                                   # whether the function ran, and its value
-        print(outcome.value)
-
-Semantics
-  * The lock's guard key is ``"mutex:<name>"``: the same key as a ``mutex``
-    actor whose ``key`` callable returns ``name``, so a script and an actor
-    can exclude each other.
-  * A lease per acquire (a fresh random holder id), renewed by the process's
-    renewer every third of ``lease_ttl`` while held; a killed process's lock
-    is free within ``lease_ttl``. ``ttl`` caps how long it may be held,
-    renewals included. Every acquire gets a fencing token greater than every
-    token issued before for the key (:attr:`Lease.token`).
-  * Blocking acquires wait in the key's FIFO as blocking waiters, woken by a
-    push when the lock is handed to them (no polling; a re-check every few
-    seconds reclaims a dead holder's lapsed lease).
-  * Durations: ``blocking_timeout`` is in **seconds** (a float, or a
-    ``timedelta``), as in redis-py; ``lease_ttl`` and ``ttl`` are integer
-    milliseconds (or a ``timedelta``), as everywhere in Dramatiq.
-  * A lease lost while held (it lapsed under a stalled process and was
-    taken) is reported: :attr:`Lease.lost`, and :meth:`Lock.release` (so the
-    ``with`` block and :meth:`Lock.run`) raise
-    :class:`~dramatiq_guard.errors.LeaseLost`, as redis-py raises
-    ``LockNotOwnedError``.
-  * One ``Lock`` object is one holder at a time: do not share one object
-    between threads that lock concurrently (make one per thread).
+Its guard key is ``"mutex:<name>"``, shared with ``mutex`` actors. The
+semantics (leases, blocking waits, hand-offs to parked ``mutex`` messages,
+lost leases, durations) are in ``docs/lock.md``.
 """
 
 from __future__ import annotations

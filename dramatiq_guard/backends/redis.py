@@ -1,5 +1,10 @@
 """The Redis guard backend: each operation is one Lua script on one Cluster slot.
 
+It implements the contract of :mod:`dramatiq_guard.backends.base` (the model
+and its words are there); this docstring says how the state lives in Redis.
+The scripts are in ``backends/lua/``: ``_prelude.lua`` (shared by every
+per-key script) holds reclaim, hand-off and the cost model.
+
 Key layout, for namespace ``ns`` and guard key ``K`` (one hash tag per guard
 key, so every script of ``K`` touches a single Redis Cluster slot)::
 
@@ -12,7 +17,7 @@ key, so every script of ``K`` touches a single Redis Cluster slot)::
   ns:{K}:standbys   zset  waiter sent ahead to the broker, not picked up -> when it lapses (ms)
   ns:{K}:limit      str   the run-time limit (only this survives an idle key)
   ns:{K}:info       hash  holder -> "<since_ms>|<info>"            expires with its last holder
-  ns:{K}:wake:<id>  list  a blocking waiter's wake-up push         expires after handoff_ttl_ms
+  ns:{K}:wake:<id>  list  a woken waiter's fencing token           expires after wake_ttl_ms
   ns:waiting        zset  guard key -> when a waiter parked (ms): the waiting-keys index
   ns:limits         set   guard keys with a run-time limit: the limits index
 

@@ -1,4 +1,6 @@
 -- Shared prelude of every per-key guard script (concatenated in front of it at load).
+-- The contract these scripts implement is GuardBackend's (backends/base.py: holders, limit,
+-- fencing token, waiters, hand-off, standbys); the comments here say how, not what.
 --
 -- Every script of a guard key K gets the same KEYS, all under one hash tag so
 -- they live in one Redis Cluster slot:
@@ -17,15 +19,14 @@
 --   KEYS[10] X zset  the waiting-keys index (guard key -> when a waiter last parked), given on a
 --                    standalone Redis only: it is in another Cluster slot. With it, the index
 --                    is kept here, atomically: K is in it exactly while W or R is not empty.
--- and the same leading ARGV, values the Python side owns (RedisBackend._common_args):
+-- and the same leading ARGV, values the Python side owns (RedisBackend._args):
 --   ARGV[1] the prefix of the per-waiter wake lists (WAKE .. waiter_id)
 --   ARGV[2] handoff_ttl_ms
 --   ARGV[3] how long a wake waits to be taken (GuardBackend.wake_ttl_ms)
 --   ARGV[4] the guard key K itself (for the indexes)
 --   ARGV[5] the default limit
 -- A script's own arguments follow; it reads them with arg(1), arg(2), ...
--- Times come from the server's clock only. The contract these scripts implement is
--- GuardBackend's (backends/base.py); the comments here say how, not what.
+-- Times come from the server's clock only.
 --
 -- Invariants the scripts keep, which let the common paths skip work:
 --   * D's and S's members are in W (never in both), R's members are in H (after reclaim) and
