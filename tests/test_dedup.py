@@ -15,11 +15,12 @@ import dramatiq
 import pytest
 import redis
 from dramatiq.brokers.stub import StubBroker
-from dramatiq.middleware import AgeLimit, AsyncIO, GroupCallbacks, Retries
+from dramatiq.middleware import AgeLimit, AsyncIO, GroupCallbacks, MiddlewareError, Retries
 from dramatiq.rate_limits.backends import StubBackend
 from harness import redis_broker_pending, wait_until
 
 from dramatiq_guard.backends.memory import MemoryBackend
+from dramatiq_guard.backends.redis import RedisBackend
 from dramatiq_guard.errors import BackendUnavailable, GuardOptionError
 from dramatiq_guard.middleware.dedup import (
     EXEMPT_OPTION,
@@ -28,6 +29,7 @@ from dramatiq_guard.middleware.dedup import (
     Deduplication,
     DuplicateMessage,
     deduplicated_by,
+    rerun_id,
 )
 
 WAIT = 10.0
@@ -510,3 +512,64 @@ def test_a_holder_parked_by_the_concurrency_limit_keeps_its_lock_until_it_runs(
         worker.stop()
         broker.close()
     assert ran == [1, 2, 2]
+
+
+class FailFirstPushOf(dramatiq.Middleware):
+    """Fails the first push of one message id (its enqueue raises, as a broker that is down would)."""
+
+    def __init__(self) -> None:
+        self.message_id: str | None = None
+        self.failed = threading.Event()
+
+    def before_enqueue(self, broker: dramatiq.Broker, message: dramatiq.Message[Any], delay: int) -> None:
+        if message.message_id == self.message_id and not self.failed.is_set():
+            self.failed.set()
+            # Only a MiddlewareError stops a push (Dramatiq logs and swallows any other).
+            raise MiddlewareError("the broker refused the push")
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_a_rerun_whose_push_failed_is_handed_on_by_the_sweep(
+    backend: str, request: pytest.FixtureRequest, restore_global_broker: None
+) -> None:
+    """A ``reschedule_once`` rerun handed the lock, whose re-enqueue fails, still runs.
+
+    Invariant: a rerun waiting in the lock's queue is never stranded; the workers' sweep covers
+    dedup keys and hands the lock to it again once the failed hand-off's reservation lapsed.
+    """
+    if backend == "memory":
+        guard_backend: Any = MemoryBackend(handoff_ttl_ms=300)
+    else:
+        url = request.getfixturevalue("redis_server_url")
+        guard_backend = RedisBackend.from_url(url, namespace=f"rerun-{time.time_ns()}", handoff_ttl_ms=300)
+    failing = FailFirstPushOf()
+    broker = StubBroker()
+    broker.add_middleware(failing)
+    broker.add_middleware(Deduplication(redis=guard_backend, sweep_interval=100), before=Retries)
+    broker.emit_after("process_boot")
+    dramatiq.set_broker(broker)
+    hold = Hold()
+
+    @dramatiq.actor(dedup={"strategy": "until_executed", "on_duplicate": "reschedule_once"})
+    def job(n: int) -> None:
+        hold.run(n)
+
+    first = job.send(1)
+    failing.message_id = rerun_id(first.message_id)
+    worker = dramatiq.Worker(broker, worker_timeout=50, worker_threads=2)
+    worker.start()
+    try:
+        hold.wait_started()
+        assert deduplicated_by(job.send(1)) == first.message_id  # asks for one more run
+        hold.go.set()
+        hold.wait_done()
+        assert failing.failed.wait(WAIT), "the rerun was never pushed"
+        hold.wait_done()  # the rerun ran, after all
+        broker.join("default")
+        assert len(hold.runs) == 2
+        key = lock_of(first)
+        wait_until(lambda: not guard_backend.inspect(key).waiters and not holders(broker, key), timeout=WAIT)
+    finally:
+        worker.stop()
+        broker.close()
+        guard_backend.close()

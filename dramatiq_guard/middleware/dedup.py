@@ -1,96 +1,14 @@
 """Enqueue-time deduplication: the ``dedup`` actor option.
 
-An actor declared with ``dedup=`` takes a lock per *dedup key* when one of
-its messages is sent; while the lock holds, an identical message is not
-pushed to the broker. The lock is a limit-1 lease of the guard backend whose
-holder is the message id of the message that took it (the *holder*), so its
-release is checked and the holder's own re-enqueues pass.
+``send()`` takes a lock per *dedup key*, a limit-1 lease of the guard backend
+held by the sending message's id (the *holder*); while it holds, an
+identical message is diverted at the enqueue gate (:mod:`dramatiq_guard.gate`)
+instead of pushed. The lock is confirmed in the background once the push
+succeeded, and released at the holder's terminal event for its strategy.
 
-The lock's life
-  * **Pending.** ``send()`` takes the lock for ``pending_ttl`` (10 s by
-    default) in one backend round trip, then pushes the message. A producer
-    that dies between the two leaves a lock that lapses within seconds.
-  * **Confirmed.** Once the push succeeded the lock is extended to ``ttl``.
-    The confirmation is not a second round trip on ``send()``: a background
-    thread of the producer batches the confirmations of every send of the
-    last few milliseconds into one pipelined ``renew_many`` (one round trip
-    for many sends, far inside the pending lapse). The thread is flushed at
-    interpreter exit and when a worker shuts down; :meth:`Deduplication.flush`
-    flushes it on demand. A push that fails releases the lock at once.
-  * **Released** at the holder's terminal event, by strategy:
-
-    - ``until_executing``: when the holder starts (its
-      ``before_process_message``). A retry of a holder that started takes no
-      lock again.
-    - ``until_executed``: when the holder finishes for good: success; final
-      failure once Retries gave up (dead letter); a skip by AgeLimit or any
-      other middleware; a TimeLimit kill that is not retried. A failure that
-      Retries will retry keeps it (this middleware sits before Retries, so in
-      ``after_process_message`` it sees Retries' decision). While the holder
-      runs, the process's lease renewer renews the lock every ``ttl / 3``.
-    - ``until_expired``: never released; it lives ``ttl`` after the send was
-      confirmed, whatever the holder does. Workers make no backend call.
-
-    A holder that is queued, delayed for a retry, parked by the concurrency
-    middlewares, or redelivered after a worker crash keeps its lock: a crash
-    never lets a duplicate in. A message that a slots middleware parks after
-    pickup has not started: that skip is not a terminal event. Every lock is
-    capped by ``ttl`` counted from the last sign of life of its holder (the
-    confirmation, the start of an ``until_executed`` holder, a renewal).
-
-Duplicates (``on_duplicate``)
-  * ``"drop"`` (default): the duplicate is not pushed; ``send()`` returns a
-    copy of it whose ``options["deduplicated_by"]`` is the holder's message
-    id (:func:`deduplicated_by`). Its own ``get_result()`` never arrives.
-  * ``"raise"``: ``send()`` raises :class:`DuplicateMessage`, carrying the
-    holder's id.
-  * ``"reschedule_once"`` (``until_executed`` only): the duplicate is not
-    pushed, but if any duplicate arrived while the holder was executing, the
-    job runs once more after the holder finishes, however many duplicates
-    arrived. The rerun is parked in the lock's waiter queue under an id
-    derived from the holder's (:func:`rerun_id`), so every duplicate of one
-    holder lands on the same entry (the latest one's arguments win); the
-    holder's start cancels the requests that arrived before it started (its
-    run covers them); its release hands the lock to the rerun atomically,
-    and the worker re-enqueues it. ``send()`` returns a copy marked like a
-    drop, with ``options["dedup_rerun"]`` naming the rerun's message id. A
-    duplicate costs two round trips here (one to find the holder, one to
-    park the rerun).
-
-Scheduled messages
-  A message sent with a delay is not deduplicated (it neither checks nor
-  takes the lock) unless ``including_scheduled=True``; then the lock covers
-  the delay too (it is held ``delay + ttl``).
-
-The key
-  From the policy's ``key`` (see :mod:`dramatiq_guard.keys`), prefixed with
-  ``"dedup:"``. A message may override it at send time::
-
-      refresh.send_with_options(args=(user_id,), dedup_key=f"user:{user_id}")
-
-Message options this middleware writes (they travel with the message, so
-Retries, delay-queue moves, slots hand-offs and redeliveries see them):
-``dedup_lock`` (the guard key a holder holds), ``dedup_exempt`` (why a
-message was enqueued without deduplication), and on the message a dropped
-send returns, ``deduplicated_by`` and ``dedup_rerun``.
-
-Groups and pipelines
-  Members of a pipeline (every step) and of a group with completion callbacks
-  are never deduplicated and take no lock: dropping one would leave the
-  pipeline unfinished or the group's barrier short forever. A group without
-  completion callbacks is a plain batch of sends that Dramatiq does not track:
-  its members are deduplicated like any send (a dropped member never gets a
-  result, so ``group.wait()`` reports a ``ResultTimeout`` for it rather than
-  hanging).
-
-Failures
-  The backend unreachable at send time: ``send()`` raises
-  :class:`~dramatiq_guard.errors.BackendUnavailable` (fail closed), unless
-  the policy says ``fail_open=True`` (then the message is enqueued without
-  deduplication). On a worker, a failed release at start
-  (``until_executing``) or refresh (``until_executed``) raises it too, so
-  the message is retried; a failed release at the end is logged and the lock
-  lapses at ``ttl``.
+What a user needs (strategies, ``on_duplicate``, the message options written
+here, failures, cost) is in ``docs/dedup.md``; the backend rules it stands on
+are in :mod:`dramatiq_guard.backends.base`.
 """
 
 from __future__ import annotations
@@ -111,11 +29,12 @@ from dramatiq.broker import MessageProxy
 from dramatiq.middleware import Retries
 
 from dramatiq_guard import events
-from dramatiq_guard.backends.base import GuardBackend, Handoff, Waiter
+from dramatiq_guard.backends.base import GuardBackend, Handoff, ReleaseResult, Waiter
 from dramatiq_guard.delivery import Courier
 from dramatiq_guard.errors import BackendUnavailable, DuplicateMessage, GuardOptionError
 from dramatiq_guard.gate import Diverted, Outcome
 from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware, execution_state
+from dramatiq_guard.middleware.sweep import Sweeper, join_sweep, leave_sweep
 from dramatiq_guard.policies import DedupPolicy, duration_ms
 from dramatiq_guard.renewer import LeaseHandle, get_renewer
 
@@ -298,13 +217,22 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
       pending_ttl(int|timedelta): How long a lock taken by ``send()`` lives
         before its push is confirmed, in ms. A producer that dies between the
         lock and the push blocks duplicates this long. Default: 10 seconds.
+      sweep_interval(int|timedelta): How often each worker sweeps the dedup
+        keys that have a ``reschedule_once`` rerun waiting, so a rerun whose
+        re-enqueue failed is handed on again. Default: 1 second.
     """
 
     policy_class = DedupPolicy
     #: Deduplication decides before the slots middlewares park (20).
     gate_priority = 10
 
-    def __init__(self, *, redis: Any = None, pending_ttl: int | datetime.timedelta = 10_000) -> None:
+    def __init__(
+        self,
+        *,
+        redis: Any = None,
+        pending_ttl: int | datetime.timedelta = 10_000,
+        sweep_interval: int | datetime.timedelta = 1_000,
+    ) -> None:
         super().__init__(redis=redis)
         pending = duration_ms(pending_ttl, what="pending_ttl")
         if not pending:
@@ -315,6 +243,11 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         self._local = threading.local()
         self._retries: dict[int, bool] = {}
         self._couriers: dict[int, Courier] = {}
+        interval = duration_ms(sweep_interval, what="sweep_interval")
+        if not interval:
+            raise GuardOptionError(f"Deduplication: sweep_interval must be positive, not {sweep_interval!r}")
+        self.sweep_interval_ms: int = interval
+        self._sweeper: Sweeper | None = None
 
     @property
     def actor_options(self) -> set[str]:
@@ -523,8 +456,21 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         self._finish(broker, message, terminal=not execution_state(message).parked)
 
+    def after_worker_boot(self, broker: Broker, worker: Any) -> None:
+        """Join this process's sweep: a rerun whose re-enqueue failed is handed on again."""
+        self._sweeper = join_sweep(self, broker, self.sweep_interval_ms)
+
     def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
+        sweeper, self._sweeper = self._sweeper, None
+        if sweeper is not None:
+            leave_sweep(self, sweeper)
         self.flush()
+
+    def sweep(self, broker: Broker, key: str) -> ReleaseResult:
+        """Reclaim a lapsed lock or rerun reservation of ``key`` and hand the lock to its rerun."""
+        result = self.backend(broker).sweep(key, limit=1)
+        self._deliver(broker, result.handoffs)
+        return result
 
     def _finish(self, broker: Broker, message: MessageProxy, *, terminal: bool) -> None:
         lease = execution_state(message).data.pop(self.option, None)

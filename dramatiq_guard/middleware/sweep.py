@@ -1,33 +1,46 @@
 """Each worker process's sweep: waiters are never stranded when every holder died.
 
-One thread per process and backend, started in ``after_worker_boot``: every
-``sweep_interval`` it reclaims the lapsed leases and reservations of the keys
-that have waiters (from the backend's waiting-keys index) and hands their
-slots on (docs/slots.md, "Waiters are never stranded").
+One thread per process and backend, started in ``after_worker_boot`` by the
+first guard middleware that needs it (slots, and deduplication for its
+``reschedule_once`` reruns): every ``sweep_interval`` it reclaims the lapsed
+leases and reservations of the keys that have waiters (from the backend's
+waiting-keys index) and hands them on, each key by the middleware that claims
+it (docs/slots.md, "Waiters are never stranded").
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from dramatiq import Broker
 
 from dramatiq_guard.backends.base import GuardBackend
 
-if TYPE_CHECKING:
-    from dramatiq_guard.middleware.slots.middleware import SlotsMiddleware
-
-__all__ = ["Sweeper", "join_sweep", "leave_sweep", "sweep_all"]
+__all__ = ["Sweepable", "Sweeper", "join_sweep", "leave_sweep", "sweep_all"]
 
 logger = logging.getLogger(__name__)
 
-Member = tuple["SlotsMiddleware[Any]", Broker]
+
+class Sweepable(Protocol):
+    """A guard middleware whose keys the sweep covers."""
+
+    def backend(self, broker: Broker) -> GuardBackend:
+        """Its guard backend."""
+
+    def claims(self, key: str) -> bool:
+        """Whether ``key`` is one of its guard keys."""
+
+    def sweep(self, broker: Broker, key: str) -> Any:
+        """Reclaim what lapsed on ``key`` and hand it on."""
+
+
+Member = tuple[Sweepable, Broker]
 
 
 class Sweeper:
-    """The sweep thread of one backend in this process, shared by the slots middlewares using it."""
+    """The sweep thread of one backend in this process, shared by the guard middlewares using it."""
 
     def __init__(self, backend: GuardBackend, interval_s: float) -> None:
         self.backend = backend
@@ -46,7 +59,7 @@ def sweep_all(backend: GuardBackend, members: list[Member]) -> None:
     try:
         keys = backend.waiting_keys()
     except Exception:
-        logger.warning("The slot sweep could not list the waiting keys; retrying.", exc_info=True)
+        logger.warning("The sweep could not list the waiting keys; retrying.", exc_info=True)
         return
     for middleware, broker in members:
         for key in keys:
@@ -54,14 +67,14 @@ def sweep_all(backend: GuardBackend, members: list[Member]) -> None:
                 try:
                     middleware.sweep(broker, key)
                 except Exception:
-                    logger.warning("The slot sweep of %r failed; retrying.", key, exc_info=True)
+                    logger.warning("The sweep of %r failed; retrying.", key, exc_info=True)
 
 
 _sweepers: dict[int, Sweeper] = {}
 _sweepers_lock = threading.Lock()
 
 
-def join_sweep(middleware: SlotsMiddleware[Any], broker: Broker, interval_ms: int) -> Sweeper:
+def join_sweep(middleware: Sweepable, broker: Broker, interval_ms: int) -> Sweeper:
     """Add ``middleware`` to its backend's sweep in this process (started on first use)."""
     backend = middleware.backend(broker)
     with _sweepers_lock:
@@ -73,7 +86,7 @@ def join_sweep(middleware: SlotsMiddleware[Any], broker: Broker, interval_ms: in
         return sweeper
 
 
-def leave_sweep(middleware: SlotsMiddleware[Any], sweeper: Sweeper) -> None:
+def leave_sweep(middleware: Sweepable, sweeper: Sweeper) -> None:
     """Remove ``middleware`` from ``sweeper``; the last one out stops it."""
     with _sweepers_lock:
         sweeper.members.pop(id(middleware), None)

@@ -8,8 +8,10 @@ to know is in ``docs/slots.md``; where each part lives:
 * :mod:`.middleware`: the Dramatiq hooks (acquire before a message runs,
   release after, park, drop or wait when the key is full);
 * :mod:`.reservation`: enqueue time (reserve a free slot, or park at once);
-* :mod:`.waits`: a worker thread blocked for a slot (mutex ``wait``, standbys);
-* :mod:`.sweep`: each worker's sweep of keys with waiters;
+* :mod:`.waits`: a worker thread blocked for a mutex (``on_busy="wait"``);
+* :mod:`.standbys`: waiters sent ahead of a free slot, and the threads they block;
+* :mod:`.execution`: one execution's held lease, or why it did not run;
+* :mod:`dramatiq_guard.middleware.sweep`: each worker's sweep of keys with waiters;
 * :mod:`.limits`: default and run-time limits, and which actor a key is of;
 * :mod:`.mutex`, :mod:`.concurrency`: what the two options differ in.
 """

@@ -10,7 +10,7 @@ from dramatiq import Broker
 from dramatiq_guard.middleware.base import ActorGuard
 from dramatiq_guard.middleware.slots.limits import ACTOR_LIMIT_PREFIX, ActorLimits
 from dramatiq_guard.middleware.slots.middleware import SlotsMiddleware
-from dramatiq_guard.middleware.slots.sweep import sweep_all
+from dramatiq_guard.middleware.sweep import sweep_all
 from dramatiq_guard.policies import ConcurrencyPolicy, OnBusy
 
 __all__ = ["Concurrency"]

@@ -29,8 +29,8 @@ from dramatiq_guard.middleware.slots.execution import hold, skip_dropped, skip_p
 from dramatiq_guard.middleware.slots.limits import KeyDirectory
 from dramatiq_guard.middleware.slots.reservation import ReservationTicket, reserve_or_park
 from dramatiq_guard.middleware.slots.standbys import Standbys, wait_as_standby
-from dramatiq_guard.middleware.slots.sweep import Sweeper, join_sweep, leave_sweep
 from dramatiq_guard.middleware.slots.waits import wait_for_mutex
+from dramatiq_guard.middleware.sweep import Sweeper, join_sweep, leave_sweep
 from dramatiq_guard.policies import ConcurrencyPolicy, MutexPolicy, OnBusy, duration_ms
 from dramatiq_guard.waiting import entry_ms
 
