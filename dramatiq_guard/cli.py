@@ -19,7 +19,10 @@ Finding keys. No command scans the keyspace (no ``KEYS``, no ``SCAN``):
 ``inspect`` lists the keys of the backend's own indexes (the keys that have or
 recently had waiters, and the keys with a run-time limit) and, when the
 pattern has no wildcard, the key it names. A key that only has holders and
-never had a waiter is therefore shown when named exactly.
+never had a waiter is therefore shown when named exactly. ``inspect`` also
+shows what the guard's Redis does with its keys: its ``maxmemory-policy``
+(anything but ``noeviction`` may evict them) and its persistence (``"redis"``
+in ``--json``; see :mod:`dramatiq_guard.backends.redis_health`).
 
 Hand-offs. Raising a limit or releasing holders gives free slots to parked
 waiters at once. A handed-off parked message must be put back on the broker,
@@ -60,10 +63,13 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from dramatiq_guard.backends.base import GuardBackend, Handoff, KeyState
 from dramatiq_guard.resolve import REDIS_URL_ENV
+
+if TYPE_CHECKING:
+    from dramatiq_guard.backends.redis_health import RedisSettings
 
 __all__ = ["main", "parse_duration"]
 
@@ -428,15 +434,32 @@ def _cmd_inspect(ctx: Context) -> int:
         state = _check_key(backend, key)
         if state.holders or state.waiters or state.limit is not None or key == pattern:
             views.append(_key_view(key, state, now))
+    settings = _redis_settings(backend)
     if ctx.args.json:
-        ctx.print(json.dumps({"now_ms": now, "keys": views}, indent=2))
+        report: dict[str, Any] = {"now_ms": now, "keys": views}
+        if settings is not None:
+            report["redis"] = settings.as_dict()
+        ctx.print(json.dumps(report, indent=2))
         return 0
     if not views:
         ctx.print(f"No guard key matching {pattern!r} has waiters or a run-time limit.")
-        return 0
     for view in views:
         _print_key(ctx, view, now)
+    if settings is not None:
+        ctx.print(f"Redis {settings.where}:")
+        for line in settings.describe():
+            ctx.print(f"  {line}")
     return 0
+
+
+def _redis_settings(backend: GuardBackend) -> RedisSettings | None:
+    """What the guard's Redis does with its keys (eviction, persistence), best effort."""
+    from dramatiq_guard.backends import RedisBackend
+    from dramatiq_guard.backends.redis_health import read_settings
+
+    if not isinstance(backend, RedisBackend):
+        return None
+    return read_settings(backend.client)
 
 
 def _print_key(ctx: Context, view: dict[str, Any], now: int) -> None:
