@@ -217,6 +217,20 @@ def test_inspect_shows_the_eviction_policy_and_persistence(
     assert "persistence: none" in out
 
 
+def test_a_full_noeviction_redis_fails_closed(servers: Callable[..., RedisServer]) -> None:
+    """At maxmemory, noeviction refuses writes: a guard operation is BackendUnavailable, never unguarded."""
+    server = servers("--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    client = server.client()
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        for n in range(1_000):
+            client.set(f"fill:{n}", b"x" * 20_000)
+    backend = RedisBackend(client)
+    with pytest.raises(BackendUnavailable, match="maxmemory") as raised:
+        backend.acquire("concurrency:k", "m1", limit=1, ttl_ms=MINUTE, wait=Waiter(payload=b"{}"))
+    assert isinstance(raised.value, MiddlewareError)  # Dramatiq lets it out of a hook: Retries retries
+    client.close()
+
+
 # --- state lost while running ---------------------------------------------------------------
 
 

@@ -114,6 +114,7 @@ _UNAVAILABLE: tuple[type[Exception], ...] = (
     redis.exceptions.ClusterDownError,
     redis.exceptions.TryAgainError,
     redis.exceptions.ReadOnlyError,
+    redis.exceptions.OutOfMemoryError,  # a full noeviction Redis refuses writes: fail closed
 )
 
 
