@@ -339,7 +339,8 @@ class StateWatch:
     """
 
     def __init__(self, backend: RedisBackend) -> None:
-        self.backend = backend
+        # Weak: the watches are kept in a WeakKeyDictionary keyed by the backend.
+        self._backend = weakref.ref(backend)
         self.run_id: str | None = None
         self.flushes: int | None = None
         self.evicted: int | None = None
@@ -347,6 +348,18 @@ class StateWatch:
         self.waiting: list[str] = []
         self._script: Script = backend.client.register_script(_load_lua("health"))
         self._cluster = isinstance(backend.client, redis.cluster.RedisCluster)
+
+    @property
+    def backend(self) -> RedisBackend:
+        """The backend watched.
+
+        Raises:
+          ReferenceError: If it was garbage-collected.
+        """
+        backend = self._backend()
+        if backend is None:
+            raise ReferenceError("the watched backend is gone")
+        return backend
 
     def check(self) -> list[str]:
         """Compare the server with the previous check; log and count what was lost.
