@@ -105,3 +105,53 @@ class LockNotAcquired(GuardError):
         super().__init__(f"could not acquire the lock {key!r}{held_by}")
         self.key = key
         self.holders = holders
+
+
+class EvictingRedis(ConfigurationError):
+    """The guard's Redis may evict keys: its ``maxmemory-policy`` is not ``noeviction``.
+
+    An evicted guard key is a parked message, a dedup lock or a holder lost
+    without a trace, so the guard refuses such a Redis unless told otherwise
+    (``install(broker, allow_evicting_redis=True)``, or the
+    ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` environment variable).
+
+    Parameters:
+      policy(str): The ``maxmemory-policy`` the server reported.
+      where(str): Which server (for the message).
+    """
+
+    def __init__(self, policy: str, where: str) -> None:
+        super().__init__(
+            f"the guard's Redis ({where}) has maxmemory-policy {policy!r}, so it may evict the guard's "
+            f"keys (parked messages, dedup locks, holders) and lose messages silently; set "
+            f"'maxmemory-policy noeviction' in its redis.conf (or CONFIG SET maxmemory-policy noeviction), "
+            f"or give the guard a Redis of its own; to run on it anyway, pass allow_evicting_redis=True "
+            f"to dramatiq_guard.install() or set DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS=1"
+        )
+        self.policy = policy
+
+
+class PayloadTooLarge(GuardError, ValueError):
+    """A message that would park is larger than the backend's ``max_payload_bytes``.
+
+    Raised before anything is written, so nothing of the message is stored.
+    At enqueue it reaches the caller of ``send()``.
+
+    Parameters:
+      key(str): The guard key.
+      waiter_id(str): The message id.
+      size(int): The encoded message's size in bytes.
+      limit(int): The bound in force.
+    """
+
+    def __init__(self, key: str, waiter_id: str, size: int, limit: int) -> None:
+        super().__init__(
+            f"message {waiter_id!r} is {size} bytes encoded, more than the {limit} bytes a message "
+            f"waiting on guard key {key!r} may take in Redis; nothing was stored. Send a reference "
+            f"to the data instead of the data, or raise the bound: "
+            f"dramatiq_guard.install(broker, max_payload_bytes=...) (or the backend's max_payload_bytes)"
+        )
+        self.key = key
+        self.waiter_id = waiter_id
+        self.size = size
+        self.limit = limit

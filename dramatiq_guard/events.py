@@ -27,6 +27,12 @@ Counters
   :func:`ledger_hit`
     An idempotency key was found completed: the stored result was returned
     and the actor did not run.
+  :func:`redis_state_lost`
+    The guard's Redis lost state while workers ran: it restarted, was
+    flushed, or a waiting key vanished (evicted or deleted). Counted by
+    *reason* (``"restart"``, ``"flush"``, ``"vanished"``), not by actor: the
+    lost messages' actors are not known any more. See
+    :mod:`dramatiq_guard.backends.redis_health`.
 
 Changes of the lockwait area
   :func:`lockwait_changed`
@@ -39,6 +45,10 @@ Gauges
     A message of this process started / stopped holding a slot or lock (the
     holders gauge). Call ``released`` exactly once for each ``acquired``,
     whether the release succeeded or the lease was found lost.
+  :func:`redis_settings`
+    What the guard's Redis was found to do when it was checked: whether its
+    ``maxmemory-policy`` evicts, whether it persists. Passed to a sink's
+    ``redis_settings`` method if it has one (older sinks need not).
 
 Logging conventions (every guard module follows them)
   * Loggers are named under ``dramatiq_guard`` (``logging.getLogger(__name__)``
@@ -75,6 +85,8 @@ __all__ = [
     "lockwait_changed",
     "lockwait_condition",
     "parked",
+    "redis_settings",
+    "redis_state_lost",
     "released",
     "set_sink",
 ]
@@ -84,7 +96,11 @@ class EventSink(Protocol):
     """What receives guard events (see :class:`dramatiq_guard.metrics.GuardMetrics`)."""
 
     def count(self, event: str, actor: str) -> None:
-        """Count one ``event`` (the name of one of the counting functions of this module)."""
+        """Count one ``event`` (the name of one of the counting functions of this module).
+
+        ``actor`` is the actor's name, except for ``redis_state_lost``, where
+        it is the reason.
+        """
 
     def holders(self, actor: str, delta: int) -> None:
         """Add ``delta`` to the holders gauge."""
@@ -140,6 +156,21 @@ def lease_lost(actor: str) -> None:
 def ledger_hit(actor: str) -> None:
     """A message of ``actor`` found its idempotency key completed and did not run."""
     _count("ledger_hit", actor)
+
+
+def redis_state_lost(reason: str) -> None:
+    """The guard's Redis lost state: ``reason`` is ``"restart"``, ``"flush"`` or ``"vanished"``."""
+    _count("redis_state_lost", reason)
+
+
+def redis_settings(evicting: bool | None, persistent: bool | None) -> None:
+    """The guard's Redis was checked: whether it evicts keys and persists them (None: unknown).
+
+    Given to the sink's ``redis_settings(evicting, persistent)`` if it defines one.
+    """
+    report = getattr(_sink, "redis_settings", None)
+    if report is not None:
+        report(evicting, persistent)
 
 
 def acquired(actor: str) -> None:

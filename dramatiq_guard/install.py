@@ -9,6 +9,8 @@ from typing import Any
 from dramatiq import Broker, Middleware
 from dramatiq.middleware import Retries
 
+from dramatiq_guard.backends import redis_health
+from dramatiq_guard.backends.base import check_max_payload_bytes
 from dramatiq_guard.errors import ConfigurationError
 from dramatiq_guard.gate import gate_for
 from dramatiq_guard.resolve import resolve_backend
@@ -48,7 +50,15 @@ def _keywords(cls: type[Middleware]) -> set[str]:
     return names
 
 
-def install(broker: Broker, *, redis: Any = None, ledger: Any = None, **settings: Any) -> list[Middleware]:
+def install(
+    broker: Broker,
+    *,
+    redis: Any = None,
+    ledger: Any = None,
+    allow_evicting_redis: bool = False,
+    max_payload_bytes: int | None = None,
+    **settings: Any,
+) -> list[Middleware]:
     """Add every guard middleware to ``broker`` and return them, in broker order.
 
     Call it before importing the modules that declare guarded actors:
@@ -68,12 +78,27 @@ def install(broker: Broker, *, redis: Any = None, ledger: Any = None, **settings
         environment variable, else a ConfigurationError.
       ledger: The idempotency ledger's database: an SQLAlchemy Engine, a
         URL, or None: ``DRAMATIQ_GUARD_LEDGER_URL``, else a SQLite file.
+      allow_evicting_redis(bool): Run on a Redis whose ``maxmemory-policy``
+        may evict keys (anything but ``noeviction``), with a warning, instead
+        of refusing it. An evicted guard key is a message lost silently; see
+        :mod:`dramatiq_guard.backends.redis_health`.
+      max_payload_bytes(int|None): The largest encoded message that may park
+        (None: the backend's, 256 KiB by default). A larger message of a
+        parking actor is refused at ``send()`` with
+        :class:`~dramatiq_guard.errors.PayloadTooLarge`, nothing stored.
       **settings: Passed to each middleware that takes a keyword of that
         name.
+
+    The guard's Redis is checked here (its ``maxmemory-policy`` and
+    persistence, best effort: a Redis that forbids ``CONFIG`` gets a logged
+    note). Without persistence, a warning says what a restart would lose.
 
     Raises:
       ConfigurationError: If no backend can be found, or a setting is taken
         by no middleware (the error lists the settings that exist).
+      EvictingRedis: If the guard's Redis may evict keys and
+        ``allow_evicting_redis`` is False (the error says what to set).
+      ValueError: If ``max_payload_bytes`` is not a positive int.
     """
     classes = [_load(path) for path in MIDDLEWARE]
     existing = [m for m in broker.middleware if type(m) in classes]
@@ -81,7 +106,10 @@ def install(broker: Broker, *, redis: Any = None, ledger: Any = None, **settings
         return existing
 
     accepted = {cls: _keywords(cls) for cls in classes}
-    known = set().union(*accepted.values()) - {"redis", "ledger"}
+    known = (set().union(*accepted.values()) - {"redis", "ledger"}) | {
+        "allow_evicting_redis",
+        "max_payload_bytes",
+    }
     unknown = sorted(set(settings) - known)
     if unknown:
         raise ConfigurationError(
@@ -90,6 +118,9 @@ def install(broker: Broker, *, redis: Any = None, ledger: Any = None, **settings
         )
 
     backend = resolve_backend(broker, redis)
+    if max_payload_bytes is not None:
+        backend.max_payload_bytes = check_max_payload_bytes(max_payload_bytes)
+    redis_health.check(backend, allow_evicting=allow_evicting_redis)
     retries = next((m for m in broker.middleware if isinstance(m, Retries)), None)
     installed: list[Middleware] = []
     for cls in classes:

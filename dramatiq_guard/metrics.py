@@ -34,6 +34,20 @@ The metrics, each labelled ``actor_name``:
 ``dramatiq_guard_waiters``                            gauge      worker threads blocked for a lock now
 ====================================================  =========  ==========================================
 
+Two more are about the guard's Redis, not an actor
+(:mod:`dramatiq_guard.backends.redis_health`):
+
+====================================================  =========  ==========================================
+``dramatiq_guard_redis_state_lost_total``             counter    state lost, by ``reason``: ``restart``,
+                                                                 ``flush``, ``vanished`` (a waiting key)
+``dramatiq_guard_redis_evicting``                     gauge      1 if its ``maxmemory-policy`` evicts keys
+``dramatiq_guard_redis_persistent``                   gauge      1 if it persists (AOF or RDB snapshots)
+====================================================  =========  ==========================================
+
+The two gauges are set by each worker process when it first checks its
+Redis (and again after a restart of it); a setting that could not be read
+(an ACL that forbids ``CONFIG``) leaves its gauge unset.
+
 The gauges count what live worker processes do (``livesum``): a process that
 dies stops counting. Parked messages belong to no process, so they have no
 gauge here; ``parked_total - handed_off_total`` is their trend, and
@@ -155,6 +169,24 @@ class GuardMetrics(dramatiq.Middleware):
             registry=self.registry,
             multiprocess_mode="livesum",
         )
+        self.redis_state_lost = prom.Counter(
+            "dramatiq_guard_redis_state_lost",
+            "Times the guard's Redis was found to have lost state (restarted, flushed, a key vanished).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.redis_evicting = prom.Gauge(
+            "dramatiq_guard_redis_evicting",
+            "1 if the guard's Redis has a maxmemory-policy that evicts keys, else 0.",
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
+        self.redis_persistent = prom.Gauge(
+            "dramatiq_guard_redis_persistent",
+            "1 if the guard's Redis persists its data (AOF or RDB snapshots), else 0.",
+            registry=self.registry,
+            multiprocess_mode="livemin",
+        )
         self.waiter_gauge = prom.Gauge(
             "dramatiq_guard_waiters",
             "Worker threads blocked waiting for a lock.",
@@ -167,7 +199,16 @@ class GuardMetrics(dramatiq.Middleware):
     # The event sink (dramatiq_guard.events.EventSink).
 
     def count(self, event: str, actor: str) -> None:
+        if event == "redis_state_lost":
+            self.redis_state_lost.labels(actor).inc()  # the reason, not an actor
+            return
         self.counters[event].labels(actor).inc()
+
+    def redis_settings(self, evicting: bool | None, persistent: bool | None) -> None:
+        if evicting is not None:
+            self.redis_evicting.set(int(evicting))
+        if persistent is not None:
+            self.redis_persistent.set(int(persistent))
 
     def holders(self, actor: str, delta: int) -> None:
         self.holder_gauge.labels(actor).inc(delta)

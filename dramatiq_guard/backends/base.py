@@ -99,6 +99,11 @@ import abc
 import dataclasses
 from collections.abc import Sequence
 
+from dramatiq_guard.errors import PayloadTooLarge
+
+#: The default bound on a parked message's encoded size (:attr:`GuardBackend.max_payload_bytes`).
+DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
+
 
 def check_key(key: str) -> None:
     """Reject a guard key that no backend accepts.
@@ -108,6 +113,17 @@ def check_key(key: str) -> None:
     """
     if not key or key.startswith("}"):
         raise ValueError(f"a guard key must be non-empty and must not start with '}}', got {key!r}")
+
+
+def check_max_payload_bytes(value: int) -> int:
+    """Validate a ``max_payload_bytes`` setting.
+
+    Raises:
+      ValueError: If ``value`` is not a positive int.
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"max_payload_bytes must be a positive int (bytes), not {value!r}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,10 +275,26 @@ class GuardBackend(abc.ABC):
       handoff_ttl_ms(int): How long a slot handed to a waiter stays reserved
         before it is re-enqueued (parked waiters: until
         ``confirm_handoff``; blocking waiters: until they acquire).
+      max_payload_bytes(int): The largest encoded message :meth:`acquire`
+        stores as a parked waiter's payload (default 256 KiB); a larger one
+        is refused with :class:`~dramatiq_guard.errors.PayloadTooLarge`
+        before anything is written (:meth:`check_payload`).
     """
 
-    def __init__(self, *, handoff_ttl_ms: int = 10_000) -> None:
+    def __init__(
+        self, *, handoff_ttl_ms: int = 10_000, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    ) -> None:
         self.handoff_ttl_ms = handoff_ttl_ms
+        self.max_payload_bytes = check_max_payload_bytes(max_payload_bytes)
+
+    def check_payload(self, key: str, waiter_id: str, wait: Waiter | None) -> None:
+        """Refuse a payload larger than :attr:`max_payload_bytes`; called first by :meth:`acquire`.
+
+        Raises:
+          PayloadTooLarge: If ``wait`` carries a payload over the bound.
+        """
+        if wait is not None and wait.payload is not None and len(wait.payload) > self.max_payload_bytes:
+            raise PayloadTooLarge(key, waiter_id, len(wait.payload), self.max_payload_bytes)
 
     @property
     def wake_ttl_ms(self) -> int:
@@ -296,6 +328,10 @@ class GuardBackend(abc.ABC):
         and no waiter is queued ahead of it. If refused and ``wait`` is
         given, the holder is queued as a waiter (keeping its place if it was
         already queued).
+
+        A ``wait.payload`` larger than :attr:`max_payload_bytes` is refused
+        first, whether it would park or not, with nothing written
+        (:meth:`check_payload`).
 
         Parameters:
           key(str): The guard key.

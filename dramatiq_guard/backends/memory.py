@@ -15,6 +15,7 @@ import threading
 import time
 
 from dramatiq_guard.backends.base import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
     AcquireResult,
     GuardBackend,
     Handoff,
@@ -106,8 +107,10 @@ class MemoryBackend(GuardBackend):
       handoff_ttl_ms(int): How long a slot handed to a waiter stays reserved.
     """
 
-    def __init__(self, *, handoff_ttl_ms: int = 10_000) -> None:
-        super().__init__(handoff_ttl_ms=handoff_ttl_ms)
+    def __init__(
+        self, *, handoff_ttl_ms: int = 10_000, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    ) -> None:
+        super().__init__(handoff_ttl_ms=handoff_ttl_ms, max_payload_bytes=max_payload_bytes)
         self._changed = threading.Condition(threading.Lock())
         self._guards: dict[str, _Guard] = {}
         self._limits: dict[str, int] = {}
@@ -169,6 +172,7 @@ class MemoryBackend(GuardBackend):
         info: str | None = None,
     ) -> AcquireResult:
         """Try to become a holder of ``key``; see :meth:`GuardBackend.acquire`."""
+        self.check_payload(key, holder, wait)
         with self._changed:
             guard, now = self._begin(key)
             in_force = self._limits.get(key, limit)

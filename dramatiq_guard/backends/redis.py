@@ -83,6 +83,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from dramatiq_guard.backends.base import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
     AcquireResult,
     GuardBackend,
     Handoff,
@@ -131,6 +132,7 @@ _UNAVAILABLE: tuple[type[Exception], ...] = (
     redis.exceptions.ClusterDownError,
     redis.exceptions.TryAgainError,
     redis.exceptions.ReadOnlyError,
+    redis.exceptions.OutOfMemoryError,  # a full noeviction Redis refuses writes: fail closed
 )
 
 
@@ -173,6 +175,8 @@ class RedisBackend(GuardBackend):
         docstring): how long an entry of the waiting-keys index is kept after
         its key has no waiter left. It must exceed the clock skew between
         clients plus the longest a park can be in flight.
+      max_payload_bytes(int): The largest parked message stored (see
+        :class:`~dramatiq_guard.backends.GuardBackend`).
 
     Raises:
       ValueError: If ``namespace`` is empty or contains a brace.
@@ -185,8 +189,9 @@ class RedisBackend(GuardBackend):
         namespace: str = "dramatiq-guard",
         handoff_ttl_ms: int = 10_000,
         index_grace_ms: int = 60_000,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     ) -> None:
-        super().__init__(handoff_ttl_ms=handoff_ttl_ms)
+        super().__init__(handoff_ttl_ms=handoff_ttl_ms, max_payload_bytes=max_payload_bytes)
         if not namespace or "{" in namespace or "}" in namespace:
             raise ValueError(f"a guard namespace must be non-empty and contain no braces, got {namespace!r}")
         self.client = client
@@ -367,7 +372,9 @@ class RedisBackend(GuardBackend):
         Raises:
           BackendUnavailable: If Redis cannot be reached.
           ValueError: If ``key`` or (with ``wait``) ``holder`` is not allowed.
+          PayloadTooLarge: If ``wait.payload`` is over ``max_payload_bytes`` (nothing is written).
         """
+        self.check_payload(key, holder, wait)
         if wait is None:
             mode: list[str | int | bytes] = ["", b"", 0, info or ""]
             reply = self._run("acquire", key, limit, holder, ttl_ms, *mode)

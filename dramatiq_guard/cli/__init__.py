@@ -19,7 +19,10 @@ Finding keys. No command scans the keyspace (no ``KEYS``, no ``SCAN``):
 ``inspect`` lists the keys of the backend's own indexes (the keys that have or
 recently had waiters, and the keys with a run-time limit) and, when the
 pattern has no wildcard, the key it names. A key that only has holders and
-never had a waiter is therefore shown when named exactly.
+never had a waiter is therefore shown when named exactly. ``inspect`` also
+shows what the guard's Redis does with its keys: its ``maxmemory-policy``
+(anything but ``noeviction`` may evict them) and its persistence (``"redis"``
+in ``--json``; see :mod:`dramatiq_guard.backends.redis_health`).
 
 Hand-offs. Raising a limit or releasing holders gives free slots to parked
 waiters at once. A handed-off parked message must be put back on the broker,

@@ -10,7 +10,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dramatiq_guard.backends.base import GuardBackend, Handoff, KeyState
 from dramatiq_guard.cli.common import (
@@ -19,6 +19,9 @@ from dramatiq_guard.cli.common import (
     UsageError,
     _format_ms,
 )
+
+if TYPE_CHECKING:
+    from dramatiq_guard.backends.redis_health import RedisSettings
 
 
 def _check_key(backend: GuardBackend, key: str) -> KeyState:
@@ -92,15 +95,32 @@ def _cmd_inspect(ctx: Context) -> int:
         state = _check_key(backend, key)
         if state.holders or state.waiters or state.limit is not None or key == pattern:
             views.append(_key_view(key, state, now))
+    settings = _redis_settings(backend)
     if ctx.args.json:
-        ctx.print(json.dumps({"now_ms": now, "keys": views}, indent=2))
+        report: dict[str, Any] = {"now_ms": now, "keys": views}
+        if settings is not None:
+            report["redis"] = settings.as_dict()
+        ctx.print(json.dumps(report, indent=2))
         return 0
     if not views:
         ctx.print(f"No guard key matching {pattern!r} has waiters or a run-time limit.")
-        return 0
     for view in views:
         _print_key(ctx, view, now)
+    if settings is not None:
+        ctx.print(f"Redis {settings.where}:")
+        for line in settings.describe():
+            ctx.print(f"  {line}")
     return 0
+
+
+def _redis_settings(backend: GuardBackend) -> RedisSettings | None:
+    """What the guard's Redis does with its keys (eviction, persistence), best effort."""
+    from dramatiq_guard.backends import RedisBackend
+    from dramatiq_guard.backends.redis_health import read_settings
+
+    if not isinstance(backend, RedisBackend):
+        return None
+    return read_settings(backend.client)
 
 
 def _print_key(ctx: Context, view: dict[str, Any], now: int) -> None:

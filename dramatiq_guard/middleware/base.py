@@ -25,6 +25,7 @@ import dramatiq
 from dramatiq import Broker, Message
 from dramatiq.broker import MessageProxy
 
+from dramatiq_guard.backends import redis_health
 from dramatiq_guard.backends.base import GuardBackend
 from dramatiq_guard.gate import gate_for
 from dramatiq_guard.keys import KeyResolver
@@ -105,11 +106,24 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
         return {self.option}
 
     def backend(self, broker: Broker) -> GuardBackend:
-        """The guard backend, resolved on first use."""
+        """The guard backend, resolved on first use.
+
+        A Redis backend is checked the first time (as :func:`dramatiq_guard.install`
+        does; see :mod:`dramatiq_guard.backends.redis_health`), so a middleware
+        used without ``install()`` refuses an evicting Redis too.
+
+        Raises:
+          ConfigurationError: If no backend can be found.
+          EvictingRedis: If the Redis may evict keys and that was not allowed
+            (``install(..., allow_evicting_redis=True)`` or the
+            ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` environment variable).
+        """
         if self._backend is None:
             with self._backend_lock:
                 if self._backend is None:
-                    self._backend = resolve_backend(broker, self._redis)
+                    backend = resolve_backend(broker, self._redis)
+                    redis_health.check(backend)
+                    self._backend = backend
         return self._backend
 
     def attach(self, broker: Broker) -> None:

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -30,10 +31,13 @@ class RedisServer:
 
     Keyspace notifications are on (``KA``) so :func:`harness.wait_until` can be
     woken by key changes. :meth:`stop` keeps the port, so :meth:`start` brings
-    the same URL back (empty).
+    the same URL back (empty). ``args`` are more ``redis-server`` options, after
+    the defaults (so they override them), e.g. ``("--maxmemory-policy", "allkeys-lru")``.
     """
 
-    def __init__(self, port: int | None = None, *, executable: str | None = None) -> None:
+    def __init__(
+        self, port: int | None = None, *, executable: str | None = None, args: Sequence[str] = ()
+    ) -> None:
         found = executable or shutil.which("redis-server")
         if found is None:
             raise RuntimeError("redis-server is not on PATH (apt-get install redis-server)")
@@ -41,6 +45,7 @@ class RedisServer:
         self.port = port or free_port()
         self.host = "127.0.0.1"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.args = tuple(args)
         self._dir = Path(tempfile.mkdtemp(prefix="dramatiq-guard-redis-"))
 
     @property
@@ -79,6 +84,7 @@ class RedisServer:
                 "--dir", str(self._dir),
                 "--notify-keyspace-events", "KA",
                 "--loglevel", "warning",
+                *self.args,
             ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
