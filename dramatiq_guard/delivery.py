@@ -28,9 +28,20 @@ from dramatiq_guard import events
 from dramatiq_guard.backends.base import GuardBackend, Handoff
 from dramatiq_guard.gate import Outcome, gate_for
 
-__all__ = ["Courier", "courier_for"]
+__all__ = ["GENERATIONS_OPTION", "Courier", "courier_for", "generation_of"]
 
 logger = logging.getLogger(__name__)
+
+#: Message option (written on a re-enqueued copy): guard key -> the generation of the hand-off
+#: (or standby send) it is a copy of, so a stale copy cannot start (backend contract, *generations*).
+GENERATIONS_OPTION = "guard_generations"
+
+
+def generation_of(message: Message[Any] | Any, key: str) -> int | None:
+    """The generation of ``key``'s hand-off that ``message`` is a copy of, if it is one."""
+    generations = message.options.get(GENERATIONS_OPTION)
+    value = generations.get(key) if isinstance(generations, dict) else None
+    return value if isinstance(value, int) else None
 
 
 class Courier:
@@ -41,8 +52,8 @@ class Courier:
       backend(GuardBackend): Where the hand-offs are confirmed.
       ttl_ms: How long a confirmed hand-off waits for its message to start,
         given the message.
-      default_limit: A key's default limit, given the key (to give back a
-        slot that the message will not use).
+      default_limit: A key's default limit, given the key, or None if this
+        process cannot tell (to give back a slot that the message will not use).
       keep_when_parked(bool): What a message that another guard parked on
         its way keeps: True, what it was handed (a dedup lock, held until the
         message runs); False, nothing (a slot is given back at once, so it
@@ -57,7 +68,7 @@ class Courier:
         backend: GuardBackend,
         *,
         ttl_ms: Callable[[Message[Any]], int],
-        default_limit: Callable[[str], int],
+        default_limit: Callable[[str], int | None],
         keep_when_parked: bool,
         counts_handoffs: bool = False,
     ) -> None:
@@ -109,6 +120,10 @@ class Courier:
     def _admit(self, handoff: Handoff) -> tuple[Message[Any], Outcome]:
         assert handoff.payload is not None
         message = Message.decode(handoff.payload)
+        if handoff.generation is not None:
+            generations = dict(message.options.get(GENERATIONS_OPTION) or {})
+            generations[handoff.key] = handoff.generation
+            message.options[GENERATIONS_OPTION] = generations
         admission = gate_for(self.broker).admit(message, holds=handoff.key)
         return message, admission.outcome
 
@@ -118,7 +133,10 @@ class Courier:
         if self.counts_handoffs:
             events.handed_off(message.actor_name)
         if outcome is Outcome.PUSHED or (outcome is Outcome.PARKED and self.keep_when_parked):
-            if not self.backend.confirm_handoff(handoff.key, handoff.waiter_id, ttl_ms=self.ttl_ms(message)):
+            confirmed = self.backend.confirm_handoff(
+                handoff.key, handoff.waiter_id, ttl_ms=self.ttl_ms(message), generation=handoff.generation
+            )
+            if not confirmed:
                 logger.warning(
                     "The hand-off of %r to %s lapsed before it was confirmed; the re-enqueued copy runs.",
                     handoff.key,
@@ -135,9 +153,10 @@ class Courier:
         message, outcome = self._admit(standby)
         if outcome is Outcome.PUSHED:
             ttl_ms = self.ttl_ms(message)
-            if not self.backend.confirm_standby(
-                standby.key, standby.waiter_id, standby.payload, ttl_ms=ttl_ms
-            ):
+            confirmed = self.backend.confirm_standby(
+                standby.key, standby.waiter_id, standby.payload, ttl_ms=ttl_ms, generation=standby.generation
+            )
+            if not confirmed:
                 logger.debug("Standby %s of %r parked again before it was confirmed.", message, standby.key)
             return ()
         # Another guard parked it on the way: it waits there, not here.
@@ -150,7 +169,8 @@ def courier_for(broker: Broker, backend: GuardBackend, key: str) -> Courier:
 
     A middleware takes part by having ``claims(key) -> bool`` and
     ``courier(broker) -> Courier``. The plain courier confirms a hand-off for
-    the backend's hand-off time and keeps it if the message parks elsewhere.
+    the backend's hand-off time, keeps it if the message parks elsewhere, and
+    gives a slot back with the limit recorded in the backend.
     """
     for middleware in broker.middleware:
         claims = getattr(middleware, "claims", None)
@@ -163,6 +183,6 @@ def courier_for(broker: Broker, backend: GuardBackend, key: str) -> Courier:
         broker,
         backend,
         ttl_ms=lambda _message: backend.handoff_ttl_ms,
-        default_limit=lambda _key: 1,
+        default_limit=lambda _key: None,
         keep_when_parked=True,
     )

@@ -37,7 +37,7 @@ from dramatiq_guard.delivery import courier_for
 from dramatiq_guard.errors import LeaseLost, LockNotAcquired
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.policies import duration_ms
-from dramatiq_guard.resolve import backend_from, resolve_backend
+from dramatiq_guard.resolve import backend_from, resolve_backend, route_of
 from dramatiq_guard.waiting import BACKSTOP_MS, entry_ms, wait_for_slot
 
 __all__ = ["Lock", "LockNotAcquired", "LockRun"]  # LockNotAcquired lives in dramatiq_guard.errors
@@ -110,6 +110,8 @@ class Lock:
         if self._backend is None:
             if self._redis is not None:
                 self._backend = backend_from(self._redis)
+                if self._broker is not None and not self._backend.route:
+                    self._backend.route = route_of(self._broker)
             else:
                 self._backend = resolve_backend(self._broker or dramatiq.get_broker())
         return self._backend

@@ -13,6 +13,11 @@ middleware) may be:
 
 Every middleware attached to one broker with ``redis=None`` shares one
 backend (so the in-memory backend of a StubBroker is one store).
+
+A backend resolved for a broker records the broker's *route*
+(:func:`route_of`): parked messages it parks are delivered back only by
+processes of the same route (see the backend contract, *routes*), so two
+applications sharing one guard Redis never deliver each other's messages.
 """
 
 from __future__ import annotations
@@ -63,13 +68,41 @@ def resolve_backend(broker: Broker, redis: Any = None) -> GuardBackend:
       ConfigurationError: If no backend can be found for the broker.
     """
     if redis is not None:
-        return backend_from(redis)
-    with _lock:
-        backend = _shared.get(broker)
-        if backend is None:
-            backend = _default_backend(broker)
-            _shared[broker] = backend
-        return backend
+        backend = backend_from(redis)
+    else:
+        with _lock:
+            shared = _shared.get(broker)
+            if shared is None:
+                shared = _shared[broker] = _default_backend(broker)
+        backend = shared
+    if not backend.route:
+        backend.route = route_of(broker)
+    return backend
+
+
+def route_of(broker: Broker) -> str:
+    """Which broker (and queues) a process delivers parked messages to.
+
+    The same string in every process of one application configured alike:
+    the Redis server, database and Dramatiq namespace of a RedisBroker; the
+    hosts and virtual host of a RabbitmqBroker; this very object for a
+    StubBroker (it lives in one process); else the broker's class.
+    """
+    from dramatiq.brokers.redis import RedisBroker
+    from dramatiq.brokers.stub import StubBroker
+
+    if isinstance(broker, RedisBroker):
+        kwargs = broker.client.connection_pool.connection_kwargs
+        where = kwargs.get("path") or f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+        return f"redis://{where}/{kwargs.get('db', 0)}#{broker.namespace}"
+    if isinstance(broker, StubBroker):
+        return f"stub:{id(broker):x}"
+    parameters = getattr(broker, "parameters", None)
+    if parameters is not None:  # a RabbitmqBroker: pika connection parameters, one or a list
+        hosts = parameters if isinstance(parameters, list) else [parameters]
+        names = sorted(f"{p.host}:{p.port}" for p in hosts)
+        return f"amqp://{','.join(names)}/{hosts[0].virtual_host}"
+    return f"{type(broker).__module__}.{type(broker).__qualname__}"
 
 
 def _default_backend(broker: Broker) -> GuardBackend:

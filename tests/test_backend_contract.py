@@ -244,14 +244,26 @@ def park(backend: GuardBackend, waiter: str, *, limit: int = 1, key: str = KEY) 
     assert not result.acquired and result.parked
 
 
-def assert_drained(env: Env, backend: GuardBackend, *, key: str = KEY, limit: int | None = None) -> None:
-    """Nothing of ``key`` is left but its run-time limit (and its entry in the limits index)."""
+def assert_drained(
+    env: Env, backend: GuardBackend, *, key: str = KEY, limit: int | None = None, lapsed: bool = False
+) -> None:
+    """Nothing of ``key`` is left but its run-time limit (and its entry in the limits index).
+
+    ``lapsed``: a hand-off lapsed unconfirmed, so the generation that may start is remembered too,
+    expiring within ``stale_ttl_ms`` (a stale copy may still be on the broker).
+    """
     assert backend.inspect(key) == KeyState((), (), (), limit, None)
     assert key not in backend.waiting_keys()
     assert (key in backend.limit_keys()) is (limit is not None)
     if env.client is not None:
-        limited = {f"{env.namespace}:{{{key}}}:limit", f"{env.namespace}:limits"}
-        assert env.stored() == (limited if limit is not None else set())
+        expected = (
+            {f"{env.namespace}:{{{key}}}:limit", f"{env.namespace}:limits"} if limit is not None else set()
+        )
+        if lapsed:
+            gens = f"{env.namespace}:{{{key}}}:gens"
+            expected.add(gens)
+            assert 0 < env.client.pttl(gens) <= backend.stale_ttl_ms
+        assert env.stored() == expected
 
 
 # --- Processes (Redis) ------------------------------------------------------------------------
@@ -698,7 +710,7 @@ def test_confirm_after_the_reservation_lapsed_removes_the_reparked_copy(env: Env
     assert backend.confirm_handoff(KEY, "p2", ttl_ms=60_000)
     assert backend.release(KEY, "p2", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
     assert backend.cancel_wait(KEY, "p1", limit=1).released
-    assert_drained(env, backend)
+    assert_drained(env, backend, lapsed=True)
 
 
 # --- Blocking waiters ---------------------------------------------------------------------------
@@ -956,7 +968,7 @@ def test_a_standby_handed_a_slot_before_it_is_confirmed_keeps_its_payload_until_
     assert state.reserved == () and state.holders[0][0] == "p2" and state.waiters == ()
     assert pick_up(backend, "p2").acquired
     assert backend.release(KEY, "p2", limit=1).released
-    assert_drained(env, backend)
+    assert_drained(env, backend, lapsed=True)
 
 
 def test_a_standby_that_parks_again_keeps_its_place_and_a_late_confirm_leaves_it(env: Env) -> None:
@@ -1220,7 +1232,7 @@ def test_every_key_of_a_guard_key_is_in_one_cluster_slot(redis_env: Env, key: st
     park(backend, "p2", key=key)
     assert backend.set_limit(key, 3).handoffs == (Handoff(key, "p1", b"msg:p1"), Handoff(key, "w", None))
     names = redis_env.stored(":{*")
-    suffixes = {"holders", "waiters", "payloads", "reserved", "token", "limit", "info", "wake:w"}
+    suffixes = {"holders", "waiters", "payloads", "reserved", "token", "limit", "info", "meta", "wake:w"}
     assert names == {f"{redis_env.namespace}:{{{key}}}:{suffix}" for suffix in suffixes}
     assert len({key_slot(name.encode()) for name in names}) == 1
 
@@ -1300,3 +1312,124 @@ def test_scripts_are_reloaded_after_a_script_flush(redis_env: Env) -> None:
     park(backend, "p1")  # pipelined with the index update
     redis_env.client.script_flush()
     assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
+
+
+# --- Failure model: other applications, slow pushes ------------------------------------------
+
+
+def test_a_process_that_does_not_know_a_keys_limit_uses_the_one_recorded_with_its_waiters(env: Env) -> None:
+    """Invariant: a sweep by a process that cannot tell a key's actor never admits more than the
+    key's own application declared (it does not guess a limit from its own actors)."""
+    backend = env.backend()
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=200).acquired
+    for waiter in ["p1", "p2", "p3"]:
+        park(backend, waiter)
+    stranger = env.another_client(backend)
+    env.wait_past(deadline_of(backend, KEY, "a"))
+    assert stranger.sweep(KEY, limit=None).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
+    assert backend.set_limit(KEY, 2, default=None).handoffs == (Handoff(KEY, "p2", b"msg:p2"),)
+    assert backend.set_limit(KEY, None, default=None).handoffs == ()  # back to the recorded 1
+    for waiter in ["p1", "p2"]:
+        assert backend.confirm_handoff(KEY, waiter, ttl_ms=60_000)
+        backend.release(KEY, waiter, limit=None)
+    assert backend.inspect(KEY).holders[0][0] == "p3"
+    backend.release(KEY, "p3", limit=None)
+    assert_drained(env, backend)
+
+
+def test_parked_messages_are_handed_only_to_a_process_of_their_route(env: Env) -> None:
+    """Invariant: a parked message goes back only to the broker it came from. Another
+    application's process leaves it (and the parked ones after it) where it is, its slot free
+    for a process of its own route; ready waiters are anyone's to wake."""
+    app_a = env.backend()
+    app_b = env.another_client(app_a)  # the same object in memory: each call sets its route
+
+    def a() -> GuardBackend:
+        app_a.route = "app-a"
+        return app_a
+
+    def b() -> GuardBackend:
+        app_b.route = "app-b"
+        return app_b
+
+    assert a().acquire(KEY, "h", limit=1, ttl_ms=60_000).acquired
+    park(a(), "p1")
+    park(b(), "q1")
+    assert b().release(KEY, "h", limit=None).handoffs == ()
+    assert b().sweep(KEY, limit=None).handoffs == ()
+    assert backend_holders(a()) == []
+    assert a().sweep(KEY, limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
+    assert a().confirm_handoff(KEY, "p1", ttl_ms=60_000)
+    assert a().acquire(KEY, "p1", limit=1, ttl_ms=60_000).acquired
+    assert a().release(KEY, "p1", limit=1).handoffs == ()  # q1 is app B's to deliver
+    assert b().sweep(KEY, limit=None).handoffs == (Handoff(KEY, "q1", b"msg:q1"),)
+    assert b().confirm_handoff(KEY, "q1", ttl_ms=60_000)
+    # A blocking waiter needs no delivery: app A's release wakes app B's thread.
+    assert b().acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert b().acquire(KEY, "q1", limit=1, ttl_ms=60_000).acquired
+    assert a().release(KEY, "q1", limit=None).handoffs == (Handoff(KEY, "w", None),)
+    assert b().wait_for_handoff(KEY, "w", timeout_ms=0) is not None
+    b().release(KEY, "w", limit=None)
+    assert_drained(env, a())
+
+
+def backend_holders(backend: GuardBackend) -> list[str]:
+    return [holder for holder, _ in backend.inspect(KEY).holders]
+
+
+def test_a_stale_copy_of_a_handed_off_message_never_starts(env: Env) -> None:
+    """Invariant: at most one copy of a parked message starts, however slow its deliverer.
+
+    The deliverer of p1's first hand-off stalls past the reservation; p1 goes back to the queue
+    and is handed off again. The first copy (generation g1) may still reach the broker: it is
+    stale from then on, before and after the live copy ran; a redelivery of the live copy is not.
+    """
+    backend = env.backend(handoff_ttl_ms=200)
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    for waiter in ["p1", "p2"]:
+        park(backend, waiter)
+    [first] = backend.release(KEY, "a", limit=1).handoffs
+    env.wait_past(deadline_of(backend, KEY, "p1"))
+    [second] = backend.sweep(KEY, limit=1).handoffs
+    assert (first.waiter_id, second.waiter_id) == ("p1", "p1") and second.payload == b"msg:p1"
+    assert first.generation is not None and second.generation is not None
+    assert second.generation > first.generation
+    # The stalled deliverer confirms at last: that changes nothing, the payload stays stored.
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000, generation=first.generation) is False
+    assert backend.inspect(KEY).reserved == ("p1",)
+    stale = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=first.generation)
+    assert stale.stale and not stale.acquired and stale.handoffs == ()
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000, generation=second.generation)
+    live = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=second.generation)
+    assert live.acquired and not live.stale
+    assert backend.release(KEY, "p1", limit=1).handoffs == (Handoff(KEY, "p2", b"msg:p2"),)
+    assert backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=first.generation).stale
+    redelivered = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=second.generation)
+    assert not redelivered.stale  # refused only because p2 holds the slot
+    assert backend.confirm_handoff(KEY, "p2", ttl_ms=60_000)
+    backend.release(KEY, "p2", limit=1)
+    assert_drained(env, backend, lapsed=True)
+
+
+def test_a_standby_confirmed_too_late_cannot_start_beside_its_newer_copy(env: Env) -> None:
+    """Invariant: a standby whose sender stalled past its deadline parks again; once it is sent
+    again, the first copy is stale."""
+    backend = env.backend(handoff_ttl_ms=200)
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    park(backend, "p1")
+    _, [first] = backend.send_standbys(KEY, limit=1, count=1)
+    env.wait_past(env.now_ms() + 200)
+    _, [second] = backend.send_standbys(KEY, limit=1, count=1)  # parked again, sent again
+    assert first.generation is not None and second.generation is not None
+    assert second.generation > first.generation
+    assert first.payload is not None and second.payload is not None
+    assert not backend.confirm_standby(KEY, "p1", first.payload, ttl_ms=60_000, generation=first.generation)
+    assert backend.confirm_standby(KEY, "p1", second.payload, ttl_ms=60_000, generation=second.generation)
+    assert backend.acquire(
+        KEY, "p1", limit=1, ttl_ms=60_000, wait=Waiter(payload=b"msg:p1"), generation=first.generation
+    ).stale
+    backend.release(KEY, "a", limit=1)
+    started = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=second.generation)
+    assert started.acquired
+    backend.release(KEY, "p1", limit=1)
+    assert_drained(env, backend, lapsed=True)

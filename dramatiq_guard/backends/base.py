@@ -85,6 +85,36 @@ standbys
     from then on; with ``wait_ms == 0`` it parks again in its place. A
     standby whose entry was dropped is an ordinary message when picked up.
 
+limits known from the backend, not guessed
+    A caller that knows a key's default limit (the process whose actor
+    declared it) passes it, and it is recorded with the key when a waiter
+    queues. A caller that does not (``limit=None``: a sweep of a key of an
+    actor this process does not have, another application's) uses the
+    recorded one, and with none recorded hands nothing on. So a process never
+    admits more than the key's own application declared.
+
+routes
+    A parked waiter records the *route* of the process that parked it
+    (:attr:`GuardBackend.route`: which broker its message goes back to). A
+    hand-off returns a parked waiter's payload only to a caller of the same
+    route: one of another route leaves that waiter (and the parked waiters
+    after it) in place, its slot free for a process of its own route, whose
+    sweep hands it over. Ready waiters need no delivery and are handed on by
+    anyone. A waiter with no recorded route is anyone's.
+
+generations
+    Every hand-off to a parked waiter, and every standby send, gets a new
+    *generation* (a fencing token of the key), which the re-enqueued copy
+    carries (:attr:`Handoff.generation`). If that hand-off or send lapses
+    before it is confirmed, the copy may still be on the broker while the
+    waiter is back in the queue: from then on the backend remembers which
+    generation of the waiter may start (for ``stale_ttl_ms`` after the last
+    change), and a copy of any other generation is *stale*:
+    :meth:`~GuardBackend.acquire` refuses it (``AcquireResult.stale``), and
+    its confirmation changes nothing. So at most one copy of a parked message
+    ever starts; a copy that started may start again only as a redelivery of
+    itself (Dramatiq's own at-least-once).
+
 Durations are integer milliseconds. Deadlines are absolute milliseconds on
 the backend's clock (Redis ``TIME`` for Redis, ``time.time()`` in memory).
 
@@ -135,11 +165,15 @@ class Handoff:
         with a reservation deadline.
       payload(bytes|None): The parked message to re-enqueue, or None for a
         blocking waiter (already woken by the backend).
+      generation(int|None): The generation of this hand-off or standby send
+        (see *generations*): the re-enqueued copy carries it, and its
+        confirmation names it. None for a blocking waiter. Not compared.
     """
 
     key: str
     waiter_id: str
     payload: bytes | None
+    generation: int | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +200,8 @@ class AcquireResult:
         hand-off reservation, which lasts at least this long from the wake.
         The lease must be renewed at once (:class:`~dramatiq_guard.lease.Lease`
         does it when given ``reserved_ms``).
+      stale(bool): The caller is a stale copy of a handed-off message (see
+        *generations*): nothing was done, and it must not run.
     """
 
     acquired: bool
@@ -176,6 +212,7 @@ class AcquireResult:
     handoffs: tuple[Handoff, ...] = ()
     standby: bool = False
     reserved_ms: int | None = None
+    stale: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,13 +316,27 @@ class GuardBackend(abc.ABC):
         stores as a parked waiter's payload (default 256 KiB); a larger one
         is refused with :class:`~dramatiq_guard.errors.PayloadTooLarge`
         before anything is written (:meth:`check_payload`).
+      stale_ttl_ms(int): How long the backend remembers which generation of a
+        lapsed hand-off's message may start (see *generations*): a stale copy
+        that waits on the broker longer than this could start. Default one day.
+
+    Attributes:
+      route(str): Which broker this process delivers parked messages to (see
+        *routes*); set from the broker when the backend is resolved for one
+        (:func:`dramatiq_guard.delivery.route_of`). ``""``: none given.
     """
 
     def __init__(
-        self, *, handoff_ttl_ms: int = 10_000, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+        self,
+        *,
+        handoff_ttl_ms: int = 10_000,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        stale_ttl_ms: int = 86_400_000,
     ) -> None:
         self.handoff_ttl_ms = handoff_ttl_ms
         self.max_payload_bytes = check_max_payload_bytes(max_payload_bytes)
+        self.stale_ttl_ms = stale_ttl_ms
+        self.route = ""
 
     def check_payload(self, key: str, waiter_id: str, wait: Waiter | None) -> None:
         """Refuse a payload larger than :attr:`max_payload_bytes`; called first by :meth:`acquire`.
@@ -311,10 +362,11 @@ class GuardBackend(abc.ABC):
         key: str,
         holder: str,
         *,
-        limit: int,
+        limit: int | None,
         ttl_ms: int,
         wait: Waiter | None = None,
         info: str | None = None,
+        generation: int | None = None,
     ) -> AcquireResult:
         """Try to become a holder of ``key``.
 
@@ -336,12 +388,16 @@ class GuardBackend(abc.ABC):
         Parameters:
           key(str): The guard key.
           holder(str): The would-be holder's id.
-          limit(int): The default limit, used unless a run-time limit is set.
+          limit(int|None): The default limit, used unless a run-time limit is
+            set; None if the caller does not know it (the recorded one, see
+            *limits known from the backend*).
           ttl_ms(int): The lease duration.
           wait(Waiter|None): Queue the holder as a waiter if refused.
           info(str|None): A short description of the holder (e.g. its actor's
             name), kept with the time it first acquired while it holds the
             key, for :meth:`inspect` (``KeyState.holder_info``).
+          generation(int|None): The generation a handed-off copy carries (see
+            *generations*): a stale one is refused (``stale``) with nothing done.
         """
 
     @abc.abstractmethod
@@ -362,7 +418,7 @@ class GuardBackend(abc.ABC):
         return [self.renew(key, holder, ttl_ms=ttl_ms) for key, holder, ttl_ms in leases]
 
     @abc.abstractmethod
-    def release(self, key: str, holder: str, *, limit: int, send_ahead: int = 0) -> ReleaseResult:
+    def release(self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0) -> ReleaseResult:
         """Give up ``holder``'s slot (checked: only the holder itself releases it).
 
         Frees the slot and hands it to a waiter if any (see *hand-off* in the
@@ -379,7 +435,9 @@ class GuardBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def confirm_handoff(self, key: str, waiter_id: str, *, ttl_ms: int) -> bool:
+    def confirm_handoff(
+        self, key: str, waiter_id: str, *, ttl_ms: int, generation: int | None = None
+    ) -> bool:
         """Confirm that a handed-off parked message was re-enqueued.
 
         Drops its stored payload and sets its reservation deadline to
@@ -394,7 +452,7 @@ class GuardBackend(abc.ABC):
 
     @abc.abstractmethod
     def send_standbys(
-        self, key: str, *, limit: int, count: int
+        self, key: str, *, limit: int | None, count: int
     ) -> tuple[tuple[Handoff, ...], tuple[Handoff, ...]]:
         """Send the oldest parked waiters ahead as standbys, up to ``count`` of them.
 
@@ -410,7 +468,9 @@ class GuardBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def confirm_standby(self, key: str, waiter_id: str, payload: bytes, *, ttl_ms: int) -> bool:
+    def confirm_standby(
+        self, key: str, waiter_id: str, payload: bytes, *, ttl_ms: int, generation: int | None = None
+    ) -> bool:
         """Confirm that a standby sent by :meth:`send_standbys` was enqueued.
 
         If the stored payload is still ``payload``, it is dropped: the
@@ -444,7 +504,7 @@ class GuardBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def cancel_wait(self, key: str, waiter_id: str, *, limit: int) -> ReleaseResult:
+    def cancel_wait(self, key: str, waiter_id: str, *, limit: int | None) -> ReleaseResult:
         """Leave the waiters of ``key``: a blocking waiter that gave up.
 
         If a slot was handed to it meanwhile, the slot is released and handed
@@ -452,7 +512,7 @@ class GuardBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def sweep(self, key: str, *, limit: int) -> ReleaseResult:
+    def sweep(self, key: str, *, limit: int | None) -> ReleaseResult:
         """Reclaim lapsed holders and reservations of ``key`` and hand free slots on.
 
         What a worker runs periodically so waiters are never stranded when
@@ -460,7 +520,7 @@ class GuardBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def set_limit(self, key: str, limit: int | None, *, default: int = 1) -> ReleaseResult:
+    def set_limit(self, key: str, limit: int | None, *, default: int | None = 1) -> ReleaseResult:
         """Set (or with None, clear) the run-time limit of ``key``.
 
         Raising it hands the new slots to waiters at once. ``default`` is

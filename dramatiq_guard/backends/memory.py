@@ -43,6 +43,8 @@ class _Entry:
     drop_at_ms: int | None = None  # ready waiters and standbys only
     on_broker: bool = False  # a standby sent ahead, not picked up (with a payload: not confirmed)
     info: str | None = None  # a ready waiter's, recorded as the holder's info by a hand-off
+    route: str | None = None  # a parked waiter's: only a caller of this route delivers it
+    generation: int | None = None  # of its hand-off or standby send not confirmed yet
 
     @property
     def ready(self) -> bool:
@@ -60,6 +62,9 @@ class _Guard:
     woken: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # token, wake deadline
     info: dict[str, tuple[int, str | None]] = dataclasses.field(default_factory=dict)
     token: int = 0
+    default_limit: int | None = None  # recorded when a waiter queues, for callers that do not know it
+    # waiter -> (the one generation of its message that may start, until when it is remembered)
+    live: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     def next_token(self) -> int:
         """The next fencing token: above every one issued before, and at least the time in us."""
@@ -69,7 +74,11 @@ class _Guard:
     def is_idle(self) -> bool:
         return not (self.holders or self.queue or self.reserved)
 
-    def reclaim(self, now: int) -> int:
+    def deliverable(self, entry: _Entry, route: str) -> bool:
+        """Whether a caller of ``route`` delivers this parked waiter (see the contract's *routes*)."""
+        return entry.route is None or entry.route == route
+
+    def reclaim(self, now: int, stale_ttl_ms: int) -> int:
         """Drop lapsed holders (returning unconfirmed hand-offs to the queue) and expired waiters."""
         lapsed = [holder for holder, deadline in self.holders.items() if deadline <= now]
         for holder in lapsed:
@@ -78,15 +87,35 @@ class _Guard:
             entry = self.reserved.pop(holder, None)
             if entry is not None:
                 self.queue[holder] = entry
+                self.mark_lapsed(holder, entry, now + stale_ttl_ms)
         for waiter in [w for w, e in self.queue.items() if e.drop_at_ms is not None and e.drop_at_ms <= now]:
             entry = self.queue[waiter]
             if entry.payload is not None:
                 entry.drop_at_ms = None  # a standby sent but never confirmed parks again
                 entry.on_broker = False
+                self.mark_lapsed(waiter, entry, now + stale_ttl_ms)
             else:
                 del self.queue[waiter]
         self.woken = {w: wake for w, wake in self.woken.items() if wake[1] > now}
+        self.live = {w: live for w, live in self.live.items() if live[1] > now}
         return len(lapsed)
+
+    def mark_lapsed(self, waiter: str, entry: _Entry, until: int) -> None:
+        """Its hand-off or send lapsed unconfirmed: only that generation's copy may start now."""
+        if entry.generation is not None:
+            self.live[waiter] = (entry.generation, until)
+            entry.generation = None
+
+    def new_generation(self, waiter: str, entry: _Entry, until: int) -> int:
+        """A new generation for the waiter's hand-off or standby send (see the contract)."""
+        entry.generation = self.next_token()
+        if waiter in self.live:
+            self.live[waiter] = (entry.generation, until)
+        return entry.generation
+
+    def is_stale(self, waiter: str, generation: int | None) -> bool:
+        live = self.live.get(waiter)
+        return generation is not None and live is not None and live[0] != generation
 
     def choose(self, free: int, limit: int) -> list[str]:
         """Who ``free`` slots go to, oldest first: among the first ``limit`` waiters, the ready ones first."""
@@ -122,42 +151,60 @@ class MemoryBackend(GuardBackend):
         check_key(key)
         guard = self._guards.setdefault(key, _Guard())
         now = _now_ms()
-        guard.reclaim(now)
+        guard.reclaim(now, self.stale_ttl_ms)
         return guard, now
+
+    def _in_force(self, key: str, guard: _Guard, limit: int | None) -> int:
+        """The limit in force: the run-time one, else the caller's default, else the recorded one, else 0."""
+        default = limit if limit is not None else (guard.default_limit or 0)
+        return self._limits.get(key, default)
 
     def _hand_off(self, key: str, guard: _Guard, limit: int, now: int) -> list[Handoff]:
         handed: list[Handoff] = []
+        stopped = False
         for waiter in guard.choose(limit - len(guard.holders), limit):
-            entry = guard.queue.pop(waiter)
+            entry = guard.queue[waiter]
+            if entry.payload is not None and not entry.on_broker:
+                # A parked waiter of another route stops the parked ones (its owner's sweep hands it on).
+                stopped = stopped or not guard.deliverable(entry, self.route)
+                if stopped:
+                    continue
+            del guard.queue[waiter]
             guard.holders[waiter] = now + self.handoff_ttl_ms
-            payload = entry.payload
+            payload, generation = entry.payload, None
             if payload is not None:
                 guard.reserved[waiter] = entry
                 if entry.on_broker:
                     # A standby being sent: its sender enqueues and confirms it.
                     entry.drop_at_ms = payload = None
                     entry.on_broker = False
+                else:
+                    generation = guard.new_generation(waiter, entry, now + self.stale_ttl_ms)
             else:
                 guard.woken[waiter] = (guard.next_token(), now + self.wake_ttl_ms)
                 if entry.info is not None:
                     guard.info[waiter] = (now, entry.info)
                 self._changed.notify_all()
-            handed.append(Handoff(key, waiter, payload))
+            handed.append(Handoff(key, waiter, payload, generation))
         return handed
 
     def _send_ahead(self, key: str, guard: _Guard, count: int, now: int) -> tuple[Handoff, ...]:
-        """Mark the parked waiters among the first ``count`` as standbys being sent; return them."""
+        """Mark the parked waiters of this route among the first ``count`` as standbys being sent."""
         sent = []
         for waiter, entry in sorted(guard.queue.items(), key=lambda item: item[1].place)[: max(0, count)]:
-            if entry.payload is not None and not entry.on_broker:
+            if entry.payload is not None and not entry.on_broker and guard.deliverable(entry, self.route):
                 entry.drop_at_ms = now + self.handoff_ttl_ms
                 entry.on_broker = True
-                sent.append(Handoff(key, waiter, entry.payload))
+                generation = guard.new_generation(waiter, entry, now + self.stale_ttl_ms)
+                sent.append(Handoff(key, waiter, entry.payload, generation))
         return tuple(sent)
 
     def _end(self, key: str, guard: _Guard) -> None:
         if guard.is_idle():
-            self._guards.pop(key, None)
+            if guard.live:  # outlives the rest of the key's state, as on Redis
+                self._guards[key] = _Guard(live=guard.live)
+            else:
+                self._guards.pop(key, None)
 
     # The operations.
 
@@ -166,16 +213,20 @@ class MemoryBackend(GuardBackend):
         key: str,
         holder: str,
         *,
-        limit: int,
+        limit: int | None,
         ttl_ms: int,
         wait: Waiter | None = None,
         info: str | None = None,
+        generation: int | None = None,
     ) -> AcquireResult:
         """Try to become a holder of ``key``; see :meth:`GuardBackend.acquire`."""
         self.check_payload(key, holder, wait)
         with self._changed:
             guard, now = self._begin(key)
-            in_force = self._limits.get(key, limit)
+            in_force = self._in_force(key, guard, limit)
+            if guard.is_stale(holder, generation):
+                self._end(key, guard)
+                return AcquireResult(False, None, (), in_force, stale=True)
             handoffs = [h for h in self._hand_off(key, guard, in_force, now) if h.waiter_id != holder]
             token = None
             parked = standby = False
@@ -185,6 +236,9 @@ class MemoryBackend(GuardBackend):
                 guard.queue.pop(holder, None)
                 guard.reserved.pop(holder, None)
                 guard.woken.pop(holder, None)
+                if generation is not None and holder in guard.live:
+                    # This copy started: it is the one that may start again (a redelivery).
+                    guard.live[holder] = (generation, now + self.stale_ttl_ms)
                 token = guard.next_token()
             elif wait is not None:
                 entry = guard.queue.get(holder)
@@ -196,6 +250,8 @@ class MemoryBackend(GuardBackend):
                 )
                 if entry is None:
                     entry = guard.queue[holder] = _Entry(next(self._places), now)
+                if limit is not None:
+                    guard.default_limit = limit
                 entry.on_broker = False
                 if standby:  # a standby sent ahead was picked up (or asks again): it blocks in its place
                     entry.payload = None
@@ -203,6 +259,8 @@ class MemoryBackend(GuardBackend):
                 else:
                     entry.payload = wait.payload
                     entry.drop_at_ms = None if wait.payload is not None else now + wait.wait_ms
+                    if wait.payload is not None:
+                        entry.route = self.route
                 entry.info = (info or None) if entry.ready else None
                 parked = True
             holders = tuple(sorted(guard.holders, key=guard.holders.__getitem__))
@@ -222,7 +280,7 @@ class MemoryBackend(GuardBackend):
             guard.holders[holder] = now + ttl_ms
             return True
 
-    def release(self, key: str, holder: str, *, limit: int, send_ahead: int = 0) -> ReleaseResult:
+    def release(self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0) -> ReleaseResult:
         """Give up ``holder``'s slot; see :meth:`GuardBackend.release`."""
         with self._changed:
             guard, now = self._begin(key)
@@ -230,50 +288,64 @@ class MemoryBackend(GuardBackend):
             guard.info.pop(holder, None)
             if released:
                 guard.reserved.pop(holder, None)
-            in_force = self._limits.get(key, limit)
+            in_force = self._in_force(key, guard, limit)
             handoffs = self._hand_off(key, guard, in_force, now)
             standbys = self._send_ahead(key, guard, min(send_ahead, in_force), now)
             self._end(key, guard)
             return ReleaseResult(released, tuple(handoffs), standbys)
 
-    def confirm_handoff(self, key: str, waiter_id: str, *, ttl_ms: int) -> bool:
+    def confirm_handoff(
+        self, key: str, waiter_id: str, *, ttl_ms: int, generation: int | None = None
+    ) -> bool:
         """Confirm a handed-off parked message was re-enqueued; see :meth:`GuardBackend.confirm_handoff`."""
         with self._changed:
             guard, now = self._begin(key)
-            if guard.reserved.pop(waiter_id, None) is not None:
+            reserved = guard.reserved.get(waiter_id)
+            if reserved is not None and generation in (None, reserved.generation):
+                del guard.reserved[waiter_id]
                 guard.holders[waiter_id] = now + ttl_ms
                 held = True
             else:
-                held = waiter_id in guard.holders
-                if not held:
+                held = waiter_id in guard.holders and waiter_id not in guard.reserved
+                live = guard.live.get(waiter_id)
+                if not held and (generation is None or (live is not None and live[0] == generation)):
+                    # Lapsed and back in the queue before any newer hand-off: the re-enqueued copy wins.
                     guard.queue.pop(waiter_id, None)
             self._end(key, guard)
             return held
 
     def send_standbys(
-        self, key: str, *, limit: int, count: int
+        self, key: str, *, limit: int | None, count: int
     ) -> tuple[tuple[Handoff, ...], tuple[Handoff, ...]]:
         """Send the oldest parked waiters ahead as standbys; see :meth:`GuardBackend.send_standbys`."""
         with self._changed:
             guard, now = self._begin(key)
-            in_force = self._limits.get(key, limit)
+            in_force = self._in_force(key, guard, limit)
             handoffs = self._hand_off(key, guard, in_force, now)
             sent = self._send_ahead(key, guard, min(count, in_force), now)
             self._end(key, guard)
             return tuple(handoffs), sent
 
-    def confirm_standby(self, key: str, waiter_id: str, payload: bytes, *, ttl_ms: int) -> bool:
+    def confirm_standby(
+        self, key: str, waiter_id: str, payload: bytes, *, ttl_ms: int, generation: int | None = None
+    ) -> bool:
         """Confirm a standby was enqueued; see :meth:`GuardBackend.confirm_standby`."""
         with self._changed:
             guard, now = self._begin(key)
             reserved = guard.reserved.get(waiter_id)
             entry = guard.queue.get(waiter_id)
             held = True
+            current = reserved if reserved is not None else entry
+            in_flight = current.generation if current is not None else None
+            if generation is not None and in_flight is not None and in_flight != generation:
+                self._end(key, guard)
+                return False  # a confirmation of an older send: that copy will not start
             if reserved is not None and reserved.payload == payload:
                 del guard.reserved[waiter_id]
                 guard.holders[waiter_id] = now + ttl_ms
             elif entry is not None and entry.payload == payload and entry.on_broker:
                 entry.payload = None
+                entry.generation = None
                 entry.drop_at_ms = now + ttl_ms
             else:
                 # Picked up already (ready, or holding its slot), or sent again; else parked.
@@ -296,7 +368,7 @@ class MemoryBackend(GuardBackend):
                     return None
                 self._changed.wait(remaining)
 
-    def cancel_wait(self, key: str, waiter_id: str, *, limit: int) -> ReleaseResult:
+    def cancel_wait(self, key: str, waiter_id: str, *, limit: int | None) -> ReleaseResult:
         """Leave the waiters of ``key``; see :meth:`GuardBackend.cancel_wait`."""
         with self._changed:
             guard, now = self._begin(key)
@@ -305,11 +377,11 @@ class MemoryBackend(GuardBackend):
             guard.reserved.pop(waiter_id, None)
             released = guard.holders.pop(waiter_id, None) is not None
             guard.info.pop(waiter_id, None)
-            handoffs = self._hand_off(key, guard, self._limits.get(key, limit), now)
+            handoffs = self._hand_off(key, guard, self._in_force(key, guard, limit), now)
             self._end(key, guard)
             return ReleaseResult(released, tuple(handoffs))
 
-    def sweep(self, key: str, *, limit: int) -> ReleaseResult:
+    def sweep(self, key: str, *, limit: int | None) -> ReleaseResult:
         """Reclaim lapsed holders and hand free slots on; see :meth:`GuardBackend.sweep`.
 
         Returns:
@@ -319,12 +391,12 @@ class MemoryBackend(GuardBackend):
         with self._changed:
             guard = self._guards.setdefault(key, _Guard())
             now = _now_ms()
-            reclaimed = guard.reclaim(now)
-            handoffs = self._hand_off(key, guard, self._limits.get(key, limit), now)
+            reclaimed = guard.reclaim(now, self.stale_ttl_ms)
+            handoffs = self._hand_off(key, guard, self._in_force(key, guard, limit), now)
             self._end(key, guard)
             return ReleaseResult(reclaimed > 0, tuple(handoffs))
 
-    def set_limit(self, key: str, limit: int | None, *, default: int = 1) -> ReleaseResult:
+    def set_limit(self, key: str, limit: int | None, *, default: int | None = 1) -> ReleaseResult:
         """Set or clear the run-time limit; see :meth:`GuardBackend.set_limit`.
 
         Returns:
@@ -342,7 +414,7 @@ class MemoryBackend(GuardBackend):
             else:
                 self._limits[key] = limit
             guard, now = self._begin(key)
-            handoffs = self._hand_off(key, guard, self._limits.get(key, default), now)
+            handoffs = self._hand_off(key, guard, self._in_force(key, guard, default), now)
             self._end(key, guard)
             return ReleaseResult(False, tuple(handoffs))
 

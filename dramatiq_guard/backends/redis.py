@@ -113,6 +113,8 @@ class _KeyNames(NamedTuple):
     limit: str
     info: str
     standbys: str
+    meta: str
+    gens: str
 
 
 _KEY_SCRIPTS = (
@@ -256,12 +258,27 @@ class RedisBackend(GuardBackend):
         if "}" in waiter_id:
             raise ValueError(f"a waiter id must not contain '}}', got {waiter_id!r}")
 
-    def _args(self, key: str, default_limit: int, *args: str | int | bytes) -> list[str | int | bytes]:
+    def _args(self, key: str, default_limit: int | None, *args: str | int | bytes) -> list[str | int | bytes]:
         """The ARGV of a per-key script: the values Python owns (see _prelude.lua), then its own."""
-        return [self._wake_prefix(key), self.handoff_ttl_ms, self.wake_ttl_ms, key, default_limit, *args]
+        limit: str | int = "" if default_limit is None else default_limit
+        return [
+            self._wake_prefix(key),
+            self.handoff_ttl_ms,
+            self.wake_ttl_ms,
+            key,
+            limit,
+            self.route,
+            self.stale_ttl_ms,
+            *args,
+        ]
 
     def _run(
-        self, name: str, key: str, default_limit: int, *args: str | int | bytes, extra_key: str | None = None
+        self,
+        name: str,
+        key: str,
+        default_limit: int | None,
+        *args: str | int | bytes,
+        extra_key: str | None = None,
     ) -> Any:
         keys = self._keys(key)
         if extra_key is not None and not self._in_cluster():
@@ -305,10 +322,15 @@ class RedisBackend(GuardBackend):
         return list(results)
 
     def _handoffs(self, key: str, flat: list[Any]) -> tuple[Handoff, ...]:
-        """Decode ``waiter, payload-or-nil`` pairs (a nil payload: a blocking waiter, woken)."""
+        """Decode ``waiter, payload-or-nil, generation-or-nil`` triples (no payload: a woken waiter)."""
         return tuple(
-            Handoff(key, _text(flat[i]), None if flat[i + 1] is None else _data(flat[i + 1]))
-            for i in range(0, len(flat), 2)
+            Handoff(
+                key,
+                _text(flat[i]),
+                None if flat[i + 1] is None else _data(flat[i + 1]),
+                None if flat[i + 2] is None else int(flat[i + 2]),
+            )
+            for i in range(0, len(flat), 3)
         )
 
     def _acquire_reply(self, key: str, reply: list[Any]) -> AcquireResult:
@@ -320,9 +342,10 @@ class RedisBackend(GuardBackend):
             token=None if token is None else int(token),
             holders=tuple(_text(h) for h in holders),
             limit=int(in_force),
-            parked=queued != "",
+            parked=queued in ("queued", "standby"),
             handoffs=self._handoffs(key, handoffs),
             standby=queued == "standby",
+            stale=queued == "stale",
         )
 
     def _release_reply(self, key: str, reply: list[Any]) -> ReleaseResult:
@@ -358,10 +381,11 @@ class RedisBackend(GuardBackend):
         key: str,
         holder: str,
         *,
-        limit: int,
+        limit: int | None,
         ttl_ms: int,
         wait: Waiter | None = None,
         info: str | None = None,
+        generation: int | None = None,
     ) -> AcquireResult:
         """Try to become a holder of ``key``; see :meth:`GuardBackend.acquire`.
 
@@ -375,14 +399,14 @@ class RedisBackend(GuardBackend):
           PayloadTooLarge: If ``wait.payload`` is over ``max_payload_bytes`` (nothing is written).
         """
         self.check_payload(key, holder, wait)
+        gen: str | int = "" if generation is None else generation
         if wait is None:
-            mode: list[str | int | bytes] = ["", b"", 0, info or ""]
+            mode: list[str | int | bytes] = ["", b"", 0, info or "", gen]
             reply = self._run("acquire", key, limit, holder, ttl_ms, *mode)
         else:
             self._check_waiter(holder)
             kind = "park" if wait.payload is not None else "block"
-            mode = [kind, b"" if wait.payload is None else wait.payload, wait.wait_ms]
-            mode.append(info or "")
+            mode = [kind, b"" if wait.payload is None else wait.payload, wait.wait_ms, info or "", gen]
             if self._in_cluster():
                 script = self._scripts["acquire"]
                 [reply] = self._pipelined(
@@ -413,7 +437,7 @@ class RedisBackend(GuardBackend):
         calls = [(script, self._keys(key), self._args(key, 0, holder, ttl)) for key, holder, ttl in leases]
         return [bool(result) for result in self._pipelined(calls)]
 
-    def release(self, key: str, holder: str, *, limit: int, send_ahead: int = 0) -> ReleaseResult:
+    def release(self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0) -> ReleaseResult:
         """Give up ``holder``'s slot; see :meth:`GuardBackend.release`.
 
         Raises:
@@ -421,16 +445,19 @@ class RedisBackend(GuardBackend):
         """
         return self._release_reply(key, self._run("release", key, limit, holder, send_ahead))
 
-    def confirm_handoff(self, key: str, waiter_id: str, *, ttl_ms: int) -> bool:
+    def confirm_handoff(
+        self, key: str, waiter_id: str, *, ttl_ms: int, generation: int | None = None
+    ) -> bool:
         """Confirm a handed-off parked message was re-enqueued; see :meth:`GuardBackend.confirm_handoff`.
 
         Raises:
           BackendUnavailable: If Redis cannot be reached.
         """
-        return bool(self._run("confirm_handoff", key, 0, waiter_id, ttl_ms))
+        gen = "" if generation is None else generation
+        return bool(self._run("confirm_handoff", key, 0, waiter_id, ttl_ms, gen))
 
     def send_standbys(
-        self, key: str, *, limit: int, count: int
+        self, key: str, *, limit: int | None, count: int
     ) -> tuple[tuple[Handoff, ...], tuple[Handoff, ...]]:
         """Send the oldest parked waiters ahead as standbys; see :meth:`GuardBackend.send_standbys`.
 
@@ -440,13 +467,16 @@ class RedisBackend(GuardBackend):
         handoffs, sent = self._run("standby", key, limit, "send", count)  # {handoffs, standbys}
         return self._handoffs(key, handoffs), self._handoffs(key, sent)
 
-    def confirm_standby(self, key: str, waiter_id: str, payload: bytes, *, ttl_ms: int) -> bool:
+    def confirm_standby(
+        self, key: str, waiter_id: str, payload: bytes, *, ttl_ms: int, generation: int | None = None
+    ) -> bool:
         """Confirm a standby was enqueued; see :meth:`GuardBackend.confirm_standby`.
 
         Raises:
           BackendUnavailable: If Redis cannot be reached.
         """
-        return bool(self._run("standby", key, 0, "confirm", waiter_id, ttl_ms, payload))
+        gen = "" if generation is None else generation
+        return bool(self._run("standby", key, 0, "confirm", waiter_id, ttl_ms, payload, gen))
 
     def wait_for_handoff(self, key: str, waiter_id: str, *, timeout_ms: int) -> Woken | None:
         """Block on the waiter's wake list (BLPOP); see :meth:`GuardBackend.wait_for_handoff`.
@@ -486,7 +516,7 @@ class RedisBackend(GuardBackend):
             return None
         return max(float(socket_timeout) - 1.0, float(socket_timeout) / 2)
 
-    def cancel_wait(self, key: str, waiter_id: str, *, limit: int) -> ReleaseResult:
+    def cancel_wait(self, key: str, waiter_id: str, *, limit: int | None) -> ReleaseResult:
         """Leave the waiters of ``key``; see :meth:`GuardBackend.cancel_wait`.
 
         Raises:
@@ -495,7 +525,7 @@ class RedisBackend(GuardBackend):
         self._check_waiter(waiter_id)
         return self._release_reply(key, self._run("cancel_wait", key, limit, waiter_id))
 
-    def sweep(self, key: str, *, limit: int) -> ReleaseResult:
+    def sweep(self, key: str, *, limit: int | None) -> ReleaseResult:
         """Reclaim lapsed holders and hand free slots on; see :meth:`GuardBackend.sweep`.
 
         Returns:
@@ -506,7 +536,7 @@ class RedisBackend(GuardBackend):
         """
         return self._release_reply(key, self._run("sweep", key, limit))
 
-    def set_limit(self, key: str, limit: int | None, *, default: int = 1) -> ReleaseResult:
+    def set_limit(self, key: str, limit: int | None, *, default: int | None = 1) -> ReleaseResult:
         """Set or clear the run-time limit; see :meth:`GuardBackend.set_limit`.
 
         Returns:

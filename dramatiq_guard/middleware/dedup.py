@@ -26,11 +26,11 @@ from typing import Any
 
 from dramatiq import Broker, Message
 from dramatiq.broker import MessageProxy
-from dramatiq.middleware import Retries
+from dramatiq.middleware import Retries, SkipMessage
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import GuardBackend, Handoff, ReleaseResult, Waiter
-from dramatiq_guard.delivery import Courier
+from dramatiq_guard.delivery import Courier, generation_of
 from dramatiq_guard.errors import BackendUnavailable, DuplicateMessage, GuardOptionError
 from dramatiq_guard.gate import Diverted, Outcome
 from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware, execution_state
@@ -413,21 +413,8 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
                 self._deliver(broker, released.handoffs)
                 return
             policy = guard.policy
-            if policy.on_duplicate == "reschedule_once":
-                # Duplicates that arrived before this start are covered by this run.
-                cancelled = backend.cancel_wait(key, rerun_id(holder), limit=1)
-                self._deliver(broker, cancelled.handoffs)
-            else:
-                result = backend.acquire(key, holder, limit=1, ttl_ms=policy.ttl_ms, info=message.actor_name)
-                self._deliver(broker, result.handoffs)
-                if not result.acquired:
-                    logger.warning(
-                        "Message %s starts without its dedup lock %r: it lapsed and %s holds it now.",
-                        holder,
-                        key,
-                        ", ".join(result.holders) or "nobody",
-                    )
-                    return
+            if not self._take_lock(broker, backend, message, key, policy):
+                return
             lease: LeaseHandle = get_renewer().register(backend, key, holder, policy.ttl_ms)
             execution_state(message).data[self.option] = lease
         except BackendUnavailable:
@@ -435,6 +422,45 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
                 logger.warning("The guard backend is unavailable: %s runs anyway (fail_open).", holder)
                 return
             raise
+
+    def _take_lock(
+        self, broker: Broker, backend: GuardBackend, message: MessageProxy, key: str, policy: DedupPolicy
+    ) -> bool:
+        """Make the holder's lock its lease as it starts; False if it starts without it.
+
+        A ``reschedule_once`` holder cancels the rerun asked for before it
+        started (its run covers them). A copy re-enqueued by a hand-off (a
+        rerun) that is stale (a newer hand-off of it exists) is skipped.
+
+        Raises:
+          SkipMessage: The message is a stale copy of a rerun.
+        """
+        holder = message.message_id
+        generation = generation_of(message, key)
+        if policy.on_duplicate != "reschedule_once" or generation is not None:
+            result = backend.acquire(
+                key, holder, limit=1, ttl_ms=policy.ttl_ms, info=message.actor_name, generation=generation
+            )
+            self._deliver(broker, result.handoffs)
+            if result.stale:
+                execution_state(message).parked = True  # not a terminal event: the newer copy runs
+                message.options["store_results"] = False
+                logger.info("Skipped %s: a stale copy (a newer hand-off of %r runs instead).", message, key)
+                raise SkipMessage(f"stale copy of a hand-off of {key!r}")
+            if not result.acquired:
+                holders = ", ".join(result.holders) or "nobody"
+                logger.warning(
+                    "Message %s starts without its dedup lock %r: it lapsed and %s holds it now.",
+                    holder,
+                    key,
+                    holders,
+                )
+                return False
+        if policy.on_duplicate == "reschedule_once":
+            # Duplicates that arrived before this start are covered by this run.
+            cancelled = backend.cancel_wait(key, rerun_id(holder), limit=1)
+            self._deliver(broker, cancelled.handoffs)
+        return True
 
     def after_process_message(
         self,

@@ -16,7 +16,17 @@
 --                    a ready waiter -> "|<info>" (so a hand-off can record it)
 --   KEYS[9] S  zset  standby -> deadline (ms): a waiter sent ahead to the broker and not picked
 --                    up yet (standby.lua); with a payload in P it is not confirmed yet
---   KEYS[10] X zset  the waiting-keys index (guard key -> when a waiter last parked), given on a
+--   KEYS[10] M hash  what the key's waiters need from other processes, kept while anything is
+--                    queued: 'limit' -> the default limit, recorded by a process that knows it
+--                    when a waiter queues (a process that does not, e.g. one sweeping a key of
+--                    another application, uses it); 'r:<w>' -> the route (the broker) of parked
+--                    waiter w, which only a process of that route delivers; 'g:<w>' -> the
+--                    generation of w's hand-off or standby send that is not confirmed yet
+--   KEYS[11] G hash  waiter -> the one generation of its message that may start, for waiters
+--                    whose hand-off or standby send lapsed unconfirmed (an older copy may still
+--                    be on the broker); outlives the key's other state, expiring STALE_TTL after
+--                    its last write
+--   KEYS[12] X zset  the waiting-keys index (guard key -> when a waiter last parked), given on a
 --                    standalone Redis only: it is in another Cluster slot. With it, the index
 --                    is kept here, atomically: K is in it exactly while W or R is not empty.
 -- and the same leading ARGV, values the Python side owns (RedisBackend._args):
@@ -24,7 +34,9 @@
 --   ARGV[2] handoff_ttl_ms
 --   ARGV[3] how long a wake waits to be taken (GuardBackend.wake_ttl_ms)
 --   ARGV[4] the guard key K itself (for the indexes)
---   ARGV[5] the default limit
+--   ARGV[5] the default limit, or '' if the caller does not know it (then the recorded one, else 0)
+--   ARGV[6] the caller's route: the broker it delivers parked messages to
+--   ARGV[7] STALE_TTL, how long G outlives its last write (ms)
 -- A script's own arguments follow; it reads them with arg(1), arg(2), ...
 -- Times come from the server's clock only.
 --
@@ -41,17 +53,20 @@
 -- change H only through set_holders / drop_holders (or to keep HS, HN, RAISED right
 -- itself); finish() re-reads H for a script that does not.
 local H, W, P, R, D, T, L, I = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local S = KEYS[9]
-local X = KEYS[10]
+local S, M, G = KEYS[9], KEYS[10], KEYS[11]
+local X = KEYS[12]
 local WAKE = ARGV[1]
 local HANDOFF_TTL = tonumber(ARGV[2])
 local WAKE_TTL = tonumber(ARGV[3])
 local KEY = ARGV[4]
-local DEFAULT_LIMIT = tonumber(ARGV[5])
+local KNOWN_DEFAULT = ARGV[5] ~= ''
+local DEFAULT_LIMIT = tonumber(ARGV[5]) -- nil until read from M (see default_limit)
+local ROUTE = ARGV[6]
+local STALE_TTL = tonumber(ARGV[7])
 
 -- The script's own i-th argument.
 local function arg(i)
-  return ARGV[5 + i]
+  return ARGV[7 + i]
 end
 local clock = redis.call('TIME')
 local NOW_US = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
@@ -123,12 +138,66 @@ local function next_token()
   return TOKEN
 end
 
+-- The default limit: the caller's, else the one recorded when a waiter queued, else 0 (a
+-- process that knows neither hands nothing on).
+local function default_limit()
+  if DEFAULT_LIMIT == nil then
+    DEFAULT_LIMIT = tonumber(redis.call('HGET', M, 'limit') or '0')
+  end
+  return DEFAULT_LIMIT
+end
+
 local function limit_in_force()
   if LIMIT == nil then
     local l = redis.call('GET', L)
-    LIMIT = l and tonumber(l) or DEFAULT_LIMIT
+    LIMIT = l and tonumber(l) or default_limit()
   end
   return LIMIT
+end
+
+-- 'prefix' .. w for each w of list.
+local function prefixed(prefix, list)
+  local out = {}
+  for i, w in ipairs(list) do
+    out[i] = prefix .. w
+  end
+  return out
+end
+
+-- These waiters' hand-offs or standby sends lapsed unconfirmed: their copy (of the generation in
+-- M) may still be on the broker, and is now the only one that may start (G), until a newer
+-- hand-off or send replaces it.
+local function mark_lapsed(list)
+  local gens = call_many('HMGET', M, prefixed('g:', list))
+  local marks = {}
+  for i, w in ipairs(list) do
+    if gens[i] then
+      marks[#marks + 1] = w
+      marks[#marks + 1] = gens[i]
+    end
+  end
+  if #marks > 0 then
+    call_many('HSET', G, marks)
+    redis.call('PEXPIRE', G, STALE_TTL)
+    call_many('HDEL', M, prefixed('g:', list))
+  end
+end
+
+-- w left the queue for good (it started, or gave up): its route and in-flight generation go.
+local function forget(w)
+  redis.call('HDEL', M, 'r:' .. w, 'g:' .. w)
+end
+
+-- A new generation for w's hand-off or standby send (a fencing token of the key): recorded as in
+-- flight in M, and in G if an older copy of w may be on the broker.
+local function new_generation(w)
+  local gen = fmt(next_token())
+  redis.call('HSET', M, 'g:' .. w, gen)
+  if redis.call('HEXISTS', G, w) == 1 then
+    redis.call('HSET', G, w, gen)
+    redis.call('PEXPIRE', G, STALE_TTL)
+  end
+  return gen
 end
 
 -- The largest deadline in HS (0 if none).
@@ -204,6 +273,7 @@ local function reclaim()
     if #gone > 0 then
       call_many('HDEL', R, gone)
       call_many('ZADD', W, back)
+      mark_lapsed(gone)
     end
     -- A ready waiter whose thread stopped waiting (it died, or gave up without a word) is dropped.
     local dropped = redis.call('ZRANGEBYSCORE', D, '-inf', NOW)
@@ -218,14 +288,19 @@ local function reclaim()
     if #lapsed_standbys > 0 then
       call_many('ZREM', S, lapsed_standbys)
       local payloads = call_many('HMGET', P, lapsed_standbys)
-      local gone = {}
+      local gone, unconfirmed = {}, {}
       for i, w in ipairs(lapsed_standbys) do
-        if not payloads[i] then
+        if payloads[i] then
+          unconfirmed[#unconfirmed + 1] = w
+        else
           gone[#gone + 1] = w
         end
       end
       if #gone > 0 then
         call_many('ZREM', W, gone)
+      end
+      if #unconfirmed > 0 then
+        mark_lapsed(unconfirmed)
       end
     end
   end
@@ -271,11 +346,15 @@ end
 
 -- Hand every free slot to a waiter (see choose): each becomes a holder with a
 -- reservation deadline. A parked waiter keeps its payload (and its place, in
--- R) until confirm_handoff; a ready waiter, or a standby already confirmed on
--- the broker, gets its fencing token pushed on its wake list, which expires after
--- half the reservation: a woken waiter that takes it holds the slot at once and
--- has the other half, at least, to renew it into a lease.
--- Appends waiter, payload-or-false pairs to `out`.
+-- R) until confirm_handoff, and its hand-off gets a new generation (a fencing
+-- token, which its re-enqueued copy carries); a ready waiter, or a standby
+-- already confirmed on the broker, gets its fencing token pushed on its wake
+-- list, which expires after half the reservation: a woken waiter that takes it
+-- holds the slot at once and has the other half, at least, to renew it into a
+-- lease. A parked waiter of another route (another application's broker) is
+-- left for a process of its route, and so are the parked waiters after it:
+-- its slot stays free until that process's sweep hands it over.
+-- Appends waiter, payload-or-false, generation-or-false triples to `out`.
 local function handoff(limit, out)
   if not (QUEUED or PARKED) then
     return
@@ -288,25 +367,41 @@ local function handoff(limit, out)
   if #heads == 0 then
     return
   end
-  local deadline = NOW + HANDOFF_TTL
-  local waiters, holders = {}, {}
+  local candidates = {}
   for i = 1, #heads, 2 do
-    waiters[#waiters + 1] = heads[i]
-    holders[#holders + 1] = deadline
-    holders[#holders + 1] = heads[i]
+    candidates[#candidates + 1] = heads[i]
   end
-  local payloads = call_many('HMGET', P, waiters)
+  local payloads = call_many('HMGET', P, candidates)
+  local routes = call_many('HMGET', M, prefixed('r:', candidates))
+  local deadline = NOW + HANDOFF_TTL
+  local waiters, holders, places, stopped = {}, {}, {}, false
+  for i, w in ipairs(candidates) do
+    local foreign = payloads[i] and routes[i] and routes[i] ~= ROUTE and not redis.call('ZSCORE', S, w)
+    stopped = stopped or (foreign and true or false)
+    if not (payloads[i] and stopped) then
+      waiters[#waiters + 1] = w
+      places[#waiters] = heads[2 * i]
+      payloads[#waiters] = payloads[i]
+      holders[#holders + 1] = deadline
+      holders[#holders + 1] = w
+    end
+  end
+  if #waiters == 0 then
+    return
+  end
   call_many('ZREM', W, waiters)
   set_holders(holders)
   local reserve, woken = {}, {}
   for i, w in ipairs(waiters) do
-    local payload = payloads[i]
+    local payload, gen = payloads[i], false
     if payload then
       reserve[#reserve + 1] = w
-      reserve[#reserve + 1] = heads[2 * i]
+      reserve[#reserve + 1] = places[i]
       if redis.call('ZREM', S, w) == 1 then
         -- A standby being sent (standby.lua): its sender enqueues and confirms it.
         payload = false
+      else
+        gen = new_generation(w)
       end
     else
       woken[#woken + 1] = w
@@ -320,6 +415,7 @@ local function handoff(limit, out)
     end
     out[#out + 1] = w
     out[#out + 1] = payload
+    out[#out + 1] = gen
   end
   if #reserve > 0 then
     call_many('HSET', R, reserve)
@@ -327,14 +423,17 @@ local function handoff(limit, out)
   if #woken > 0 then
     call_many('ZREM', D, woken)
     call_many('ZREM', S, woken)
+  end
+  if TOKEN ~= nil then
     META_AT = latest()
     redis.call('SET', T, fmt(TOKEN), 'PXAT', META_AT)
   end
 end
 
 -- Send the first `count` waiters of the FIFO ahead as standbys (see standby.lua): each parked
--- one among them (a payload, not in S) gets a deadline in S, and its waiter, payload pair is
--- appended to `out`; ready waiters and standbys already sent are left as they are.
+-- one among them of the caller's route (a payload, not in S) gets a deadline in S and a new
+-- generation, and its waiter, payload, generation triple is appended to `out`; ready waiters,
+-- standbys already sent and other routes' waiters are left as they are.
 local function send_ahead(count, out)
   if not (QUEUED and count > 0) then
     return
@@ -342,12 +441,17 @@ local function send_ahead(count, out)
   for _, w in ipairs(redis.call('ZRANGE', W, 0, count - 1)) do
     if not redis.call('ZSCORE', S, w) then
       local payload = redis.call('HGET', P, w)
-      if payload then
+      local route = payload and redis.call('HGET', M, 'r:' .. w)
+      if payload and not (route and route ~= ROUTE) then
         redis.call('ZADD', S, NOW + HANDOFF_TTL, w)
         out[#out + 1] = w
         out[#out + 1] = payload
+        out[#out + 1] = new_generation(w)
       end
     end
+  end
+  if TOKEN ~= nil and HN > 0 then
+    redis.call('SET', T, fmt(TOKEN), 'PXAT', latest())
   end
 end
 
@@ -382,12 +486,16 @@ local function enqueue(w)
   if added and X then
     redis.call('ZADD', X, NOW, KEY)
   end
+  if KNOWN_DEFAULT then
+    -- For processes that do not know the key's actor (another application's sweep).
+    redis.call('HSET', M, 'limit', DEFAULT_LIMIT)
+  end
   PARKED = true
   return added
 end
 
 -- With no holder, no waiter and no reservation left, drop all state but the
--- limit (and the key's waiting-keys index entry). Otherwise make the
+-- limit and G (and the key's waiting-keys index entry). Otherwise make the
 -- holder-derived keys expire with the last holder: waiters, payloads and
 -- reservations never expire.
 local function finish()
@@ -407,7 +515,7 @@ local function finish()
   end
   if HN == 0 and not queued then
     if EXISTED or PARKED or not OWNED then
-      redis.call('DEL', H, W, P, R, D, S, T, I)
+      redis.call('DEL', H, W, P, R, D, S, T, I, M)
     end
   elseif HN > 0 and (RAISED or META_AT) then
     local at = latest()

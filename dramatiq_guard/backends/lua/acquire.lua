@@ -1,18 +1,28 @@
--- acquire(holder, ttl_ms, mode, payload, wait_ms, info); mode: '' (no wait), 'park', 'block'.
+-- acquire(holder, ttl_ms, mode, payload, wait_ms, info, generation); mode: '' (no wait), 'park',
+-- 'block'; generation: the one a handed-off copy carries, or ''.
 -- Returns {acquired, token|nil, limit, queued, holders, handoffs} (RedisBackend._acquire_reply);
--- queued is '' (not waiting), 'queued', or 'standby' for a standby (sent ahead, see
+-- queued is '' (not waiting), 'queued', 'standby' for a standby (sent ahead, see
 -- standby.lua) picked up in 'park' mode with wait_ms > 0: it blocks in its place, a ready
--- waiter (in D) from now on.
+-- waiter (in D) from now on; or 'stale': the copy's generation is not the one that may start
+-- (a newer hand-off of the same message exists), and nothing was done.
 local holder = arg(1)
 local ttl = tonumber(arg(2))
 local mode = arg(3)
 OWNED = true
 
 reclaim()
+local generation = arg(7)
+if generation ~= '' then
+  local live = redis.call('HGET', G, holder)
+  if live and live ~= generation then
+    finish()
+    return { 0, false, limit_in_force(), 'stale', {}, {} }
+  end
+end
 local was_holder = HS[holder] ~= nil
 -- The limit and the last token in one read.
 local values = redis.call('MGET', L, T)
-LIMIT = values[1] and tonumber(values[1]) or DEFAULT_LIMIT
+LIMIT = values[1] and tonumber(values[1]) or default_limit()
 local limit = LIMIT
 TOKEN = tonumber(values[2] or '0')
 local token = false
@@ -21,12 +31,13 @@ handoff(limit, handed)
 -- The acquirer itself may have been the head waiter: it starts now, so it
 -- is not reported as a hand-off to re-enqueue.
 local handoffs = {}
-for i = 1, #handed, 2 do
+for i = 1, #handed, 3 do
   if handed[i] == holder then
     was_holder = true
   else
     handoffs[#handoffs + 1] = handed[i]
     handoffs[#handoffs + 1] = handed[i + 1]
+    handoffs[#handoffs + 1] = handed[i + 2]
   end
 end
 
@@ -50,6 +61,11 @@ if acquired then
     end
     redis.call('HDEL', P, holder)
     redis.call('HDEL', R, holder)
+    forget(holder)
+  end
+  if generation ~= '' and redis.call('HEXISTS', G, holder) == 1 then
+    -- This copy started: it is the one that may start again (a redelivery), no older one.
+    redis.call('HSET', G, holder, generation)
   end
   token = next_token()
   META_AT = latest()
@@ -66,6 +82,7 @@ elseif mode ~= '' then
     redis.call('HDEL', P, holder)
   elseif mode == 'park' then
     redis.call('HSET', P, holder, arg(4))
+    redis.call('HSET', M, 'r:' .. holder, ROUTE)
     if not added then
       redis.call('ZREM', D, holder)
       redis.call('HDEL', I, holder)

@@ -13,6 +13,7 @@ if QUEUED then
   redis.call('ZREM', S, waiter)
   redis.call('HDEL', P, waiter)
   redis.call('HDEL', R, waiter)
+  forget(waiter)
 end
 if released == 1 then
   redis.call('DEL', WAKE .. waiter)

@@ -1,23 +1,31 @@
--- confirm_handoff(waiter, ttl_ms) -> 1 if the waiter still holds its reservation.
+-- confirm_handoff(waiter, ttl_ms, generation) -> 1 if the waiter still holds its reservation.
+-- generation: the one the re-enqueued copy carries ('' for any). A confirmation of an older
+-- generation than the waiter's latest hand-off changes nothing: that copy will not start.
 local waiter = arg(1)
+local generation = arg(3)
 OWNED = true
 reclaim()
 local held = 0
-if QUEUED and redis.call('HDEL', R, waiter) == 1 then
+local in_flight = QUEUED and redis.call('HGET', M, 'g:' .. waiter)
+if QUEUED and (generation == '' or not in_flight or in_flight == generation)
+  and redis.call('HDEL', R, waiter) == 1 then
   -- A live reservation: the payload is on the broker now.
   set_holders({ NOW + tonumber(arg(2)), waiter })
   redis.call('HDEL', P, waiter)
+  forget(waiter)
   held = 1
-elseif HS[waiter] ~= nil then
+elseif HS[waiter] ~= nil and not (QUEUED and redis.call('HEXISTS', R, waiter) == 1) then
   -- Already started (its acquire turned the reservation into a lease).
   held = 1
-elseif QUEUED then
-  -- The reservation lapsed and reclaim put the waiter back in the queue:
-  -- the re-enqueued copy wins.
+elseif QUEUED and redis.call('ZSCORE', W, waiter)
+  and (generation == '' or redis.call('HGET', G, waiter) == generation) then
+  -- The reservation lapsed and reclaim put the waiter back in the queue before any newer
+  -- hand-off: the re-enqueued copy wins.
   redis.call('ZREM', W, waiter)
   redis.call('ZREM', D, waiter)
   redis.call('ZREM', S, waiter)
   redis.call('HDEL', P, waiter)
+  forget(waiter)
 end
 finish()
 return held

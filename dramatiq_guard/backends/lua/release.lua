@@ -16,6 +16,7 @@ if HS[holder] ~= nil then
     if QUEUED then
       redis.call('HDEL', R, holder)
       redis.call('HDEL', P, holder)
+      forget(holder)
     end
   end
 end

@@ -1,12 +1,12 @@
 -- set_limit(limit or '' to clear) -> {0, handoffs}
--- With the limits index (KEYS[11], standalone Redis only), the guard key is
+-- With the limits index (KEYS[13], standalone Redis only), the guard key is
 -- added to it or removed from it in the same step.
 OWNED = true
 reclaim()
-local LIMITS = KEYS[11]
+local LIMITS = KEYS[13]
 if arg(1) == '' then
   redis.call('DEL', L)
-  LIMIT = DEFAULT_LIMIT
+  LIMIT = default_limit()
   if LIMITS then
     redis.call('SREM', LIMITS, KEY)
   end

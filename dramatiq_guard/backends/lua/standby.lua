@@ -7,7 +7,8 @@
 --   a slot is handed to it meanwhile, handoff reserves the slot (in R, as for a
 --   parked waiter) without returning its payload (its sender enqueues it).
 --   Returns the hand-offs of this operation and the waiter, payload pairs sent.
--- standby('confirm', waiter, ttl_ms, payload) -> 1 if the standby (or its slot) holds
+-- standby('confirm', waiter, ttl_ms, payload, generation) -> 1 if the standby (or its slot) holds
+--   (generation: the one the sent copy carries; a confirmation of an older one changes nothing)
 --   Its copy is on the broker now. If the stored payload is still the one sent
 --   (else the message parked itself again meanwhile, and its entry is left
 --   alone), it is dropped: a standby still waiting stays in S, on the broker,
@@ -27,15 +28,24 @@ if arg(1) == 'send' then
 end
 local waiter = arg(2)
 local ttl = tonumber(arg(3))
+local generation = arg(5)
 local held = 0
+local in_flight = QUEUED and redis.call('HGET', M, 'g:' .. waiter)
+if generation ~= '' and in_flight and in_flight ~= generation then
+  -- A confirmation of an older send: that copy will not start (it is stale).
+  finish()
+  return 0
+end
 if QUEUED and redis.call('HGET', P, waiter) == arg(4) then
   if redis.call('HDEL', R, waiter) == 1 then
     set_holders({ NOW + ttl, waiter })
     redis.call('HDEL', P, waiter)
+    forget(waiter)
     held = 1
   elseif redis.call('ZSCORE', S, waiter) then
     redis.call('ZADD', S, NOW + ttl, waiter)
     redis.call('HDEL', P, waiter)
+    redis.call('HDEL', M, 'g:' .. waiter)
     held = 1
   end
 elseif HS[waiter] ~= nil or (QUEUED and (redis.call('ZSCORE', D, waiter) or redis.call('ZSCORE', S, waiter))) then

@@ -19,7 +19,7 @@ from dramatiq_guard.context import current_lease_var
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.base import ExecutionState
 
-__all__ = ["Held", "NotRun", "hold", "skip_dropped", "skip_parked", "take_held"]
+__all__ = ["Held", "NotRun", "hold", "skip_dropped", "skip_parked", "skip_stale", "take_held"]
 
 logger = logging.getLogger("dramatiq_guard.middleware.slots")
 
@@ -36,7 +36,7 @@ class Held:
 class NotRun:
     """This execution did not run: why."""
 
-    reason: Literal["parked", "dropped"]
+    reason: Literal["parked", "dropped", "stale"]
     key: str
 
 
@@ -79,3 +79,15 @@ def skip_parked(message: MessageProxy, state: ExecutionState, option: str, key: 
     events.parked(message.actor_name)
     events.lockwait_changed()
     raise SkipMessage(f"parked: {key!r} is full")
+
+
+def skip_stale(message: MessageProxy, state: ExecutionState, option: str, key: str) -> NoReturn:
+    """Skip the message: a stale copy of a hand-off (a newer copy of it may start, this one never).
+
+    Not a terminal event: the message lives on in its newer copy (or in the lockwait area).
+    """
+    state.parked = True
+    state.data[option] = NotRun("stale", key)
+    message.options["store_results"] = False
+    logger.info("Skipped %s: a stale copy (a newer hand-off of %r runs instead).", message, key)
+    raise SkipMessage(f"stale copy of a hand-off of {key!r}")

@@ -94,7 +94,3 @@ class KeyDirectory(Generic[P]):
             if candidate is not None and not callable(candidate.resolve_key.spec) and len(digest) == 64:
                 guard = candidate
         return guard
-
-    def callable_keyed(self) -> list[ActorGuard[P]]:
-        """The guards whose keys come from a callable (a key of theirs may be unknown here)."""
-        return [g for g in list(self.guarded.values()) if callable(g.resolve_key.spec)]

@@ -21,11 +21,11 @@ from dramatiq.broker import MessageProxy
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Waiter
-from dramatiq_guard.delivery import Courier
+from dramatiq_guard.delivery import Courier, generation_of
 from dramatiq_guard.errors import BackendUnavailable, GuardError, MutexWaitTimeout
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.base import ActorGuard, ExecutionState, GuardMiddleware, execution_state
-from dramatiq_guard.middleware.slots.execution import hold, skip_dropped, skip_parked, take_held
+from dramatiq_guard.middleware.slots.execution import hold, skip_dropped, skip_parked, skip_stale, take_held
 from dramatiq_guard.middleware.slots.limits import KeyDirectory
 from dramatiq_guard.middleware.slots.reservation import ReservationTicket, reserve_or_park
 from dramatiq_guard.middleware.slots.standbys import Standbys, wait_as_standby
@@ -151,19 +151,17 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             raise ValueError(f"actor {name!r} has no {self.option}= option")
         return guard.resolve_key(args, kwargs)
 
-    def limit_for_key(self, key: str) -> int:
+    def limit_for_key(self, key: str) -> int | None:
         """The default limit of a guard key this process may never have seen (for sweeps).
 
         The limit of the key's actor if this process can tell it
         (:class:`~dramatiq_guard.middleware.slots.limits.KeyDirectory`), else
-        the smallest default of the actors with callable keys: a lower bound,
-        so the limit is never exceeded (the first waiter that runs hands the
-        remaining slots on with the right limit).
+        None: the backend then uses the limit recorded by the process that
+        parked the key's waiters (it never guesses one from this process's
+        actors: the key may be another application's).
         """
         guard = self.keys.guard_of(key)
-        if guard is not None:
-            return self.default_limit(guard)
-        return min((self.default_limit(g) for g in self.keys.callable_keyed()), default=0)
+        return self.default_limit(guard) if guard is not None else None
 
     # -- wiring ---------------------------------------------------------------
 
@@ -227,6 +225,8 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         if result is None:
             return  # the backend is unavailable and the policy fails open
         state = execution_state(message)
+        if result.stale:
+            skip_stale(message, state, self.option, key)
         if result.acquired:
             self._hold(message, state, guard, key, limit, result)
         elif on_busy == "drop":
@@ -261,7 +261,13 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         ttl_ms = self._lease_ttl(guard)
         try:
             result = backend.acquire(
-                key, message.message_id, limit=limit, ttl_ms=ttl_ms, wait=wait, info=message.actor_name
+                key,
+                message.message_id,
+                limit=limit,
+                ttl_ms=ttl_ms,
+                wait=wait,
+                info=message.actor_name,
+                generation=generation_of(message, key),
             )
         except BackendUnavailable:
             if not guard.policy.fail_open:
