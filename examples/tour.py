@@ -74,6 +74,7 @@ from dramatiq_guard.backends.base import GuardBackend
 from dramatiq_guard.backends.redis import RedisBackend
 from dramatiq_guard.middleware.dedup import Deduplication, deduplicated_by
 from dramatiq_guard.middleware.slots import Concurrency
+from dramatiq_guard.resolve import REDIS_URL_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
@@ -676,9 +677,9 @@ def choose_redis(args: argparse.Namespace, stack: contextlib.ExitStack, tmp: Pat
         say(f"       and a dramatiq.Worker with {PROCESSES * THREADS} threads in this process")
         return None
     source = (
-        "--redis" if args.redis else "DRAMATIQ_GUARD_REDIS_URL" if os.environ.get(cli.REDIS_URL_ENV) else None
+        "--redis" if args.redis else "DRAMATIQ_GUARD_REDIS_URL" if os.environ.get(REDIS_URL_ENV) else None
     )
-    url = args.redis or os.environ.get(cli.REDIS_URL_ENV) or DEFAULT_REDIS_URL
+    url = args.redis or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
     if answers(url):
         say(f"Where: the Redis at {redacted(url)} ({source or 'it answers'})")
         return url
