@@ -144,7 +144,7 @@ class _RequestCounter:
                     counter.count += 1
                 else:
                     counter.background += 1
-            original(self, command, check_health)
+            original(self, command, check_health)  # type: ignore[no-untyped-call]
 
         AbstractConnection.send_packed_command = send_packed_command  # type: ignore[method-assign]
         try:

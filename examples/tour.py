@@ -72,8 +72,10 @@ import dramatiq_guard
 from dramatiq_guard import cli, events
 from dramatiq_guard.backends.base import GuardBackend
 from dramatiq_guard.backends.redis import RedisBackend
+from dramatiq_guard.cli import commands as cli_commands
 from dramatiq_guard.middleware.dedup import Deduplication, deduplicated_by
 from dramatiq_guard.middleware.slots import Concurrency
+from dramatiq_guard.resolve import REDIS_URL_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
@@ -556,7 +558,7 @@ class Tour:
             say(f"   dramatiq-guard {' '.join(argv)} (the in-memory backend, in this process):")
             ctx = cli.Context(cli.build_parser().parse_args(argv), sys.stdin, out)
             ctx._backend = self.setup.backend
-            cli._cmd_inspect(ctx)
+            cli_commands._cmd_inspect(ctx)
         for line in out.getvalue().splitlines():
             say(f"     {line}")
 
@@ -676,9 +678,9 @@ def choose_redis(args: argparse.Namespace, stack: contextlib.ExitStack, tmp: Pat
         say(f"       and a dramatiq.Worker with {PROCESSES * THREADS} threads in this process")
         return None
     source = (
-        "--redis" if args.redis else "DRAMATIQ_GUARD_REDIS_URL" if os.environ.get(cli.REDIS_URL_ENV) else None
+        "--redis" if args.redis else "DRAMATIQ_GUARD_REDIS_URL" if os.environ.get(REDIS_URL_ENV) else None
     )
-    url = args.redis or os.environ.get(cli.REDIS_URL_ENV) or DEFAULT_REDIS_URL
+    url = args.redis or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
     if answers(url):
         say(f"Where: the Redis at {redacted(url)} ({source or 'it answers'})")
         return url

@@ -109,7 +109,7 @@ def test_until_executed_is_released_when_the_async_holder_finishes(
     assert (done["event"], done["user_id"]) == ("done", 1)
     for message in (ok, failing):  # success and final failure are both terminal
         key = message.options["dedup_lock"]
-        wait_until(lambda k=key: backend.inspect(k).holders == (), 15, f"{key} released", redis=redisdb)
+        wait_until(lambda k=key: backend.inspect(k).holders == (), 15, f"{key} released", redis=redisdb)  # type: ignore[misc]
 
     again = actors.refresh.send(1)
     assert deduplicated_by(again) is None

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
+from typing import cast
 
 import dramatiq
 import pytest
@@ -235,7 +236,7 @@ def test_limit_set_with_broker_reenqueues_and_confirms(
     assert [h for h, _ in state.holders] == [message.message_id]
     queued = redisdb.hgetall("dramatiq:cli_requeue.msgs")
     [payload] = queued.values()
-    assert dramatiq.Message.decode(payload).message_id == message.message_id
+    assert dramatiq.Message.decode(cast(bytes, payload)).message_id == message.message_id
 
 
 def test_limit_set_rejects_bad_values(run: Run) -> None:

@@ -25,7 +25,7 @@ def _ledger_with_rows(url: str) -> Ledger:
     for key, amount in [("transfer-1", 10), ("transfer-2", 20)]:
         ledger.run(
             key,
-            lambda amount=amount: {"moved": amount},
+            lambda amount=amount: {"moved": amount},  # type: ignore[misc]
             actor_name="transfer",
             payload={"amount": amount},
             fingerprint=f"fp-{amount}",

@@ -121,7 +121,7 @@ def test_a_failed_push_undoes_every_guard(broker: StubBroker) -> None:
     log: list[str] = []
     gate = gate_for(broker)
     gate.add(RecordingGuard(log, "dedup", 10))
-    undeclared = Message(queue_name="nowhere", actor_name="job", args=(), kwargs={}, options={})
+    undeclared: Message[Any] = Message(queue_name="nowhere", actor_name="job", args=(), kwargs={}, options={})
     with pytest.raises(dramatiq.errors.QueueNotFound):
         broker.enqueue(undeclared)
     assert log == ["dedup:before", "dedup:failed"]

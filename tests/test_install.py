@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import dramatiq
 import pytest
@@ -35,7 +35,7 @@ def test_a_redis_broker_lends_its_own_client(redis_url: str, tmp_path: Path) -> 
     try:
         installed = dramatiq_guard.install(broker, ledger=f"sqlite:///{tmp_path / 'ledger.db'}")
         assert [type(m) for m in installed] == GUARDS
-        backend = installed[0].backend(broker)
+        backend = cast(GuardMiddleware[Any], installed[0]).backend(broker)
         assert isinstance(backend, RedisBackend)
         assert backend.client is broker.client
         assert backends(broker, installed) == {id(backend)}
@@ -67,8 +67,8 @@ def test_a_stub_broker_gets_one_shared_in_memory_backend(tmp_path: Path) -> None
     broker = StubBroker()
     installed = dramatiq_guard.install(broker, ledger=f"sqlite:///{tmp_path / 'ledger.db'}")
     (backend_id,) = backends(broker, installed)
-    assert isinstance(installed[0].backend(broker), MemoryBackend)
-    assert id(installed[0].backend(broker)) == backend_id
+    assert isinstance(cast(GuardMiddleware[Any], installed[0]).backend(broker), MemoryBackend)
+    assert id(cast(GuardMiddleware[Any], installed[0]).backend(broker)) == backend_id
 
 
 def test_a_rabbitmq_broker_without_a_redis_url_is_a_clear_error(
@@ -92,7 +92,7 @@ def test_a_rabbitmq_broker_uses_the_environment_url(
     broker = RabbitmqBroker(url=rabbitmq_url)
     try:
         installed = dramatiq_guard.install(broker, ledger=f"sqlite:///{tmp_path / 'ledger.db'}")
-        backend = installed[0].backend(broker)
+        backend = cast(GuardMiddleware[Any], installed[0]).backend(broker)
         assert isinstance(backend, RedisBackend)
         assert backend.acquire("install-probe", "h1", limit=1, ttl_ms=60_000).acquired
         assert redisdb.keys("dramatiq-guard:{install-probe}:*"), "state went to the configured Redis"
@@ -108,7 +108,7 @@ def test_an_explicit_redis_wins_over_the_broker(
     broker = StubBroker()
     given: Any = redis_url if form == "url" else redis.Redis.from_url(redis_url)
     installed = dramatiq_guard.install(broker, redis=given, ledger=f"sqlite:///{tmp_path / 'ledger.db'}")
-    backend = installed[0].backend(broker)
+    backend = cast(GuardMiddleware[Any], installed[0]).backend(broker)
     assert isinstance(backend, RedisBackend)
     if form == "client":
         assert backend.client is given

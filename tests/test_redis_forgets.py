@@ -111,7 +111,7 @@ def test_install_refuses_an_evicting_redis(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     server = servers("--maxmemory", "3mb", "--maxmemory-policy", policy)
-    broker = RedisBroker(url=server.url)
+    broker: dramatiq.Broker = RedisBroker(url=server.url)
     try:
         with pytest.raises(EvictingRedis) as raised:
             dramatiq_guard.install(broker)  # zero config: the RedisBroker's own Redis

@@ -288,7 +288,7 @@ def test_mutex_wait_timeout_raises_and_retries_retry_it(env: Env) -> None:
     class Spy(dramatiq.Middleware):
         def after_process_message(
             self, broker: Any, message: Any, *, result: Any = None, exception: Any = None
-        ):
+        ) -> None:
             if isinstance(exception, MutexWaitTimeout):
                 failures.append(exception)
 

@@ -124,10 +124,12 @@ def ledger(ctx: Context) -> list[Figure]:
                 ctx.flush()
                 ctx.worker(ACTORS, processes=PROCESSES, threads=THREADS, env={actors_env: url})
                 plain_rate = ctx.drain_rate(
-                    lambda run_id, total, i, a=actors: a.plain_insert.send(run_id, total, i), n_drain
+                    lambda run_id, total, i, a=actors: a.plain_insert.send(run_id, total, i),  # type: ignore[misc]
+                    n_drain,
                 )
                 ledger_rate = ctx.drain_rate(
-                    lambda run_id, total, i, a=actors: a.ledger_insert.send(run_id, total, i), n_drain
+                    lambda run_id, total, i, a=actors: a.ledger_insert.send(run_id, total, i),  # type: ignore[misc]
+                    n_drain,
                 )
                 ctx.stop_workers()
                 actors.broker.close()

@@ -7,6 +7,7 @@ import itertools
 import os
 import statistics
 import time
+from typing import cast
 
 import redis
 
@@ -76,7 +77,7 @@ def _handoff_ms(ctx: Context, actor: object, n: int) -> float:
         actor.send(run_id, n)  # type: ignore[attr-defined]
     _wait_finish(ctx, run_id)
     spans = sorted(
-        tuple(map(float, raw.decode().split(",")))
+        tuple(map(float, cast(bytes, raw).decode().split(",")))
         for raw in ctx.client.lrange(f"bench:spans:{run_id}", 0, -1)
     )
     gaps = [(nxt[0] - cur[1]) * 1000 for cur, nxt in itertools.pairwise(spans)]

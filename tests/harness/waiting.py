@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import redis as redis_lib
 
@@ -28,7 +28,7 @@ class WaitTimeout(AssertionError):
 
 
 def wait_until(
-    predicate: Callable[[], T],
+    predicate: Callable[[], T | Literal[False] | None],
     timeout: float = 10.0,
     what: str = "condition",
     *,
