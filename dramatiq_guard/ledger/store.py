@@ -76,6 +76,7 @@ from dramatiq_guard.ledger.schema import (
     DEFAULT_TABLE_NAME,
     FAILED,
     IN_PROGRESS,
+    KEY_BYTES,
     ledger_table,
     storage_key,
 )
@@ -258,7 +259,32 @@ class Ledger:
             if not self._prepared:
                 if self.create_tables:
                     self.create_all()
+                self._check_key_column()
                 self._prepared = True
+
+    def _check_key_column(self) -> None:
+        """Warn when a MySQL/MariaDB table still has the padded ``VARCHAR`` key of 0.1.0.dev0."""
+        engine = self.engine
+        if engine.dialect.name not in ("mysql", "mariadb"):
+            return
+        t = self.table
+        try:
+            columns = sa.inspect(engine).get_columns(t.name, schema=t.schema)
+        except sa.exc.SQLAlchemyError:
+            return  # the table is missing or unreadable: the first statement will say so
+        for column in columns:
+            if column["name"] == "idempotency_key" and not isinstance(
+                column["type"], (sa.BINARY, sa.VARBINARY, sa.LargeBinary)
+            ):
+                logger.warning(
+                    "The ledger table %s has idempotency_key %s, under which keys that differ only in "
+                    "trailing spaces are one key. Convert it: ALTER TABLE %s MODIFY idempotency_key "
+                    "VARBINARY(%d) NOT NULL",
+                    t.fullname,
+                    column["type"],
+                    t.fullname,
+                    KEY_BYTES,
+                )
 
     def dispose(self) -> None:
         """Close the pooled connections of an Engine the ledger created itself."""
