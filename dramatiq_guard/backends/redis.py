@@ -85,7 +85,10 @@ from dramatiq_guard.backends.base import (
     ReleaseResult,
     Waiter,
     Woken,
+    check_acquire,
+    check_count,
     check_key,
+    check_ms,
 )
 from dramatiq_guard.errors import BackendUnavailable
 
@@ -157,7 +160,8 @@ class RedisBackend(GuardBackend):
         clients plus the longest a park can be in flight.
 
     Raises:
-      ValueError: If ``namespace`` is empty or contains a brace.
+      ValueError: If ``namespace`` is empty or contains a brace, or a
+        duration is out of range (:func:`~dramatiq_guard.backends.base.check_ms`).
     """
 
     def __init__(
@@ -171,6 +175,7 @@ class RedisBackend(GuardBackend):
         super().__init__(handoff_ttl_ms=handoff_ttl_ms)
         if not namespace or "{" in namespace or "}" in namespace:
             raise ValueError(f"a guard namespace must be non-empty and contain no braces, got {namespace!r}")
+        check_ms(index_grace_ms, "index_grace_ms", minimum=0)
         self.client = client
         self.namespace = namespace
         self.index_grace_ms = index_grace_ms
@@ -302,8 +307,9 @@ class RedisBackend(GuardBackend):
 
         Raises:
           BackendUnavailable: If Redis cannot be reached.
-          ValueError: If ``key`` or (with ``wait``) ``holder`` is not allowed.
+          ValueError: If ``key``, a number or (with ``wait``) ``holder`` is not allowed.
         """
+        check_acquire(limit, ttl_ms, wait)
         if wait is None:
             mode: list[str | int | bytes] = ["", b"", 0, info or ""]
             reply = self._run("acquire", key, limit, holder, ttl_ms, *mode)
@@ -337,6 +343,7 @@ class RedisBackend(GuardBackend):
         Raises:
           BackendUnavailable: If Redis cannot be reached.
         """
+        check_ms(ttl_ms, "ttl_ms", minimum=0)
         return bool(self._run("renew", key, 0, holder, ttl_ms))
 
     def renew_many(self, leases: Sequence[tuple[str, str, int]]) -> list[bool]:
@@ -347,6 +354,8 @@ class RedisBackend(GuardBackend):
         """
         if not leases:
             return []
+        for _, _, ttl_ms in leases:
+            check_ms(ttl_ms, "ttl_ms", minimum=0)
         script = self._scripts["renew"]
         calls = [(script, self._keys(key), self._args(key, 0, holder, ttl)) for key, holder, ttl in leases]
         return [bool(result) for result in self._pipelined(calls)]
@@ -357,6 +366,8 @@ class RedisBackend(GuardBackend):
         Raises:
           BackendUnavailable: If Redis cannot be reached.
         """
+        check_count(limit, "limit")
+        check_count(send_ahead, "send_ahead")
         released, handoffs, standbys = self._run("release", key, limit, holder, send_ahead)
         return ReleaseResult(bool(released), self._handoffs(key, handoffs), self._handoffs(key, standbys))
 
@@ -366,6 +377,7 @@ class RedisBackend(GuardBackend):
         Raises:
           BackendUnavailable: If Redis cannot be reached.
         """
+        check_ms(ttl_ms, "ttl_ms")
         return bool(self._run("confirm_handoff", key, 0, waiter_id, ttl_ms))
 
     def send_standbys(
@@ -376,6 +388,8 @@ class RedisBackend(GuardBackend):
         Raises:
           BackendUnavailable: If Redis cannot be reached.
         """
+        check_count(limit, "limit")
+        check_count(count, "count")
         handoffs, sent = self._run("standby", key, limit, "send", count)
         return self._handoffs(key, handoffs), self._handoffs(key, sent)
 
@@ -385,6 +399,7 @@ class RedisBackend(GuardBackend):
         Raises:
           BackendUnavailable: If Redis cannot be reached.
         """
+        check_ms(ttl_ms, "ttl_ms")
         return bool(self._run("standby", key, 0, "confirm", waiter_id, ttl_ms, payload))
 
     def wait_for_handoff(self, key: str, waiter_id: str, *, timeout_ms: int) -> Woken | None:
@@ -400,6 +415,7 @@ class RedisBackend(GuardBackend):
         """
         self._check_waiter(waiter_id)
         check_key(key)
+        check_ms(timeout_ms, "timeout_ms", minimum=0)
         wake = self._wake_prefix(key) + waiter_id
         chunk_s = self._blocking_chunk_s()
         give_up = time.monotonic() + timeout_ms / 1000
@@ -432,6 +448,7 @@ class RedisBackend(GuardBackend):
           BackendUnavailable: If Redis cannot be reached.
         """
         self._check_waiter(waiter_id)
+        check_count(limit, "limit")
         released, handoffs = self._run("cancel_wait", key, limit, waiter_id)
         return ReleaseResult(bool(released), self._handoffs(key, handoffs))
 
@@ -444,6 +461,7 @@ class RedisBackend(GuardBackend):
         Raises:
           BackendUnavailable: If Redis cannot be reached.
         """
+        check_count(limit, "limit")
         reclaimed, handoffs = self._run("sweep", key, limit)
         return ReleaseResult(bool(reclaimed), self._handoffs(key, handoffs))
 
@@ -455,10 +473,11 @@ class RedisBackend(GuardBackend):
 
         Raises:
           BackendUnavailable: If Redis cannot be reached.
-          ValueError: If ``limit`` is negative.
+          ValueError: If ``limit`` or ``default`` is out of range (:func:`check_count`).
         """
-        if limit is not None and limit < 0:
-            raise ValueError(f"a limit must be >= 0, got {limit!r}")
+        if limit is not None:
+            check_count(limit, "limit")
+        check_count(default, "default")
         value = "" if limit is None else limit
         if not self._in_cluster():
             _, handoffs = self._run("set_limit", key, default, value, extra_key=self._limits_index)

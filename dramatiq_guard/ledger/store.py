@@ -67,6 +67,7 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from dramatiq_guard import events
+from dramatiq_guard.bounds import MAX_RETENTION_MS
 from dramatiq_guard.context import ledger_session_var
 from dramatiq_guard.errors import LeaseLost
 from dramatiq_guard.ledger.engine import resolve_engine
@@ -176,8 +177,8 @@ class Ledger:
       schema(str): The table's schema, if not the default.
       retention: How long a completed (or failed) row protects its key, in ms
         or a timedelta; then it counts as absent and :meth:`prune` deletes it.
-        None keeps rows forever. Default: 7 days. A guarded actor's
-        ``retention`` overrides it for its keys.
+        None keeps rows forever; at most 100 years. Default: 7 days. A guarded
+        actor's ``retention`` overrides it for its keys.
       create_tables(bool): Create the table (if missing) on first use. Pass
         False when migrations manage it.
     """
@@ -196,7 +197,9 @@ class Ledger:
         self._engine: sa.Engine | None = engine if isinstance(engine, sa.Engine) else None
         self.metadata = metadata if metadata is not None else sa.MetaData()
         self.table = ledger_table(self.metadata, table_name, schema=schema)
-        self.retention_ms = duration_ms(retention, what="retention", allow_none=True)
+        self.retention_ms = duration_ms(
+            retention, what="retention", allow_none=True, maximum=MAX_RETENTION_MS
+        )
         self.create_tables = create_tables
         self._lock = threading.RLock()
         self._prepared = False
@@ -537,7 +540,8 @@ class Ledger:
 
         Parameters:
           older_than: Also delete completed and failed rows last changed at
-            least this long ago (ms or a timedelta), whatever their expiry.
+            least this long ago (ms or a timedelta, at most 100 years),
+            whatever their expiry.
 
         Without ``older_than``, deletes the rows past their ``expires_at``
         (which already count as absent). Rows being claimed are locked and
@@ -547,7 +551,7 @@ class Ledger:
         t = self.table
         now = _utcnow()
         condition: sa.ColumnElement[bool] = sa.and_(t.c.expires_at.is_not(None), t.c.expires_at <= now)
-        age = duration_ms(older_than, what="older_than", allow_none=True)
+        age = duration_ms(older_than, what="older_than", allow_none=True, maximum=MAX_RETENTION_MS)
         if age is not None:
             cutoff = now - datetime.timedelta(milliseconds=age)
             condition = sa.or_(condition, sa.and_(t.c.state != IN_PROGRESS, t.c.updated_at <= cutoff))
