@@ -15,6 +15,9 @@ legitimate choice, so they run up to :data:`MAX_RETENTION_MS`, 100 years of
 
 Limits and counts (a concurrency limit, how many waiters to send ahead)
 run from 0 to :data:`MAX_COUNT`, the largest 32-bit signed integer.
+
+The Lua scripts of the Redis backend hold their own copy of both numbers
+(``backends/lua/_prelude.lua``, ``validate_args``); a test keeps them equal.
 """
 
 from __future__ import annotations

@@ -3,7 +3,10 @@
 Durations run from 0 to 366 days (the ledger's retention and prune age: 100
 years); limits and counts from 0 to 2**31 - 1 (``dramatiq_guard/bounds.py``).
 Declaration errors name the actor or setting, the value and the range. The
-backends refuse an out-of-range number before touching anything.
+backends refuse an out-of-range number before touching anything, in Python
+and again in each per-key Lua script, which is called directly here (past the
+Python checks) to show that a refused call leaves no key behind: Redis does
+not roll back a script that fails half-way.
 
 The backend tests reuse the contract suite's ``env`` (memory, Redis, a Redis
 Cluster node).
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import datetime
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,7 @@ import dramatiq
 import pytest
 import redis
 from dramatiq.brokers.stub import StubBroker
-from test_backend_contract import KEY, Env, env, redis_cluster_url
+from test_backend_contract import KEY, Env, _env, env, redis_cluster_url
 
 import dramatiq_guard
 from dramatiq_guard.backends import GuardBackend, MemoryBackend, RedisBackend, Waiter
@@ -202,3 +205,90 @@ def test_a_redis_backend_refuses_an_absurd_setting(redisdb: redis.Redis) -> None
         RedisBackend(redisdb, handoff_ttl_ms=ABSURD)
     with pytest.raises(ValueError, match="index_grace_ms must be an integer from 0 to"):
         RedisBackend(redisdb, index_grace_ms=-1)
+
+
+# --- the scripts, called directly -------------------------------------------------------------
+
+
+def _script(backend: RedisBackend, name: str, *args: Any, default_limit: Any = 1) -> Any:
+    """Run a per-key script as the backend would, without its Python checks."""
+    return backend._scripts[name](keys=backend._keys(KEY), args=backend._args(KEY, default_limit, *args))
+
+
+NOT_SANE = [str(ABSURD), "-5", "1e3", "1.5", "0x10", "inf", "nan", " 12", "", "12abc", "9" * 40]
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def redis_env(request: pytest.FixtureRequest, unique_name: str) -> Iterator[Env]:
+    """The contract suite's ``env`` on Redis only: the Lua scripts are the Redis backend's."""
+    made = _env(request, request.param, unique_name)
+    yield made
+    made.close()
+
+
+@pytest.mark.parametrize("ttl", NOT_SANE)
+def test_acquire_with_an_insane_ttl_writes_nothing(redis_env: Env, ttl: str) -> None:
+    backend = redis_env.backend()
+    assert isinstance(backend, RedisBackend)
+    with pytest.raises(redis.ResponseError) as raised:
+        _script(backend, "acquire", "h", ttl, "", b"", 0, "")
+    assert redis_env.stored() == set()  # no holder left without an expiry
+    assert "ttl_ms must be an integer from 1 to 31622400000" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "what"),
+    [
+        ("acquire", ("h", 1000, "park", b"m", "-1", ""), "wait_ms"),
+        ("acquire", ("h", 1000, "block", b"", str(ABSURD), ""), "wait_ms"),
+        ("confirm_handoff", ("h", str(ABSURD)), "ttl_ms"),
+        ("release", ("h", "-1"), "send_ahead"),
+        ("standby", ("send", "1e9"), "count"),
+        ("standby", ("confirm", "h", str(ABSURD), b"m"), "ttl_ms"),
+        ("set_limit", (str(ABSURD),), "limit"),
+        ("set_limit", ("1e3",), "limit"),
+        ("set_limit", ("-1",), "limit"),
+    ],
+)
+def test_each_script_checks_its_numbers_before_any_write(
+    redis_env: Env, name: str, args: tuple[Any, ...], what: str
+) -> None:
+    backend = redis_env.backend()
+    assert isinstance(backend, RedisBackend)
+    with pytest.raises(redis.ResponseError, match=rf"{what} must be an integer from"):
+        _script(backend, name, *args)
+    assert redis_env.stored() == set()
+
+
+@pytest.mark.parametrize("name", ["acquire", "sweep", "cancel_wait", "release"])
+def test_the_common_numbers_are_checked_too(redis_env: Env, name: str) -> None:
+    args = {"acquire": ("h", 1000, "", b"", 0, ""), "cancel_wait": ("h",), "release": ("h", 0)}.get(name, ())
+    backend = redis_env.backend()
+    assert isinstance(backend, RedisBackend)
+    with pytest.raises(redis.ResponseError, match="default_limit must be an integer from 0 to 2147483647"):
+        _script(backend, name, *args, default_limit="-1")
+    backend.handoff_ttl_ms = ABSURD
+    with pytest.raises(redis.ResponseError, match="handoff_ttl_ms must be an integer from 1 to"):
+        _script(backend, name, *args)
+    assert redis_env.stored() == set()
+
+
+def test_a_renewal_with_an_insane_ttl_leaves_the_lease_as_it_was(redis_env: Env) -> None:
+    backend = redis_env.backend()
+    assert isinstance(backend, RedisBackend)
+    assert backend.acquire(KEY, "h", limit=1, ttl_ms=60_000).acquired
+    before = backend.inspect(KEY)
+    stored = redis_env.stored()
+    for ttl in NOT_SANE:
+        with pytest.raises(redis.ResponseError, match="ttl_ms must be an integer from 0 to"):
+            _script(backend, "renew", "h", ttl)
+    assert backend.inspect(KEY) == before and redis_env.stored() == stored
+
+
+def test_the_scripts_bounds_are_the_python_ones() -> None:
+    from dramatiq_guard import bounds
+
+    prelude = (Path(dramatiq_guard.__file__).parent / "backends" / "lua" / "_prelude.lua").read_text()
+    assert f"local MAX_DURATION_MS = {bounds.MAX_DURATION_MS}\n" in prelude
+    assert f"local MAX_COUNT = {bounds.MAX_COUNT}\n" in prelude
+    assert bounds.MAX_DURATION_MS == MAX_MS and bounds.MAX_COUNT == 2**31 - 1

@@ -2,6 +2,13 @@
 -- Returns {acquired, token|nil, limit, parked, holders, handoffs}; parked is 2 for a standby
 -- (sent ahead, see standby.lua) picked up in 'park' mode with wait_ms > 0: it blocks in its
 -- place, a ready waiter (in D) from now on.
+local refused = validate_args(
+  { 'ttl_ms', ARGV[5], 1, MAX_DURATION_MS },
+  { 'wait_ms', ARGV[8], 0, MAX_DURATION_MS }
+)
+if refused then
+  return refused
+end
 local holder = ARGV[4]
 local ttl = tonumber(ARGV[5])
 local mode = ARGV[6]

@@ -1,4 +1,8 @@
 -- confirm_handoff(waiter, ttl_ms) -> 1 if the waiter still holds its reservation.
+local refused = validate_args({ 'ttl_ms', ARGV[5], 1, MAX_DURATION_MS })
+if refused then
+  return refused
+end
 local waiter = ARGV[4]
 OWNED = true
 reclaim()

@@ -15,6 +15,15 @@
 --   (then it is dropped); one handed a slot meanwhile keeps the slot for ttl_ms
 --   (as confirm_handoff). One that reclaim already made a parked waiter again
 --   is left parked (its enqueued copy parks into the same entry when picked up).
+local refused
+if ARGV[4] == 'send' then
+  refused = validate_args({ 'count', ARGV[5], 0, MAX_COUNT })
+else
+  refused = validate_args({ 'ttl_ms', ARGV[6], 1, MAX_DURATION_MS })
+end
+if refused then
+  return refused
+end
 OWNED = true
 reclaim()
 if ARGV[4] == 'send' then
