@@ -36,7 +36,7 @@ from dramatiq_guard.backends.base import GuardBackend, Handoff, Waiter
 from dramatiq_guard.delivery import courier_for
 from dramatiq_guard.errors import LeaseLost, LockNotAcquired
 from dramatiq_guard.lease import Lease
-from dramatiq_guard.policies import duration_ms
+from dramatiq_guard.policies import duration_ms, timeout_s
 from dramatiq_guard.resolve import backend_from, resolve_backend, route_of
 from dramatiq_guard.waiting import BACKSTOP_MS, entry_ms, wait_for_slot
 
@@ -76,6 +76,9 @@ class Lock:
       ttl: The most the lock is held, renewals included, in ms (None: no cap).
       blocking(bool): The default of :meth:`acquire`'s ``blocking``.
       blocking_timeout: The default of :meth:`acquire`'s ``blocking_timeout``, in seconds.
+
+    Every duration runs from 0 to 366 days; a value out of range, or of
+    another type, is a :class:`ValueError` naming it.
     """
 
     def __init__(
@@ -96,6 +99,7 @@ class Lock:
         self.lease_ttl_ms = duration_ms(lease_ttl, what="lease_ttl") or 30_000
         self.ttl_ms = duration_ms(ttl, what="ttl", allow_none=True)
         self.blocking = blocking
+        timeout_s(blocking_timeout, what="blocking_timeout")  # refused now, not at the first acquire
         self.blocking_timeout = blocking_timeout
         self._redis = redis
         self._broker = broker
@@ -145,13 +149,14 @@ class Lock:
         Raises:
           BackendUnavailable: The backend could not be reached.
           RuntimeError: This object already holds the lock.
+          ValueError: ``blocking_timeout`` is out of range (0 to 366 days).
         """
         if self.lease is not None and self.lease.held:
             raise RuntimeError(f"this Lock already holds {self.key!r}; make one Lock object per holder")
         blocking = self.blocking if blocking is None else blocking
-        timeout = self.blocking_timeout if blocking_timeout is None else blocking_timeout
-        if isinstance(timeout, datetime.timedelta):
-            timeout = timeout.total_seconds()
+        timeout = timeout_s(
+            self.blocking_timeout if blocking_timeout is None else blocking_timeout, what="blocking_timeout"
+        )
         backend = self.backend()
         holder = uuid.uuid4().hex
         ttl = self.lease_ttl_ms if self.ttl_ms is None else max(1, min(self.lease_ttl_ms, self.ttl_ms))

@@ -7,7 +7,9 @@ actor, the option, the value and the allowed forms, and is raised at
 ``@dramatiq.actor`` time as a :class:`~dramatiq_guard.errors.GuardOptionError`
 (a :class:`ValueError`).
 
-Durations follow Dramatiq: integer milliseconds, or a :class:`datetime.timedelta`.
+Durations follow Dramatiq: integer milliseconds, or a :class:`datetime.timedelta`,
+from 0 to 366 days (the ledger's ``retention``: 100 years); limits run from 0 to
+2**31 - 1 (:mod:`dramatiq_guard.bounds`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import datetime
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, TypeVar, cast, get_args
 
+from dramatiq_guard.bounds import MAX_COUNT, MAX_DURATION_MS, MAX_RETENTION_MS
 from dramatiq_guard.errors import GuardOptionError
 from dramatiq_guard.keys import KeySpec
 
@@ -26,16 +29,20 @@ OnDuplicate = Literal["drop", "raise", "reschedule_once"]
 OnBusy = Literal["drop", "wait", "park"]
 
 
-def duration_ms(value: object, *, what: str, allow_none: bool = False) -> int | None:
+def duration_ms(
+    value: object, *, what: str, allow_none: bool = False, maximum: int = MAX_DURATION_MS
+) -> int | None:
     """Normalise a duration to integer milliseconds.
 
     Parameters:
       value: An ``int`` of milliseconds (not a bool), a ``timedelta``, or None
         when ``allow_none``.
       what(str): The field's name, for the error.
+      maximum(int): The longest allowed, in ms: 366 days
+        (:data:`~dramatiq_guard.bounds.MAX_DURATION_MS`) unless given.
 
     Raises:
-      ValueError: If ``value`` is not a non-negative duration.
+      ValueError: If ``value`` is not a duration from 0 to ``maximum``.
     """
     if value is None and allow_none:
         return None
@@ -50,7 +57,40 @@ def duration_ms(value: object, *, what: str, allow_none: bool = False) -> int | 
         )
     if ms < 0:
         raise ValueError(f"{what} must not be negative, not {value!r}")
+    if ms > maximum:
+        raise ValueError(
+            f"{what} must be at most {maximum // 86_400_000} days ({maximum} ms)"
+            f"{' or None' if allow_none else ''}, not {value!r}"
+        )
     return ms
+
+
+def timeout_s(value: object, *, what: str) -> float | None:
+    """Normalise a timeout in seconds (redis-py's unit for lock timeouts) to a float.
+
+    Parameters:
+      value: An ``int`` or ``float`` of seconds (not a bool), a ``timedelta``,
+        or None (no timeout).
+      what(str): The field's name, for the error.
+
+    Raises:
+      ValueError: If ``value`` is not a number of seconds from 0 to 366 days.
+    """
+    if value is None:
+        return None
+    if isinstance(value, datetime.timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise ValueError(
+            f"{what} must be seconds (an int or a float), a datetime.timedelta or None, not {value!r}"
+        )
+    if not 0 <= seconds <= MAX_DURATION_MS / 1000:  # also refuses nan
+        raise ValueError(
+            f"{what} must be from 0 to 366 days ({MAX_DURATION_MS // 1000} s) or None, not {value!r}"
+        )
+    return seconds
 
 
 def key_spec(value: object) -> KeySpec:
@@ -187,7 +227,7 @@ class ConcurrencyPolicy:
 
     Parameters:
       limit: At most this many messages per key execute at once (0 halts the
-        key). A run-time limit set in the backend overrides it.
+        key; at most 2**31 - 1). A run-time limit set in the backend overrides it.
       key: Which messages share the limit (see :mod:`dramatiq_guard.keys`).
       ttl: The most a holder keeps its slot, renewals included (None: as
         long as it runs).
@@ -205,6 +245,8 @@ class ConcurrencyPolicy:
     def __post_init__(self) -> None:
         if not isinstance(self.limit, int) or isinstance(self.limit, bool) or self.limit < 0:
             raise ValueError(f"limit must be a non-negative int, not {self.limit!r}")
+        if self.limit > MAX_COUNT:
+            raise ValueError(f"limit must be at most {MAX_COUNT}, not {self.limit!r}")
         _set(self, "key", key_spec(self.key))
         _set(self, "ttl", duration_ms(self.ttl, what="ttl", allow_none=True))
         _flag(self.fail_open, what="fail_open")
@@ -231,8 +273,8 @@ class IdempotencyPolicy:
         ``idempotency_key`` message option if it carries one, else its
         ``message_id``, which guards against redelivery and retries of that
         message). Required: a dict must name it.
-      retention: How long completed rows are kept before pruning (None: the
-        ledger's default).
+      retention: How long completed rows are kept before pruning, up to 100
+        years (None: the ledger's default).
     """
 
     option: ClassVar[str] = "idempotency_key"
@@ -243,7 +285,8 @@ class IdempotencyPolicy:
 
     def __post_init__(self) -> None:
         _set(self, "key", key_spec(self.key))
-        _set(self, "retention", duration_ms(self.retention, what="retention", allow_none=True))
+        retention = duration_ms(self.retention, what="retention", allow_none=True, maximum=MAX_RETENTION_MS)
+        _set(self, "retention", retention)
 
     @property
     def retention_ms(self) -> int | None:
@@ -337,4 +380,5 @@ __all__ = [
     "key_spec",
     "option_error",
     "parse_policy",
+    "timeout_s",
 ]

@@ -8,6 +8,7 @@ are in ``test_ledger_workers.py``.
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -274,6 +275,57 @@ def test_the_table_lives_on_a_user_metadata(db: sa.Engine) -> None:
     assert sa.inspect(db).has_table("my_ledger")
     record = ledger.get("k" * 300)
     assert record is not None and record.key.startswith("sha256:")
+
+
+def test_keys_are_compared_exactly_trailing_spaces_and_case_included(db: sa.Engine) -> None:
+    # MariaDB/MySQL's PAD SPACE collations compare "a" and "a " as equal: the second key
+    # would find the first's row and be refused as a conflict.
+    ledger = Ledger(db)
+    keys = ["a", "a ", "a  ", "A", " a", "é", "e\u0301"]
+    for n, key in enumerate(keys):
+        result = ledger.run(
+            key,
+            functools.partial(str, key),
+            actor_name="t",
+            payload={"n": n},
+            fingerprint=f"f{n}",
+            holder=f"m{n}",
+        )
+        assert result == key
+    for n, key in enumerate(keys):
+        record = ledger.get(key)
+        assert record is not None
+        assert (record.key, record.fingerprint, record.result) == (key, f"f{n}", key)
+    with db.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(ledger.table)).scalar() == len(keys)
+
+
+def test_a_mariadb_table_with_the_old_padded_key_is_named_and_converts_in_place(
+    mariadb_engine: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    Ledger(mariadb_engine).create_all()
+    with mariadb_engine.begin() as conn:  # the column as 0.1.0.dev0 created it
+        conn.execute(
+            sa.text(
+                "ALTER TABLE dramatiq_guard_ledger MODIFY idempotency_key"
+                " VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL"
+            )
+        )
+    kw: dict[str, Any] = {"actor_name": "t", "payload": {}, "holder": "m"}
+    with caplog.at_level("WARNING", logger="dramatiq_guard.ledger.store"):
+        Ledger(mariadb_engine).run("a", lambda: "old", fingerprint="f0", **kw)
+    assert "ALTER TABLE dramatiq_guard_ledger MODIFY idempotency_key VARBINARY(1020) NOT NULL" in caplog.text
+
+    caplog.clear()
+    with mariadb_engine.begin() as conn:  # the statement the CHANGELOG and the README give
+        conn.execute(
+            sa.text("ALTER TABLE dramatiq_guard_ledger MODIFY idempotency_key VARBINARY(1020) NOT NULL")
+        )
+    ledger = Ledger(mariadb_engine)
+    with caplog.at_level("WARNING", logger="dramatiq_guard.ledger.store"):
+        assert ledger.run("a", lambda: "again", fingerprint="f0", **kw) == "old"  # the existing row
+        assert ledger.run("a ", lambda: "new", fingerprint="f1", **kw) == "new"
+    assert caplog.text == ""
 
 
 def test_the_default_ledger_is_a_sqlite_file_in_the_user_data_dir(

@@ -121,6 +121,13 @@ the backend's clock (Redis ``TIME`` for Redis, ``time.time()`` in memory).
 A guard key must be non-empty and must not start with ``}`` (on Redis it
 becomes a Cluster hash tag, which must not be empty); every backend rejects
 such a key with the same :class:`ValueError` (:func:`check_key`).
+
+Every number is checked before anything is touched, with the same
+:class:`ValueError` in every backend (:func:`check_ms`, :func:`check_count`):
+a duration is an integer from 0 (1 for a lease or reservation being taken) to
+366 days, a limit or count an integer from 0 to 2**31 - 1
+(:mod:`dramatiq_guard.bounds`). The Redis backend's scripts check them again
+before their first write, for callers that reach them without this module.
 """
 
 from __future__ import annotations
@@ -129,10 +136,53 @@ import abc
 import dataclasses
 from collections.abc import Sequence
 
+from dramatiq_guard.bounds import MAX_COUNT, MAX_DURATION_MS
 from dramatiq_guard.errors import PayloadTooLarge
 
 #: The default bound on a parked message's encoded size (:attr:`GuardBackend.max_payload_bytes`).
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_ms(value: int, what: str, *, minimum: int = 1) -> None:
+    """Reject a duration in milliseconds that no backend accepts.
+
+    Parameters:
+      value(int): The duration.
+      what(str): The argument's name, for the error.
+      minimum(int): The shortest allowed: 1 for a lease or reservation
+        being taken, 0 for a wait or a renewal (0 ends a lease now).
+
+    Raises:
+      ValueError: If ``value`` is not an int from ``minimum`` to 366 days.
+    """
+    if not _is_int(value) or not minimum <= value <= MAX_DURATION_MS:
+        raise ValueError(
+            f"{what} must be an integer from {minimum} to {MAX_DURATION_MS} ms (366 days), got {value!r}"
+        )
+
+
+def check_count(value: int | None, what: str) -> None:
+    """Reject a limit or count that no backend accepts (None: a limit the caller does not know).
+
+    Raises:
+      ValueError: If ``value`` is not None or an int from 0 to 2**31 - 1.
+    """
+    if value is None:
+        return
+    if not _is_int(value) or not 0 <= value <= MAX_COUNT:
+        raise ValueError(f"{what} must be an integer from 0 to {MAX_COUNT}, got {value!r}")
+
+
+def check_acquire(limit: int | None, ttl_ms: int, wait: Waiter | None) -> None:
+    """The checks of :meth:`GuardBackend.acquire`'s numbers (see :func:`check_ms`)."""
+    check_count(limit, "limit")
+    check_ms(ttl_ms, "ttl_ms")
+    if wait is not None:
+        check_ms(wait.wait_ms, "wait_ms", minimum=0)
 
 
 def check_key(key: str) -> None:
@@ -323,7 +373,10 @@ class GuardBackend(abc.ABC):
     Attributes:
       route(str): Which broker this process delivers parked messages to (see
         *routes*); set from the broker when the backend is resolved for one
-        (:func:`dramatiq_guard.delivery.route_of`). ``""``: none given.
+        (:func:`dramatiq_guard.resolve.route_of`). ``""``: none given.
+
+    Raises:
+      ValueError: If ``handoff_ttl_ms`` or ``stale_ttl_ms`` is out of range (:func:`check_ms`).
     """
 
     def __init__(
@@ -333,6 +386,8 @@ class GuardBackend(abc.ABC):
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         stale_ttl_ms: int = 86_400_000,
     ) -> None:
+        check_ms(handoff_ttl_ms, "handoff_ttl_ms")
+        check_ms(stale_ttl_ms, "stale_ttl_ms")
         self.handoff_ttl_ms = handoff_ttl_ms
         self.max_payload_bytes = check_max_payload_bytes(max_payload_bytes)
         self.stale_ttl_ms = stale_ttl_ms

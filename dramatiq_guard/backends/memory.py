@@ -23,7 +23,10 @@ from dramatiq_guard.backends.base import (
     ReleaseResult,
     Waiter,
     Woken,
+    check_acquire,
+    check_count,
     check_key,
+    check_ms,
 )
 
 __all__ = ["MemoryBackend"]
@@ -220,6 +223,7 @@ class MemoryBackend(GuardBackend):
         generation: int | None = None,
     ) -> AcquireResult:
         """Try to become a holder of ``key``; see :meth:`GuardBackend.acquire`."""
+        check_acquire(limit, ttl_ms, wait)
         self.check_payload(key, holder, wait)
         with self._changed:
             guard, now = self._begin(key)
@@ -272,6 +276,7 @@ class MemoryBackend(GuardBackend):
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:
         """Extend ``holder``'s lease; see :meth:`GuardBackend.renew`."""
         check_key(key)
+        check_ms(ttl_ms, "ttl_ms", minimum=0)
         with self._changed:
             guard = self._guards.get(key)
             now = _now_ms()
@@ -282,6 +287,8 @@ class MemoryBackend(GuardBackend):
 
     def release(self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0) -> ReleaseResult:
         """Give up ``holder``'s slot; see :meth:`GuardBackend.release`."""
+        check_count(limit, "limit")
+        check_count(send_ahead, "send_ahead")
         with self._changed:
             guard, now = self._begin(key)
             released = guard.holders.pop(holder, None) is not None
@@ -298,6 +305,7 @@ class MemoryBackend(GuardBackend):
         self, key: str, waiter_id: str, *, ttl_ms: int, generation: int | None = None
     ) -> bool:
         """Confirm a handed-off parked message was re-enqueued; see :meth:`GuardBackend.confirm_handoff`."""
+        check_ms(ttl_ms, "ttl_ms")
         with self._changed:
             guard, now = self._begin(key)
             reserved = guard.reserved.get(waiter_id)
@@ -318,6 +326,8 @@ class MemoryBackend(GuardBackend):
         self, key: str, *, limit: int | None, count: int
     ) -> tuple[tuple[Handoff, ...], tuple[Handoff, ...]]:
         """Send the oldest parked waiters ahead as standbys; see :meth:`GuardBackend.send_standbys`."""
+        check_count(limit, "limit")
+        check_count(count, "count")
         with self._changed:
             guard, now = self._begin(key)
             in_force = self._in_force(key, guard, limit)
@@ -330,6 +340,7 @@ class MemoryBackend(GuardBackend):
         self, key: str, waiter_id: str, payload: bytes, *, ttl_ms: int, generation: int | None = None
     ) -> bool:
         """Confirm a standby was enqueued; see :meth:`GuardBackend.confirm_standby`."""
+        check_ms(ttl_ms, "ttl_ms")
         with self._changed:
             guard, now = self._begin(key)
             reserved = guard.reserved.get(waiter_id)
@@ -356,6 +367,7 @@ class MemoryBackend(GuardBackend):
     def wait_for_handoff(self, key: str, waiter_id: str, *, timeout_ms: int) -> Woken | None:
         """Sleep until a slot is handed to ``waiter_id``; see :meth:`GuardBackend.wait_for_handoff`."""
         check_key(key)
+        check_ms(timeout_ms, "timeout_ms", minimum=0)
         give_up = time.monotonic() + timeout_ms / 1000
         with self._changed:
             while True:
@@ -370,6 +382,7 @@ class MemoryBackend(GuardBackend):
 
     def cancel_wait(self, key: str, waiter_id: str, *, limit: int | None) -> ReleaseResult:
         """Leave the waiters of ``key``; see :meth:`GuardBackend.cancel_wait`."""
+        check_count(limit, "limit")
         with self._changed:
             guard, now = self._begin(key)
             guard.queue.pop(waiter_id, None)
@@ -388,6 +401,7 @@ class MemoryBackend(GuardBackend):
           ReleaseResult: ``released`` tells whether any lapsed holder was reclaimed.
         """
         check_key(key)
+        check_count(limit, "limit")
         with self._changed:
             guard = self._guards.setdefault(key, _Guard())
             now = _now_ms()
@@ -403,10 +417,11 @@ class MemoryBackend(GuardBackend):
           ReleaseResult: ``released`` is always False (nobody is evicted).
 
         Raises:
-          ValueError: If ``limit`` is negative.
+          ValueError: If ``limit`` or ``default`` is out of range (:func:`check_count`).
         """
-        if limit is not None and limit < 0:
-            raise ValueError(f"a limit must be >= 0, got {limit!r}")
+        if limit is not None:
+            check_count(limit, "limit")
+        check_count(default, "default")
         check_key(key)
         with self._changed:
             if limit is None:

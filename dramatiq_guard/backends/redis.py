@@ -91,7 +91,10 @@ from dramatiq_guard.backends.base import (
     ReleaseResult,
     Waiter,
     Woken,
+    check_acquire,
+    check_count,
     check_key,
+    check_ms,
 )
 from dramatiq_guard.errors import BackendUnavailable
 
@@ -181,7 +184,8 @@ class RedisBackend(GuardBackend):
         :class:`~dramatiq_guard.backends.GuardBackend`).
 
     Raises:
-      ValueError: If ``namespace`` is empty or contains a brace.
+      ValueError: If ``namespace`` is empty or contains a brace, or a
+        duration is out of range (:func:`~dramatiq_guard.backends.base.check_ms`).
     """
 
     def __init__(
@@ -196,6 +200,7 @@ class RedisBackend(GuardBackend):
         super().__init__(handoff_ttl_ms=handoff_ttl_ms, max_payload_bytes=max_payload_bytes)
         if not namespace or "{" in namespace or "}" in namespace:
             raise ValueError(f"a guard namespace must be non-empty and contain no braces, got {namespace!r}")
+        check_ms(index_grace_ms, "index_grace_ms", minimum=0)
         self.client = client
         self.namespace = namespace
         self.index_grace_ms = index_grace_ms
@@ -395,9 +400,10 @@ class RedisBackend(GuardBackend):
 
         Raises:
           BackendUnavailable: If Redis cannot be reached.
-          ValueError: If ``key`` or (with ``wait``) ``holder`` is not allowed.
+          ValueError: If ``key``, a number or (with ``wait``) ``holder`` is not allowed.
           PayloadTooLarge: If ``wait.payload`` is over ``max_payload_bytes`` (nothing is written).
         """
+        check_acquire(limit, ttl_ms, wait)
         self.check_payload(key, holder, wait)
         gen: str | int = "" if generation is None else generation
         if wait is None:
@@ -423,6 +429,7 @@ class RedisBackend(GuardBackend):
         Raises:
           BackendUnavailable: If Redis cannot be reached.
         """
+        check_ms(ttl_ms, "ttl_ms", minimum=0)
         return bool(self._run("renew", key, 0, holder, ttl_ms))
 
     def renew_many(self, leases: Sequence[tuple[str, str, int]]) -> list[bool]:
@@ -433,6 +440,8 @@ class RedisBackend(GuardBackend):
         """
         if not leases:
             return []
+        for _, _, ttl_ms in leases:
+            check_ms(ttl_ms, "ttl_ms", minimum=0)
         script = self._scripts["renew"]
         calls = [(script, self._keys(key), self._args(key, 0, holder, ttl)) for key, holder, ttl in leases]
         return [bool(result) for result in self._pipelined(calls)]
@@ -443,6 +452,8 @@ class RedisBackend(GuardBackend):
         Raises:
           BackendUnavailable: If Redis cannot be reached.
         """
+        check_count(limit, "limit")
+        check_count(send_ahead, "send_ahead")
         return self._release_reply(key, self._run("release", key, limit, holder, send_ahead))
 
     def confirm_handoff(
@@ -453,6 +464,7 @@ class RedisBackend(GuardBackend):
         Raises:
           BackendUnavailable: If Redis cannot be reached.
         """
+        check_ms(ttl_ms, "ttl_ms")
         gen = "" if generation is None else generation
         return bool(self._run("confirm_handoff", key, 0, waiter_id, ttl_ms, gen))
 
@@ -464,6 +476,8 @@ class RedisBackend(GuardBackend):
         Raises:
           BackendUnavailable: If Redis cannot be reached.
         """
+        check_count(limit, "limit")
+        check_count(count, "count")
         handoffs, sent = self._run("standby", key, limit, "send", count)  # {handoffs, standbys}
         return self._handoffs(key, handoffs), self._handoffs(key, sent)
 
@@ -475,6 +489,7 @@ class RedisBackend(GuardBackend):
         Raises:
           BackendUnavailable: If Redis cannot be reached.
         """
+        check_ms(ttl_ms, "ttl_ms")
         gen = "" if generation is None else generation
         return bool(self._run("standby", key, 0, "confirm", waiter_id, ttl_ms, payload, gen))
 
@@ -491,6 +506,7 @@ class RedisBackend(GuardBackend):
         """
         self._check_waiter(waiter_id)
         check_key(key)
+        check_ms(timeout_ms, "timeout_ms", minimum=0)
         wake = self._wake_prefix(key) + waiter_id
         chunk_s = self._blocking_chunk_s()
         give_up = time.monotonic() + timeout_ms / 1000
@@ -523,6 +539,7 @@ class RedisBackend(GuardBackend):
           BackendUnavailable: If Redis cannot be reached.
         """
         self._check_waiter(waiter_id)
+        check_count(limit, "limit")
         return self._release_reply(key, self._run("cancel_wait", key, limit, waiter_id))
 
     def sweep(self, key: str, *, limit: int | None) -> ReleaseResult:
@@ -534,6 +551,7 @@ class RedisBackend(GuardBackend):
         Raises:
           BackendUnavailable: If Redis cannot be reached.
         """
+        check_count(limit, "limit")
         return self._release_reply(key, self._run("sweep", key, limit))
 
     def set_limit(self, key: str, limit: int | None, *, default: int | None = 1) -> ReleaseResult:
@@ -544,10 +562,11 @@ class RedisBackend(GuardBackend):
 
         Raises:
           BackendUnavailable: If Redis cannot be reached.
-          ValueError: If ``limit`` is negative.
+          ValueError: If ``limit`` or ``default`` is out of range (:func:`check_count`).
         """
-        if limit is not None and limit < 0:
-            raise ValueError(f"a limit must be >= 0, got {limit!r}")
+        if limit is not None:
+            check_count(limit, "limit")
+        check_count(default, "default")
         value = "" if limit is None else limit
         if not self._in_cluster():
             return self._release_reply(

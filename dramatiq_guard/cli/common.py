@@ -9,6 +9,7 @@ import re
 from typing import Any, TextIO
 
 from dramatiq_guard.backends.base import GuardBackend
+from dramatiq_guard.bounds import MAX_COUNT, MAX_RETENTION_MS
 from dramatiq_guard.resolve import REDIS_URL_ENV
 
 __all__ = [
@@ -57,10 +58,16 @@ def parse_duration(text: str) -> int:
 
 
 def _duration_arg(text: str) -> int:
+    """A ledger age (``--older-than``): at most 100 years."""
     try:
-        return parse_duration(text)
+        value = parse_duration(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if value > MAX_RETENTION_MS:
+        raise argparse.ArgumentTypeError(
+            f"a duration must be at most {MAX_RETENTION_MS // 86_400_000}d, got {text!r}"
+        )
+    return value
 
 
 def _limit_arg(text: str) -> int:
@@ -68,8 +75,8 @@ def _limit_arg(text: str) -> int:
         value = int(text)
     except ValueError:
         value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a limit must be an integer >= 0, got {text!r}")
+    if not 0 <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"a limit must be an integer >= 0 and <= {MAX_COUNT}, got {text!r}")
     return value
 
 

@@ -6,7 +6,8 @@ One row per idempotency key:
 column             meaning
 =================  ==========================================================
 idempotency_key    the key (primary key; keys over 255 characters are stored
-                   as ``sha256:<hex digest of the key>``)
+                   as ``sha256:<hex digest of the key>``), compared exactly:
+                   see :class:`LedgerKey`
 state              ``in_progress`` (only ever seen inside the transaction
                    that inserted it), ``completed`` or ``failed``
 actor_name         the actor of the key's first use
@@ -32,13 +33,20 @@ choice, so Alembic's autogenerate sees it::
     ledger_table(target_metadata)      # then: alembic revision --autogenerate
 
 and pass the same ``MetaData`` (or ``create_tables=False``) to the ledger.
-Future changes to the table are announced in the CHANGELOG with the columns
-they add; they will be additive (new nullable columns).
+Changes to the table are announced in the CHANGELOG with what an existing
+table needs. One so far: on MySQL/MariaDB, ``idempotency_key`` became
+``VARBINARY(1020)`` (it was ``VARCHAR(255) COLLATE utf8mb4_bin``, under which
+``"a"`` and ``"a "`` are one key); convert a table created before with::
+
+    ALTER TABLE dramatiq_guard_ledger MODIFY idempotency_key VARBINARY(1020) NOT NULL;
+
+(the stored bytes, the keys' UTF-8, stay as they are). Other databases need nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
@@ -50,11 +58,45 @@ IN_PROGRESS = "in_progress"
 COMPLETED = "completed"
 FAILED = "failed"
 
-# MySQL/MariaDB: a binary collation, so keys that differ in case are different keys,
-# and microsecond timestamps (DATETIME defaults to whole seconds there).
-_Key = sa.String(KEY_LENGTH).with_variant(
-    mysql.VARCHAR(KEY_LENGTH, collation="utf8mb4_bin"), "mysql", "mariadb"
-)
+#: Bytes of the longest stored key on MySQL/MariaDB: KEY_LENGTH characters of UTF-8.
+KEY_BYTES = 4 * KEY_LENGTH
+
+
+class LedgerKey(sa.types.TypeDecorator[str]):
+    """The type of the ``idempotency_key`` column: a string compared exactly, on every database.
+
+    ``VARCHAR(255)`` on SQLite and PostgreSQL, whose string comparisons are
+    exact. ``VARBINARY(1020)`` holding the key's UTF-8 on MySQL/MariaDB: their
+    ``VARCHAR`` collations, ``utf8mb4_bin`` included, are PAD SPACE (``"a"``
+    and ``"a "`` are equal, so a real key would be refused as the other's
+    conflict), and the NO PAD ones are named differently on each server.
+    Binary strings compare byte for byte everywhere. Values are ``str`` both
+    ways. Alembic's autogenerate writes it as
+    ``dramatiq_guard.ledger.schema.LedgerKey()`` (import ``dramatiq_guard`` in
+    the migration).
+    """
+
+    impl = sa.String(KEY_LENGTH)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: sa.Dialect) -> sa.types.TypeEngine[Any]:
+        if dialect.name in ("mysql", "mariadb"):
+            return dialect.type_descriptor(mysql.VARBINARY(KEY_BYTES))
+        return dialect.type_descriptor(sa.String(KEY_LENGTH))
+
+    def process_bind_param(self, value: str | None, dialect: sa.Dialect) -> Any:
+        if value is not None and dialect.name in ("mysql", "mariadb"):
+            return value.encode("utf-8")
+        return value
+
+    def process_result_value(self, value: Any, dialect: sa.Dialect) -> str | None:
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return bytes(value).decode("utf-8")
+        return value  # type: ignore[no-any-return]
+
+
+# MySQL/MariaDB: the holder in a binary collation, and microsecond timestamps
+# (DATETIME defaults to whole seconds there).
 _Holder = sa.String(255).with_variant(mysql.VARCHAR(255, collation="utf8mb4_bin"), "mysql", "mariadb")
 _Timestamp = sa.DateTime().with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
 
@@ -75,7 +117,7 @@ def ledger_table(
     return sa.Table(
         name,
         metadata,
-        sa.Column("idempotency_key", _Key, primary_key=True),
+        sa.Column("idempotency_key", LedgerKey(), primary_key=True),
         sa.Column("state", sa.String(16), nullable=False),
         sa.Column("actor_name", sa.String(255), nullable=False),
         sa.Column("fingerprint", sa.String(64), nullable=False),
@@ -100,4 +142,12 @@ def storage_key(key: str) -> str:
     return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
-__all__ = ["COMPLETED", "DEFAULT_TABLE_NAME", "FAILED", "IN_PROGRESS", "ledger_table", "storage_key"]
+__all__ = [
+    "COMPLETED",
+    "DEFAULT_TABLE_NAME",
+    "FAILED",
+    "IN_PROGRESS",
+    "LedgerKey",
+    "ledger_table",
+    "storage_key",
+]

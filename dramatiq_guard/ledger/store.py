@@ -67,6 +67,7 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from dramatiq_guard import events
+from dramatiq_guard.bounds import MAX_RETENTION_MS
 from dramatiq_guard.context import ledger_session_var
 from dramatiq_guard.errors import LeaseLost
 from dramatiq_guard.ledger.engine import resolve_engine
@@ -76,6 +77,7 @@ from dramatiq_guard.ledger.schema import (
     DEFAULT_TABLE_NAME,
     FAILED,
     IN_PROGRESS,
+    KEY_BYTES,
     ledger_table,
     storage_key,
 )
@@ -175,8 +177,8 @@ class Ledger:
       schema(str): The table's schema, if not the default.
       retention: How long a completed (or failed) row protects its key, in ms
         or a timedelta; then it counts as absent and :meth:`prune` deletes it.
-        None keeps rows forever. Default: 7 days. A guarded actor's
-        ``retention`` overrides it for its keys.
+        None keeps rows forever; at most 100 years. Default: 7 days. A guarded
+        actor's ``retention`` overrides it for its keys.
       create_tables(bool): Create the table (if missing) on first use. Pass
         False when migrations manage it.
     """
@@ -195,7 +197,9 @@ class Ledger:
         self._engine: sa.Engine | None = engine if isinstance(engine, sa.Engine) else None
         self.metadata = metadata if metadata is not None else sa.MetaData()
         self.table = ledger_table(self.metadata, table_name, schema=schema)
-        self.retention_ms = duration_ms(retention, what="retention", allow_none=True)
+        self.retention_ms = duration_ms(
+            retention, what="retention", allow_none=True, maximum=MAX_RETENTION_MS
+        )
         self.create_tables = create_tables
         self._lock = threading.RLock()
         self._prepared = False
@@ -258,7 +262,32 @@ class Ledger:
             if not self._prepared:
                 if self.create_tables:
                     self.create_all()
+                self._check_key_column()
                 self._prepared = True
+
+    def _check_key_column(self) -> None:
+        """Warn when a MySQL/MariaDB table still has the padded ``VARCHAR`` key of 0.1.0.dev0."""
+        engine = self.engine
+        if engine.dialect.name not in ("mysql", "mariadb"):
+            return
+        t = self.table
+        try:
+            columns = sa.inspect(engine).get_columns(t.name, schema=t.schema)
+        except sa.exc.SQLAlchemyError:
+            return  # the table is missing or unreadable: the first statement will say so
+        for column in columns:
+            if column["name"] == "idempotency_key" and not isinstance(
+                column["type"], (sa.BINARY, sa.VARBINARY, sa.LargeBinary)
+            ):
+                logger.warning(
+                    "The ledger table %s has idempotency_key %s, under which keys that differ only in "
+                    "trailing spaces are one key. Convert it: ALTER TABLE %s MODIFY idempotency_key "
+                    "VARBINARY(%d) NOT NULL",
+                    t.fullname,
+                    column["type"],
+                    t.fullname,
+                    KEY_BYTES,
+                )
 
     def dispose(self) -> None:
         """Close the pooled connections of an Engine the ledger created itself."""
@@ -511,7 +540,8 @@ class Ledger:
 
         Parameters:
           older_than: Also delete completed and failed rows last changed at
-            least this long ago (ms or a timedelta), whatever their expiry.
+            least this long ago (ms or a timedelta, at most 100 years),
+            whatever their expiry.
 
         Without ``older_than``, deletes the rows past their ``expires_at``
         (which already count as absent). Rows being claimed are locked and
@@ -521,7 +551,7 @@ class Ledger:
         t = self.table
         now = _utcnow()
         condition: sa.ColumnElement[bool] = sa.and_(t.c.expires_at.is_not(None), t.c.expires_at <= now)
-        age = duration_ms(older_than, what="older_than", allow_none=True)
+        age = duration_ms(older_than, what="older_than", allow_none=True, maximum=MAX_RETENTION_MS)
         if age is not None:
             cutoff = now - datetime.timedelta(milliseconds=age)
             condition = sa.or_(condition, sa.and_(t.c.state != IN_PROGRESS, t.c.updated_at <= cutoff))

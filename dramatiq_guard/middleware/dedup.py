@@ -176,8 +176,8 @@ class _Confirmer:
                     with self._cond:
                         self._items.extend(retry)
                 continue
-            for (_, key, holder, _, _), ok in zip(group, renewed, strict=True):
-                if not ok:
+            for (_, key, holder, _, _), confirmed in zip(group, renewed, strict=True):
+                if not confirmed:
                     # Released already (an until_executing holder that started at
                     # once, a holder that finished) or lapsed before confirmation.
                     logger.debug("Dedup lock %r of %r was gone when confirmed.", key, holder)

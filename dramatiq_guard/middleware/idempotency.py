@@ -81,13 +81,14 @@ import sqlalchemy as sa
 from dramatiq import Broker, Message
 from dramatiq.broker import MessageProxy
 
+from dramatiq_guard.bounds import MAX_RETENTION_MS
 from dramatiq_guard.errors import ConfigurationError
 from dramatiq_guard.keys import KeyResolver, canonical_json, digest
 from dramatiq_guard.ledger.errors import IdempotencyConflict, UnstorableResult
 from dramatiq_guard.ledger.schema import DEFAULT_TABLE_NAME
 from dramatiq_guard.ledger.store import DEFAULT_RETENTION, Ledger
 from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware
-from dramatiq_guard.policies import Duration, IdempotencyPolicy, option_error, parse_policy
+from dramatiq_guard.policies import Duration, IdempotencyPolicy, duration_ms, option_error, parse_policy
 
 #: The message option that carries a message's own idempotency key.
 MESSAGE_OPTION = "idempotency_key"
@@ -154,6 +155,8 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
         self._engine_arg = None if isinstance(ledger, Ledger) else ledger
         self._metadata = metadata
         self._table_name = table_name
+        # Refused now, not at the first message.
+        duration_ms(retention, what="retention", allow_none=True, maximum=MAX_RETENTION_MS)
         self._retention = retention
         self._create_tables = create_tables
         self._ledger_lock = threading.Lock()

@@ -528,3 +528,48 @@ local function finish()
     redis.call('PEXPIREAT', I, at)
   end
 end
+
+-- Argument checks, run by every per-key script before anything else: Redis does not roll
+-- back a script that fails half-way, so a number it cannot use must be refused before the
+-- first write, not found out by a command in the middle (which would leave, say, a holder
+-- without an expiry). The bounds are dramatiq_guard/bounds.py's (a test keeps them equal):
+-- durations from 0 to 366 days in ms, limits and counts from 0 to 2^31 - 1.
+local MAX_DURATION_MS = 31622400000
+local MAX_COUNT = 2147483647
+
+-- Whether value is a whole number from low to high: a string of decimal digits only (no
+-- sign, exponent, fraction, hex, blank, inf or nan: a limit is stored as given), or a
+-- number the prelude already parsed.
+local function sane_integer(value, low, high)
+  local n = nil
+  if type(value) == 'string' then
+    n = #value <= 16 and string.match(value, '^%d+$') and tonumber(value)
+  elseif type(value) == 'number' then
+    n = value
+  end
+  return n and n == n and n % 1 == 0 and n >= low and n <= high
+end
+
+-- validate_args({name, value, low, high}, ...) -> nil, or an error reply naming the first
+-- value that is not a whole number in its range. The prelude's own numbers (handoff_ttl_ms,
+-- wake_ttl_ms, stale_ttl_ms, the default limit if given) are checked first. A script starts with:
+--   local refused = validate_args(...)
+--   if refused then return refused end
+local function validate_args(...)
+  local checks = {
+    { 'handoff_ttl_ms', HANDOFF_TTL, 1, MAX_DURATION_MS },
+    { 'wake_ttl_ms', WAKE_TTL, 1, MAX_DURATION_MS },
+    { 'stale_ttl_ms', STALE_TTL, 1, MAX_DURATION_MS },
+    { 'default_limit', KNOWN_DEFAULT and DEFAULT_LIMIT or 0, 0, MAX_COUNT },
+    ...,
+  }
+  for _, check in ipairs(checks) do
+    if not sane_integer(check[2], check[3], check[4]) then
+      return redis.error_reply(
+        check[1] .. ' must be an integer from ' .. fmt(check[3]) .. ' to ' .. fmt(check[4])
+          .. ', got ' .. tostring(check[2])
+      )
+    end
+  end
+  return nil
+end

@@ -5,6 +5,14 @@
 -- standby.lua) picked up in 'park' mode with wait_ms > 0: it blocks in its place, a ready
 -- waiter (in D) from now on; or 'stale': the copy's generation is not the one that may start
 -- (a newer hand-off of the same message exists), and nothing was done.
+local refused = validate_args(
+  { 'ttl_ms', arg(2), 1, MAX_DURATION_MS },
+  { 'wait_ms', arg(5), 0, MAX_DURATION_MS },
+  { 'generation', arg(7) == '' and 0 or arg(7), 0, 2 ^ 53 }
+)
+if refused then
+  return refused
+end
 local holder = arg(1)
 local ttl = tonumber(arg(2))
 local mode = arg(3)

@@ -1,4 +1,8 @@
 -- cancel_wait(waiter) -> {released, handoffs}
+local refused = validate_args()
+if refused then
+  return refused
+end
 local waiter = arg(1)
 OWNED = true
 reclaim()

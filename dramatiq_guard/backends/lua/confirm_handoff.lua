@@ -1,6 +1,13 @@
 -- confirm_handoff(waiter, ttl_ms, generation) -> 1 if the waiter still holds its reservation.
 -- generation: the one the re-enqueued copy carries ('' for any). A confirmation of an older
 -- generation than the waiter's latest hand-off changes nothing: that copy will not start.
+local refused = validate_args(
+  { 'ttl_ms', arg(2), 1, MAX_DURATION_MS },
+  { 'generation', arg(3) == '' and 0 or arg(3), 0, 2 ^ 53 }
+)
+if refused then
+  return refused
+end
 local waiter = arg(1)
 local generation = arg(3)
 OWNED = true

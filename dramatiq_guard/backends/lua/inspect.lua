@@ -1,4 +1,8 @@
 -- inspect() -> {holders+deadlines, waiters+places, parked flags, reserved, limit, token, info}. Read only.
+local refused = validate_args()
+if refused then
+  return refused
+end
 local waiters = redis.call('ZRANGE', W, 0, -1, 'WITHSCORES')
 local parked = {}
 for i = 1, #waiters, 2 do

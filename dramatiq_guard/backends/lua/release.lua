@@ -1,6 +1,10 @@
 -- release(holder, send_ahead) -> {released, handoffs, standbys}
 --   With send_ahead > 0, then sends the first send_ahead waiters ahead as standbys, as
 --   standby('send') would (at most the limit): the caller enqueues and confirms them.
+local refused = validate_args({ 'send_ahead', arg(2) or '0', 0, MAX_COUNT })
+if refused then
+  return refused
+end
 local holder = arg(1)
 OWNED = true
 reclaim()

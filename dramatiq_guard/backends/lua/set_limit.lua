@@ -1,6 +1,15 @@
 -- set_limit(limit or '' to clear) -> {0, handoffs}
 -- With the limits index (KEYS[13], standalone Redis only), the guard key is
 -- added to it or removed from it in the same step.
+local refused
+if arg(1) == '' then
+  refused = validate_args()
+else
+  refused = validate_args({ 'limit', arg(1), 0, MAX_COUNT })
+end
+if refused then
+  return refused
+end
 OWNED = true
 reclaim()
 local LIMITS = KEYS[13]

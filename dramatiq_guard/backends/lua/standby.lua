@@ -16,6 +16,18 @@
 --   (then it is dropped); one handed a slot meanwhile keeps the slot for ttl_ms
 --   (as confirm_handoff). One that reclaim already made a parked waiter again
 --   is left parked (its enqueued copy parks into the same entry when picked up).
+local refused
+if arg(1) == 'send' then
+  refused = validate_args({ 'count', arg(2), 0, MAX_COUNT })
+else
+  refused = validate_args(
+    { 'ttl_ms', arg(3), 1, MAX_DURATION_MS },
+    { 'generation', (arg(5) or '') == '' and 0 or arg(5), 0, 2 ^ 53 }
+  )
+end
+if refused then
+  return refused
+end
 OWNED = true
 reclaim()
 if arg(1) == 'send' then

@@ -1,4 +1,8 @@
 -- sweep() -> {reclaimed_any, handoffs}
+local refused = validate_args()
+if refused then
+  return refused
+end
 OWNED = true
 local reclaimed = reclaim()
 local handoffs = {}
