@@ -97,6 +97,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import time
 from collections.abc import Sequence
 
 
@@ -150,6 +151,12 @@ class AcquireResult:
         hand-off reservation, which lasts at least this long from the wake.
         The lease must be renewed at once (:class:`~dramatiq_guard.lease.Lease`
         does it when given ``reserved_ms``).
+      valid_from(float|None): When the lease's ttl (or ``reserved_ms``)
+        surely started counting, on this process's ``time.monotonic()``:
+        just before the acquire request was sent (the backend counts from
+        later), or when the wake was taken. Backends set it; None (unknown)
+        makes a :class:`~dramatiq_guard.lease.Lease` count from when it is
+        made. See :mod:`dramatiq_guard.renewer` (known-valid time).
     """
 
     acquired: bool
@@ -160,6 +167,7 @@ class AcquireResult:
     handoffs: tuple[Handoff, ...] = ()
     standby: bool = False
     reserved_ms: int | None = None
+    valid_from: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,14 +178,19 @@ class Woken:
       token(int): The fencing token the hand-off issued to it.
       reserved_ms(int): How long its hand-off reservation lasts at least, from
         when the wake was taken: the time it has to take the lease up (renew it).
+      taken_at(float): When the wake was taken (``time.monotonic()``; default:
+        when this object is made, right after the wake came back).
     """
 
     token: int
     reserved_ms: int
+    taken_at: float = dataclasses.field(default_factory=time.monotonic, compare=False)
 
     def result(self, limit: int) -> AcquireResult:
-        """This wake as an acquired :class:`AcquireResult` (with ``reserved_ms`` set)."""
-        return AcquireResult(True, self.token, (), limit, reserved_ms=self.reserved_ms)
+        """This wake as an acquired :class:`AcquireResult` (``reserved_ms`` counted from ``taken_at``)."""
+        return AcquireResult(
+            True, self.token, (), limit, reserved_ms=self.reserved_ms, valid_from=self.taken_at
+        )
 
 
 @dataclasses.dataclass(frozen=True)

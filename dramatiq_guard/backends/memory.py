@@ -169,6 +169,7 @@ class MemoryBackend(GuardBackend):
         info: str | None = None,
     ) -> AcquireResult:
         """Try to become a holder of ``key``; see :meth:`GuardBackend.acquire`."""
+        sent = time.monotonic()  # the result's valid_from: the deadline counts from later
         with self._changed:
             guard, now = self._begin(key)
             in_force = self._limits.get(key, limit)
@@ -204,7 +205,7 @@ class MemoryBackend(GuardBackend):
             holders = tuple(sorted(guard.holders, key=guard.holders.__getitem__))
             self._end(key, guard)
             return AcquireResult(
-                token is not None, token, holders, in_force, parked, tuple(handoffs), standby
+                token is not None, token, holders, in_force, parked, tuple(handoffs), standby, valid_from=sent
             )
 
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:

@@ -301,8 +301,8 @@ class RedisBackend(GuardBackend):
             for i in range(0, len(flat), 2)
         )
 
-    def _acquire_reply(self, key: str, reply: list[Any]) -> AcquireResult:
-        """Decode acquire.lua's ``{acquired, token, limit, queued, holders, handoffs}``."""
+    def _acquire_reply(self, key: str, reply: list[Any], sent: float) -> AcquireResult:
+        """Decode acquire.lua's ``{acquired, token, limit, queued, holders, handoffs}``, sent at ``sent``."""
         acquired, token, in_force, queued, holders, handoffs = reply
         queued = _text(queued)
         return AcquireResult(
@@ -313,6 +313,7 @@ class RedisBackend(GuardBackend):
             parked=queued != "",
             handoffs=self._handoffs(key, handoffs),
             standby=queued == "standby",
+            valid_from=sent,
         )
 
     def _release_reply(self, key: str, reply: list[Any]) -> ReleaseResult:
@@ -363,6 +364,7 @@ class RedisBackend(GuardBackend):
           BackendUnavailable: If Redis cannot be reached.
           ValueError: If ``key`` or (with ``wait``) ``holder`` is not allowed.
         """
+        sent = time.monotonic()  # the result's valid_from: Redis counts the ttl from later
         if wait is None:
             mode: list[str | int | bytes] = ["", b"", 0, info or ""]
             reply = self._run("acquire", key, limit, holder, ttl_ms, *mode)
@@ -379,7 +381,7 @@ class RedisBackend(GuardBackend):
                 )
             else:
                 reply = self._run("acquire", key, limit, holder, ttl_ms, *mode)
-        return self._acquire_reply(key, reply)
+        return self._acquire_reply(key, reply, sent)
 
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:
         """Extend ``holder``'s lease; see :meth:`GuardBackend.renew`.
