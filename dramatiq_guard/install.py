@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 from typing import Any
 
 from dramatiq import Broker, Middleware
@@ -12,6 +13,8 @@ from dramatiq.middleware import Retries
 from dramatiq_guard.errors import ConfigurationError
 from dramatiq_guard.gate import gate_for
 from dramatiq_guard.resolve import resolve_backend
+
+logger = logging.getLogger(__name__)
 
 #: The guard middlewares, in broker order. At execution time the slots
 #: middlewares go first (a message they park must not count as started for
@@ -71,6 +74,11 @@ def install(broker: Broker, *, redis: Any = None, ledger: Any = None, **settings
       **settings: Passed to each middleware that takes a keyword of that
         name.
 
+    A WARNING is logged if one call to the backend could block longer than
+    the shortest lease when Redis stops answering (a client without
+    ``socket_timeout``, such as a RedisBroker's made without one; see
+    :meth:`~dramatiq_guard.backends.GuardBackend.slow_call_warning`).
+
     Raises:
       ConfigurationError: If no backend can be found, or a setting is taken
         by no middleware (the error lists the settings that exist).
@@ -105,4 +113,8 @@ def install(broker: Broker, *, redis: Any = None, ledger: Any = None, **settings
             attach(broker)
         installed.append(middleware)
     gate_for(broker)
+    leases = [ttl for m in installed if isinstance(ttl := getattr(m, "lease_ttl_ms", None), int)]
+    warning = backend.slow_call_warning(min(leases, default=30_000))
+    if warning is not None:
+        logger.warning(warning)
     return installed

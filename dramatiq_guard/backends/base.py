@@ -471,6 +471,19 @@ class GuardBackend(abc.ABC):
         too (e.g. by ``dramatiq-guard inspect``).
         """
 
+    def slow_call_warning(self, shortest_lease_ms: int) -> str | None:
+        """Why one call could block longer than ``shortest_lease_ms`` on a backend that stops answering.
+
+        ``dramatiq_guard.install`` logs it as a WARNING. A lease is lost on
+        time whatever a call does (see :mod:`dramatiq_guard.renewer`); this
+        is about the worker threads that wait in an acquire or a release.
+        The default says nothing (an in-process backend always answers).
+
+        Returns:
+          str|None: The warning, naming what to set, or None.
+        """
+        return None
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release resources held by the backend (connections, threads)."""
