@@ -163,10 +163,11 @@ class Lease:
     def held(self) -> bool:
         """Whether the lease is, as far as this process knows, still held.
 
-        False once it was released or found lost. A lease can lapse between
-        two renewals without this process knowing yet (a stopped process, a
-        partition): protect downstream writes with :attr:`token`, not with
-        this flag alone.
+        False once it was released or found lost, and from its known-valid
+        time on. True is only true at the moment it is read: a process paused
+        right after (a long GC, SIGSTOP) may act on it after the lease lapsed,
+        so protect downstream writes with :attr:`token`, not with this flag
+        alone.
         """
         return not self._released and not self.lost
 

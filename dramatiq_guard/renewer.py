@@ -65,6 +65,9 @@ CLOCK_DRIFT = 0.01
 CLOCK_MARGIN_S = 0.002
 
 
+_NOT_RENEWED = "it was not renewed before its known-valid time passed (the backend did not answer in time)"
+
+
 def known_valid_until(sent: float, ttl_ms: int) -> float:
     """Until when a lease extended by ``ttl_ms`` is surely held, on ``time.monotonic()``'s clock.
 
@@ -140,13 +143,7 @@ class LeaseHandle:
         if self._lost.is_set():
             return True
         if self._active and time.monotonic() >= self.valid_until:
-            logger.warning(
-                "The lease of %r on guard key %r was lost: it was not renewed before its known-valid "
-                "time passed (the backend did not answer in time).",
-                self.holder,
-                self.key,
-            )
-            self.mark_lost()
+            self.mark_lost(_NOT_RENEWED)
             return True
         return False
 
@@ -162,11 +159,15 @@ class LeaseHandle:
         """Stop renewing this lease (call it before releasing the lease)."""
         self._renewer.unregister(self)
 
-    def mark_lost(self) -> None:
+    def mark_lost(self, why: str | None = None) -> None:
         """Record that the lease is lost, stop renewing it and run the ``on_lost`` callbacks once.
 
         Also for callers that learn it themselves (a release that reports
         ``released=False``).
+
+        Parameters:
+          why(str|None): If given, a WARNING says the lease was lost and why
+            (once, by whoever marks it first).
         """
         with self._marking:
             first = not self._lost.is_set()
@@ -175,6 +176,8 @@ class LeaseHandle:
         self._renewer.unregister(self)
         if not first:
             return
+        if why is not None:
+            logger.warning("The lease of %r on guard key %r was lost: %s.", self.holder, self.key, why)
         for callback in list(self.on_lost):
             try:
                 callback(self)
@@ -282,21 +285,20 @@ class LeaseRenewer:
                         break
                     self._changed.wait(None if next_at is None else max(0.0, next_at - time.monotonic()))
             for handle in lapsed:
-                logger.warning(
-                    "The lease of %r on guard key %r was lost: it was not renewed before its "
-                    "known-valid time passed (the backend did not answer in time).",
-                    handle.holder,
-                    handle.key,
-                )
-                handle.mark_lost()
+                handle.mark_lost(_NOT_RENEWED)
             for batch in batches:
                 threading.Thread(
                     target=self._renew, args=(batch,), name="dramatiq-guard-renewal", daemon=True
                 ).start()
 
     def _next(self) -> tuple[list[LeaseHandle], list[list[LeaseHandle]], float | None]:
-        """Under the lock: the leases past their known-valid time (dropped), the batches to renew now
-        (their backends marked busy), and when to look again."""
+        """Under the lock: what is lapsed, what to renew now, and when to look again.
+
+        Returns:
+          tuple: The leases past their known-valid time (no longer renewed),
+          the batches to renew now, one per backend (marked busy), and the
+          ``time.monotonic()`` of the next look (None: when woken).
+        """
         now = time.monotonic()
         lapsed = [h for h in self._leases if h.valid_until <= now]
         for handle in lapsed:
@@ -345,15 +347,9 @@ class LeaseRenewer:
                 else:
                     refused.append(handle)
         for handle in refused:
-            logger.warning("The lease of %r on guard key %r was lost.", handle.holder, handle.key)
-            handle.mark_lost()
+            handle.mark_lost("a renewal found it lapsed and reclaimed, or released by force")
         for handle in lapsed:
-            logger.warning(
-                "The lease of %r on guard key %r was lost: its renewal came back after its known-valid time.",
-                handle.holder,
-                handle.key,
-            )
-            handle.mark_lost()
+            handle.mark_lost("its renewal came back after its known-valid time")
 
 
 _renewer: LeaseRenewer | None = None
