@@ -175,7 +175,7 @@ class Lease:
         """Raise :class:`~dramatiq_guard.errors.LeaseLost` if the lease was lost.
 
         Raises:
-          LeaseLost: The lease lapsed or was taken over.
+          LeaseLost: The lease lapsed, was taken over, or its known-valid time passed.
         """
         if self.lost:
             raise LeaseLost(self.key, self.holder)
