@@ -23,7 +23,7 @@ Counters
     (``on_busy="wait"``): counts the wait, observes its duration, and counts
     the thread in the waiters gauge while it waits.
   :func:`lease_lost`
-    A holder's lease lapsed or was released by force while it ran.
+    A holder's lease lapsed, was released by force, or passed its known-valid time while it ran.
   :func:`ledger_hit`
     An idempotency key was found completed: the stored result was returned
     and the actor did not run.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 from typing import Any
 
 from dramatiq import Broker, Middleware
@@ -14,6 +15,8 @@ from dramatiq_guard.backends.base import check_max_payload_bytes
 from dramatiq_guard.errors import ConfigurationError
 from dramatiq_guard.gate import gate_for
 from dramatiq_guard.resolve import resolve_backend
+
+logger = logging.getLogger(__name__)
 
 #: The guard middlewares, in broker order. At execution time the slots
 #: middlewares go first (a message they park must not count as started for
@@ -92,6 +95,10 @@ def install(
     The guard's Redis is checked here (its ``maxmemory-policy`` and
     persistence, best effort: a Redis that forbids ``CONFIG`` gets a logged
     note). Without persistence, a warning says what a restart would lose.
+    A WARNING is logged if one call to the backend could block longer than
+    the shortest lease when Redis stops answering (a client without
+    ``socket_timeout``, such as a RedisBroker's made without one; see
+    :meth:`~dramatiq_guard.backends.GuardBackend.slow_call_warning`).
 
     Raises:
       ConfigurationError: If no backend can be found, or a setting is taken
@@ -136,4 +143,8 @@ def install(
             attach(broker)
         installed.append(middleware)
     gate_for(broker)
+    leases = [ttl for m in installed if isinstance(ttl := getattr(m, "lease_ttl_ms", None), int)]
+    warning = backend.slow_call_warning(min(leases, default=30_000))
+    if warning is not None:
+        logger.warning(warning)
     return installed

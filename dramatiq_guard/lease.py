@@ -13,10 +13,16 @@ than one it has already seen): a holder that was paused past its lease and
 lost it then cannot overwrite the work of the holder that came after it.
 
 A holder is always told when it loses its lease: :attr:`Lease.lost` turns
-True as soon as the renewer finds out (a renewal was refused, or the backend
-stayed unreachable for a whole lease), :meth:`Lease.check` raises
-:class:`~dramatiq_guard.errors.LeaseLost`, and :meth:`Lease.release` returns
-a result whose ``released`` is False.
+True when a renewal is refused (the lease lapsed and was taken, or was
+released by force), and at the latest when the lease's *known-valid time*
+passes without a renewal having come back: the moment the acquire (or the
+last renewal that came back) was sent, plus its ttl, less a margin for clock
+drift (see :mod:`dramatiq_guard.renewer`). That holds whatever the client is
+doing: a Redis that stops answering without closing the connection leaves
+the renewal blocked in its socket, and the lease is lost on time all the
+same. Then :meth:`Lease.check` raises :class:`~dramatiq_guard.errors.LeaseLost`,
+and the release reports it (:attr:`Lease.lost`; a backend that still finds
+the lease gone says ``released=False``). Lost is final.
 
 ``cap`` (the ``ttl`` of a ``mutex`` or ``concurrency`` option, and of the
 standalone lock) bounds how long a lease may be held, renewals included:
@@ -35,7 +41,7 @@ import time
 
 from dramatiq_guard.backends.base import GuardBackend, ReleaseResult
 from dramatiq_guard.errors import LeaseLost
-from dramatiq_guard.renewer import LeaseHandle, get_renewer
+from dramatiq_guard.renewer import LeaseHandle, get_renewer, known_valid_until
 
 __all__ = ["Lease"]
 
@@ -60,8 +66,12 @@ class Lease:
       reserved_ms(int|None): Given when the slot was taken by a wake
         (:attr:`AcquireResult.reserved_ms
         <dramatiq_guard.backends.AcquireResult>`): the backend deadline is
-        still the hand-off reservation, at least this long from now, so the
-        lease is renewed at once, whatever ``cap_ms``.
+        still the hand-off reservation, at least this long from
+        ``valid_from``, so the lease is renewed at once, whatever ``cap_ms``.
+      valid_from(float|None): :attr:`AcquireResult.valid_from
+        <dramatiq_guard.backends.AcquireResult>`: when the lease surely
+        started (``time.monotonic()`` before the acquire was sent, or when the
+        wake was taken). None: when this object is made.
 
     Attributes:
       key(str): The guard key.
@@ -83,6 +93,7 @@ class Lease:
         ttl_ms: int,
         cap_ms: int | None = None,
         reserved_ms: int | None = None,
+        valid_from: float | None = None,
     ) -> None:
         self.backend = backend
         self.key = key
@@ -96,14 +107,23 @@ class Lease:
         self._released = False
         self._lost = threading.Event()
         self._handle: LeaseHandle | None = None
+        start = time.monotonic() if valid_from is None else valid_from
+        # Past these (time.monotonic()) the lease is lost: the cap, and (when it
+        # is not renewed) the known-valid time of the acquire.
+        self._ends_at = None if cap_ms is None else start + cap_ms / 1000
+        self._valid_until: float | None = None
         if cap_ms is None or cap_ms > ttl_ms or reserved_ms is not None:
             # The backend deadline is ttl_ms (or a reservation): keep it alive while held.
             renew_ms = ttl_ms if cap_ms is None else min(ttl_ms, cap_ms)
-            self._handle = get_renewer().register(backend, key, holder, renew_ms, valid_for_ms=reserved_ms)
+            self._handle = get_renewer().register(
+                backend, key, holder, renew_ms, valid_for_ms=reserved_ms, valid_from=valid_from
+            )
             self._handle.on_lost.append(lambda _handle: self._lost.set())
-        # Else the acquire's own deadline (cap_ms) ends it: nothing to renew.
+        else:
+            # The acquire's own deadline (cap_ms) ends it: nothing to renew.
+            self._valid_until = known_valid_until(start, cap_ms)
         if cap_ms is not None:
-            _expirer.schedule(self, cap_ms)
+            _expirer.schedule(self, max(0, int((start - time.monotonic()) * 1000) + cap_ms))
 
     @property
     def fencing_token(self) -> int:
@@ -112,8 +132,27 @@ class Lease:
 
     @property
     def lost(self) -> bool:
-        """Whether the lease was lost while held: it lapsed, was reclaimed, or hit its cap."""
-        return self._lost.is_set()
+        """Whether the lease was lost while held: it lapsed, was reclaimed, or hit its cap.
+
+        True from the moment the lease's known-valid time passed without a
+        renewal having come back, even while a renewal is still blocked on a
+        backend that does not answer: from then on another holder may have
+        it. Once True it stays True (also after :meth:`release`).
+        """
+        if self._lost.is_set():
+            return True
+        if self._released:
+            return False
+        if self._handle is not None and self._handle.lost:  # marks it lost past its known-valid time
+            self._lost.set()
+            return True
+        now = time.monotonic()
+        if (self._valid_until is not None and now >= self._valid_until) or (
+            self._ends_at is not None and now >= self._ends_at
+        ):
+            self._lost.set()
+            return True
+        return False
 
     @property
     def released(self) -> bool:
@@ -124,20 +163,21 @@ class Lease:
     def held(self) -> bool:
         """Whether the lease is, as far as this process knows, still held.
 
-        False once it was released or found lost. A lease can lapse between
-        two renewals without this process knowing yet (a stopped process, a
-        partition): protect downstream writes with :attr:`token`, not with
-        this flag alone.
+        False once it was released or found lost, and from its known-valid
+        time on. True is only true at the moment it is read: a process paused
+        right after (a long GC, SIGSTOP) may act on it after the lease lapsed,
+        so protect downstream writes with :attr:`token`, not with this flag
+        alone.
         """
-        return not self._released and not self._lost.is_set()
+        return not self._released and not self.lost
 
     def check(self) -> None:
         """Raise :class:`~dramatiq_guard.errors.LeaseLost` if the lease was lost.
 
         Raises:
-          LeaseLost: The lease lapsed or was taken over.
+          LeaseLost: The lease lapsed, was taken over, or its known-valid time passed.
         """
-        if self._lost.is_set():
+        if self.lost:
             raise LeaseLost(self.key, self.holder)
 
     def wait_lost(self, timeout: float | None = None) -> bool:
@@ -146,7 +186,7 @@ class Lease:
         Returns:
           bool: Whether it is lost.
         """
-        return self._lost.wait(timeout)
+        return self._lost.wait(timeout) or self.lost
 
     def release(self, *, send_ahead: int = 0) -> ReleaseResult:
         """Stop renewing the lease and give the slot back (checked: only this holder's own).
@@ -157,15 +197,24 @@ class Lease:
         ``send_ahead`` > 0, see
         :meth:`~dramatiq_guard.backends.GuardBackend.release`) enqueued and
         confirmed. If ``released`` is False the lease had been lost before it
-        was released: :attr:`lost` is then True. Releasing twice returns the
-        first result.
+        was released: :attr:`lost` is then True. :attr:`lost` is also True
+        (with ``released`` True) when its known-valid time passed before the
+        release: the backend did not answer a renewal in time, so the holder
+        was told it lost the lease, though nobody had taken it. The caller
+        reports a loss by :attr:`lost`. Releasing twice returns the first
+        result.
+
+        On a backend that does not answer, the call lasts as long as the
+        client lets it (its socket timeout).
 
         Raises:
           BackendUnavailable: The backend could not be reached; the lease is
-            no longer renewed and lapses within one lease duration.
+            no longer renewed and lapses within one lease duration
+            (:attr:`lost` says whether it was lost before).
         """
         if self.release_result is not None:
             return self.release_result
+        _ = self.lost  # past its known-valid time: lost is decided now, before the release
         self._released = True
         if self._handle is not None:
             self._handle.unregister()
@@ -177,18 +226,15 @@ class Lease:
         return result
 
     def _expire(self) -> None:
-        """The cap passed: stop renewing and end the lease on the backend now."""
+        """The cap passed: stop renewing, tell the holder, and end the lease on the backend now.
+
+        The backend call runs on a thread of its own: a backend that does not
+        answer holds back neither this lease's holder nor the other caps.
+        """
         if self._released:
             return
         if self._handle is not None:
             self._handle.unregister()
-        try:
-            # A renewal to 0 ms ends the lease now; the next operation on the key reclaims it.
-            self.backend.renew(self.key, self.holder, ttl_ms=0)
-        except Exception:
-            logger.warning(
-                "Could not expire the capped lease of %r on %r.", self.holder, self.key, exc_info=True
-            )
         logger.warning(
             "The lease of %r on guard key %r reached its ttl of %d ms and was ended.",
             self.holder,
@@ -198,6 +244,16 @@ class Lease:
         if self._handle is not None:
             self._handle.mark_lost()
         self._lost.set()
+        threading.Thread(target=self._end_on_backend, name="dramatiq-guard-lease-end", daemon=True).start()
+
+    def _end_on_backend(self) -> None:
+        try:
+            # A renewal to 0 ms ends the lease now; the next operation on the key reclaims it.
+            self.backend.renew(self.key, self.holder, ttl_ms=0)
+        except Exception:
+            logger.warning(
+                "Could not expire the capped lease of %r on %r.", self.holder, self.key, exc_info=True
+            )
 
     def __repr__(self) -> str:
         state = "released" if self._released else "lost" if self.lost else "held"

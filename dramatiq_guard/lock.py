@@ -34,7 +34,7 @@ from dramatiq import Broker
 
 from dramatiq_guard.backends.base import GuardBackend, Handoff, Waiter
 from dramatiq_guard.delivery import courier_for
-from dramatiq_guard.errors import LeaseLost, LockNotAcquired
+from dramatiq_guard.errors import BackendUnavailable, LeaseLost, LockNotAcquired
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.policies import duration_ms, timeout_s
 from dramatiq_guard.resolve import backend_from, resolve_backend, route_of
@@ -185,6 +185,7 @@ class Lock:
             ttl_ms=self.lease_ttl_ms,
             cap_ms=self.ttl_ms,
             reserved_ms=result.reserved_ms,
+            valid_from=result.valid_from,
         )
         return True
 
@@ -192,16 +193,26 @@ class Lock:
         """Release the lock and hand it to the next waiter.
 
         Raises:
-          LeaseLost: The lease was lost before the release (it lapsed and may
-            have been taken by another holder meanwhile).
+          LeaseLost: The lease was lost before the release (it lapsed, or its
+            known-valid time passed while the backend did not answer, and
+            another holder may have taken it meanwhile); also when the
+            release then failed for want of the backend.
+          BackendUnavailable: The backend could not be reached (and the lease
+            was not lost before): it lapses within ``lease_ttl``.
           RuntimeError: This object does not hold the lock.
         """
         lease = self.lease
         if lease is None or lease.released:
             raise RuntimeError(f"this Lock does not hold {self.key!r}")
-        result = lease.release()
+        try:
+            result = lease.release()
+        except BackendUnavailable as exc:
+            if lease.lost:
+                logger.error("%r was lost before it was released, and the release failed: %s", lease, exc)
+                raise LeaseLost(self.key, lease.holder) from exc
+            raise
         self._deliver(result.handoffs)
-        if not result.released:
+        if lease.lost:
             logger.error("%r was lost before it was released: %r", lease, result)
             raise LeaseLost(self.key, lease.holder)
 

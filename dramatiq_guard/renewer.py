@@ -7,10 +7,35 @@ batching the leases that are due on one backend into one
 on Redis); leases due within half a period more are renewed early along with
 them, so leases taken at nearly the same time share their round trips.
 
+Known-valid time
+  Each lease knows until when it is surely held: the moment the request that
+  last extended it was *sent* (``time.monotonic()`` just before the acquire,
+  the renewal, or when a hand-off's wake was taken), plus the ttl it asked
+  for, less a margin for the rate difference of the two clocks
+  (:func:`known_valid_until`: 1 % of the ttl plus 2 ms, as Redlock allows).
+  The backend counts the ttl from when it ran the request, which is later, so
+  the lease is held at least that long. Only a renewal whose reply came
+  back moves it forward, counted from that renewal's send time.
+
 A lease is *lost* when a renewal returns False (it lapsed and was reclaimed,
-or was released by force) or when it could not be renewed before its
-deadline (the backend was unreachable for a whole ttl): its handle's ``lost``
-turns True and its ``on_lost`` callbacks run, on the renewer thread.
+or was released by force), or when its known-valid time passes without a
+renewal having come back: whatever the client is doing. A Redis that stops
+answering without closing the connection (a frozen primary, a partition, a
+stalled failover) leaves a renewal blocked in its socket; the lease is still
+lost on time, because the renewal calls run on a thread of their own (one in
+flight per backend; a backend that does not answer holds back none of the
+others) and this thread only keeps time. :attr:`LeaseHandle.lost` also
+checks the time itself, so a reader never sees a lease as held after its
+known-valid time, even if this thread was not scheduled yet. Lost is final:
+a renewal that comes back late does not make the lease held again. When
+found lost, the handle's ``lost`` turns True and its ``on_lost`` callbacks
+run once (on the renewer thread, or on the thread that noticed).
+
+How long a blocked renewal call lasts is up to the client (its
+``socket_timeout``, see :class:`~dramatiq_guard.backends.RedisBackend`): with
+no timeout it may last until the operating system gives up on the
+connection, and the leases of that backend are lost meanwhile (never kept
+by mistake).
 
 The renewer is per process: after :func:`os.fork` (Dramatiq forks its worker
 processes) the child starts with a fresh, empty renewer of its own.
@@ -26,12 +51,35 @@ from collections.abc import Callable
 
 from dramatiq_guard.backends.base import GuardBackend
 
-__all__ = ["LeaseHandle", "LeaseRenewer", "get_renewer"]
+__all__ = ["LeaseHandle", "LeaseRenewer", "get_renewer", "known_valid_until"]
 
 logger = logging.getLogger(__name__)
 
 #: How soon a renewal that failed (backend unreachable) is tried again, at most.
 RETRY_S = 1.0
+
+#: The share of a ttl kept back from a lease's known-valid time: the most the
+#: backend's clock may run faster than this process's (as Redlock's drift factor).
+CLOCK_DRIFT = 0.01
+#: And a fixed margin on top, in seconds (clock resolution, the server's ms rounding).
+CLOCK_MARGIN_S = 0.002
+
+
+_NOT_RENEWED = "it was not renewed before its known-valid time passed (the backend did not answer in time)"
+
+
+def known_valid_until(sent: float, ttl_ms: int) -> float:
+    """Until when a lease extended by ``ttl_ms`` is surely held, on ``time.monotonic()``'s clock.
+
+    Parameters:
+      sent(float): ``time.monotonic()`` just before the request that extended
+        the lease was sent (the backend counts the ttl from later than that).
+      ttl_ms(int): The ttl the request asked for.
+
+    Returns:
+      float: ``sent`` plus the ttl less 1 % of it and 2 ms.
+    """
+    return sent + ttl_ms * (1 - CLOCK_DRIFT) / 1000 - CLOCK_MARGIN_S
 
 
 class LeaseHandle:
@@ -42,10 +90,17 @@ class LeaseHandle:
       key(str): The guard key.
       holder(str): The holder id.
       ttl_ms(int): The lease duration each renewal extends it by.
+      valid_for_ms(int|None): How long the lease lasts from ``valid_from``
+        without renewal, when not ``ttl_ms`` (see :meth:`LeaseRenewer.register`).
+      valid_from(float|None): ``time.monotonic()`` just before the request
+        that took the lease was sent (None: now).
 
     Attributes:
-      on_lost(list[Callable[[LeaseHandle], None]]): Called once, on the
-        renewer thread, when the lease is found lost. Exceptions are logged.
+      valid_until(float): The lease's known-valid time (``time.monotonic()``),
+        moved forward by each renewal that comes back.
+      on_lost(list[Callable[[LeaseHandle], None]]): Called once, when the
+        lease is found lost (on the renewer thread, or on a thread that read
+        :attr:`lost` after the known-valid time). Exceptions are logged.
     """
 
     def __init__(
@@ -56,6 +111,7 @@ class LeaseHandle:
         holder: str,
         ttl_ms: int,
         valid_for_ms: int | None = None,
+        valid_from: float | None = None,
     ) -> None:
         self.backend = backend
         self.key = key
@@ -64,18 +120,32 @@ class LeaseHandle:
         self.on_lost: list[Callable[[LeaseHandle], None]] = []
         self._renewer = renewer
         self._lost = threading.Event()
+        self._marking = threading.Lock()
+        # Set by register, cleared by unregister (under the renewer's lock): whether
+        # the lease is judged by time (a lease unregistered to be released is not).
+        self._active = False
         now = time.monotonic()
-        # Guarded by the renewer's lock: when the next renewal is due, and
-        # until when the lease is known to be held (counted from before the
-        # request that renewed it was sent). A lease that starts with less
-        # than its ttl (a hand-off reservation) is renewed at once.
-        self.due = now + ttl_ms / 3000 if valid_for_ms is None else now
-        self.valid_until = now + (ttl_ms if valid_for_ms is None else valid_for_ms) / 1000
+        start = now if valid_from is None else min(valid_from, now)
+        # Guarded by the renewer's lock: when the next renewal is due, and the
+        # known-valid time. A lease that starts with less than its ttl (a
+        # hand-off reservation) is renewed at once.
+        self.due = start + ttl_ms / 3000 if valid_for_ms is None else now
+        self.valid_until = known_valid_until(start, ttl_ms if valid_for_ms is None else valid_for_ms)
 
     @property
     def lost(self) -> bool:
-        """Whether the lease was found lost (it is then no longer renewed)."""
-        return self._lost.is_set()
+        """Whether the lease is lost: found so, or (while renewed) past its known-valid time.
+
+        Reading it after the known-valid time marks the lease lost at once
+        (:meth:`mark_lost`), so it never turns back to False. Once
+        unregistered, a lease is no longer judged by time.
+        """
+        if self._lost.is_set():
+            return True
+        if self._active and time.monotonic() >= self.valid_until:
+            self.mark_lost(_NOT_RENEWED)
+            return True
+        return False
 
     def wait_lost(self, timeout: float | None = None) -> bool:
         """Block until the lease is lost or ``timeout`` seconds pass.
@@ -83,22 +153,31 @@ class LeaseHandle:
         Returns:
           bool: Whether the lease is lost.
         """
-        return self._lost.wait(timeout)
+        return self._lost.wait(timeout) or self.lost
 
     def unregister(self) -> None:
         """Stop renewing this lease (call it before releasing the lease)."""
         self._renewer.unregister(self)
 
-    def mark_lost(self) -> None:
+    def mark_lost(self, why: str | None = None) -> None:
         """Record that the lease is lost, stop renewing it and run the ``on_lost`` callbacks once.
 
         Also for callers that learn it themselves (a release that reports
         ``released=False``).
+
+        Parameters:
+          why(str|None): If given, a WARNING says the lease was lost and why
+            (once, by whoever marks it first).
         """
+        with self._marking:
+            first = not self._lost.is_set()
+            self._lost.set()
+        # Unregistered after it is marked: a reader never finds it neither renewed nor lost.
         self._renewer.unregister(self)
-        if self._lost.is_set():
+        if not first:
             return
-        self._lost.set()
+        if why is not None:
+            logger.warning("The lease of %r on guard key %r was lost: %s.", self.holder, self.key, why)
         for callback in list(self.on_lost):
             try:
                 callback(self)
@@ -114,7 +193,7 @@ class LeaseHandle:
 
 
 class LeaseRenewer:
-    """Renews registered leases from one daemon thread, started on first use.
+    """Keeps time for registered leases on one daemon thread, and renews them from short-lived ones.
 
     Use the process's instance, :func:`get_renewer`.
     """
@@ -122,11 +201,20 @@ class LeaseRenewer:
     def __init__(self) -> None:
         self._changed = threading.Condition(threading.Lock())
         self._leases: set[LeaseHandle] = set()
+        # Backends (by id) with a renewal call in flight: their leases wait for it.
+        self._busy: set[int] = set()
         self._thread: threading.Thread | None = None
         self._stopping = False
 
     def register(
-        self, backend: GuardBackend, key: str, holder: str, ttl_ms: int, *, valid_for_ms: int | None = None
+        self,
+        backend: GuardBackend,
+        key: str,
+        holder: str,
+        ttl_ms: int,
+        *,
+        valid_for_ms: int | None = None,
+        valid_from: float | None = None,
     ) -> LeaseHandle:
         """Start renewing a lease that was just acquired.
 
@@ -136,8 +224,14 @@ class LeaseRenewer:
           holder(str): The holder id.
           ttl_ms(int): The lease duration; renewed every third of it.
           valid_for_ms(int|None): How long the lease is held without renewal
-            from now, when less than ``ttl_ms`` (a slot taken by a hand-off
-            still has its reservation deadline): it is then renewed at once.
+            from ``valid_from``, when less than ``ttl_ms`` (a slot taken by a
+            hand-off still has its reservation deadline): it is then renewed
+            at once.
+          valid_from(float|None): ``time.monotonic()`` just before the
+            request that took the lease was sent, or when its wake was taken
+            (:attr:`AcquireResult.valid_from
+            <dramatiq_guard.backends.AcquireResult>`); None: now (a little
+            late, by the acquire's round trip).
 
         Returns:
           LeaseHandle: The handle to watch (``lost``) and to unregister.
@@ -147,11 +241,12 @@ class LeaseRenewer:
         """
         if ttl_ms <= 0:
             raise ValueError(f"a lease ttl must be a positive number of milliseconds, got {ttl_ms!r}")
-        handle = LeaseHandle(self, backend, key, holder, ttl_ms, valid_for_ms)
+        handle = LeaseHandle(self, backend, key, holder, ttl_ms, valid_for_ms, valid_from)
         with self._changed:
             if self._stopping:
                 raise RuntimeError("the lease renewer was stopped")
             self._leases.add(handle)
+            handle._active = True
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="dramatiq-guard-renewer", daemon=True)
                 self._thread.start()
@@ -162,6 +257,7 @@ class LeaseRenewer:
         """Stop renewing ``handle``'s lease. A renewal already sent may still land; none starts after."""
         with self._changed:
             self._leases.discard(handle)
+            handle._active = False
 
     @property
     def leases(self) -> int:
@@ -184,43 +280,76 @@ class LeaseRenewer:
                 while True:
                     if self._stopping:
                         return
-                    now = time.monotonic()
-                    next_due = min((handle.due for handle in self._leases), default=None)
-                    if next_due is not None and next_due <= now:
-                        # Leases due within half a period more go along, early: one
-                        # round trip renews them all instead of one round trip each.
-                        due = [h for h in self._leases if h.due - h.ttl_ms / 6000 <= now]
+                    lapsed, batches, next_at = self._next()
+                    if lapsed or batches:
                         break
-                    self._changed.wait(None if next_due is None else next_due - now)
-            groups: dict[int, list[LeaseHandle]] = {}
-            for handle in due:
-                groups.setdefault(id(handle.backend), []).append(handle)
-            for handles in groups.values():
-                self._renew(handles)
+                    self._changed.wait(None if next_at is None else max(0.0, next_at - time.monotonic()))
+            for handle in lapsed:
+                handle.mark_lost(_NOT_RENEWED)
+            for batch in batches:
+                threading.Thread(
+                    target=self._renew, args=(batch,), name="dramatiq-guard-renewal", daemon=True
+                ).start()
+
+    def _next(self) -> tuple[list[LeaseHandle], list[list[LeaseHandle]], float | None]:
+        """Under the lock: what is lapsed, what to renew now, and when to look again.
+
+        Returns:
+          tuple: The leases past their known-valid time (no longer renewed),
+          the batches to renew now, one per backend (marked busy), and the
+          ``time.monotonic()`` of the next look (None: when woken).
+        """
+        now = time.monotonic()
+        lapsed = [h for h in self._leases if h.valid_until <= now]
+        for handle in lapsed:
+            self._leases.discard(handle)  # no longer renewed; mark_lost unregisters it
+        next_at = min((h.valid_until for h in self._leases), default=None)
+        idle: dict[int, list[LeaseHandle]] = {}
+        for handle in self._leases:
+            if id(handle.backend) not in self._busy:
+                idle.setdefault(id(handle.backend), []).append(handle)
+        batches = []
+        for backend_id, handles in idle.items():
+            next_due = min(h.due for h in handles)
+            if next_due <= now:
+                # Leases due within half a period more go along, early: one
+                # round trip renews them all instead of one round trip each.
+                batches.append([h for h in handles if h.due - h.ttl_ms / 6000 <= now])
+                self._busy.add(backend_id)
+            elif next_at is None or next_due < next_at:
+                next_at = next_due
+        return lapsed, batches, next_at
 
     def _renew(self, handles: list[LeaseHandle]) -> None:
+        """Renew one backend's due leases (on a thread of its own: the call may block)."""
+        backend = handles[0].backend
         sent = time.monotonic()
         try:
-            renewed = handles[0].backend.renew_many([(h.key, h.holder, h.ttl_ms) for h in handles])
+            renewed = backend.renew_many([(h.key, h.holder, h.ttl_ms) for h in handles])
         except Exception:
             logger.warning("Could not renew %d guard lease(s); retrying.", len(handles), exc_info=True)
             renewed = None
-        lost = []
+        refused, lapsed = [], []
         with self._changed:
+            self._busy.discard(id(backend))
+            self._changed.notify()
             now = time.monotonic()
             for i, handle in enumerate(handles):
                 if handle not in self._leases:
-                    continue  # unregistered meanwhile: its result does not matter
-                if renewed is not None and renewed[i]:
-                    handle.valid_until = sent + handle.ttl_ms / 1000
+                    continue  # unregistered or found lost meanwhile: its result does not matter
+                if now >= handle.valid_until:
+                    lapsed.append(handle)  # came back too late: it may have lapsed meanwhile
+                elif renewed is not None and renewed[i]:
+                    handle.valid_until = known_valid_until(sent, handle.ttl_ms)
                     handle.due = sent + handle.ttl_ms / 3000
-                elif renewed is None and now < handle.valid_until:
+                elif renewed is None:
                     handle.due = min(handle.valid_until, now + min(RETRY_S, handle.ttl_ms / 3000))
                 else:
-                    lost.append(handle)
-        for handle in lost:
-            logger.warning("The lease of %r on guard key %r was lost.", handle.holder, handle.key)
-            handle.mark_lost()
+                    refused.append(handle)
+        for handle in refused:
+            handle.mark_lost("a renewal found it lapsed and reclaimed, or released by force")
+        for handle in lapsed:
+            handle.mark_lost("its renewal came back after its known-valid time")
 
 
 _renewer: LeaseRenewer | None = None

@@ -134,6 +134,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import time
 from collections.abc import Sequence
 
 from dramatiq_guard.bounds import MAX_COUNT, MAX_DURATION_MS
@@ -252,6 +253,12 @@ class AcquireResult:
         does it when given ``reserved_ms``).
       stale(bool): The caller is a stale copy of a handed-off message (see
         *generations*): nothing was done, and it must not run.
+      valid_from(float|None): When the lease's ttl (or ``reserved_ms``)
+        surely started counting, on this process's ``time.monotonic()``:
+        just before the acquire request was sent (the backend counts from
+        later), or when the wake was taken. Backends set it; None (unknown)
+        makes a :class:`~dramatiq_guard.lease.Lease` count from when it is
+        made. See :mod:`dramatiq_guard.renewer` (known-valid time).
     """
 
     acquired: bool
@@ -263,6 +270,7 @@ class AcquireResult:
     standby: bool = False
     reserved_ms: int | None = None
     stale: bool = False
+    valid_from: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,14 +281,19 @@ class Woken:
       token(int): The fencing token the hand-off issued to it.
       reserved_ms(int): How long its hand-off reservation lasts at least, from
         when the wake was taken: the time it has to take the lease up (renew it).
+      taken_at(float): When the wake was taken (``time.monotonic()``; default:
+        when this object is made, right after the wake came back).
     """
 
     token: int
     reserved_ms: int
+    taken_at: float = dataclasses.field(default_factory=time.monotonic, compare=False)
 
     def result(self, limit: int) -> AcquireResult:
-        """This wake as an acquired :class:`AcquireResult` (with ``reserved_ms`` set)."""
-        return AcquireResult(True, self.token, (), limit, reserved_ms=self.reserved_ms)
+        """This wake as an acquired :class:`AcquireResult` (``reserved_ms`` counted from ``taken_at``)."""
+        return AcquireResult(
+            True, self.token, (), limit, reserved_ms=self.reserved_ms, valid_from=self.taken_at
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -608,6 +621,19 @@ class GuardBackend(abc.ABC):
         the keyspace, so a limited key with no holder and no waiter is found
         too (e.g. by ``dramatiq-guard inspect``).
         """
+
+    def slow_call_warning(self, shortest_lease_ms: int) -> str | None:
+        """Why one call could block longer than ``shortest_lease_ms`` on a backend that stops answering.
+
+        ``dramatiq_guard.install`` logs it as a WARNING. A lease is lost on
+        time whatever a call does (see :mod:`dramatiq_guard.renewer`); this
+        is about the worker threads that wait in an acquire or a release.
+        The default says nothing (an in-process backend always answers).
+
+        Returns:
+          str|None: The warning, naming what to set, or None.
+        """
+        return None
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -79,7 +79,7 @@ class _Guard:
 
     def deliverable(self, entry: _Entry, route: str) -> bool:
         """Whether a caller of ``route`` delivers this parked waiter (see the contract's *routes*)."""
-        return entry.route is None or entry.route == route
+        return not entry.route or entry.route == route
 
     def reclaim(self, now: int, stale_ttl_ms: int) -> int:
         """Drop lapsed holders (returning unconfirmed hand-offs to the queue) and expired waiters."""
@@ -225,6 +225,7 @@ class MemoryBackend(GuardBackend):
         """Try to become a holder of ``key``; see :meth:`GuardBackend.acquire`."""
         check_acquire(limit, ttl_ms, wait)
         self.check_payload(key, holder, wait)
+        sent = time.monotonic()  # the result's valid_from: the deadline counts from later
         with self._changed:
             guard, now = self._begin(key)
             in_force = self._in_force(key, guard, limit)
@@ -270,7 +271,7 @@ class MemoryBackend(GuardBackend):
             holders = tuple(sorted(guard.holders, key=guard.holders.__getitem__))
             self._end(key, guard)
             return AcquireResult(
-                token is not None, token, holders, in_force, parked, tuple(handoffs), standby
+                token is not None, token, holders, in_force, parked, tuple(handoffs), standby, valid_from=sent
             )
 
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:

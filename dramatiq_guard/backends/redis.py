@@ -67,6 +67,19 @@ are single keys in a slot of their own, so how they are kept depends on the clie
 
 A script of a guard key uses PEXPIREAT's ``GT`` option (Redis 7.0) when it
 can, and falls back to reading the latest deadline on older servers.
+
+A Redis that stops answering without closing the connection (a frozen
+primary, a partition, a stalled failover) is noticed only by the client's
+``socket_timeout``: without one, a call waits until the operating system gives
+up on the connection, and redis-py retries a timed-out call as many times as
+its ``retry`` allows. Leases do not depend on it (they are lost on time, see
+:mod:`dramatiq_guard.renewer`), but the worker threads that acquire and
+release do. A client made by :meth:`RedisBackend.from_url` gets
+``socket_timeout`` and ``socket_connect_timeout`` of
+:data:`DEFAULT_SOCKET_TIMEOUT_S` unless its URL sets them; a client you pass
+(or a RedisBroker's) is used as it is, and
+:meth:`RedisBackend.slow_call_warning` says when its settings let one call
+block longer than a lease (``dramatiq_guard.install`` logs it).
 """
 
 from __future__ import annotations
@@ -98,10 +111,69 @@ from dramatiq_guard.backends.base import (
 )
 from dramatiq_guard.errors import BackendUnavailable
 
-__all__ = ["RedisBackend", "RedisClient"]
+__all__ = ["DEFAULT_SOCKET_TIMEOUT_S", "RedisBackend", "RedisClient"]
 
 #: A redis-py client the backend accepts.
 RedisClient: TypeAlias = redis.Redis | redis.cluster.RedisCluster
+
+#: ``socket_timeout`` and ``socket_connect_timeout`` (seconds) of a client made by
+#: :meth:`RedisBackend.from_url` whose URL does not set them: well below a lease.
+DEFAULT_SOCKET_TIMEOUT_S = 5.0
+
+
+class _Timeouts(NamedTuple):
+    """How long one call of a client can wait for a Redis that does not answer."""
+
+    socket_timeout: float | None
+    connect_timeout: float | None
+    retries: int  # how many times a timed-out call is tried again (-1: without end)
+    backoff_cap: float  # the longest pause between two tries (seconds)
+
+    @property
+    def bound_s(self) -> float | None:
+        """About the longest one call can block (None: without bound)."""
+        if self.socket_timeout is None or self.retries < 0:
+            return None
+        per_try = max(self.socket_timeout, self.connect_timeout or 0.0)
+        return (1 + self.retries) * per_try + self.retries * self.backoff_cap
+
+
+def _timeouts(client: RedisClient) -> _Timeouts:
+    """The effective timeouts of ``client``'s connections, and its retries of a timed-out call.
+
+    Read from a connection object made (not connected) the way its pool makes
+    them, so redis-py's own defaults count too (its connection kwargs leave
+    out what a URL did not set).
+    """
+    if isinstance(client, redis.cluster.RedisCluster):
+        kwargs = dict(cast(Any, client).get_connection_kwargs())
+        connection_class: Any = kwargs.pop("connection_class", redis.connection.Connection)
+        retry: Any = getattr(client, "retry", None)
+    else:
+        kwargs = dict(client.connection_pool.connection_kwargs)
+        connection_class = client.connection_pool.connection_class
+        retry = None
+    try:
+        probe = connection_class(**kwargs)
+        socket_timeout = probe.socket_timeout
+        connect_timeout = probe.socket_connect_timeout
+        retry = retry or getattr(probe, "retry", None)
+    except Exception:  # an exotic connection class: what the kwargs say
+        socket_timeout = kwargs.get("socket_timeout")
+        connect_timeout = kwargs.get("socket_connect_timeout")
+        retry = retry or kwargs.get("retry")
+    retries, cap = 0, 0.0
+    if retry is not None and any(
+        issubclass(redis.exceptions.TimeoutError, error) for error in getattr(retry, "_supported_errors", ())
+    ):
+        retries = int(getattr(retry, "_retries", 0))
+        cap = float(getattr(getattr(retry, "_backoff", None), "_cap", 0.0) or 0.0)
+    return _Timeouts(
+        None if socket_timeout is None else float(socket_timeout),
+        None if connect_timeout is None else float(connect_timeout),
+        retries,
+        cap,
+    )
 
 
 class _KeyNames(NamedTuple):
@@ -215,10 +287,17 @@ class RedisBackend(GuardBackend):
             name: client.register_script(prelude + "\n" + _load_lua(name)) for name in _KEY_SCRIPTS
         }
         self._unindex = client.register_script(_load_lua("unindex"))
+        self._client_timeouts: _Timeouts | None = None
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisBackend:
         """Make a backend with its own client, from a ``redis://`` (or ``rediss://``, ``unix://``) URL.
+
+        The client's ``socket_timeout`` and ``socket_connect_timeout`` are
+        :data:`DEFAULT_SOCKET_TIMEOUT_S` (5 s) unless the URL sets them
+        (``?socket_timeout=2&socket_connect_timeout=2``), so no call waits
+        for a silent Redis longer than that (redis-py's ``from_url`` retries
+        no timed-out call).
 
         Parameters:
           url(str): The Redis URL.
@@ -227,9 +306,54 @@ class RedisBackend(GuardBackend):
         Returns:
           RedisBackend: A backend whose :meth:`close` closes its client.
         """
-        backend = cls(redis.Redis.from_url(url), **options)
+        client = redis.Redis.from_url(
+            url, socket_timeout=DEFAULT_SOCKET_TIMEOUT_S, socket_connect_timeout=DEFAULT_SOCKET_TIMEOUT_S
+        )
+        backend = cls(client, **options)
         backend._owns_client = True
         return backend
+
+    def _timeouts(self) -> _Timeouts:
+        if self._client_timeouts is None:
+            self._client_timeouts = _timeouts(self.client)
+        return self._client_timeouts
+
+    def slow_call_warning(self, shortest_lease_ms: int) -> str | None:
+        """Why one call could block longer than ``shortest_lease_ms`` on a Redis that does not answer.
+
+        A Redis that stops answering without closing the connection is
+        noticed only by the client's ``socket_timeout``; redis-py then tries
+        the call again as often as its ``retry`` says. Leases are still lost
+        on time, but a worker thread acquiring or releasing would hang.
+
+        Returns:
+          str|None: A warning naming the client and what to set on it, or
+          None if its timeouts bound every call below ``shortest_lease_ms``.
+        """
+        timeouts = self._timeouts()
+        bound = timeouts.bound_s
+        if timeouts.socket_timeout is None:
+            how = "without end (it has no socket_timeout)"
+        elif bound is None:
+            how = "without end (its retry tries a timed-out call again without end)"
+        elif bound * 1000 >= shortest_lease_ms:
+            how = (
+                f"for up to about {bound:g} s (socket_timeout={timeouts.socket_timeout:g} s, "
+                f"tried again {timeouts.retries} times on a timeout)"
+            )
+        else:
+            return None
+        return (
+            f"dramatiq-guard: a call to the guard's Redis through {self.client!r} can block {how} when "
+            f"Redis stops answering without closing the connection (a frozen primary, a partition, a "
+            f"failover), longer than the shortest lease ({shortest_lease_ms} ms): leases are still "
+            f"reported lost when their time is up, but worker threads hang in the guard meanwhile. Set "
+            f"socket_timeout= and socket_connect_timeout= on that client, below the lease (e.g. 5), with "
+            f"few or no retries on timeouts: redis.Redis(..., socket_timeout=5, socket_connect_timeout=5), "
+            f"or for a RedisBroker in its URL: RedisBroker(url='redis://host:6379/0?socket_timeout=5"
+            f"&socket_connect_timeout=5') (RedisBroker(url=..., socket_timeout=5) ignores the keyword); "
+            f"or give the guard a client of its own: dramatiq_guard.install(broker, redis='redis://...')."
+        )
 
     # -- keys ---------------------------------------------------------------
 
@@ -338,8 +462,8 @@ class RedisBackend(GuardBackend):
             for i in range(0, len(flat), 3)
         )
 
-    def _acquire_reply(self, key: str, reply: list[Any]) -> AcquireResult:
-        """Decode acquire.lua's ``{acquired, token, limit, queued, holders, handoffs}``."""
+    def _acquire_reply(self, key: str, reply: list[Any], sent: float) -> AcquireResult:
+        """Decode acquire.lua's ``{acquired, token, limit, queued, holders, handoffs}``, sent at ``sent``."""
         acquired, token, in_force, queued, holders, handoffs = reply
         queued = _text(queued)
         return AcquireResult(
@@ -351,6 +475,7 @@ class RedisBackend(GuardBackend):
             handoffs=self._handoffs(key, handoffs),
             standby=queued == "standby",
             stale=queued == "stale",
+            valid_from=sent,
         )
 
     def _release_reply(self, key: str, reply: list[Any]) -> ReleaseResult:
@@ -406,6 +531,7 @@ class RedisBackend(GuardBackend):
         check_acquire(limit, ttl_ms, wait)
         self.check_payload(key, holder, wait)
         gen: str | int = "" if generation is None else generation
+        sent = time.monotonic()  # the result's valid_from: Redis counts the ttl from later
         if wait is None:
             mode: list[str | int | bytes] = ["", b"", 0, info or "", gen]
             reply = self._run("acquire", key, limit, holder, ttl_ms, *mode)
@@ -421,7 +547,7 @@ class RedisBackend(GuardBackend):
                 )
             else:
                 reply = self._run("acquire", key, limit, holder, ttl_ms, *mode)
-        return self._acquire_reply(key, reply)
+        return self._acquire_reply(key, reply, sent)
 
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:
         """Extend ``holder``'s lease; see :meth:`GuardBackend.renew`.
@@ -525,12 +651,14 @@ class RedisBackend(GuardBackend):
         """The longest BLPOP the client's ``socket_timeout`` allows, or None (no timeout).
 
         A second less than the socket timeout, or half of it if that is 2 s
-        or less: room for the round trip on top of the server-side wait.
+        or less: room for the round trip on top of the server-side wait. The
+        timeout in force counts, redis-py's default included (a client made
+        from a URL does not list it in its connection kwargs).
         """
-        socket_timeout = self.client.get_connection_kwargs().get("socket_timeout")
+        socket_timeout = self._timeouts().socket_timeout
         if socket_timeout is None:
             return None
-        return max(float(socket_timeout) - 1.0, float(socket_timeout) / 2)
+        return max(socket_timeout - 1.0, socket_timeout / 2)
 
     def cancel_wait(self, key: str, waiter_id: str, *, limit: int | None) -> ReleaseResult:
         """Leave the waiters of ``key``; see :meth:`GuardBackend.cancel_wait`.

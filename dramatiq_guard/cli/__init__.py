@@ -30,20 +30,20 @@ and the command has no broker of its own, so either:
 
 * with ``--broker MODULE:ATTR`` (your app's broker, e.g. ``myapp.tasks:broker``)
   it re-enqueues each handed-off message and confirms the hand-off; or
-* without it, it leaves each hand-off *reserved*: the slot stays taken by
-  that waiter, its payload stays stored in Redis, and when the reservation
-  lapses (the backend's hand-off TTL, 10 s by default) it returns to its
-  place at the head of the queue, where the next worker sweep hands it off
-  and re-enqueues it. Nothing is lost either way; the second is only later.
+* without it, the command delivers nothing: a parked message stays parked
+  (it records its application's broker, and only a process of that broker
+  hands it a slot: a worker's sweep does, within its ``sweep_interval``); a
+  waiter parked with no broker recorded is handed its slot and left
+  *reserved* until the reservation lapses (10 s by default), when a worker's
+  sweep hands it over again. Nothing is lost either way.
 
 Forced release. ``release KEY`` releases each holder the key has at that
 moment (each one checked by its id, so a holder that starts meanwhile is not
 touched), except unconfirmed hand-offs: their payload is still the only copy
 of the message, and they lapse by themselves. A released holder that is still
 running learns it at its next lease renewal (its lease is lost). Freed slots
-are handed to waiters up to the number of holders released (the command does
-not know the actor's default limit, and that many were running at once, so
-the limit is never exceeded); a worker's sweep hands on any more.
+are handed to waiters within the limit recorded with the key's waiters (the
+command does not know the actor, and never guesses its limit).
 
 Exit status: 0 success, 1 operational error (Redis or the database
 unreachable, a confirmation declined), 2 usage error (a bad option, URL, key
@@ -113,8 +113,7 @@ def _broker_option(parser: argparse.ArgumentParser) -> None:
         metavar="MODULE:ATTR",
         help=(
             "your app's broker (e.g. myapp.tasks:broker), used to re-enqueue parked messages that get a "
-            "slot; without it they stay reserved and a worker's sweep re-enqueues them once the "
-            "reservation lapses"
+            "slot; without it a worker's sweep hands them their slots"
         ),
     )
 

@@ -216,10 +216,13 @@ def _broker_requeue(ctx: Context) -> Requeue | None:
     from dramatiq import Broker
 
     from dramatiq_guard.delivery import courier_for
+    from dramatiq_guard.resolve import route_of
 
     if not isinstance(broker, Broker):
         raise UsageError(f"--broker {spec} is a {type(broker).__name__}, not a dramatiq Broker")
     backend = ctx.backend
+    # This command now delivers for that broker: its parked messages may be handed their slots.
+    backend.route = route_of(broker)
 
     def requeue(handoffs: Sequence[Handoff]) -> None:
         for handoff in handoffs:
@@ -270,9 +273,9 @@ def _cmd_limit_clear(ctx: Context) -> int:
     key = _target(ctx)
     backend = ctx.backend
     _check_key(backend, key)
-    # The command does not know the actor's declared limit: hand nothing off
-    # here (default 0 never exceeds it); the workers' sweep does it.
-    backend.set_limit(key, None, default=0)
+    # The command does not know the actor: the backend hands slots on with the limit recorded
+    # with the key's waiters (to blocking waiters; parked ones are left to a worker's sweep).
+    backend.set_limit(key, None, default=None)
     ctx.print(f"{key}: run-time limit cleared (the limit declared on the actor applies)")
     return 0
 
@@ -299,13 +302,12 @@ def _cmd_release(ctx: Context) -> int:
             ctx.print()
         if answer not in {"y", "yes"}:
             raise OperationalError("not released (not confirmed; pass --yes to skip the question)")
-    # As many held the key at once, so handing off up to that many never
-    # exceeds the actor's limit; a run-time limit, if set, wins anyway.
-    default = max(1, len(state.holders))
+    # The command does not know the actor: the backend uses the limit recorded with the key's
+    # waiters (a run-time limit, if set, wins anyway).
     released = 0
     handoffs: list[Handoff] = []
     for holder in holders:
-        result = backend.release(key, holder, limit=default)
+        result = backend.release(key, holder, limit=None)
         released += result.released
         handoffs.extend(result.handoffs)
     ctx.print(f"{key}: released {released} holder(s)")

@@ -23,6 +23,7 @@ from .env import (
     redis_client_from_env,
     redis_url_from_env,
 )
+from .proxy import SilentProxy
 from .recorder import Gate, Recorder
 from .redis_server import RedisServer, free_port
 from .waiting import (
@@ -46,6 +47,7 @@ __all__ = [
     "Gate",
     "Recorder",
     "RedisServer",
+    "SilentProxy",
     "WaitTimeout",
     "WorkerFailed",
     "broker_from_env",

@@ -376,7 +376,8 @@ local function handoff(limit, out)
   local deadline = NOW + HANDOFF_TTL
   local waiters, holders, places, stopped = {}, {}, {}, false
   for i, w in ipairs(candidates) do
-    local foreign = payloads[i] and routes[i] and routes[i] ~= ROUTE and not redis.call('ZSCORE', S, w)
+    local foreign = payloads[i] and routes[i] and routes[i] ~= '' and routes[i] ~= ROUTE
+      and not redis.call('ZSCORE', S, w)
     stopped = stopped or (foreign and true or false)
     if not (payloads[i] and stopped) then
       waiters[#waiters + 1] = w
@@ -442,7 +443,7 @@ local function send_ahead(count, out)
     if not redis.call('ZSCORE', S, w) then
       local payload = redis.call('HGET', P, w)
       local route = payload and redis.call('HGET', M, 'r:' .. w)
-      if payload and not (route and route ~= ROUTE) then
+      if payload and not (route and route ~= '' and route ~= ROUTE) then
         redis.call('ZADD', S, NOW + HANDOFF_TTL, w)
         out[#out + 1] = w
         out[#out + 1] = payload

@@ -320,6 +320,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             ttl_ms=self.lease_ttl_ms,
             cap_ms=guard.policy.ttl_ms,
             reserved_ms=result.reserved_ms,
+            valid_from=result.valid_from,
         )
         hold(message, state, self.option, lease)
         with self._inflight_lock:
@@ -356,18 +357,22 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         # If the key has waiters, the release keeps the next ones on the broker ahead of the next
         # free slot, as standbys.
         send_ahead = self.standbys.count() if self.on_busy(guard.policy) == "park" else 0
-        result = self.release(broker, held.lease, send_ahead=send_ahead)
+        self.release(broker, held.lease, send_ahead=send_ahead)
         events.released(message.actor_name)
-        if result is not None and not result.released:
+        if held.lease.lost:
             events.lease_lost(message.actor_name)
 
     def release(self, broker: Broker, lease: Lease, *, send_ahead: int = 0) -> ReleaseResult | None:
         """Release ``lease``, deliver the waiters it hands the slot to, and send its standbys.
 
         ``send_ahead``: how many waiters the same backend operation sends ahead
-        as standbys (see :meth:`send_standbys`). A lease that was lost is
-        reported (an error is logged with the lease and the release result),
-        never silently dropped.
+        as standbys (see :meth:`send_standbys`). A lease that was lost
+        (:attr:`Lease.lost <dramatiq_guard.lease.Lease.lost>`: it lapsed and
+        was reclaimed, or its known-valid time passed while the backend did
+        not answer) is reported (an error is logged with the lease and the
+        release result), never silently dropped, even when the release itself
+        fails. On a backend that does not answer, the release lasts as long as
+        the client's socket timeout lets it.
 
         Returns:
           ReleaseResult|None: The result, or None if the backend was
@@ -377,10 +382,17 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             result = lease.release(send_ahead=send_ahead)
         except BackendUnavailable:
             logger.error("Could not release %r: the backend is unavailable; it lapses on its own.", lease)
+            if lease.lost:
+                logger.error(
+                    "%r was lost while the actor ran (the backend did not answer before its lease's "
+                    "known-valid time passed: another holder may have had the key).",
+                    lease,
+                )
             return None
-        if not result.released:
+        if lease.lost:
             logger.error(
-                "%r was lost before it was released (it lapsed and was reclaimed while the actor ran): %r",
+                "%r was lost before it was released (it lapsed, or the backend did not answer before "
+                "its known-valid time passed, while the actor ran): %r",
                 lease,
                 result,
             )
