@@ -86,36 +86,30 @@ class Courier:
         skipped. A failure is logged: the payload stays stored, the
         reservation lapses and the waiter waits again in its place.
         """
-        pending = [h for h in handoffs if h.payload is not None]
-        if not pending:
-            return
-        while pending:
-            handoff = pending.pop(0)
-            try:
-                pending.extend(self._deliver_one(handoff))
-            except Exception:
-                logger.exception(
-                    "Could not re-enqueue %s handed a slot of %r; its reservation lapses and it waits again.",
-                    handoff.waiter_id,
-                    handoff.key,
-                )
-        events.lockwait_changed()
+        parked = [h for h in handoffs if h.payload is not None]
+        if parked:
+            failure = (
+                "Could not re-enqueue %s handed a slot of %r; its reservation lapses and it waits again."
+            )
+            self._each(parked, self._deliver_one, failure)
+            events.lockwait_changed()
 
     def send_ahead(self, standbys: Iterable[Handoff]) -> None:
         """Enqueue each standby the backend chose, then confirm it; failures are logged.
 
         An unsent or unconfirmed standby parks again on its own.
         """
-        for standby in standbys:
+        failure = "Could not send %s ahead as a standby of %r; it parks again on its own."
+        self._each(standbys, self._send_one, failure)
+
+    @staticmethod
+    def _each(items: Iterable[Handoff], step: Callable[[Handoff], None], failure: str) -> None:
+        """Run ``step`` on each item; a failure is logged (nothing is lost: see the module docstring)."""
+        for item in items:
             try:
-                self.deliver(self._send_one(standby))
+                step(item)
             except Exception:
-                logger.warning(
-                    "Could not send %s ahead as a standby of %r; it parks again on its own.",
-                    standby.waiter_id,
-                    standby.key,
-                    exc_info=True,
-                )
+                logger.warning(failure, item.waiter_id, item.key, exc_info=True)
 
     def _admit(self, handoff: Handoff) -> tuple[Message[Any], Outcome]:
         assert handoff.payload is not None
@@ -127,8 +121,8 @@ class Courier:
         admission = gate_for(self.broker).admit(message, holds=handoff.key)
         return message, admission.outcome
 
-    def _deliver_one(self, handoff: Handoff) -> tuple[Handoff, ...]:
-        """Deliver one hand-off; returns the hand-offs that giving its slot back made."""
+    def _deliver_one(self, handoff: Handoff) -> None:
+        """Deliver one hand-off (and those that giving its slot back makes)."""
         message, outcome = self._admit(handoff)
         if self.counts_handoffs:
             events.handed_off(message.actor_name)
@@ -142,13 +136,13 @@ class Courier:
                     handoff.key,
                     handoff.waiter_id,
                 )
-            return ()
+            return
         # Another guard parked it on the way (or dropped it): it does not keep this slot.
         limit = self.default_limit(handoff.key)
-        return self.backend.release(handoff.key, handoff.waiter_id, limit=limit).handoffs
+        self.deliver(self.backend.release(handoff.key, handoff.waiter_id, limit=limit).handoffs)
 
-    def _send_one(self, standby: Handoff) -> tuple[Handoff, ...]:
-        """Send one standby; returns the hand-offs that leaving its place made."""
+    def _send_one(self, standby: Handoff) -> None:
+        """Send one standby (and deliver the hand-offs that leaving its place makes)."""
         assert standby.payload is not None
         message, outcome = self._admit(standby)
         if outcome is Outcome.PUSHED:
@@ -158,10 +152,10 @@ class Courier:
             )
             if not confirmed:
                 logger.debug("Standby %s of %r parked again before it was confirmed.", message, standby.key)
-            return ()
+            return
         # Another guard parked it on the way: it waits there, not here.
         limit = self.default_limit(standby.key)
-        return self.backend.cancel_wait(standby.key, standby.waiter_id, limit=limit).handoffs
+        self.deliver(self.backend.cancel_wait(standby.key, standby.waiter_id, limit=limit).handoffs)
 
 
 def courier_for(broker: Broker, backend: GuardBackend, key: str) -> Courier:

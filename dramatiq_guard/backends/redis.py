@@ -1,99 +1,24 @@
 """The Redis guard backend: each operation is one Lua script on one Cluster slot.
 
 It implements the contract of :mod:`dramatiq_guard.backends.base` (the model
-and its words are there); this docstring says how the state lives in Redis.
-The scripts are in ``backends/lua/``: ``_prelude.lua`` (shared by every
-per-key script) holds reclaim, hand-off and the cost model.
-
-Key layout, for namespace ``ns`` and guard key ``K`` (one hash tag per guard
-key, so every script of ``K`` touches a single Redis Cluster slot)::
-
-  ns:{K}:holders    zset  holder -> lease deadline (ms)           expires with its last holder
-  ns:{K}:token      str   the last fencing token                  expires with its last holder
-  ns:{K}:waiters    zset  waiter -> place in the FIFO (us)        never expires
-  ns:{K}:payloads   hash  waiter -> parked message                never expires
-  ns:{K}:reserved   hash  waiter -> its place, while its hand-off is unconfirmed
-  ns:{K}:deadlines  zset  ready waiter (a thread blocks on it) -> when it is dropped (ms)
-  ns:{K}:standbys   zset  waiter sent ahead to the broker, not picked up -> when it lapses (ms)
-  ns:{K}:limit      str   the run-time limit (only this survives an idle key)
-  ns:{K}:info       hash  holder -> "<since_ms>|<info>"            expires with its last holder
-  ns:{K}:wake:<id>  list  a woken waiter's fencing token           expires after wake_ttl_ms
-  ns:waiting        zset  guard key -> when a waiter parked (ms): the waiting-keys index
-  ns:limits         set   guard keys with a run-time limit: the limits index
-
-Redis Cluster hashes only the text between the first ``{`` and the next
-``}``; since the tag starts with the guard key itself, a key that contains
-braces still maps all its suffixes to one slot. An empty key, or one that
-starts with ``}``, would leave the tag empty (and the keys spread over
-slots), so it is rejected with a :class:`ValueError`. A namespace must not
-contain braces, and a waiter id must not contain ``}`` (its wake list name
-would become ambiguous).
-
-Deadlines and fencing tokens use the server's clock (``TIME``), so clients'
-clocks do not matter (except for the waiting-keys index on a Redis Cluster,
-below).
-
-The two indexes (:meth:`RedisBackend.waiting_keys`, :meth:`RedisBackend.limit_keys`)
-are single keys in a slot of their own, so how they are kept depends on the client:
-
-* On a standalone Redis (or one found through Sentinel), each per-key script
-  is also given the index keys and keeps them itself, in the same atomic step
-  as the change it indexes: a guard key is in ``ns:waiting`` exactly while it
-  has a waiter or an unconfirmed reservation (the script that queues its first
-  waiter adds it; the one that leaves it with neither removes it), and in
-  ``ns:limits`` exactly while it has a run-time limit. Nothing is left in
-  either index after the work drains, at once, and no interleaving can leave
-  a parked waiter unindexed: the park and its index entry are one step, and so
-  are the last hand-off and the entry's removal. ``index_grace_ms`` is not
-  used.
-* On a Redis Cluster a script may only touch its own slot, so an index cannot
-  be kept in the same step. A park adds the key to ``ns:waiting`` with a ZADD
-  pipelined in the same round trip, scored with the client's clock; the
-  entry of a key found with no waiter and no reservation is dropped by
-  :meth:`RedisBackend.waiting_keys` once it is older than ``index_grace_ms``,
-  by a script that drops it only if it was not refreshed meanwhile. A removal
-  in the release itself cannot be made safe there: a concurrent park's ZADD
-  and its script land on two nodes in no guaranteed order, so a removal
-  keyed on the release's moment could drop the entry of a park that lands
-  just after it. The grace must exceed the clock skew between clients plus
-  the longest a pipelined park can be in flight (the client's socket timeout
-  times its retries); the default, 60 s, is that with room to spare. So on a
-  cluster, a drained key's entry is left for up to ``index_grace_ms``, until
-  the next ``waiting_keys()`` call after that (the workers' sweep makes one
-  every few seconds). ``ns:limits`` is updated next to the limit change (added
-  before a limit is set, removed after it is cleared), so a failure in
-  between never leaves a limit unindexed; only two concurrent changes of the
-  same key's limit can leave the index off, until the next change.
-
-A script of a guard key uses PEXPIREAT's ``GT`` option (Redis 7.0) when it
-can, and falls back to reading the latest deadline on older servers.
-
-A Redis that stops answering without closing the connection (a frozen
-primary, a partition, a stalled failover) is noticed only by the client's
-``socket_timeout``: without one, a call waits until the operating system gives
-up on the connection, and redis-py retries a timed-out call as many times as
-its ``retry`` allows. Leases do not depend on it (they are lost on time, see
-:mod:`dramatiq_guard.renewer`), but the worker threads that acquire and
-release do. A client made by :meth:`RedisBackend.from_url` gets
-``socket_timeout`` and ``socket_connect_timeout`` of
-:data:`DEFAULT_SOCKET_TIMEOUT_S` unless its URL sets them; a client you pass
-(or a RedisBroker's) is used as it is, and
-:meth:`RedisBackend.slow_call_warning` says when its settings let one call
-block longer than a lease (``dramatiq_guard.install`` logs it).
+and its words are there). How the state lives in Redis (the key layout, one
+hash tag per guard key, the two indexes on a standalone Redis and on a Redis
+Cluster, what expires when) is in ``docs/redis.md``. The scripts are in
+``backends/lua/``: ``_prelude.lua`` (shared by every per-key script) holds
+reclaim, hand-off and the cost model; the client side (what redis-py may
+raise, how long one call can block, pipelining) is in
+:mod:`dramatiq_guard.backends.redis_client`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator, Sequence
-from importlib import resources
-from typing import Any, NamedTuple, TypeAlias, cast
+from collections.abc import Sequence
+from typing import Any, NamedTuple, cast
 
 import redis
 import redis.cluster
 from redis.commands.core import Script
-from redis.exceptions import NoScriptError
 
 from dramatiq_guard.backends.base import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -109,71 +34,20 @@ from dramatiq_guard.backends.base import (
     check_key,
     check_ms,
 )
-from dramatiq_guard.errors import BackendUnavailable
+from dramatiq_guard.backends.redis_client import (
+    DEFAULT_SOCKET_TIMEOUT_S,
+    RedisClient,
+    Timeouts,
+    data,
+    load_lua,
+    reachable,
+    run_scripts,
+    slow_call_warning,
+    text,
+    timeouts_of,
+)
 
 __all__ = ["DEFAULT_SOCKET_TIMEOUT_S", "RedisBackend", "RedisClient"]
-
-#: A redis-py client the backend accepts.
-RedisClient: TypeAlias = redis.Redis | redis.cluster.RedisCluster
-
-#: ``socket_timeout`` and ``socket_connect_timeout`` (seconds) of a client made by
-#: :meth:`RedisBackend.from_url` whose URL does not set them: well below a lease.
-DEFAULT_SOCKET_TIMEOUT_S = 5.0
-
-
-class _Timeouts(NamedTuple):
-    """How long one call of a client can wait for a Redis that does not answer."""
-
-    socket_timeout: float | None
-    connect_timeout: float | None
-    retries: int  # how many times a timed-out call is tried again (-1: without end)
-    backoff_cap: float  # the longest pause between two tries (seconds)
-
-    @property
-    def bound_s(self) -> float | None:
-        """About the longest one call can block (None: without bound)."""
-        if self.socket_timeout is None or self.retries < 0:
-            return None
-        per_try = max(self.socket_timeout, self.connect_timeout or 0.0)
-        return (1 + self.retries) * per_try + self.retries * self.backoff_cap
-
-
-def _timeouts(client: RedisClient) -> _Timeouts:
-    """The effective timeouts of ``client``'s connections, and its retries of a timed-out call.
-
-    Read from a connection object made (not connected) the way its pool makes
-    them, so redis-py's own defaults count too (its connection kwargs leave
-    out what a URL did not set).
-    """
-    if isinstance(client, redis.cluster.RedisCluster):
-        kwargs = dict(cast(Any, client).get_connection_kwargs())
-        connection_class: Any = kwargs.pop("connection_class", redis.connection.Connection)
-        retry: Any = getattr(client, "retry", None)
-    else:
-        kwargs = dict(client.connection_pool.connection_kwargs)
-        connection_class = client.connection_pool.connection_class
-        retry = None
-    try:
-        probe = connection_class(**kwargs)
-        socket_timeout = probe.socket_timeout
-        connect_timeout = probe.socket_connect_timeout
-        retry = retry or getattr(probe, "retry", None)
-    except Exception:  # an exotic connection class: what the kwargs say
-        socket_timeout = kwargs.get("socket_timeout")
-        connect_timeout = kwargs.get("socket_connect_timeout")
-        retry = retry or kwargs.get("retry")
-    retries, cap = 0, 0.0
-    if retry is not None and any(
-        issubclass(redis.exceptions.TimeoutError, error) for error in getattr(retry, "_supported_errors", ())
-    ):
-        retries = int(getattr(retry, "_retries", 0))
-        cap = float(getattr(getattr(retry, "_backoff", None), "_cap", 0.0) or 0.0)
-    return _Timeouts(
-        None if socket_timeout is None else float(socket_timeout),
-        None if connect_timeout is None else float(connect_timeout),
-        retries,
-        cap,
-    )
 
 
 class _KeyNames(NamedTuple):
@@ -203,35 +77,6 @@ _KEY_SCRIPTS = (
     "inspect",
     "standby",
 )
-_UNAVAILABLE: tuple[type[Exception], ...] = (
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    redis.exceptions.ClusterDownError,
-    redis.exceptions.TryAgainError,
-    redis.exceptions.ReadOnlyError,
-    redis.exceptions.OutOfMemoryError,  # a full noeviction Redis refuses writes: fail closed
-)
-
-
-def _load_lua(name: str) -> str:
-    return resources.files("dramatiq_guard.backends").joinpath(f"lua/{name}.lua").read_text("utf-8")
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else value
-
-
-def _data(value: bytes | str) -> bytes:
-    return value if isinstance(value, bytes) else value.encode("utf-8")
-
-
-@contextlib.contextmanager
-def _reachable() -> Iterator[None]:
-    """Turn redis-py's connection-level errors into :class:`BackendUnavailable`."""
-    try:
-        yield
-    except _UNAVAILABLE as exc:
-        raise BackendUnavailable(f"the guard's Redis backend is unavailable: {exc}") from exc
 
 
 class RedisBackend(GuardBackend):
@@ -241,7 +86,9 @@ class RedisBackend(GuardBackend):
     ``register_script`` (EVALSHA, falling back to loading it on NOSCRIPT).
     Works with clients made with or without ``decode_responses``; with
     ``decode_responses=True`` parked payloads must be UTF-8 (Dramatiq's
-    default JSON encoding is).
+    default JSON encoding is). Every operation raises
+    :class:`~dramatiq_guard.errors.BackendUnavailable` if Redis cannot be
+    reached (or refuses writes when full).
 
     Parameters:
       client(Redis|RedisCluster): The redis-py client. It is not closed by
@@ -282,12 +129,12 @@ class RedisBackend(GuardBackend):
         # module docstring); known on first use (_in_cluster).
         self._cluster: bool | None = True if isinstance(client, redis.cluster.RedisCluster) else None
         self._owns_client = False
-        prelude = _load_lua("_prelude")
+        prelude = load_lua("_prelude")
         self._scripts: dict[str, Script] = {
-            name: client.register_script(prelude + "\n" + _load_lua(name)) for name in _KEY_SCRIPTS
+            name: client.register_script(prelude + "\n" + load_lua(name)) for name in _KEY_SCRIPTS
         }
-        self._unindex = client.register_script(_load_lua("unindex"))
-        self._client_timeouts: _Timeouts | None = None
+        self._unindex = client.register_script(load_lua("unindex"))
+        self._client_timeouts: Timeouts | None = None
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisBackend:
@@ -313,54 +160,25 @@ class RedisBackend(GuardBackend):
         backend._owns_client = True
         return backend
 
-    def _timeouts(self) -> _Timeouts:
+    def timeouts(self) -> Timeouts:
+        """The client's timeouts and retries in force (read once)."""
         if self._client_timeouts is None:
-            self._client_timeouts = _timeouts(self.client)
+            self._client_timeouts = timeouts_of(self.client)
         return self._client_timeouts
 
     def slow_call_warning(self, shortest_lease_ms: int) -> str | None:
-        """Why one call could block longer than ``shortest_lease_ms`` on a Redis that does not answer.
+        """Why one call could block longer than ``shortest_lease_ms`` on a silent Redis, or None.
 
-        A Redis that stops answering without closing the connection is
-        noticed only by the client's ``socket_timeout``; redis-py then tries
-        the call again as often as its ``retry`` says. Leases are still lost
-        on time, but a worker thread acquiring or releasing would hang.
-
-        Returns:
-          str|None: A warning naming the client and what to set on it, or
-          None if its timeouts bound every call below ``shortest_lease_ms``.
+        See :func:`dramatiq_guard.backends.redis_client.slow_call_warning`.
         """
-        timeouts = self._timeouts()
-        bound = timeouts.bound_s
-        if timeouts.socket_timeout is None:
-            how = "without end (it has no socket_timeout)"
-        elif bound is None:
-            how = "without end (its retry tries a timed-out call again without end)"
-        elif bound * 1000 >= shortest_lease_ms:
-            how = (
-                f"for up to about {bound:g} s (socket_timeout={timeouts.socket_timeout:g} s, "
-                f"tried again {timeouts.retries} times on a timeout)"
-            )
-        else:
-            return None
-        return (
-            f"dramatiq-guard: a call to the guard's Redis through {self.client!r} can block {how} when "
-            f"Redis stops answering without closing the connection (a frozen primary, a partition, a "
-            f"failover), longer than the shortest lease ({shortest_lease_ms} ms): leases are still "
-            f"reported lost when their time is up, but worker threads hang in the guard meanwhile. Set "
-            f"socket_timeout= and socket_connect_timeout= on that client, below the lease (e.g. 5), with "
-            f"few or no retries on timeouts: redis.Redis(..., socket_timeout=5, socket_connect_timeout=5), "
-            f"or for a RedisBroker in its URL: RedisBroker(url='redis://host:6379/0?socket_timeout=5"
-            f"&socket_connect_timeout=5') (RedisBroker(url=..., socket_timeout=5) ignores the keyword); "
-            f"or give the guard a client of its own: dramatiq_guard.install(broker, redis='redis://...')."
-        )
+        return slow_call_warning(self.client, self.timeouts(), shortest_lease_ms)
 
     # -- keys ---------------------------------------------------------------
 
     def _in_cluster(self) -> bool:
         """Whether the server is a Redis Cluster node (asked once: a plain client may talk to one)."""
         if self._cluster is None:
-            with _reachable():
+            with reachable():
                 try:
                     info = self.client.info("cluster")
                 except redis.exceptions.ResponseError:  # INFO disabled: a managed standalone server
@@ -412,51 +230,16 @@ class RedisBackend(GuardBackend):
         keys = self._keys(key)
         if extra_key is not None and not self._in_cluster():
             keys.append(extra_key)
-        with _reachable():
+        with reachable():
             return self._scripts[name](keys=keys, args=self._args(key, default_limit, *args))
-
-    def _pipelined(
-        self, calls: Sequence[tuple[Script, list[str], list[Any]]], *, zadd_first: str | None = None
-    ) -> list[Any]:
-        """Run several scripts in one pipelined round trip, optionally after a ZADD to the index.
-
-        redis-py's own pipeline script support costs an extra SCRIPT EXISTS
-        round trip per execution (and does nothing for cluster pipelines), so
-        a NOSCRIPT reply is handled here: load the script, re-run only the
-        calls that were refused (they did nothing).
-        """
-        with _reachable():
-            pipe = self.client.pipeline(transaction=False)
-            if zadd_first is not None:
-                pipe.zadd(self._index, {zadd_first: int(time.time() * 1000)})
-            for script, keys, args in calls:
-                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-            results = pipe.execute(raise_on_error=False)
-            if zadd_first is not None:
-                results = results[1:]
-            missing = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
-            if missing:
-                for script in {id(calls[i][0]): calls[i][0] for i in missing}.values():
-                    script.sha = self.client.script_load(script.script)
-                pipe = self.client.pipeline(transaction=False)
-                for i in missing:
-                    script, keys, args = calls[i]
-                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-                for i, result in zip(missing, pipe.execute(raise_on_error=False), strict=True):
-                    results[i] = result
-        for result in results:
-            if isinstance(result, Exception):
-                with _reachable():
-                    raise result
-        return list(results)
 
     def _handoffs(self, key: str, flat: list[Any]) -> tuple[Handoff, ...]:
         """Decode ``waiter, payload-or-nil, generation-or-nil`` triples (no payload: a woken waiter)."""
         return tuple(
             Handoff(
                 key,
-                _text(flat[i]),
-                None if flat[i + 1] is None else _data(flat[i + 1]),
+                text(flat[i]),
+                None if flat[i + 1] is None else data(flat[i + 1]),
                 None if flat[i + 2] is None else int(flat[i + 2]),
             )
             for i in range(0, len(flat), 3)
@@ -465,11 +248,11 @@ class RedisBackend(GuardBackend):
     def _acquire_reply(self, key: str, reply: list[Any], sent: float) -> AcquireResult:
         """Decode acquire.lua's ``{acquired, token, limit, queued, holders, handoffs}``, sent at ``sent``."""
         acquired, token, in_force, queued, holders, handoffs = reply
-        queued = _text(queued)
+        queued = text(queued)
         return AcquireResult(
             acquired=bool(acquired),
             token=None if token is None else int(token),
-            holders=tuple(_text(h) for h in holders),
+            holders=tuple(text(h) for h in holders),
             limit=int(in_force),
             parked=queued in ("queued", "standby"),
             handoffs=self._handoffs(key, handoffs),
@@ -487,19 +270,19 @@ class RedisBackend(GuardBackend):
     def _inspect_reply(self, reply: list[Any]) -> KeyState:
         """Decode inspect.lua's ``{holders, waiters, parked flags, reserved, limit, token, info}``."""
         holders, waiters, parked, reserved, limit, token, info = reply
-        meta = {_text(info[i]): _text(info[i + 1]).partition("|") for i in range(0, len(info), 2)}
+        meta = {text(info[i]): text(info[i + 1]).partition("|") for i in range(0, len(info), 2)}
         return KeyState(
-            holders=tuple((_text(holders[i]), int(float(holders[i + 1]))) for i in range(0, len(holders), 2)),
+            holders=tuple((text(holders[i]), int(float(holders[i + 1]))) for i in range(0, len(holders), 2)),
             waiters=tuple(
-                (_text(waiters[i]), int(float(waiters[i + 1])) // 1000, bool(parked[i // 2]))
+                (text(waiters[i]), int(float(waiters[i + 1])) // 1000, bool(parked[i // 2]))
                 for i in range(0, len(waiters), 2)
             ),
-            reserved=tuple(_text(r) for r in reserved),
+            reserved=tuple(text(r) for r in reserved),
             limit=None if limit is None else int(limit),
             token=None if token is None else int(token),
             holder_info=tuple(
                 (holder, int(meta[holder][0]), meta[holder][2] or None)
-                for holder in (_text(h) for h in holders[::2])
+                for holder in (text(h) for h in holders[::2])
                 if holder in meta
             ),
         )
@@ -541,43 +324,32 @@ class RedisBackend(GuardBackend):
             mode = [kind, b"" if wait.payload is None else wait.payload, wait.wait_ms, info or "", gen]
             if self._in_cluster():
                 script = self._scripts["acquire"]
-                [reply] = self._pipelined(
+                [reply] = run_scripts(
+                    self.client,
                     [(script, self._keys(key), self._args(key, limit, holder, ttl_ms, *mode))],
-                    zadd_first=key,
+                    zadd_first=(self._index, key),
                 )
             else:
                 reply = self._run("acquire", key, limit, holder, ttl_ms, *mode)
         return self._acquire_reply(key, reply, sent)
 
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:
-        """Extend ``holder``'s lease; see :meth:`GuardBackend.renew`.
-
-        Raises:
-          BackendUnavailable: If Redis cannot be reached.
-        """
+        """Extend ``holder``'s lease; see :meth:`GuardBackend.renew`."""
         check_ms(ttl_ms, "ttl_ms", minimum=0)
         return bool(self._run("renew", key, 0, holder, ttl_ms))
 
     def renew_many(self, leases: Sequence[tuple[str, str, int]]) -> list[bool]:
-        """Renew several leases in one pipelined round trip.
-
-        Raises:
-          BackendUnavailable: If Redis cannot be reached.
-        """
+        """Renew several leases in one pipelined round trip."""
         if not leases:
             return []
         for _, _, ttl_ms in leases:
             check_ms(ttl_ms, "ttl_ms", minimum=0)
         script = self._scripts["renew"]
         calls = [(script, self._keys(key), self._args(key, 0, holder, ttl)) for key, holder, ttl in leases]
-        return [bool(result) for result in self._pipelined(calls)]
+        return [bool(result) for result in run_scripts(self.client, calls)]
 
     def release(self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0) -> ReleaseResult:
-        """Give up ``holder``'s slot; see :meth:`GuardBackend.release`.
-
-        Raises:
-          BackendUnavailable: If Redis cannot be reached.
-        """
+        """Give up ``holder``'s slot; see :meth:`GuardBackend.release`."""
         check_count(limit, "limit")
         check_count(send_ahead, "send_ahead")
         return self._release_reply(key, self._run("release", key, limit, holder, send_ahead))
@@ -585,11 +357,7 @@ class RedisBackend(GuardBackend):
     def confirm_handoff(
         self, key: str, waiter_id: str, *, ttl_ms: int, generation: int | None = None
     ) -> bool:
-        """Confirm a handed-off parked message was re-enqueued; see :meth:`GuardBackend.confirm_handoff`.
-
-        Raises:
-          BackendUnavailable: If Redis cannot be reached.
-        """
+        """Confirm a handed-off parked message was re-enqueued; see :meth:`GuardBackend.confirm_handoff`."""
         check_ms(ttl_ms, "ttl_ms")
         gen = "" if generation is None else generation
         return bool(self._run("confirm_handoff", key, 0, waiter_id, ttl_ms, gen))
@@ -597,11 +365,7 @@ class RedisBackend(GuardBackend):
     def send_standbys(
         self, key: str, *, limit: int | None, count: int
     ) -> tuple[tuple[Handoff, ...], tuple[Handoff, ...]]:
-        """Send the oldest parked waiters ahead as standbys; see :meth:`GuardBackend.send_standbys`.
-
-        Raises:
-          BackendUnavailable: If Redis cannot be reached.
-        """
+        """Send the oldest parked waiters ahead as standbys; see :meth:`GuardBackend.send_standbys`."""
         check_count(limit, "limit")
         check_count(count, "count")
         handoffs, sent = self._run("standby", key, limit, "send", count)  # {handoffs, standbys}
@@ -610,11 +374,7 @@ class RedisBackend(GuardBackend):
     def confirm_standby(
         self, key: str, waiter_id: str, payload: bytes, *, ttl_ms: int, generation: int | None = None
     ) -> bool:
-        """Confirm a standby was enqueued; see :meth:`GuardBackend.confirm_standby`.
-
-        Raises:
-          BackendUnavailable: If Redis cannot be reached.
-        """
+        """Confirm a standby was enqueued; see :meth:`GuardBackend.confirm_standby`."""
         check_ms(ttl_ms, "ttl_ms")
         gen = "" if generation is None else generation
         return bool(self._run("standby", key, 0, "confirm", waiter_id, ttl_ms, payload, gen))
@@ -626,9 +386,6 @@ class RedisBackend(GuardBackend):
         timeout of the connection, so the wait is made of BLPOPs that each end
         safely before it (see :meth:`_blocking_chunk_s`); a push that lands
         between two of them stays in the list for the next.
-
-        Raises:
-          BackendUnavailable: If Redis cannot be reached.
         """
         self._check_waiter(waiter_id)
         check_key(key)
@@ -636,7 +393,7 @@ class RedisBackend(GuardBackend):
         wake = self._wake_prefix(key) + waiter_id
         chunk_s = self._blocking_chunk_s()
         give_up = time.monotonic() + timeout_ms / 1000
-        with _reachable():
+        with reachable():
             while True:
                 remaining = give_up - time.monotonic()
                 if remaining < 0.001:  # BLPOP's resolution; 0 would block forever
@@ -655,17 +412,13 @@ class RedisBackend(GuardBackend):
         timeout in force counts, redis-py's default included (a client made
         from a URL does not list it in its connection kwargs).
         """
-        socket_timeout = self._timeouts().socket_timeout
+        socket_timeout = self.timeouts().socket_timeout
         if socket_timeout is None:
             return None
         return max(socket_timeout - 1.0, socket_timeout / 2)
 
     def cancel_wait(self, key: str, waiter_id: str, *, limit: int | None) -> ReleaseResult:
-        """Leave the waiters of ``key``; see :meth:`GuardBackend.cancel_wait`.
-
-        Raises:
-          BackendUnavailable: If Redis cannot be reached.
-        """
+        """Leave the waiters of ``key``; see :meth:`GuardBackend.cancel_wait`."""
         self._check_waiter(waiter_id)
         check_count(limit, "limit")
         return self._release_reply(key, self._run("cancel_wait", key, limit, waiter_id))
@@ -675,9 +428,6 @@ class RedisBackend(GuardBackend):
 
         Returns:
           ReleaseResult: ``released`` tells whether any lapsed holder was reclaimed.
-
-        Raises:
-          BackendUnavailable: If Redis cannot be reached.
         """
         check_count(limit, "limit")
         return self._release_reply(key, self._run("sweep", key, limit))
@@ -689,7 +439,6 @@ class RedisBackend(GuardBackend):
           ReleaseResult: ``released`` is always False (nobody is evicted).
 
         Raises:
-          BackendUnavailable: If Redis cannot be reached.
           ValueError: If ``limit`` or ``default`` is out of range (:func:`check_count`).
         """
         if limit is not None:
@@ -705,30 +454,22 @@ class RedisBackend(GuardBackend):
         # left unindexed by a failure in between.
         check_key(key)
         if limit is not None:
-            with _reachable():
+            with reachable():
                 self.client.sadd(self._limits_index, key)
         result = self._release_reply(key, self._run("set_limit", key, default, value))
         if limit is None:
-            with _reachable():
+            with reachable():
                 self.client.srem(self._limits_index, key)
         return result
 
     def get_limit(self, key: str) -> int | None:
-        """The run-time limit of ``key``, or None.
-
-        Raises:
-          BackendUnavailable: If Redis cannot be reached.
-        """
-        with _reachable():
+        """The run-time limit of ``key``, or None."""
+        with reachable():
             value = self.client.get(self._names(key).limit)
         return None if value is None else int(value)
 
     def inspect(self, key: str) -> KeyState:
-        """A snapshot of ``key``, read atomically by one script (it reclaims nothing).
-
-        Raises:
-          BackendUnavailable: If Redis cannot be reached.
-        """
+        """A snapshot of ``key``, read atomically by one script (it reclaims nothing)."""
         return self._inspect_reply(self._run("inspect", key, 0))
 
     def waiting_keys(self) -> list[str]:
@@ -740,17 +481,14 @@ class RedisBackend(GuardBackend):
         was last refreshed more than ``index_grace_ms`` ago; the drop is
         conditional on the entry not being refreshed meanwhile, so a
         concurrent park never loses its entry.
-
-        Raises:
-          BackendUnavailable: If Redis cannot be reached.
         """
-        with _reachable():
+        with reachable():
             if not self._in_cluster():
-                return [_text(k) for k in cast("list[bytes | str]", self.client.zrange(self._index, 0, -1))]
+                return [text(k) for k in cast("list[bytes | str]", self.client.zrange(self._index, 0, -1))]
             raw = cast(
                 "list[tuple[bytes | str, float]]", self.client.zrange(self._index, 0, -1, withscores=True)
             )
-            entries = [(_text(k), score) for k, score in raw]
+            entries = [(text(k), score) for k, score in raw]
             cutoff = int(time.time() * 1000) - self.index_grace_ms
             stale = [k for k, score in entries if score <= cutoff]
             if not stale:
@@ -762,18 +500,14 @@ class RedisBackend(GuardBackend):
                 pipe.hlen(names.reserved)
             counts = pipe.execute()
             empty = [k for i, k in enumerate(stale) if counts[2 * i] == 0 and counts[2 * i + 1] == 0]
-        dropped = self._pipelined([(self._unindex, [self._index], [k, cutoff]) for k in empty])
+        dropped = run_scripts(self.client, [(self._unindex, [self._index], [k, cutoff]) for k in empty])
         gone = {k for k, result in zip(empty, dropped, strict=True) if result}
         return [k for k, _ in entries if k not in gone]
 
     def limit_keys(self) -> list[str]:
-        """Keys that have a run-time limit, from the limits index kept by :meth:`set_limit`.
-
-        Raises:
-          BackendUnavailable: If Redis cannot be reached.
-        """
-        with _reachable():
-            return sorted(_text(k) for k in self.client.smembers(self._limits_index))
+        """Keys that have a run-time limit, from the limits index kept by :meth:`set_limit`."""
+        with reachable():
+            return sorted(text(k) for k in self.client.smembers(self._limits_index))
 
     def close(self) -> None:
         """Close the client if this backend made it (:meth:`from_url`)."""

@@ -50,11 +50,11 @@ class Sweeper:
         self.thread = threading.Thread(target=self._run, name="dramatiq-guard-sweep", daemon=True)
 
     def _run(self) -> None:
-        from dramatiq_guard.backends import redis_health
+        from dramatiq_guard.backends import redis_watch
 
         while not self.stop_event.wait(self.interval_s):
             sweep_all(self.backend, list(self.members.values()))
-            redis_health.watch(self.backend)  # state the guard's Redis lost since the last pass
+            redis_watch.watch(self.backend)  # state the guard's Redis lost since the last pass
 
 
 def sweep_all(backend: GuardBackend, members: list[Member]) -> None:

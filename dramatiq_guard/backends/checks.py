@@ -1,0 +1,91 @@
+"""What every backend checks before it touches anything: keys, durations, counts, payload sizes.
+
+Redis does not roll back a script that fails half-way, so a value no backend
+can use is refused first, with the same :class:`ValueError` from every backend
+(the bounds are :mod:`dramatiq_guard.bounds`'; the Lua scripts check them
+again in ``validate_args``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dramatiq_guard.bounds import MAX_COUNT, MAX_DURATION_MS
+
+if TYPE_CHECKING:
+    from dramatiq_guard.backends.values import Waiter
+
+__all__ = [
+    "DEFAULT_MAX_PAYLOAD_BYTES",
+    "check_acquire",
+    "check_count",
+    "check_key",
+    "check_max_payload_bytes",
+    "check_ms",
+]
+
+#: The default bound on a parked message's encoded size (:attr:`GuardBackend.max_payload_bytes`).
+DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_ms(value: int, what: str, *, minimum: int = 1) -> None:
+    """Reject a duration in milliseconds that no backend accepts.
+
+    Parameters:
+      value(int): The duration.
+      what(str): The argument's name, for the error.
+      minimum(int): The shortest allowed: 1 for a lease or reservation
+        being taken, 0 for a wait or a renewal (0 ends a lease now).
+
+    Raises:
+      ValueError: If ``value`` is not an int from ``minimum`` to 366 days.
+    """
+    if not _is_int(value) or not minimum <= value <= MAX_DURATION_MS:
+        raise ValueError(
+            f"{what} must be an integer from {minimum} to {MAX_DURATION_MS} ms (366 days), got {value!r}"
+        )
+
+
+def check_count(value: int | None, what: str) -> None:
+    """Reject a limit or count that no backend accepts (None: a limit the caller does not know).
+
+    Raises:
+      ValueError: If ``value`` is not None or an int from 0 to 2**31 - 1.
+    """
+    if value is None:
+        return
+    if not _is_int(value) or not 0 <= value <= MAX_COUNT:
+        raise ValueError(f"{what} must be an integer from 0 to {MAX_COUNT}, got {value!r}")
+
+
+def check_acquire(limit: int | None, ttl_ms: int, wait: Waiter | None) -> None:
+    """The checks of :meth:`GuardBackend.acquire`'s numbers (see :func:`check_ms`)."""
+    check_count(limit, "limit")
+    check_ms(ttl_ms, "ttl_ms")
+    if wait is not None:
+        check_ms(wait.wait_ms, "wait_ms", minimum=0)
+
+
+def check_key(key: str) -> None:
+    """Reject a guard key that no backend accepts.
+
+    Raises:
+      ValueError: If ``key`` is empty or starts with ``}``.
+    """
+    if not key or key.startswith("}"):
+        raise ValueError(f"a guard key must be non-empty and must not start with '}}', got {key!r}")
+
+
+def check_max_payload_bytes(value: int) -> int:
+    """Validate a ``max_payload_bytes`` setting.
+
+    Raises:
+      ValueError: If ``value`` is not a positive int.
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"max_payload_bytes must be a positive int (bytes), not {value!r}")
+    return value

@@ -1,0 +1,213 @@
+"""The redis-py client side of the Redis backend: what it may raise, how long one call can block,
+loading and pipelining the scripts.
+
+A Redis that stops answering without closing the connection (a frozen primary,
+a partition, a stalled failover) is noticed only by the client's
+``socket_timeout``: without one, a call waits until the operating system gives
+up on the connection, and redis-py retries a timed-out call as many times as
+its ``retry`` allows. Leases do not depend on it (they are lost on time, see
+:mod:`dramatiq_guard.renewer`), but the worker threads that acquire and
+release do. A client made by :meth:`RedisBackend.from_url
+<dramatiq_guard.backends.RedisBackend.from_url>` gets ``socket_timeout`` and
+``socket_connect_timeout`` of :data:`DEFAULT_SOCKET_TIMEOUT_S` unless its URL
+sets them; a client you pass (or a RedisBroker's) is used as it is, and
+:func:`slow_call_warning` says when its settings let one call block longer
+than a lease (``dramatiq_guard.install`` logs it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from importlib import resources
+from typing import Any, NamedTuple, TypeAlias, cast
+
+import redis
+import redis.cluster
+from redis.commands.core import Script
+from redis.exceptions import NoScriptError
+
+from dramatiq_guard.errors import BackendUnavailable
+
+__all__ = [
+    "DEFAULT_SOCKET_TIMEOUT_S",
+    "RedisClient",
+    "Timeouts",
+    "data",
+    "load_lua",
+    "reachable",
+    "run_scripts",
+    "slow_call_warning",
+    "text",
+    "timeouts_of",
+]
+
+#: A redis-py client the backend accepts.
+RedisClient: TypeAlias = redis.Redis | redis.cluster.RedisCluster
+
+#: ``socket_timeout`` and ``socket_connect_timeout`` (seconds) of a client made by
+#: :meth:`RedisBackend.from_url` whose URL does not set them: well below a lease.
+DEFAULT_SOCKET_TIMEOUT_S = 5.0
+
+
+class Timeouts(NamedTuple):
+    """How long one call of a client can wait for a Redis that does not answer."""
+
+    socket_timeout: float | None
+    connect_timeout: float | None
+    retries: int  # how many times a timed-out call is tried again (-1: without end)
+    backoff_cap: float  # the longest pause between two tries (seconds)
+
+    @property
+    def bound_s(self) -> float | None:
+        """About the longest one call can block (None: without bound)."""
+        if self.socket_timeout is None or self.retries < 0:
+            return None
+        per_try = max(self.socket_timeout, self.connect_timeout or 0.0)
+        return (1 + self.retries) * per_try + self.retries * self.backoff_cap
+
+
+def timeouts_of(client: RedisClient) -> Timeouts:
+    """The effective timeouts of ``client``'s connections, and its retries of a timed-out call.
+
+    Read from a connection object made (not connected) the way its pool makes
+    them, so redis-py's own defaults count too (its connection kwargs leave
+    out what a URL did not set).
+    """
+    if isinstance(client, redis.cluster.RedisCluster):
+        kwargs = dict(cast(Any, client).get_connection_kwargs())
+        connection_class: Any = kwargs.pop("connection_class", redis.connection.Connection)
+        retry: Any = getattr(client, "retry", None)
+    else:
+        kwargs = dict(client.connection_pool.connection_kwargs)
+        connection_class = client.connection_pool.connection_class
+        retry = None
+    try:
+        probe = connection_class(**kwargs)
+        socket_timeout = probe.socket_timeout
+        connect_timeout = probe.socket_connect_timeout
+        retry = retry or getattr(probe, "retry", None)
+    except Exception:  # an exotic connection class: what the kwargs say
+        socket_timeout = kwargs.get("socket_timeout")
+        connect_timeout = kwargs.get("socket_connect_timeout")
+        retry = retry or kwargs.get("retry")
+    retries, cap = 0, 0.0
+    if retry is not None and any(
+        issubclass(redis.exceptions.TimeoutError, error) for error in getattr(retry, "_supported_errors", ())
+    ):
+        retries = int(getattr(retry, "_retries", 0))
+        cap = float(getattr(getattr(retry, "_backoff", None), "_cap", 0.0) or 0.0)
+    return Timeouts(
+        None if socket_timeout is None else float(socket_timeout),
+        None if connect_timeout is None else float(connect_timeout),
+        retries,
+        cap,
+    )
+
+
+_UNAVAILABLE: tuple[type[Exception], ...] = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.OutOfMemoryError,  # a full noeviction Redis refuses writes: fail closed
+)
+
+
+def load_lua(name: str) -> str:
+    return resources.files("dramatiq_guard.backends").joinpath(f"lua/{name}.lua").read_text("utf-8")
+
+
+def text(value: bytes | str) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+def data(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode("utf-8")
+
+
+@contextlib.contextmanager
+def reachable() -> Iterator[None]:
+    """Turn redis-py's connection-level errors into :class:`BackendUnavailable`."""
+    try:
+        yield
+    except _UNAVAILABLE as exc:
+        raise BackendUnavailable(f"the guard's Redis backend is unavailable: {exc}") from exc
+
+
+def slow_call_warning(client: RedisClient, timeouts: Timeouts, shortest_lease_ms: int) -> str | None:
+    """Why one call could block longer than ``shortest_lease_ms`` on a Redis that does not answer.
+
+    A Redis that stops answering without closing the connection is
+    noticed only by the client's ``socket_timeout``; redis-py then tries
+    the call again as often as its ``retry`` says. Leases are still lost
+    on time, but a worker thread acquiring or releasing would hang.
+
+    Returns:
+      str|None: A warning naming the client and what to set on it, or
+      None if its timeouts bound every call below ``shortest_lease_ms``.
+    """
+    bound = timeouts.bound_s
+    if timeouts.socket_timeout is None:
+        how = "without end (it has no socket_timeout)"
+    elif bound is None:
+        how = "without end (its retry tries a timed-out call again without end)"
+    elif bound * 1000 >= shortest_lease_ms:
+        how = (
+            f"for up to about {bound:g} s (socket_timeout={timeouts.socket_timeout:g} s, "
+            f"tried again {timeouts.retries} times on a timeout)"
+        )
+    else:
+        return None
+    return (
+        f"dramatiq-guard: a call to the guard's Redis through {client!r} can block {how} when "
+        f"Redis stops answering without closing the connection (a frozen primary, a partition, a "
+        f"failover), longer than the shortest lease ({shortest_lease_ms} ms): leases are still "
+        f"reported lost when their time is up, but worker threads hang in the guard meanwhile. Set "
+        f"socket_timeout= and socket_connect_timeout= on that client, below the lease (e.g. 5), with "
+        f"few or no retries on timeouts: redis.Redis(..., socket_timeout=5, socket_connect_timeout=5), "
+        f"or for a RedisBroker in its URL: RedisBroker(url='redis://host:6379/0?socket_timeout=5"
+        f"&socket_connect_timeout=5') (RedisBroker(url=..., socket_timeout=5) ignores the keyword); "
+        f"or give the guard a client of its own: dramatiq_guard.install(broker, redis='redis://...')."
+    )
+
+
+def run_scripts(
+    client: RedisClient,
+    calls: Sequence[tuple[Script, list[str], list[Any]]],
+    *,
+    zadd_first: tuple[str, str] | None = None,
+) -> list[Any]:
+    """Run several scripts in one pipelined round trip, optionally after a ZADD ``(index, member)``.
+
+    redis-py's own pipeline script support costs an extra SCRIPT EXISTS
+    round trip per execution (and does nothing for cluster pipelines), so
+    a NOSCRIPT reply is handled here: load the script, re-run only the
+    calls that were refused (they did nothing).
+    """
+    with reachable():
+        pipe = client.pipeline(transaction=False)
+        if zadd_first is not None:
+            pipe.zadd(zadd_first[0], {zadd_first[1]: int(time.time() * 1000)})
+        for script, keys, args in calls:
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        results = pipe.execute(raise_on_error=False)
+        if zadd_first is not None:
+            results = results[1:]
+        missing = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
+        if missing:
+            for script in {id(calls[i][0]): calls[i][0] for i in missing}.values():
+                script.sha = client.script_load(script.script)
+            pipe = client.pipeline(transaction=False)
+            for i in missing:
+                script, keys, args = calls[i]
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            for i, result in zip(missing, pipe.execute(raise_on_error=False), strict=True):
+                results[i] = result
+    for result in results:
+        if isinstance(result, Exception):
+            with reachable():
+                raise result
+    return list(results)

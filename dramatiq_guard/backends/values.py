@@ -1,0 +1,160 @@
+"""The values the backend operations take and return (see :mod:`dramatiq_guard.backends.base`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+__all__ = ["AcquireResult", "Handoff", "KeyState", "ReleaseResult", "Waiter", "Woken"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Handoff:
+    """A waiter that was just given a slot.
+
+    Parameters:
+      waiter_id(str): The waiter's id (a message id); now a holder of the key
+        with a reservation deadline.
+      payload(bytes|None): The parked message to re-enqueue, or None for a
+        blocking waiter (already woken by the backend).
+      generation(int|None): The generation of this hand-off or standby send
+        (see *generations*): the re-enqueued copy carries it, and its
+        confirmation names it. None for a blocking waiter. Not compared.
+    """
+
+    key: str
+    waiter_id: str
+    payload: bytes | None
+    generation: int | None = dataclasses.field(default=None, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class AcquireResult:
+    """The outcome of :meth:`GuardBackend.acquire`.
+
+    Parameters:
+      acquired(bool): Whether ``holder`` now holds a slot of the key.
+      token(int|None): The new fencing token when acquired, else None.
+      holders(tuple[str, ...]): The live holders after the operation (oldest
+        deadline first), so a refused caller can name who is in the way.
+      limit(int): The limit in force.
+      parked(bool): Whether the caller's waiter entry is queued (it was
+        refused and asked to wait, or was already waiting).
+      handoffs(tuple[Handoff, ...]): Waiters given a slot by this operation;
+        the caller must re-enqueue the ones with a payload.
+      standby(bool): The caller is a standby (sent ahead by
+        :meth:`GuardBackend.send_standbys`) that acquired in park mode with
+        ``Waiter.wait_ms > 0``: it was not parked but waits as a blocking
+        waiter (``parked`` is True too), for :meth:`GuardBackend.wait_for_handoff`.
+      reserved_ms(int|None): Set only on a result made from a wake
+        (:meth:`Woken.result`): the slot was taken by the push that handed it
+        over, not by an acquire, so the holder's deadline is still the
+        hand-off reservation, which lasts at least this long from the wake.
+        The lease must be renewed at once (:class:`~dramatiq_guard.lease.Lease`
+        does it when given ``reserved_ms``).
+      stale(bool): The caller is a stale copy of a handed-off message (see
+        *generations*): nothing was done, and it must not run.
+      valid_from(float|None): When the lease's ttl (or ``reserved_ms``)
+        surely started counting, on this process's ``time.monotonic()``:
+        just before the acquire request was sent (the backend counts from
+        later), or when the wake was taken. Backends set it; None (unknown)
+        makes a :class:`~dramatiq_guard.lease.Lease` count from when it is
+        made. See :mod:`dramatiq_guard.renewer` (known-valid time).
+    """
+
+    acquired: bool
+    token: int | None
+    holders: tuple[str, ...]
+    limit: int
+    parked: bool = False
+    handoffs: tuple[Handoff, ...] = ()
+    standby: bool = False
+    reserved_ms: int | None = None
+    stale: bool = False
+    valid_from: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Woken:
+    """A blocking waiter woken by a hand-off: it holds the slot now (:meth:`GuardBackend.wait_for_handoff`).
+
+    Parameters:
+      token(int): The fencing token the hand-off issued to it.
+      reserved_ms(int): How long its hand-off reservation lasts at least, from
+        when the wake was taken: the time it has to take the lease up (renew it).
+      taken_at(float): When the wake was taken (``time.monotonic()``; default:
+        when this object is made, right after the wake came back).
+    """
+
+    token: int
+    reserved_ms: int
+    taken_at: float = dataclasses.field(default_factory=time.monotonic, compare=False)
+
+    def result(self, limit: int) -> AcquireResult:
+        """This wake as an acquired :class:`AcquireResult` (``reserved_ms`` counted from ``taken_at``)."""
+        return AcquireResult(
+            True, self.token, (), limit, reserved_ms=self.reserved_ms, valid_from=self.taken_at
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseResult:
+    """The outcome of a release, a sweep, a limit change or a cancelled wait.
+
+    Parameters:
+      released(bool): Whether the holder held the key (False: it was not a
+        holder, e.g. its lease had lapsed and was reclaimed; the caller must
+        report this, never swallow it).
+      handoffs(tuple[Handoff, ...]): Waiters given a slot by this operation.
+      standbys(tuple[Handoff, ...]): Parked waiters sent ahead as standbys by
+        a release with ``send_ahead`` (see :meth:`GuardBackend.release`); the
+        caller enqueues each and confirms it with
+        :meth:`GuardBackend.confirm_standby`.
+    """
+
+    released: bool
+    handoffs: tuple[Handoff, ...] = ()
+    standbys: tuple[Handoff, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyState:
+    """A read-only snapshot of a key, for inspection and tests.
+
+    Parameters:
+      holders(tuple[tuple[str, int], ...]): ``(holder, deadline_ms)`` pairs.
+      waiters(tuple[tuple[str, int, bool], ...]): ``(waiter_id, since_ms,
+        parked)`` in FIFO order; ``parked`` is False for blocking waiters.
+      reserved(tuple[str, ...]): Holders that are reservations handed to a
+        parked waiter whose re-enqueue is not yet confirmed.
+      limit(int|None): The run-time limit, or None if none is set.
+      token(int|None): The last fencing token issued, if the key has state.
+      holder_info(tuple[tuple[str, int, str|None], ...]): ``(holder, since_ms,
+        info)`` of the holders that acquired (in the order of ``holders``):
+        when the holder first acquired (a re-entrant acquire keeps it) and
+        the ``info`` it passed. Reservations not yet acquired have none.
+    """
+
+    holders: tuple[tuple[str, int], ...]
+    waiters: tuple[tuple[str, int, bool], ...]
+    reserved: tuple[str, ...]
+    limit: int | None
+    token: int | None
+    holder_info: tuple[tuple[str, int, str | None], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Waiter:
+    """How a refused acquirer asks to wait.
+
+    Parameters:
+      payload(bytes|None): The encoded message to park; None for a blocking
+        waiter (a thread that will call ``wait_for_handoff``).
+      wait_ms(int): For a blocking waiter: how long its entry lives before
+        it is dropped by reclaim. For a parked waiter: if its entry is a
+        standby (see :meth:`GuardBackend.send_standbys`), it blocks instead of
+        parking, for this long; 0 always parks.
+    """
+
+    payload: bytes | None = None
+    wait_ms: int = 0
