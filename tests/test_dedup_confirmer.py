@@ -16,7 +16,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from dramatiq_guard.backends.redis import RedisBackend
-from dramatiq_guard.middleware.dedup import _Confirmer
+from dramatiq_guard.middleware.confirmer import Confirmer as _Confirmer
 
 TTL_MS = 60_000
 

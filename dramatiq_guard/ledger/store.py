@@ -1,59 +1,15 @@
 """The idempotency ledger: claim a key, run the work in the ledger's transaction, complete.
 
-How one run goes (:meth:`Ledger.run`), all in ONE database transaction on one
-connection:
-
-1. **Claim.** Insert the key's row if it is absent, in the dialect's
-   conflict-free way (PostgreSQL and SQLite ``INSERT ... ON CONFLICT DO
-   NOTHING``; MySQL/MariaDB ``INSERT ... ON DUPLICATE KEY UPDATE`` with a no-op
-   update, which takes an exclusive row lock at once instead of a shared lock
-   that two waiters could not both upgrade; others ``SELECT ... FOR UPDATE``
-   then a plain ``INSERT`` in a savepoint). A fresh row is this
-   transaction's own and already locked: on PostgreSQL and SQLite, where the
-   insert's row count says so, the claim is that one statement. Otherwise
-   the row is read with ``SELECT ... FOR UPDATE``.
-2. **Decide**, holding the row lock. A different fingerprint (payload) is an
-   :class:`~dramatiq_guard.ledger.IdempotencyConflict`; a completed row
-   returns its stored result without running anything; a failed row (an
-   earlier run raised) runs again. A row past its ``expires_at`` counts as
-   absent.
-3. **Run** the work with :func:`dramatiq_guard.ledger_session` set to a
-   Session on the same connection and transaction.
-4. **Complete**: ``UPDATE ... SET state='completed', result=..., fencing_token=...
-   WHERE idempotency_key=:key AND fencing_token=:seen`` (the fencing check),
-   then COMMIT: the work's writes and the completion commit together.
-
-If the work raises, the transaction is rolled back (nothing of the run is
-kept) and a second, short transaction records ``failed``, the error and the
-attempt, so a retry runs again.
-
-**Two runs of one key at once.** The second waits on the first's row lock
-(PostgreSQL, MySQL/MariaDB) or database lock (SQLite) until the first commits
-or rolls back, then finds the key completed (and returns its result) or not
-(and runs). Never both. The wait is bounded by the database: PostgreSQL's
-``lock_timeout`` (default: none), MariaDB's ``innodb_lock_wait_timeout``
-(default 50 s), SQLite's busy timeout (30 s for engines the ledger creates); a
-timeout is a database error, and Retries retries the message.
-
-**Leases and fencing.** The holder's lease is its transaction: the row lock
-is held from the claim to the commit, and ends when the transaction does,
-including when the worker dies (the database rolls back a dead connection's
-transaction, and a redelivered message finds the key as it was). So an
-``in_progress`` row is never visible to another transaction, and a crashed
-run leaves nothing behind that blocks the key. The fencing token grows with
-every completed or failed run; the completing UPDATE is fenced on the token
-read at the claim, so if the row changed under a holder anyway (the database
-released its lock, or someone edited the table), the holder's run is rolled
-back with :class:`~dramatiq_guard.errors.LeaseLost` instead of completing
-over the newer state. :func:`current_claim` gives the running work its key
-and token, for downstream writes that want to check it.
-
-Timestamps are naive UTC datetimes taken from the worker's clock.
+:meth:`Ledger.run` does it all in ONE database transaction on one connection:
+claim the key's row (holding its lock), decide (a conflict, a stored result,
+or run), run the work with :func:`dramatiq_guard.ledger_session` on that
+transaction, and complete the row, fenced on the token read at the claim, in
+the same commit. How each database does the claim, what two runs of one key
+at once do, and why the transaction is the lease: ``docs/ledger.md``.
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import datetime
 import json
@@ -72,6 +28,7 @@ from dramatiq_guard.context import ledger_session_var
 from dramatiq_guard.errors import LeaseLost
 from dramatiq_guard.ledger.engine import resolve_engine
 from dramatiq_guard.ledger.errors import IdempotencyConflict, LedgerError, UnstorableResult
+from dramatiq_guard.ledger.records import Claim, LedgerRecord, _claim_var, current_claim
 from dramatiq_guard.ledger.schema import (
     COMPLETED,
     DEFAULT_TABLE_NAME,
@@ -83,68 +40,12 @@ from dramatiq_guard.ledger.schema import (
 )
 from dramatiq_guard.policies import Duration, duration_ms
 
+__all__ = ["DEFAULT_RETENTION", "Claim", "Ledger", "LedgerRecord", "current_claim"]
+
 #: Completed and failed rows protect their key for this long by default: 7 days.
 DEFAULT_RETENTION = datetime.timedelta(days=7)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Claim:
-    """What a running guarded actor holds (see :func:`current_claim`).
-
-    Attributes:
-      key(str): The idempotency key.
-      holder(str): This run's holder: the message's ``message_id`` (``call:<hex>``
-        for a direct call of the actor).
-      fencing_token(int): The token the row will carry once this run completes;
-        it grows with every run of the key.
-      attempt(int): This run's number among the key's runs that completed or failed.
-    """
-
-    key: str
-    holder: str
-    fencing_token: int
-    attempt: int
-
-
-@dataclasses.dataclass(frozen=True)
-class LedgerRecord:
-    """One row of the ledger, as :meth:`Ledger.get` returns it (see :mod:`.schema`)."""
-
-    key: str
-    state: str
-    actor_name: str
-    fingerprint: str
-    payload: Any
-    result: Any
-    error: str | None
-    attempts: int
-    holder: str | None
-    fencing_token: int
-    created_at: datetime.datetime
-    updated_at: datetime.datetime
-    completed_at: datetime.datetime | None
-    expires_at: datetime.datetime | None
-
-
-_claim_var: contextvars.ContextVar[Claim | None] = contextvars.ContextVar(
-    "dramatiq_guard_claim", default=None
-)
-
-
-def current_claim() -> Claim:
-    """The ledger claim of the running actor: its key, holder and fencing token.
-
-    Raises:
-      RuntimeError: Outside an actor guarded by ``idempotency_key=``.
-    """
-    claim = _claim_var.get()
-    if claim is None:
-        raise RuntimeError(
-            "dramatiq_guard.ledger.current_claim() was called outside an actor guarded by idempotency_key="
-        )
-    return claim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -618,6 +519,3 @@ def _check_storable(result: Any) -> None:
             f"the actor returned {type(result).__name__} {result!r:.200}, which the idempotency ledger "
             f"cannot store as JSON ({e}); nothing was committed"
         ) from e
-
-
-__all__ = ["DEFAULT_RETENTION", "Claim", "Ledger", "LedgerRecord", "current_claim"]
