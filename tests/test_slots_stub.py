@@ -17,6 +17,7 @@ from harness import wait_until
 
 from dramatiq_guard import current_lease, events
 from dramatiq_guard.backends.memory import MemoryBackend
+from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.slots import Concurrency, Mutex, MutexWaitTimeout
 from dramatiq_guard.testing import join, parked_count
@@ -466,3 +467,34 @@ def test_a_freed_slot_goes_to_the_standby_sent_ahead_by_a_push(env: Env) -> None
     events.set_sink(previous_sink)
     # Every hand-off is counted for the metrics, re-enqueued or pushed.
     assert counted.counts[("handed_off", "job")] == 3
+
+
+def test_slots_fail_closed_when_the_backend_is_unreachable_unless_fail_open(
+    restore_global_broker: None,
+) -> None:
+    """Invariant: a guarded message never runs unguarded unless its actor chose ``fail_open``."""
+    broker = StubBroker()
+    broker.add_middleware(Concurrency(redis="redis://127.0.0.1:1/0"), before=Retries)
+    broker.emit_after("process_boot")
+    ran: list[str] = []
+
+    @dramatiq.actor(broker=broker, concurrency=1)
+    def closed(n: int) -> None:
+        ran.append("closed")
+
+    @dramatiq.actor(broker=broker, concurrency={"limit": 1, "fail_open": True})
+    def opened(n: int) -> None:
+        ran.append("opened")
+
+    with pytest.raises(BackendUnavailable):
+        closed.send(1)
+    assert broker.queues["default"].qsize() == 0
+    opened.send(1)  # enqueued unguarded
+    assert broker.queues["default"].qsize() == 1
+    worker = dramatiq.Worker(broker, worker_timeout=50, worker_threads=1)
+    worker.start()
+    try:
+        broker.join("default", fail_fast=True)
+    finally:
+        worker.stop()
+    assert ran == ["opened"]  # and it ran unguarded

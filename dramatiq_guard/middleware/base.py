@@ -18,6 +18,7 @@ A guard middleware:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
@@ -27,12 +28,15 @@ from dramatiq.broker import MessageProxy
 
 from dramatiq_guard.backends import redis_health
 from dramatiq_guard.backends.base import GuardBackend
+from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.gate import gate_for
 from dramatiq_guard.keys import KeyResolver
 from dramatiq_guard.policies import Policy, option_error, parse_policy
 from dramatiq_guard.resolve import resolve_backend
 
 P = TypeVar("P", bound=Policy)
+
+logger = logging.getLogger("dramatiq_guard.middleware")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +70,20 @@ class ExecutionState:
 #: defines ``__eq__`` without ``__hash__``, so it cannot key a dict.)
 _STATE_ATTRIBUTE = "_dramatiq_guard_state"
 _states_lock = threading.Lock()
+
+
+def fail_open(allowed: bool, error: BackendUnavailable, instead: str) -> None:
+    """The backend is unavailable: re-raise ``error`` (fail closed), unless failing open is ``allowed``.
+
+    Allowed (the policy's ``fail_open=True``), it logs a warning saying what
+    happens ``instead`` (e.g. "job(1) runs unguarded") and returns.
+
+    Raises:
+      BackendUnavailable: ``error``, if failing open is not allowed.
+    """
+    if not allowed:
+        raise error
+    logger.warning("The guard backend is unavailable: %s (fail_open).", instead, exc_info=True)
 
 
 def execution_state(message: MessageProxy) -> ExecutionState:

@@ -30,7 +30,7 @@ from dramatiq_guard.backends.base import GuardBackend, Handoff, ReleaseResult, W
 from dramatiq_guard.delivery import Courier, generation_of
 from dramatiq_guard.errors import BackendUnavailable, DuplicateMessage, GuardOptionError
 from dramatiq_guard.gate import Diverted, Outcome
-from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware, execution_state
+from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware, execution_state, fail_open
 from dramatiq_guard.middleware.confirmer import Confirmer
 from dramatiq_guard.middleware.sweep import Sweeper, join_sweep, leave_sweep
 from dramatiq_guard.policies import DedupPolicy, duration_ms
@@ -183,14 +183,8 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
             marks: dict[str, Any] = {BY_OPTION: holder}
             if policy.on_duplicate == "reschedule_once":
                 marks = self._reschedule(broker, backend, key, message, holder, policy)
-        except BackendUnavailable:
-            if not policy.fail_open:
-                raise
-            logger.warning(
-                "The guard backend is unavailable: enqueuing %s without deduplication (fail_open).",
-                message.message_id,
-                exc_info=True,
-            )
+        except BackendUnavailable as e:
+            fail_open(policy.fail_open, e, f"{message} is enqueued without deduplication")
             options.pop(LOCK_OPTION, None)
             options[EXEMPT_OPTION] = "backend_unavailable"
             return None
@@ -304,11 +298,10 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
                 return
             lease: LeaseHandle = get_renewer().register(backend, key, holder, policy.ttl_ms)
             execution_state(message).data[self.option] = lease
-        except BackendUnavailable:
-            if guard is not None and guard.policy.fail_open:
-                logger.warning("The guard backend is unavailable: %s runs anyway (fail_open).", holder)
-                return
-            raise
+        except BackendUnavailable as e:
+            if guard is None:
+                raise
+            fail_open(guard.policy.fail_open, e, f"{message} runs anyway")
 
     def _take_lock(
         self, broker: Broker, backend: GuardBackend, message: MessageProxy, key: str, policy: DedupPolicy

@@ -14,6 +14,7 @@ import time
 from typing import Generic, TypeVar
 
 from dramatiq_guard.backends.base import GuardBackend
+from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.middleware.base import ActorGuard
 from dramatiq_guard.policies import Policy
 
@@ -42,11 +43,20 @@ class ActorLimits:
         return backend.get_limit(f"{ACTOR_LIMIT_PREFIX}:{actor_name}")
 
     def get(self, backend: GuardBackend, actor_name: str) -> int | None:
-        """The actor's run-time default limit, or None (cached)."""
+        """The actor's run-time default limit, or None (cached).
+
+        If the backend cannot be reached, the last value read (None if none
+        was): the operation that needs the limit meets the same backend next
+        and fails closed (or open, as its policy says) there.
+        """
         now = time.monotonic()
         cached = self._cache.get(actor_name)
         if cached is None or cached[0] <= now:
-            cached = (now + self.cache_ms / 1000, self.read(backend, actor_name))
+            try:
+                value = self.read(backend, actor_name)
+            except BackendUnavailable:
+                return None if cached is None else cached[1]
+            cached = (now + self.cache_ms / 1000, value)
             self._cache[actor_name] = cached
         return cached[1]
 

@@ -24,7 +24,13 @@ from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, R
 from dramatiq_guard.delivery import Courier, generation_of
 from dramatiq_guard.errors import BackendUnavailable, GuardError, MutexWaitTimeout
 from dramatiq_guard.lease import Lease
-from dramatiq_guard.middleware.base import ActorGuard, ExecutionState, GuardMiddleware, execution_state
+from dramatiq_guard.middleware.base import (
+    ActorGuard,
+    ExecutionState,
+    GuardMiddleware,
+    execution_state,
+    fail_open,
+)
 from dramatiq_guard.middleware.slots.execution import hold, skip_dropped, skip_parked, skip_stale, take_held
 from dramatiq_guard.middleware.slots.limits import KeyDirectory
 from dramatiq_guard.middleware.slots.reservation import ReservationTicket, reserve_or_park
@@ -269,10 +275,8 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
                 info=message.actor_name,
                 generation=generation_of(message, key),
             )
-        except BackendUnavailable:
-            if not guard.policy.fail_open:
-                raise
-            logger.warning("Guard backend unavailable: running %s unguarded (fail_open).", message)
+        except BackendUnavailable as e:
+            fail_open(guard.policy.fail_open, e, f"{message} runs unguarded")
             return None
         self.deliver(broker, result.handoffs)
 

@@ -17,6 +17,7 @@ from dramatiq_guard import events
 from dramatiq_guard.backends.base import Waiter
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.gate import Diverted, Outcome
+from dramatiq_guard.middleware.base import fail_open
 
 if TYPE_CHECKING:
     from dramatiq_guard.middleware.base import ActorGuard
@@ -73,11 +74,9 @@ def reserve_or_park(
             wait=Waiter(payload=message.encode()),
             info=message.actor_name,
         )
-    except BackendUnavailable:
-        if guard.policy.fail_open:
-            logger.warning("Guard backend unavailable: enqueueing %s unguarded (fail_open).", message)
-            return None
-        raise
+    except BackendUnavailable as e:
+        fail_open(guard.policy.fail_open, e, f"{message} is enqueued unguarded")
+        return None
     middleware.deliver(broker, result.handoffs)
     if result.acquired:
         return ReservationTicket(middleware, broker, key, message.message_id, limit)
