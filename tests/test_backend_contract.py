@@ -1433,3 +1433,19 @@ def test_a_standby_confirmed_too_late_cannot_start_beside_its_newer_copy(env: En
     assert started.acquired
     backend.release(KEY, "p1", limit=1)
     assert_drained(env, backend, lapsed=True)
+
+
+def test_a_free_slot_kept_for_another_routes_waiter_is_not_taken_by_a_newcomer(env: Env) -> None:
+    """Invariant: FIFO holds across routes. A slot left free for another application's parked
+    waiter (its own sweep hands it over) is not taken by a new acquirer of this route."""
+    app_a = env.backend()
+    app_b = env.another_client(app_a)
+    app_a.route = "app-a"
+    assert app_a.acquire(KEY, "h", limit=1, ttl_ms=60_000).acquired
+    park(app_a, "p1")
+    app_b.route = "app-b"
+    assert app_b.release(KEY, "h", limit=None).handoffs == ()
+    newcomer = app_b.acquire(KEY, "n", limit=1, ttl_ms=60_000, wait=Waiter(payload=b"msg:n"))
+    assert not newcomer.acquired and newcomer.parked
+    app_a.route = "app-a"
+    assert app_a.sweep(KEY, limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)

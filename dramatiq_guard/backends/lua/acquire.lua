@@ -49,8 +49,11 @@ for i = 1, #handed, 3 do
   end
 end
 
--- Free slots left after the hand-off mean the queue is empty.
-local acquired = HS[holder] ~= nil or HN < limit
+-- Free slots left after the hand-off mean the queue is empty, unless the hand-off left parked
+-- waiters of another route in place (their slots wait for a process of that route): then a new
+-- acquirer queues behind them, as in the FIFO.
+local acquired = HS[holder] ~= nil
+  or (HN < limit and not ((QUEUED or PARKED) and redis.call('ZCARD', W) > 0))
 local queued = ''
 if acquired then
   set_holders({ NOW + ttl, holder })
