@@ -30,33 +30,39 @@ from dramatiq_guard.policies import ConcurrencyPolicy, DedupPolicy, IdempotencyP
 
 __version__ = "0.1.0.dev0"
 
-__all__ = [
-    "BackendUnavailable",
-    "Concurrency",
-    "ConcurrencyPolicy",
-    "ConfigurationError",
-    "DedupPolicy",
+__all__ = [  # noqa: RUF022 - grouped by capability, not sorted
+    # Setting up
+    "install",
+    # Deduplication
     "Deduplication",
+    "DedupPolicy",
     "DuplicateMessage",
-    "GuardError",
-    "GuardOptionError",
-    "Idempotency",
-    "IdempotencyConflict",
-    "IdempotencyPolicy",
-    "Lease",
-    "LeaseLost",
-    "Ledger",
-    "LedgerError",
-    "Lock",
-    "LockNotAcquired",
-    "LockRun",
+    "deduplicated_by",
+    # Mutexes and concurrency slots
     "Mutex",
     "MutexPolicy",
     "MutexWaitTimeout",
-    "UnstorableResult",
+    "Concurrency",
+    "ConcurrencyPolicy",
+    # Leases, inside a guarded actor and outside (the standalone lock)
+    "Lease",
+    "LeaseLost",
     "current_lease",
-    "deduplicated_by",
-    "install",
+    "Lock",
+    "LockNotAcquired",
+    "LockRun",
+    # The idempotency ledger
+    "Idempotency",
+    "IdempotencyPolicy",
+    "Ledger",
     "ledger_session",
     "ledger_table",
+    "IdempotencyConflict",
+    "LedgerError",
+    "UnstorableResult",
+    # Errors every guard may raise
+    "GuardError",
+    "GuardOptionError",
+    "ConfigurationError",
+    "BackendUnavailable",
 ]
