@@ -237,6 +237,17 @@ def test_acquire_with_an_insane_ttl_writes_nothing(redis_env: Env, ttl: str) -> 
     assert "ttl_ms must be an integer from 1 to 31622400000" in str(raised.value)
 
 
+@pytest.mark.parametrize("ttl", [*NOT_SANE, "0"])
+def test_the_send_lock_with_an_insane_ttl_writes_nothing(redis_env: Env, ttl: str) -> None:
+    backend = redis_env.backend()
+    assert isinstance(backend, RedisBackend)
+    names = backend._names(KEY)
+    keys = [names.holders, names.waiters, names.reserved, names.limit, names.token, names.info]
+    with pytest.raises(redis.ResponseError, match="ttl_ms must be an integer from 1 to 31622400000"):
+        backend._lock(keys=keys, args=["h", ttl, ""])
+    assert redis_env.stored() == set()
+
+
 @pytest.mark.parametrize(
     ("name", "args", "what"),
     [
@@ -292,4 +303,6 @@ def test_the_scripts_bounds_are_the_python_ones() -> None:
     prelude = (Path(dramatiq_guard.__file__).parent / "backends" / "lua" / "_prelude.lua").read_text()
     assert f"local MAX_DURATION_MS = {bounds.MAX_DURATION_MS}\n" in prelude
     assert f"local MAX_COUNT = {bounds.MAX_COUNT}\n" in prelude
+    lock = (Path(dramatiq_guard.__file__).parent / "backends" / "lua" / "lock.lua").read_text()
+    assert f"local MAX_DURATION_MS = {bounds.MAX_DURATION_MS}\n" in lock
     assert bounds.MAX_DURATION_MS == MAX_MS and bounds.MAX_COUNT == 2**31 - 1

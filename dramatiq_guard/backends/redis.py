@@ -12,6 +12,7 @@ raise, how long one call can block, pipelining) is in
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
@@ -134,6 +135,7 @@ class RedisBackend(GuardBackend):
             name: client.register_script(prelude + "\n" + load_lua(name)) for name in _KEY_SCRIPTS
         }
         self._unindex = client.register_script(load_lua("unindex"))
+        self._lock = client.register_script(load_lua("lock"))
         self._client_timeouts: Timeouts | None = None
 
     @classmethod
@@ -332,6 +334,37 @@ class RedisBackend(GuardBackend):
             else:
                 reply = self._run("acquire", key, limit, holder, ttl_ms, *mode)
         return self._acquire_reply(key, reply, sent)
+
+    def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:
+        """Take ``key`` as a limit-1 lock if it is free; see :meth:`GuardBackend.try_lock`.
+
+        One small script (``lua/lock.lua``, without the prelude) decides a
+        free key (6 Redis commands in the script) and a key held by another
+        (4); anything else (a waiter or reservation, a run-time limit, a
+        lapsed holder, the holder itself) goes on to :meth:`acquire`, a
+        second round trip.
+
+        Raises:
+          BackendUnavailable: If Redis cannot be reached.
+          ValueError: If ``key`` or ``ttl_ms`` is not allowed.
+        """
+        check_ms(ttl_ms, "ttl_ms")
+        names = self._names(key)
+        keys = [names.holders, names.waiters, names.reserved, names.limit, names.token, names.info]
+        sent = time.monotonic()
+        with reachable():
+            status, holders = self._lock(keys=keys, args=[holder, ttl_ms, info or ""])
+        if int(status) < 0:
+            result = self.acquire(key, holder, limit=1, ttl_ms=ttl_ms, info=info)
+            return dataclasses.replace(result, token=None)
+        acquired = int(status) == 1
+        return AcquireResult(
+            acquired=acquired,
+            token=None,
+            holders=(holder,) if acquired else tuple(text(h) for h in holders),
+            limit=1,
+            valid_from=sent,
+        )
 
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:
         """Extend ``holder``'s lease; see :meth:`GuardBackend.renew`."""
