@@ -293,7 +293,7 @@ def test_a_renewal_with_an_insane_ttl_leaves_the_lease_as_it_was(redis_env: Env)
     stored = redis_env.stored()
     for ttl in NOT_SANE:
         with pytest.raises(redis.ResponseError, match="ttl_ms must be an integer from 0 to"):
-            _script(backend, "renew", "h", ttl)
+            backend._renew(keys=backend._renew_keys(KEY), args=["h", ttl])
     assert backend.inspect(KEY) == before and redis_env.stored() == stored
 
 
@@ -303,6 +303,7 @@ def test_the_scripts_bounds_are_the_python_ones() -> None:
     prelude = (Path(dramatiq_guard.__file__).parent / "backends" / "lua" / "_prelude.lua").read_text()
     assert f"local MAX_DURATION_MS = {bounds.MAX_DURATION_MS}\n" in prelude
     assert f"local MAX_COUNT = {bounds.MAX_COUNT}\n" in prelude
-    lock = (Path(dramatiq_guard.__file__).parent / "backends" / "lua" / "lock.lua").read_text()
-    assert f"local MAX_DURATION_MS = {bounds.MAX_DURATION_MS}\n" in lock
+    for own in ("lock", "renew"):  # the scripts without the prelude
+        script = (Path(dramatiq_guard.__file__).parent / "backends" / "lua" / f"{own}.lua").read_text()
+        assert f"local MAX_DURATION_MS = {bounds.MAX_DURATION_MS}\n" in script
     assert bounds.MAX_DURATION_MS == MAX_MS and bounds.MAX_COUNT == 2**31 - 1

@@ -69,7 +69,6 @@ class _KeyNames(NamedTuple):
 
 _KEY_SCRIPTS = (
     "acquire",
-    "renew",
     "release",
     "confirm_handoff",
     "cancel_wait",
@@ -135,7 +134,9 @@ class RedisBackend(GuardBackend):
             name: client.register_script(prelude + "\n" + load_lua(name)) for name in _KEY_SCRIPTS
         }
         self._unindex = client.register_script(load_lua("unindex"))
+        # Scripts of their own, without the prelude: the lean common paths (see each file).
         self._lock = client.register_script(load_lua("lock"))
+        self._renew = client.register_script(load_lua("renew"))
         self._client_timeouts: Timeouts | None = None
 
     @classmethod
@@ -367,9 +368,14 @@ class RedisBackend(GuardBackend):
         )
 
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:
-        """Extend ``holder``'s lease; see :meth:`GuardBackend.renew`."""
+        """Extend ``holder``'s lease; see :meth:`GuardBackend.renew`.
+
+        A small script of its own (``lua/renew.lua``, without the prelude):
+        it touches only the holder's entry and the expiry of its key.
+        """
         check_ms(ttl_ms, "ttl_ms", minimum=0)
-        return bool(self._run("renew", key, 0, holder, ttl_ms))
+        with reachable():
+            return bool(self._renew(keys=self._renew_keys(key), args=[holder, ttl_ms]))
 
     def renew_many(self, leases: Sequence[tuple[str, str, int]]) -> list[bool]:
         """Renew several leases in one pipelined round trip."""
@@ -377,9 +383,12 @@ class RedisBackend(GuardBackend):
             return []
         for _, _, ttl_ms in leases:
             check_ms(ttl_ms, "ttl_ms", minimum=0)
-        script = self._scripts["renew"]
-        calls = [(script, self._keys(key), self._args(key, 0, holder, ttl)) for key, holder, ttl in leases]
+        calls = [(self._renew, self._renew_keys(key), [holder, ttl]) for key, holder, ttl in leases]
         return [bool(result) for result in run_scripts(self.client, calls)]
+
+    def _renew_keys(self, key: str) -> list[str]:
+        names = self._names(key)
+        return [names.holders, names.token, names.info]
 
     def release(self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0) -> ReleaseResult:
         """Give up ``holder``'s slot; see :meth:`GuardBackend.release`."""

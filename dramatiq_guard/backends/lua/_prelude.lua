@@ -456,22 +456,6 @@ local function send_ahead(count, out)
   end
 end
 
--- Make H, T and I expire no earlier than `at` (PEXPIREAT GT: never sooner than
--- they already do; on a server without GT, Redis < 7, from the latest deadline).
-local function extend_to(at)
-  local reply = redis.pcall('PEXPIREAT', H, at, 'GT')
-  if type(reply) == 'table' and reply.err then
-    local last = redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')
-    at = math.max(at, tonumber(last[2] or '0'))
-    redis.call('PEXPIREAT', H, at)
-    redis.call('PEXPIREAT', T, at)
-    redis.call('PEXPIREAT', I, at)
-    return
-  end
-  redis.call('PEXPIREAT', T, at, 'GT')
-  redis.call('PEXPIREAT', I, at, 'GT')
-end
-
 -- Queue `w` as a waiter at the back (keeping its place if it is already queued).
 -- Returns whether it was not queued before.
 local function enqueue(w)
