@@ -4,8 +4,9 @@ It implements the contract of :mod:`dramatiq_guard.backends.base` (the model
 and its words are there). How the state lives in Redis (the key layout, one
 hash tag per guard key, the two indexes on a standalone Redis and on a Redis
 Cluster, what expires when) is in ``docs/redis.md``. The scripts are in
-``backends/lua/``: ``_prelude.lua`` (shared by every per-key script) holds
-reclaim, hand-off and the cost model; the client side (what redis-py may
+``backends/lua/``: ``_prelude.lua`` (shared by every per-key script but
+``lock.lua`` and ``renew.lua``, the lean common paths) holds reclaim,
+hand-off and the cost model; the client side (what redis-py may
 raise, how long one call can block, pipelining) is in
 :mod:`dramatiq_guard.backends.redis_client`.
 """

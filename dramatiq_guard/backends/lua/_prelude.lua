@@ -1,4 +1,5 @@
--- Shared prelude of every per-key guard script (concatenated in front of it at load).
+-- Shared prelude of every per-key guard script but lock.lua and renew.lua (concatenated in front
+-- of it at load).
 -- The contract these scripts implement is GuardBackend's (backends/base.py: holders, limit,
 -- fencing token, waiters, hand-off, standbys); the comments here say how, not what.
 --
