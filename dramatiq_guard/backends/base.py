@@ -175,6 +175,8 @@ class GuardBackend(abc.ABC):
     entry only (a lapsed one is left for the next reclaim, never revived),
     and :meth:`confirm_handoff` reclaims but does not hand off (a slot it
     frees is handed on by the next acquire, release or sweep of the key).
+    :meth:`try_lock` may skip both when the key is free, or held by a live
+    holder with nothing to hand on: its answer is the same.
 
     Parameters:
       handoff_ttl_ms(int): How long a slot handed to a waiter stays reserved
