@@ -1449,3 +1449,105 @@ def test_a_free_slot_kept_for_another_routes_waiter_is_not_taken_by_a_newcomer(e
     assert not newcomer.acquired and newcomer.parked
     app_a.route = "app-a"
     assert app_a.sweep(KEY, limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
+
+
+# --- The send-time lock (try_lock) -------------------------------------------------------------
+
+
+def test_try_lock_takes_a_free_key_and_names_the_holder_when_held(env: Env) -> None:
+    backend = env.backend()
+    other = env.another_client(backend)
+    before = env.now_ms()
+    taken = backend.try_lock(KEY, "m1", ttl_ms=10_000, info="refresh")
+    assert (taken.acquired, taken.token, taken.holders, taken.limit, taken.handoffs) == (
+        True, None, ("m1",), 1, ()
+    )  # fmt: skip
+    assert before + 10_000 <= deadline_of(backend, KEY, "m1") <= env.now_ms() + 10_000
+    [(holder, since, info)] = backend.inspect(KEY).holder_info
+    assert (holder, info) == ("m1", "refresh") and before <= since <= env.now_ms()
+    refused = other.try_lock(KEY, "m2", ttl_ms=10_000, info="refresh")
+    assert (refused.acquired, refused.token, refused.holders, refused.parked) == (False, None, ("m1",), False)
+    assert backend_holders(backend) == ["m1"] and backend.inspect(KEY).waiters == ()
+    # A lock taken so is an ordinary limit-1 lease: renewed, re-entered, released by its holder only.
+    assert backend.renew(KEY, "m1", ttl_ms=60_000)
+    again = backend.try_lock(KEY, "m1", ttl_ms=30_000, info="other")
+    assert again.acquired and again.token is None and again.holders == ("m1",)
+    assert ("m1", since, "refresh") in backend.inspect(KEY).holder_info  # keeps its since and info
+    assert not backend.release(KEY, "m2", limit=1).released
+    assert backend.release(KEY, "m1", limit=1).released
+    assert_drained(env, backend)
+    assert other.try_lock(KEY, "m2", ttl_ms=10_000).acquired  # free again
+    assert backend.acquire(KEY, "m2", limit=1, ttl_ms=10_000).token is not None  # the holder starts
+    assert backend.release(KEY, "m2", limit=1).released
+    assert_drained(env, backend)
+
+
+def test_try_lock_never_takes_the_lock_from_a_queued_rerun(env: Env) -> None:
+    """A ``reschedule_once`` rerun parks in the lock's queue (``limit=0``): while it waits, a new
+    send is refused, whether the holder is live or lapsed (then the rerun is handed the lock)."""
+    backend = env.backend()
+    assert backend.try_lock(KEY, "h", ttl_ms=300).acquired
+    rerun = backend.acquire(KEY, "rerun", limit=0, ttl_ms=60_000, wait=Waiter(payload=b"msg:rerun"))
+    assert rerun.parked and rerun.holders == ("h",)
+    refused = backend.try_lock(KEY, "m1", ttl_ms=10_000)
+    assert (refused.acquired, refused.holders, refused.handoffs) == (False, ("h",), ())
+    env.wait_past(deadline_of(backend, KEY, "h"))  # the holder's producer died: its lock lapsed
+    late = backend.try_lock(KEY, "m2", ttl_ms=10_000)
+    assert (late.acquired, late.holders) == (False, ("rerun",))
+    assert late.handoffs == (Handoff(KEY, "rerun", b"msg:rerun"),)  # to re-enqueue
+    assert backend.confirm_handoff(KEY, "rerun", ttl_ms=60_000, generation=late.handoffs[0].generation)
+    assert not backend.try_lock(KEY, "m3", ttl_ms=10_000).acquired
+    assert backend.release(KEY, "rerun", limit=1).released
+    assert_drained(env, backend)
+
+
+def test_try_lock_respects_a_run_time_limit(env: Env) -> None:
+    backend = env.backend()
+    backend.set_limit(KEY, 0)
+    halted = backend.try_lock(KEY, "m1", ttl_ms=10_000)
+    assert (halted.acquired, halted.holders, halted.limit) == (False, (), 0)
+    backend.set_limit(KEY, 2)
+    assert backend.try_lock(KEY, "m1", ttl_ms=10_000).acquired
+    second = backend.try_lock(KEY, "m2", ttl_ms=10_000)
+    assert (second.acquired, second.limit) == (True, 2)
+    assert not backend.try_lock(KEY, "m3", ttl_ms=10_000).acquired
+    for holder in ("m1", "m2"):
+        assert backend.release(KEY, holder, limit=1).released
+    assert_drained(env, backend, limit=2)
+
+
+def test_try_lock_checks_its_numbers_and_key(env: Env) -> None:
+    backend = env.backend()
+    for ttl in (0, -1, 366 * 86_400_000 + 1):
+        with pytest.raises(ValueError, match="ttl_ms"):
+            backend.try_lock(KEY, "m1", ttl_ms=ttl)
+    with pytest.raises(ValueError):
+        backend.try_lock("", "m1", ttl_ms=1_000)
+    assert_drained(env, backend)
+
+
+def test_a_lapsed_send_lock_lets_the_next_send_in(env: Env) -> None:
+    backend = env.backend()
+    assert backend.try_lock(KEY, "m1", ttl_ms=200).acquired
+    env.wait_past(deadline_of(backend, KEY, "m1"))
+    assert backend.try_lock(KEY, "m2", ttl_ms=60_000).acquired
+    assert not backend.renew(KEY, "m1", ttl_ms=60_000)  # never revived
+    assert backend_holders(backend) == ["m2"]
+    assert backend.release(KEY, "m2", limit=1).released
+    assert_drained(env, backend)
+
+
+def test_a_send_lock_expires_with_its_holder(redis_env: Env) -> None:
+    backend = redis_env.backend()
+    client = redis_env.client
+    assert client is not None
+    assert backend.try_lock(KEY, "m1", ttl_ms=300, info="refresh").acquired
+    deadline = deadline_of(backend, KEY, "m1")
+    names = {f"{redis_env.namespace}:{{{KEY}}}:{suffix}" for suffix in ("holders", "info")}
+    assert redis_env.stored() == names  # no token, no queue: nothing else
+    assert {client.pexpiretime(name) for name in names} == {deadline}
+    assert backend.renew(KEY, "m1", ttl_ms=400)  # a confirmation moves them all
+    deadline = deadline_of(backend, KEY, "m1")
+    assert {client.pexpiretime(name) for name in names} == {deadline}
+    redis_env.wait_past(deadline)
+    assert redis_env.stored() == set()  # its producer died: nothing is left

@@ -237,6 +237,17 @@ def test_acquire_with_an_insane_ttl_writes_nothing(redis_env: Env, ttl: str) -> 
     assert "ttl_ms must be an integer from 1 to 31622400000" in str(raised.value)
 
 
+@pytest.mark.parametrize("ttl", [*NOT_SANE, "0"])
+def test_the_send_lock_with_an_insane_ttl_writes_nothing(redis_env: Env, ttl: str) -> None:
+    backend = redis_env.backend()
+    assert isinstance(backend, RedisBackend)
+    names = backend._names(KEY)
+    keys = [names.holders, names.waiters, names.reserved, names.limit, names.token, names.info]
+    with pytest.raises(redis.ResponseError, match="ttl_ms must be an integer from 1 to 31622400000"):
+        backend._lock(keys=keys, args=["h", ttl, ""])
+    assert redis_env.stored() == set()
+
+
 @pytest.mark.parametrize(
     ("name", "args", "what"),
     [
@@ -282,7 +293,7 @@ def test_a_renewal_with_an_insane_ttl_leaves_the_lease_as_it_was(redis_env: Env)
     stored = redis_env.stored()
     for ttl in NOT_SANE:
         with pytest.raises(redis.ResponseError, match="ttl_ms must be an integer from 0 to"):
-            _script(backend, "renew", "h", ttl)
+            backend._renew(keys=backend._renew_keys(KEY), args=["h", ttl])
     assert backend.inspect(KEY) == before and redis_env.stored() == stored
 
 
@@ -292,4 +303,7 @@ def test_the_scripts_bounds_are_the_python_ones() -> None:
     prelude = (Path(dramatiq_guard.__file__).parent / "backends" / "lua" / "_prelude.lua").read_text()
     assert f"local MAX_DURATION_MS = {bounds.MAX_DURATION_MS}\n" in prelude
     assert f"local MAX_COUNT = {bounds.MAX_COUNT}\n" in prelude
+    for own in ("lock", "renew"):  # the scripts without the prelude
+        script = (Path(dramatiq_guard.__file__).parent / "backends" / "lua" / f"{own}.lua").read_text()
+        assert f"local MAX_DURATION_MS = {bounds.MAX_DURATION_MS}\n" in script
     assert bounds.MAX_DURATION_MS == MAX_MS and bounds.MAX_COUNT == 2**31 - 1

@@ -22,6 +22,9 @@ def dedup(ctx: Context) -> list[Figure]:
       batched by the producer's background thread.
     * send rate, duplicates: ``actor.send(0)`` N times: the first takes the lock, the
       others are dropped after one round trip, without touching the broker.
+    * send rate, floor: a plain send (an actor without ``dedup``) after a Lua script that
+      does nothing (``return 1``): what one extra round trip costs on this machine, so the
+      accepted send rate can be read against the floor of its budget ("one extra round trip").
     * round trips / commands per accepted send: as in the baseline, over a batch of sends
       with new keys. The round trips the sending thread waits for are counted apart from
       the background confirmations made during the batch (the batch ends with a flush of
@@ -35,11 +38,18 @@ def dedup(ctx: Context) -> list[Figure]:
     def guarded(i: int) -> None:
         """Never runs: no worker consumes ``bench_dedup``."""
 
+    @dramatiq.actor(broker=broker, queue_name="bench_dedup_plain", max_retries=0)
+    def plain(i: int) -> None:
+        """Never runs: no worker consumes ``bench_dedup_plain``."""
+
+    noop = broker.client.register_script("return 1")
+
     n_send = ctx.n(5000, 300)
     n_count = ctx.n(500, 50)
 
     accepted_rate = ctx.send_rate(lambda i: guarded.send(i), n_send)
     duplicate_rate = ctx.send_rate(lambda i: guarded.send(0), n_send)
+    floor_rate = ctx.send_rate(lambda i: (noop(), plain.send(i)), n_send)
     middleware.flush()
 
     def send_and_confirm(i: int) -> Any:
@@ -71,6 +81,14 @@ def dedup(ctx: Context) -> list[Figure]:
             "msg/s",
             vs="baseline/send_rate",
             detail=sized,
+        ),
+        Figure(
+            "floor_send_rate",
+            "send rate, floor: a plain send after a no-op script",
+            floor_rate,
+            "msg/s",
+            vs="baseline/send_rate",
+            detail=f"{sized}; one extra round trip and nothing else",
         ),
         Figure(
             "commands_per_send",

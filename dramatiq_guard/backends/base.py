@@ -133,6 +133,7 @@ before their first write, for callers that reach them without this module.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Sequence
 
 from dramatiq_guard.backends.checks import (
@@ -174,6 +175,8 @@ class GuardBackend(abc.ABC):
     entry only (a lapsed one is left for the next reclaim, never revived),
     and :meth:`confirm_handoff` reclaims but does not hand off (a slot it
     frees is handed on by the next acquire, release or sweep of the key).
+    :meth:`try_lock` may skip both when the key is free, or held by a live
+    holder with nothing to hand on: its answer is the same.
 
     Parameters:
       handoff_ttl_ms(int): How long a slot handed to a waiter stays reserved
@@ -271,6 +274,38 @@ class GuardBackend(abc.ABC):
           generation(int|None): The generation a handed-off copy carries (see
             *generations*): a stale one is refused (``stale``) with nothing done.
         """
+
+    def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:
+        """Take ``key`` as a limit-1 lock for ``holder`` if it is free: the send-time dedup lock.
+
+        The same as :meth:`acquire` with ``limit=1`` and no ``wait``
+        (re-entrant, refused while another holder is live or a waiter is
+        queued ahead, a run-time limit respected, free slots handed to
+        waiters), except that no fencing token is returned: the lock fences
+        no writes (``token`` is None). The state it leaves is the state
+        :meth:`acquire` would leave, so every other operation works on the
+        key as usual (a ``reschedule_once`` rerun parks in its waiter queue,
+        the holder's release hands it the lock).
+
+        It is here so a backend can decide the common cases (the key is free;
+        it is held by another) more cheaply than the general acquire: the
+        Redis backend runs a small script of its own (``lua/lock.lua``) and
+        falls back to :meth:`acquire` for anything else. The default calls
+        :meth:`acquire`.
+
+        Parameters:
+          key(str): The guard key.
+          holder(str): The would-be holder's id (a message id).
+          ttl_ms(int): The lease duration (the pending lock's, for a send).
+          info(str|None): A short description of the holder, as for :meth:`acquire`.
+
+        Returns:
+          AcquireResult: ``acquired``, or the live ``holders`` in the way
+          (``limit`` is the limit in force; ``handoffs`` to deliver as for
+          :meth:`acquire`).
+        """
+        result = self.acquire(key, holder, limit=1, ttl_ms=ttl_ms, info=info)
+        return dataclasses.replace(result, token=None)
 
     @abc.abstractmethod
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:

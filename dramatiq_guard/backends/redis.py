@@ -4,14 +4,16 @@ It implements the contract of :mod:`dramatiq_guard.backends.base` (the model
 and its words are there). How the state lives in Redis (the key layout, one
 hash tag per guard key, the two indexes on a standalone Redis and on a Redis
 Cluster, what expires when) is in ``docs/redis.md``. The scripts are in
-``backends/lua/``: ``_prelude.lua`` (shared by every per-key script) holds
-reclaim, hand-off and the cost model; the client side (what redis-py may
+``backends/lua/``: ``_prelude.lua`` (shared by every per-key script but
+``lock.lua`` and ``renew.lua``, the lean common paths) holds reclaim,
+hand-off and the cost model; the client side (what redis-py may
 raise, how long one call can block, pipelining) is in
 :mod:`dramatiq_guard.backends.redis_client`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
@@ -68,7 +70,6 @@ class _KeyNames(NamedTuple):
 
 _KEY_SCRIPTS = (
     "acquire",
-    "renew",
     "release",
     "confirm_handoff",
     "cancel_wait",
@@ -134,6 +135,9 @@ class RedisBackend(GuardBackend):
             name: client.register_script(prelude + "\n" + load_lua(name)) for name in _KEY_SCRIPTS
         }
         self._unindex = client.register_script(load_lua("unindex"))
+        # Scripts of their own, without the prelude: the lean common paths (see each file).
+        self._lock = client.register_script(load_lua("lock"))
+        self._renew = client.register_script(load_lua("renew"))
         self._client_timeouts: Timeouts | None = None
 
     @classmethod
@@ -333,10 +337,46 @@ class RedisBackend(GuardBackend):
                 reply = self._run("acquire", key, limit, holder, ttl_ms, *mode)
         return self._acquire_reply(key, reply, sent)
 
+    def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:
+        """Take ``key`` as a limit-1 lock if it is free; see :meth:`GuardBackend.try_lock`.
+
+        One small script (``lua/lock.lua``, without the prelude) decides a
+        free key (6 Redis commands in the script) and a key held by another
+        (4); anything else (a waiter or reservation, a run-time limit, a
+        lapsed holder, the holder itself) goes on to :meth:`acquire`, a
+        second round trip.
+
+        Raises:
+          BackendUnavailable: If Redis cannot be reached.
+          ValueError: If ``key`` or ``ttl_ms`` is not allowed.
+        """
+        check_ms(ttl_ms, "ttl_ms")
+        names = self._names(key)
+        keys = [names.holders, names.waiters, names.reserved, names.limit, names.token, names.info]
+        sent = time.monotonic()
+        with reachable():
+            status, holders = self._lock(keys=keys, args=[holder, ttl_ms, info or ""])
+        if int(status) < 0:
+            result = self.acquire(key, holder, limit=1, ttl_ms=ttl_ms, info=info)
+            return dataclasses.replace(result, token=None)
+        acquired = int(status) == 1
+        return AcquireResult(
+            acquired=acquired,
+            token=None,
+            holders=(holder,) if acquired else tuple(text(h) for h in holders),
+            limit=1,
+            valid_from=sent,
+        )
+
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:
-        """Extend ``holder``'s lease; see :meth:`GuardBackend.renew`."""
+        """Extend ``holder``'s lease; see :meth:`GuardBackend.renew`.
+
+        A small script of its own (``lua/renew.lua``, without the prelude):
+        it touches only the holder's entry and the expiry of its key.
+        """
         check_ms(ttl_ms, "ttl_ms", minimum=0)
-        return bool(self._run("renew", key, 0, holder, ttl_ms))
+        with reachable():
+            return bool(self._renew(keys=self._renew_keys(key), args=[holder, ttl_ms]))
 
     def renew_many(self, leases: Sequence[tuple[str, str, int]]) -> list[bool]:
         """Renew several leases in one pipelined round trip."""
@@ -344,9 +384,12 @@ class RedisBackend(GuardBackend):
             return []
         for _, _, ttl_ms in leases:
             check_ms(ttl_ms, "ttl_ms", minimum=0)
-        script = self._scripts["renew"]
-        calls = [(script, self._keys(key), self._args(key, 0, holder, ttl)) for key, holder, ttl in leases]
+        calls = [(self._renew, self._renew_keys(key), [holder, ttl]) for key, holder, ttl in leases]
         return [bool(result) for result in run_scripts(self.client, calls)]
+
+    def _renew_keys(self, key: str) -> list[str]:
+        names = self._names(key)
+        return [names.holders, names.token, names.info]
 
     def release(self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0) -> ReleaseResult:
         """Give up ``holder``'s slot; see :meth:`GuardBackend.release`."""

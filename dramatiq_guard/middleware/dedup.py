@@ -167,8 +167,8 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         key = PREFIX + self._key(guard, message)
         backend = self.backend(broker)
         try:
-            result = backend.acquire(
-                key, message.message_id, limit=1, ttl_ms=self.pending_ttl_ms, info=message.actor_name
+            result = backend.try_lock(
+                key, message.message_id, ttl_ms=self.pending_ttl_ms, info=message.actor_name
             )
             self._deliver(broker, result.handoffs)
             if result.acquired:

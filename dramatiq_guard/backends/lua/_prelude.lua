@@ -1,4 +1,5 @@
--- Shared prelude of every per-key guard script (concatenated in front of it at load).
+-- Shared prelude of every per-key guard script but lock.lua and renew.lua (concatenated in front
+-- of it at load).
 -- The contract these scripts implement is GuardBackend's (backends/base.py: holders, limit,
 -- fencing token, waiters, hand-off, standbys); the comments here say how, not what.
 --
@@ -454,22 +455,6 @@ local function send_ahead(count, out)
   if TOKEN ~= nil and HN > 0 then
     redis.call('SET', T, fmt(TOKEN), 'PXAT', latest())
   end
-end
-
--- Make H, T and I expire no earlier than `at` (PEXPIREAT GT: never sooner than
--- they already do; on a server without GT, Redis < 7, from the latest deadline).
-local function extend_to(at)
-  local reply = redis.pcall('PEXPIREAT', H, at, 'GT')
-  if type(reply) == 'table' and reply.err then
-    local last = redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')
-    at = math.max(at, tonumber(last[2] or '0'))
-    redis.call('PEXPIREAT', H, at)
-    redis.call('PEXPIREAT', T, at)
-    redis.call('PEXPIREAT', I, at)
-    return
-  end
-  redis.call('PEXPIREAT', T, at, 'GT')
-  redis.call('PEXPIREAT', I, at, 'GT')
 end
 
 -- Queue `w` as a waiter at the back (keeping its place if it is already queued).

@@ -1,0 +1,57 @@
+-- lock(holder, ttl_ms, info): the send-time dedup lock (GuardBackend.try_lock), on its own,
+-- without _prelude.lua: it decides only the two common cases, in at most 6 commands, and leaves
+-- every other to the generic acquire (acquire.lua), which the caller then runs.
+--
+-- KEYS: H W R L T I of the guard key, the layout of _prelude.lua (one hash tag, one slot).
+-- ARGV: holder, ttl_ms, info.
+-- Returns {1, {}}: acquired; {0, holders}: refused, held by these live holders (oldest deadline
+-- first), none of them the caller, with no run-time limit; {-1, {}}: not decided here.
+--
+--   * Free: none of H, W, R, L, T, I exists (no holder, no waiter, no reservation, no run-time
+--     limit, no token to keep above). Then, as acquire.lua would with a limit of 1: H gets the
+--     holder with its deadline, I its "<since_ms>|<info>", and both expire at that deadline (the
+--     prelude's invariants: with W, P, R, D and S absent nothing is queued; H, T and I expire no
+--     earlier than the largest deadline in H). No fencing token is issued (T stays absent):
+--     tokens only grow anyway, as the next one is at least the time in us.
+--   * Held: H holds only live holders other than the caller and L is absent: limit 1, so the
+--     generic acquire would refuse it too (a waiter queued or not). Nothing is written.
+--   * Anything else (a waiter or reservation with a free slot, a run-time limit, a lapsed holder
+--     to reclaim, the caller re-entering, a token left behind): -1.
+-- Times come from the server's clock only.
+local MAX_DURATION_MS = 31622400000
+local H, W, R, L, T, I = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local holder, ttl_arg = ARGV[1], ARGV[2]
+
+-- Checked before the first write (see validate_args in _prelude.lua).
+local ttl = #ttl_arg <= 16 and string.match(ttl_arg, '^%d+$') and tonumber(ttl_arg)
+if not (ttl and ttl >= 1 and ttl <= MAX_DURATION_MS) then
+  return redis.error_reply(
+    'ttl_ms must be an integer from 1 to ' .. string.format('%.0f', MAX_DURATION_MS) .. ', got ' .. tostring(ttl_arg)
+  )
+end
+
+local present = redis.call('EXISTS', H, W, R, L, T, I)
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+
+if present == 0 then
+  local deadline = now + ttl
+  redis.call('ZADD', H, deadline, holder)
+  redis.call('HSET', I, holder, string.format('%.0f', now) .. '|' .. ARGV[3])
+  redis.call('PEXPIREAT', H, deadline)
+  redis.call('PEXPIREAT', I, deadline)
+  return { 1, {} }
+end
+
+local flat = redis.call('ZRANGE', H, 0, -1, 'WITHSCORES')
+local holders = {}
+for i = 1, #flat, 2 do
+  if flat[i] == holder or tonumber(flat[i + 1]) <= now then
+    return { -1, {} }
+  end
+  holders[#holders + 1] = flat[i]
+end
+if #holders == 0 or redis.call('EXISTS', L) == 1 then
+  return { -1, {} }
+end
+return { 0, holders }
