@@ -11,7 +11,7 @@ from dramatiq import Broker, Middleware
 from dramatiq.middleware import Retries
 
 from dramatiq_guard.backends import redis_health
-from dramatiq_guard.backends.base import check_max_payload_bytes
+from dramatiq_guard.backends.base import GuardBackend, check_max_payload_bytes
 from dramatiq_guard.errors import ConfigurationError
 from dramatiq_guard.gate import gate_for
 from dramatiq_guard.resolve import resolve_backend
@@ -60,6 +60,7 @@ def install(
     ledger: Any = None,
     allow_evicting_redis: bool = False,
     max_payload_bytes: int | None = None,
+    route: str | None = None,
     **settings: Any,
 ) -> list[Middleware]:
     """Add every guard middleware to ``broker`` and return them, in broker order.
@@ -89,6 +90,11 @@ def install(
         (None: the backend's, 256 KiB by default). A larger message of a
         parking actor is refused at ``send()`` with
         :class:`~dramatiq_guard.errors.PayloadTooLarge`, nothing stored.
+      route(str|None): The name under which this process's parked messages
+        are recorded and which parked messages it delivers (None: from the
+        broker, :func:`dramatiq_guard.resolve.route_of`). Every process of
+        one application must have the same route, and no other application's
+        (see README, "Failure model").
       **settings: Passed to each middleware that takes a keyword of that
         name.
 
@@ -116,6 +122,7 @@ def install(
     known = (set().union(*accepted.values()) - {"redis", "ledger"}) | {
         "allow_evicting_redis",
         "max_payload_bytes",
+        "route",
     }
     unknown = sorted(set(settings) - known)
     if unknown:
@@ -124,9 +131,7 @@ def install(
             f"the settings are: {', '.join(sorted(known)) or 'none'}"
         )
 
-    backend = resolve_backend(broker, redis)
-    if max_payload_bytes is not None:
-        backend.max_payload_bytes = check_max_payload_bytes(max_payload_bytes)
+    backend = _backend(broker, redis, route, max_payload_bytes)
     redis_health.check(backend, allow_evicting=allow_evicting_redis)
     retries = next((m for m in broker.middleware if isinstance(m, Retries)), None)
     installed: list[Middleware] = []
@@ -148,3 +153,18 @@ def install(
     if warning is not None:
         logger.warning(warning)
     return installed
+
+
+def _backend(broker: Broker, redis: Any, route: str | None, max_payload_bytes: int | None) -> GuardBackend:
+    """The backend of ``broker``, with the install's route and payload bound."""
+    backend = resolve_backend(broker, redis)
+    if route is not None:
+        if not isinstance(route, str) or not route:
+            raise ConfigurationError(
+                f"dramatiq_guard.install(): route must be a non-empty str, not {route!r}"
+            )
+        backend.route = route
+    logger.info("dramatiq-guard: this process delivers the parked messages of route %r.", backend.route)
+    if max_payload_bytes is not None:
+        backend.max_payload_bytes = check_max_payload_bytes(max_payload_bytes)
+    return backend

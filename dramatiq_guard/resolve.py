@@ -22,7 +22,9 @@ applications sharing one guard Redis never deliver each other's messages.
 
 from __future__ import annotations
 
+import functools
 import os
+import socket
 import threading
 import weakref
 from typing import Any
@@ -83,7 +85,9 @@ def resolve_backend(broker: Broker, redis: Any = None) -> GuardBackend:
 def route_of(broker: Broker) -> str:
     """Which broker (and queues) a process delivers parked messages to.
 
-    The same string in every process of one application configured alike:
+    The same string in every process of one application configured alike
+    (a host name is resolved to its address, so ``localhost`` and
+    ``127.0.0.1`` agree; ``install(broker, route=...)`` names it outright):
     the Redis server, database and Dramatiq namespace of a RedisBroker; the
     hosts and virtual host of a RabbitmqBroker; this very object for a
     StubBroker (it lives in one process); else the broker's class.
@@ -93,14 +97,15 @@ def route_of(broker: Broker) -> str:
 
     if isinstance(broker, RedisBroker):
         kwargs = broker.client.connection_pool.connection_kwargs
-        where = kwargs.get("path") or f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+        host = _address(str(kwargs.get("host", "localhost")))
+        where = kwargs.get("path") or f"{host}:{kwargs.get('port', 6379)}"
         return f"redis://{where}/{kwargs.get('db', 0)}#{broker.namespace}"
     if isinstance(broker, StubBroker):
         return f"stub:{id(broker):x}"
     parameters = getattr(broker, "parameters", None)
     if parameters is not None:  # a RabbitmqBroker: pika connection parameters, one or a list
         hosts = parameters if isinstance(parameters, list) else [parameters]
-        names = sorted(f"{p.host}:{p.port}" for p in hosts)
+        names = sorted(f"{_address(p.host)}:{p.port}" for p in hosts)
         return f"amqp://{','.join(names)}/{hosts[0].virtual_host}"
     return f"{type(broker).__module__}.{type(broker).__qualname__}"
 
@@ -125,3 +130,12 @@ def _default_backend(broker: Broker) -> GuardBackend:
         f"redis=<a redis-py client or a redis:// URL> to dramatiq_guard.install() (or to the "
         f"middleware), or set the {REDIS_URL_ENV} environment variable"
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _address(host: str) -> str:
+    """``host``'s IPv4 address if it resolves (so two names of one server agree), else ``host``."""
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
