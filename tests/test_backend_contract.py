@@ -447,6 +447,20 @@ def test_a_lapsed_holder_is_reclaimed(env: Env) -> None:
     assert_drained(env, backend)
 
 
+def test_the_memory_backend_runs_on_the_clock_it_is_given() -> None:
+    now_ns = [1_900_000_000_000 * 1_000_000]
+    backend = MemoryBackend(clock=lambda: now_ns[0])
+    first = backend.acquire(KEY, "a", limit=1, ttl_ms=1_000)
+    assert first.acquired and first.token == now_ns[0] // 1000  # a token is at least the time in us
+    assert deadline_of(backend, KEY, "a") == now_ns[0] // 1_000_000 + 1_000
+    now_ns[0] += 999 * 1_000_000
+    assert not backend.acquire(KEY, "b", limit=1, ttl_ms=1_000).acquired
+    now_ns[0] += 1_000_000  # the deadline itself: lapsed, without sleeping
+    taken = backend.acquire(KEY, "b", limit=1, ttl_ms=1_000)
+    assert taken.acquired and taken.holders == ("b",) and taken.token == now_ns[0] // 1000
+    assert backend.release(KEY, "b", limit=1).released
+
+
 # Leases of a second: long enough that a loaded machine's stall (GC, a busy CI box) does not
 # pass for a lapse; the tests still wait on the backend's clock, never on a guess.
 TTL = 1_000
