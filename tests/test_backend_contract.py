@@ -588,7 +588,9 @@ def test_a_waiter_killed_between_its_wake_and_its_renewal_strands_nothing(
     assert reserved_until <= redis_env.now_ms() + 1_000
     redis_env.wait_past(reserved_until)
     swept = backend.sweep(KEY, limit=1)  # what every worker's sweep does each second
-    assert swept.released and swept.handoffs == (Handoff(KEY, "next", None),)
+    # (Not swept.released: the holders zset expired with doomed's reservation, its last
+    # deadline, so there was nothing left to reclaim; see RedisBackend.sweep.)
+    assert swept.handoffs == (Handoff(KEY, "next", None),)
     woken = backend.wait_for_handoff(KEY, "next", timeout_ms=10_000)
     assert woken is not None and woken.token > token
     assert backend.release(KEY, "next", limit=1).released
@@ -1211,6 +1213,40 @@ def test_a_key_whose_holders_all_died_vanishes_by_itself(redis_env: Env) -> None
     assert redis_env.stored()
     redis_env.wait_past(deadline_of(backend, KEY, "b"))
     assert redis_env.stored() == set()  # nobody touched it: it expired
+
+
+def test_a_slot_handed_on_by_the_last_holder_still_expires(env: Env) -> None:
+    """Regression (found by tests/test_model.py): a release that removed the last holder and
+    handed its slot on in the same step re-created the holders zset without an expiry (and kept
+    the waiters' meta hash, which has none), so a woken waiter whose thread died before taking
+    its slot up left both in Redis for good: nothing was queued, so no sweep ever came."""
+    backend = env.backend()
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "w", None),)
+    assert backend.waiting_keys() == []  # w's thread dies here: nobody touches the key again
+    if env.client is not None:
+        names = env.stored()
+        assert f"{env.namespace}:{{{KEY}}}:holders" in names
+        assert {name for name in names if env.client.pttl(name) == -1} == set()
+
+
+def test_the_limit_recorded_for_a_keys_waiters_goes_with_them(env: Env) -> None:
+    """The default limit recorded when a waiter queues serves the queue: once it is empty, a
+    process that does not know the key's limit finds none (on Redis the meta hash, which never
+    expires, is gone; the memory backend forgets it too)."""
+    backend = env.backend()
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "w", None),)
+    assert backend.wait_for_handoff(KEY, "w", timeout_ms=0) is not None
+    unknown = backend.acquire(KEY, "p1", limit=None, ttl_ms=60_000, wait=Waiter(payload=b"msg:p1"))
+    assert unknown.parked and unknown.limit == 0  # nothing recorded any more, and p1 records nothing
+    assert backend.release(KEY, "w", limit=None).handoffs == ()  # so nothing is guessed
+    assert backend.sweep(KEY, limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)  # its own app's
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000)
+    assert backend.release(KEY, "p1", limit=1).released
+    assert_drained(env, backend)
 
 
 def test_waiters_and_payloads_never_expire_and_a_sweep_recovers_them(redis_env: Env) -> None:

@@ -225,6 +225,8 @@ class MemoryBackend(GuardBackend):
         return tuple(sent)
 
     def _end(self, key: str, guard: _Guard) -> None:
+        if not (guard.queue or guard.reserved):
+            guard.default_limit = None  # recorded for the waiters, it goes with them (as on Redis)
         if guard.is_idle():
             if guard.live:  # outlives the rest of the key's state, as on Redis
                 self._guards[key] = _Guard(live=guard.live, clock=self._clock)

@@ -675,6 +675,9 @@ class RedisBackend(GuardBackend):
 
         Returns:
           ReleaseResult: ``released`` tells whether any lapsed holder was reclaimed.
+          Holders that lapsed after the key's last deadline expired with it and are
+          not counted (an unconfirmed reservation among them is: it goes back to the
+          queue).
 
         Raises:
           BackendUnavailable: If Redis cannot be reached.

@@ -17,7 +17,7 @@
 --   KEYS[9] S  zset  standby -> deadline (ms): a waiter sent ahead to the broker and not picked
 --                    up yet (standby.lua); with a payload in P it is not confirmed yet
 --   KEYS[10] M hash  what the key's waiters need from other processes, kept while anything is
---                    queued: 'limit' -> the default limit, recorded by a process that knows it
+--                    queued (deleted with the queue, holders or not): 'limit' -> the default limit, recorded by a process that knows it
 --                    when a waiter queues (a process that does not, e.g. one sweeping a key of
 --                    another application, uses it); 'r:<w>' -> the route (the broker) of parked
 --                    waiter w, which only a process of that route delivers; 'g:<w>' -> the
@@ -226,7 +226,9 @@ local function set_holders(pairs_)
   call_many('ZADD', H, pairs_)
 end
 
--- ZREM H and HDEL I of these holders, and the copy.
+-- ZREM H and HDEL I of these holders, and the copy. A ZREM of the last member deletes H, and its
+-- expiry with it: a holder added later in the same script (a hand-off) makes a new H, which must
+-- be given an expiry again (RAISED), or it would never expire.
 local function drop_holders(list)
   for _, h in ipairs(list) do
     if HS[h] ~= nil then
@@ -236,6 +238,9 @@ local function drop_holders(list)
   end
   call_many('ZREM', H, list)
   call_many('HDEL', I, list)
+  if HN == 0 then
+    HMAX = 0
+  end
 end
 
 -- Reclaim: a lapsed reservation of a parked waiter goes back to its place in
@@ -518,7 +523,13 @@ local function finish()
     if EXISTED or PARKED or not OWNED then
       redis.call('DEL', H, W, P, R, D, S, T, I, M)
     end
-  elseif HN > 0 and (RAISED or META_AT) then
+    return
+  end
+  if QUEUED and not queued then
+    -- The queue drained but holders remain: M (never expiring) goes with the queue it served.
+    redis.call('DEL', M)
+  end
+  if HN > 0 and (RAISED or META_AT) then
     local at = latest()
     if RAISED then
       redis.call('PEXPIREAT', H, at)
