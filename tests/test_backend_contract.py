@@ -729,6 +729,33 @@ def test_confirm_after_the_reservation_lapsed_removes_the_reparked_copy(env: Env
     assert_drained(env, backend, lapsed=True)
 
 
+def test_a_late_confirm_leaves_the_entry_its_own_copy_parked_again(env: Env) -> None:
+    """Regression (found by tests/test_model.py): a confirmation that came after the reservation
+    lapsed took the waiter out of the queue ("the re-enqueued copy wins") even when that copy had
+    been picked up meanwhile and had parked again in its place: the message was lost."""
+    backend = env.backend(handoff_ttl_ms=200)
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    park(backend, "p1")
+    [handoff] = backend.release(KEY, "a", limit=1).handoffs  # pushed; its confirmation is slow
+    env.wait_past(deadline_of(backend, KEY, "p1"))
+    assert backend.set_limit(KEY, 0).handoffs == ()  # reclaims: p1 is back in the queue
+    picked = backend.acquire(
+        KEY, "p1", limit=1, ttl_ms=60_000, wait=Waiter(payload=b"msg:p1"), generation=handoff.generation
+    )
+    assert picked.parked and not picked.acquired  # the pushed copy finds no slot: it parks in its place
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000, generation=handoff.generation) is False
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000) is False
+    assert waiter_ids(backend.inspect(KEY)) == ["p1"]  # still parked: not lost
+    stale = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=handoff.generation)
+    assert stale.stale  # a duplicate of the copy that parked may not start either
+    [again] = backend.set_limit(KEY, None, default=1).handoffs
+    assert (again.waiter_id, again.payload) == ("p1", b"msg:p1")
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000, generation=again.generation)
+    assert backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=again.generation).acquired
+    assert backend.release(KEY, "p1", limit=1).released
+    assert_drained(env, backend, lapsed=True)
+
+
 # --- Blocking waiters ---------------------------------------------------------------------------
 
 

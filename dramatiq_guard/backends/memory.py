@@ -32,6 +32,10 @@ from dramatiq_guard.backends.base import (
 
 __all__ = ["MemoryBackend"]
 
+#: The live generation of a waiter whose lapsed hand-off's copy parked again in its place: no
+#: copy carries it (generations are tokens, above 0), so every copy of the waiter is stale.
+_REPARKED = -1
+
 
 @dataclasses.dataclass
 class _Entry:
@@ -290,6 +294,10 @@ class MemoryBackend(GuardBackend):
                     entry.drop_at_ms = None if wait.payload is not None else now + wait.wait_ms
                     if wait.payload is not None:
                         entry.route = self.route
+                        if generation is not None and holder in guard.live:
+                            # The copy of a lapsed hand-off parked in its place: it is the entry now
+                            # (no copy may start, and a late confirmation does not take it out).
+                            guard.live[holder] = (_REPARKED, now + self.stale_ttl_ms)
                 entry.info = (info or None) if entry.ready else None
                 parked = True
             holders = tuple(sorted(guard.holders, key=guard.holders.__getitem__))
@@ -341,7 +349,12 @@ class MemoryBackend(GuardBackend):
             else:
                 held = waiter_id in guard.holders and waiter_id not in guard.reserved
                 live = guard.live.get(waiter_id)
-                if not held and (generation is None or (live is not None and live[0] == generation)):
+                reparked = live is not None and live[0] == _REPARKED
+                if (
+                    not held
+                    and not reparked
+                    and (generation is None or (live is not None and live[0] == generation))
+                ):
                     # Lapsed and back in the queue before any newer hand-off: the re-enqueued copy wins.
                     guard.queue.pop(waiter_id, None)
             self._end(key, guard)

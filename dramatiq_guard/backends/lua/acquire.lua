@@ -95,6 +95,13 @@ elseif mode ~= '' then
       redis.call('ZREM', D, holder)
       redis.call('HDEL', I, holder)
     end
+    if generation ~= '' and redis.call('HEXISTS', G, holder) == 1 then
+      -- The copy of a lapsed hand-off parked in its place: it is the queue entry now. No copy
+      -- of an earlier hand-off may start any more, and a late confirmation of its own
+      -- generation must not take the entry out (confirm_handoff.lua): that copy is gone.
+      redis.call('HSET', G, holder, 'parked')
+      redis.call('PEXPIRE', G, STALE_TTL)
+    end
   else
     redis.call('ZADD', D, NOW + tonumber(arg(5)), holder)
     if not added then
