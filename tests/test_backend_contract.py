@@ -730,9 +730,10 @@ def test_confirm_after_the_reservation_lapsed_removes_the_reparked_copy(env: Env
 
 
 def test_a_late_confirm_leaves_the_entry_its_own_copy_parked_again(env: Env) -> None:
-    """Regression (found by tests/test_model.py): a confirmation that came after the reservation
-    lapsed took the waiter out of the queue ("the re-enqueued copy wins") even when that copy had
-    been picked up meanwhile and had parked again in its place: the message was lost."""
+    """Regression (found while writing tests/test_model.py, and shown by its model): a
+    confirmation that came after the reservation lapsed took the waiter out of the queue ("the
+    re-enqueued copy wins") even when that copy had been picked up meanwhile and had parked
+    again in its place: the message was lost."""
     backend = env.backend(handoff_ttl_ms=200)
     assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
     park(backend, "p1")
