@@ -1451,6 +1451,27 @@ def test_parked_messages_are_handed_only_to_a_process_of_their_route(env: Env) -
     assert_drained(env, a())
 
 
+def test_a_new_acquirer_leaves_the_slot_of_another_routes_parked_waiter(env: Env) -> None:
+    """Regression (found by tests/test_model.py): on Redis, an acquire whose hand-off passed over
+    a parked waiter of another route took the free slot itself, ahead of that waiter (the
+    script took free slots after a hand-off to mean an empty queue). The slot is the waiter's:
+    it stays free for a process of the waiter's route, as for any other operation."""
+    backend = env.backend()
+    other = env.another_client(backend)
+    backend.route = "app-a"
+    assert backend.acquire(KEY, "h", limit=1, ttl_ms=200).acquired
+    park(backend, "p1")
+    env.wait_past(deadline_of(backend, KEY, "h"))
+    other.route = "app-b"
+    refused = other.acquire(KEY, "n", limit=1, ttl_ms=60_000)
+    assert not refused.acquired and refused.handoffs == () and refused.holders == ()
+    backend.route = "app-a"
+    assert backend.sweep(KEY, limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000)
+    assert backend.release(KEY, "p1", limit=1).released
+    assert_drained(env, backend)
+
+
 def backend_holders(backend: GuardBackend) -> list[str]:
     return [holder for holder, _ in backend.inspect(KEY).holders]
 

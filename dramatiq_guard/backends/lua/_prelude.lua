@@ -78,6 +78,7 @@ local HMAX = 0 -- the largest deadline H had when loaded (its expiry is at least
 local EXISTED = false -- whether H, W, P, R, D or S existed when loaded
 local QUEUED = false -- whether W, P, R, D or S existed when loaded (see the invariants)
 local PARKED = false -- whether this script queued a waiter
+local PASSED_OVER = false -- whether handoff left parked waiters of another route in the queue
 local LOADED = false
 local OWNED = false
 local RAISED = false -- a deadline in H went above HMAX: H, T and I must expire later
@@ -384,6 +385,7 @@ local function handoff(limit, out)
     local foreign = payloads[i] and routes[i] and routes[i] ~= '' and routes[i] ~= ROUTE
       and not redis.call('ZSCORE', S, w)
     stopped = stopped or (foreign and true or false)
+    PASSED_OVER = PASSED_OVER or (payloads[i] and stopped and true or false)
     if not (payloads[i] and stopped) then
       waiters[#waiters + 1] = w
       places[#waiters] = heads[2 * i]

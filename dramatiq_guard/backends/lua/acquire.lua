@@ -49,8 +49,9 @@ for i = 1, #handed, 3 do
   end
 end
 
--- Free slots left after the hand-off mean the queue is empty.
-local acquired = HS[holder] ~= nil or HN < limit
+-- Free slots left after the hand-off mean the queue is empty, unless the hand-off passed over
+-- parked waiters of another route: then the slots are theirs (their route's sweep hands them on).
+local acquired = HS[holder] ~= nil or (HN < limit and not PASSED_OVER)
 local queued = ''
 if acquired then
   set_holders({ NOW + ttl, holder })
