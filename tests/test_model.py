@@ -353,7 +353,9 @@ class GuardModel(RuleBasedStateMachine):
         route: str = MAIN,
         generation: int | None = None,
         info: str | None = None,
+        starts: bool = True,
     ) -> AcquireResult:
+        """``acquire`` everywhere; ``starts``: an acquired message starts (not a running holder's renewal)."""
         results = self.call(
             key,
             lambda b: b.acquire(
@@ -363,7 +365,7 @@ class GuardModel(RuleBasedStateMachine):
         )
         self.absorb(key, results, route)
         result = results[0]
-        if result.acquired:
+        if result.acquired and starts:
             self.started_now(key, mid)
         return result
 
@@ -423,7 +425,7 @@ class GuardModel(RuleBasedStateMachine):
             mid = data.draw(st.sampled_from(sorted(self.running)))
             key = self.running[mid]
             if again:
-                result = self.acquire(key, mid, wait=None)
+                result = self.acquire(key, mid, wait=None, starts=False)
                 if not result.acquired:
                     self.running.pop(mid)  # its lease had lapsed and the slot was taken
             else:
