@@ -680,6 +680,7 @@ class GuardModel(RuleBasedStateMachine):
             assert self.stored(client) == [], f"left in Redis after a day: {self.stored(client)}"
 
 
+@pytest.mark.timeout(900)  # a failure is shrunk, which takes minutes: let it finish and print
 def test_the_backends_follow_the_model(servers: Servers) -> None:
     """Random operations and faults on the three backends in lockstep (module docstring)."""
 
