@@ -447,6 +447,20 @@ def test_a_lapsed_holder_is_reclaimed(env: Env) -> None:
     assert_drained(env, backend)
 
 
+def test_the_memory_backend_runs_on_the_clock_it_is_given() -> None:
+    now_ns = [1_900_000_000_000 * 1_000_000]
+    backend = MemoryBackend(clock=lambda: now_ns[0])
+    first = backend.acquire(KEY, "a", limit=1, ttl_ms=1_000)
+    assert first.acquired and first.token == now_ns[0] // 1000  # a token is at least the time in us
+    assert deadline_of(backend, KEY, "a") == now_ns[0] // 1_000_000 + 1_000
+    now_ns[0] += 999 * 1_000_000
+    assert not backend.acquire(KEY, "b", limit=1, ttl_ms=1_000).acquired
+    now_ns[0] += 1_000_000  # the deadline itself: lapsed, without sleeping
+    taken = backend.acquire(KEY, "b", limit=1, ttl_ms=1_000)
+    assert taken.acquired and taken.holders == ("b",) and taken.token == now_ns[0] // 1000
+    assert backend.release(KEY, "b", limit=1).released
+
+
 # Leases of a second: long enough that a loaded machine's stall (GC, a busy CI box) does not
 # pass for a lapse; the tests still wait on the backend's clock, never on a guess.
 TTL = 1_000
@@ -574,7 +588,9 @@ def test_a_waiter_killed_between_its_wake_and_its_renewal_strands_nothing(
     assert reserved_until <= redis_env.now_ms() + 1_000
     redis_env.wait_past(reserved_until)
     swept = backend.sweep(KEY, limit=1)  # what every worker's sweep does each second
-    assert swept.released and swept.handoffs == (Handoff(KEY, "next", None),)
+    # (Not swept.released: the holders zset expired with doomed's reservation, its last
+    # deadline, so there was nothing left to reclaim; see RedisBackend.sweep.)
+    assert swept.handoffs == (Handoff(KEY, "next", None),)
     woken = backend.wait_for_handoff(KEY, "next", timeout_ms=10_000)
     assert woken is not None and woken.token > token
     assert backend.release(KEY, "next", limit=1).released
@@ -710,6 +726,34 @@ def test_confirm_after_the_reservation_lapsed_removes_the_reparked_copy(env: Env
     assert backend.confirm_handoff(KEY, "p2", ttl_ms=60_000)
     assert backend.release(KEY, "p2", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
     assert backend.cancel_wait(KEY, "p1", limit=1).released
+    assert_drained(env, backend, lapsed=True)
+
+
+def test_a_late_confirm_leaves_the_entry_its_own_copy_parked_again(env: Env) -> None:
+    """Regression (found while writing tests/test_model.py, and shown by its model): a
+    confirmation that came after the reservation lapsed took the waiter out of the queue ("the
+    re-enqueued copy wins") even when that copy had been picked up meanwhile and had parked
+    again in its place: the message was lost."""
+    backend = env.backend(handoff_ttl_ms=200)
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    park(backend, "p1")
+    [handoff] = backend.release(KEY, "a", limit=1).handoffs  # pushed; its confirmation is slow
+    env.wait_past(deadline_of(backend, KEY, "p1"))
+    assert backend.set_limit(KEY, 0).handoffs == ()  # reclaims: p1 is back in the queue
+    picked = backend.acquire(
+        KEY, "p1", limit=1, ttl_ms=60_000, wait=Waiter(payload=b"msg:p1"), generation=handoff.generation
+    )
+    assert picked.parked and not picked.acquired  # the pushed copy finds no slot: it parks in its place
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000, generation=handoff.generation) is False
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000) is False
+    assert waiter_ids(backend.inspect(KEY)) == ["p1"]  # still parked: not lost
+    stale = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=handoff.generation)
+    assert stale.stale  # a duplicate of the copy that parked may not start either
+    [again] = backend.set_limit(KEY, None, default=1).handoffs
+    assert (again.waiter_id, again.payload) == ("p1", b"msg:p1")
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000, generation=again.generation)
+    assert backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=again.generation).acquired
+    assert backend.release(KEY, "p1", limit=1).released
     assert_drained(env, backend, lapsed=True)
 
 
@@ -1199,6 +1243,40 @@ def test_a_key_whose_holders_all_died_vanishes_by_itself(redis_env: Env) -> None
     assert redis_env.stored() == set()  # nobody touched it: it expired
 
 
+def test_a_slot_handed_on_by_the_last_holder_still_expires(env: Env) -> None:
+    """Regression (found by tests/test_model.py): a release that removed the last holder and
+    handed its slot on in the same step re-created the holders zset without an expiry (and kept
+    the waiters' meta hash, which has none), so a woken waiter whose thread died before taking
+    its slot up left both in Redis for good: nothing was queued, so no sweep ever came."""
+    backend = env.backend()
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "w", None),)
+    assert backend.waiting_keys() == []  # w's thread dies here: nobody touches the key again
+    if env.client is not None:
+        names = env.stored()
+        assert f"{env.namespace}:{{{KEY}}}:holders" in names
+        assert {name for name in names if env.client.pttl(name) == -1} == set()
+
+
+def test_the_limit_recorded_for_a_keys_waiters_goes_with_them(env: Env) -> None:
+    """The default limit recorded when a waiter queues serves the queue: once it is empty, a
+    process that does not know the key's limit finds none (on Redis the meta hash, which never
+    expires, is gone; the memory backend forgets it too)."""
+    backend = env.backend()
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "w", None),)
+    assert backend.wait_for_handoff(KEY, "w", timeout_ms=0) is not None
+    unknown = backend.acquire(KEY, "p1", limit=None, ttl_ms=60_000, wait=Waiter(payload=b"msg:p1"))
+    assert unknown.parked and unknown.limit == 0  # nothing recorded any more, and p1 records nothing
+    assert backend.release(KEY, "w", limit=None).handoffs == ()  # so nothing is guessed
+    assert backend.sweep(KEY, limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)  # its own app's
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000)
+    assert backend.release(KEY, "p1", limit=1).released
+    assert_drained(env, backend)
+
+
 def test_waiters_and_payloads_never_expire_and_a_sweep_recovers_them(redis_env: Env) -> None:
     backend = redis_env.backend(handoff_ttl_ms=1_000)
     assert backend.acquire(KEY, "a", limit=1, ttl_ms=200).acquired
@@ -1371,6 +1449,27 @@ def test_parked_messages_are_handed_only_to_a_process_of_their_route(env: Env) -
     assert b().wait_for_handoff(KEY, "w", timeout_ms=0) is not None
     b().release(KEY, "w", limit=None)
     assert_drained(env, a())
+
+
+def test_a_new_acquirer_leaves_the_slot_of_another_routes_parked_waiter(env: Env) -> None:
+    """Regression (found by tests/test_model.py): on Redis, an acquire whose hand-off passed over
+    a parked waiter of another route took the free slot itself, ahead of that waiter (the
+    script took free slots after a hand-off to mean an empty queue). The slot is the waiter's:
+    it stays free for a process of the waiter's route, as for any other operation."""
+    backend = env.backend()
+    other = env.another_client(backend)
+    backend.route = "app-a"
+    assert backend.acquire(KEY, "h", limit=1, ttl_ms=200).acquired
+    park(backend, "p1")
+    env.wait_past(deadline_of(backend, KEY, "h"))
+    other.route = "app-b"
+    refused = other.acquire(KEY, "n", limit=1, ttl_ms=60_000)
+    assert not refused.acquired and refused.handoffs == () and refused.holders == ()
+    backend.route = "app-a"
+    assert backend.sweep(KEY, limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000)
+    assert backend.release(KEY, "p1", limit=1).released
+    assert_drained(env, backend)
 
 
 def backend_holders(backend: GuardBackend) -> list[str]:

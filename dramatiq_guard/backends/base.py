@@ -116,7 +116,8 @@ generations
     itself (Dramatiq's own at-least-once).
 
 Durations are integer milliseconds. Deadlines are absolute milliseconds on
-the backend's clock (Redis ``TIME`` for Redis, ``time.time()`` in memory).
+the backend's clock (Redis ``TIME`` for Redis, the wall clock in memory, or the
+clock it is given: ``MemoryBackend(clock=...)``).
 
 A guard key must be non-empty and must not start with ``}`` (on Redis it
 becomes a Cluster hash tag, which must not be empty); every backend rejects

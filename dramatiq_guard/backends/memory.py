@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import threading
 import time
+from collections.abc import Callable
 
 from dramatiq_guard.backends.base import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -31,9 +32,9 @@ from dramatiq_guard.backends.base import (
 
 __all__ = ["MemoryBackend"]
 
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
+#: The live generation of a waiter whose lapsed hand-off's copy parked again in its place: no
+#: copy carries it (generations are tokens, above 0), so every copy of the waiter is stale.
+_REPARKED = -1
 
 
 @dataclasses.dataclass
@@ -68,10 +69,11 @@ class _Guard:
     default_limit: int | None = None  # recorded when a waiter queues, for callers that do not know it
     # waiter -> (the one generation of its message that may start, until when it is remembered)
     live: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    clock: Callable[[], int] = time.time_ns  # the backend's clock, in ns since the epoch
 
     def next_token(self) -> int:
         """The next fencing token: above every one issued before, and at least the time in us."""
-        self.token = max(self.token + 1, time.time_ns() // 1000)
+        self.token = max(self.token + 1, self.clock() // 1000)
         return self.token
 
     def is_idle(self) -> bool:
@@ -133,27 +135,51 @@ class _Guard:
 class MemoryBackend(GuardBackend):
     """The guard backend in this process's memory, with the contract's semantics.
 
-    Thread-safe; not shared across processes. Deadlines use ``time.time()``.
+    Thread-safe; not shared across processes. Deadlines and fencing tokens
+    use ``clock`` (``time.time_ns``, the wall clock, unless given).
 
     Parameters:
       handoff_ttl_ms(int): How long a slot handed to a waiter stays reserved.
+      max_payload_bytes(int): The largest parked message stored (see
+        :class:`~dramatiq_guard.backends.GuardBackend`).
+      clock(Callable[[], int]): The backend's clock: the time in nanoseconds
+        since the epoch, as :func:`time.time_ns` returns it. A test passes
+        one it controls, so leases and reservations lapse without sleeping
+        (e.g. to drive this backend in lockstep with a Redis whose clock it
+        also controls). Blocking waits (:meth:`wait_for_handoff`) still time
+        out on :func:`time.monotonic`.
     """
 
     def __init__(
-        self, *, handoff_ttl_ms: int = 10_000, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+        self,
+        *,
+        handoff_ttl_ms: int = 10_000,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        clock: Callable[[], int] = time.time_ns,
     ) -> None:
         super().__init__(handoff_ttl_ms=handoff_ttl_ms, max_payload_bytes=max_payload_bytes)
+        self._clock = clock
         self._changed = threading.Condition(threading.Lock())
         self._guards: dict[str, _Guard] = {}
         self._limits: dict[str, int] = {}
         self._places = itertools.count()
 
+    def _now_ms(self) -> int:
+        return self._clock() // 1_000_000
+
+    def _guard(self, key: str) -> _Guard:
+        """The key's state, made empty (on this backend's clock) if it has none."""
+        guard = self._guards.get(key)
+        if guard is None:
+            guard = self._guards[key] = _Guard(clock=self._clock)
+        return guard
+
     # Helpers run with the lock held.
 
     def _begin(self, key: str) -> tuple[_Guard, int]:
         check_key(key)
-        guard = self._guards.setdefault(key, _Guard())
-        now = _now_ms()
+        guard = self._guard(key)
+        now = self._now_ms()
         guard.reclaim(now, self.stale_ttl_ms)
         return guard, now
 
@@ -203,9 +229,11 @@ class MemoryBackend(GuardBackend):
         return tuple(sent)
 
     def _end(self, key: str, guard: _Guard) -> None:
+        if not (guard.queue or guard.reserved):
+            guard.default_limit = None  # recorded for the waiters, it goes with them (as on Redis)
         if guard.is_idle():
             if guard.live:  # outlives the rest of the key's state, as on Redis
-                self._guards[key] = _Guard(live=guard.live)
+                self._guards[key] = _Guard(live=guard.live, clock=self._clock)
             else:
                 self._guards.pop(key, None)
 
@@ -266,6 +294,10 @@ class MemoryBackend(GuardBackend):
                     entry.drop_at_ms = None if wait.payload is not None else now + wait.wait_ms
                     if wait.payload is not None:
                         entry.route = self.route
+                        if generation is not None and holder in guard.live:
+                            # The copy of a lapsed hand-off parked in its place: it is the entry now
+                            # (no copy may start, and a late confirmation does not take it out).
+                            guard.live[holder] = (_REPARKED, now + self.stale_ttl_ms)
                 entry.info = (info or None) if entry.ready else None
                 parked = True
             holders = tuple(sorted(guard.holders, key=guard.holders.__getitem__))
@@ -280,7 +312,7 @@ class MemoryBackend(GuardBackend):
         check_ms(ttl_ms, "ttl_ms", minimum=0)
         with self._changed:
             guard = self._guards.get(key)
-            now = _now_ms()
+            now = self._now_ms()
             if guard is None or guard.holders.get(holder, now) <= now:
                 return False
             guard.holders[holder] = now + ttl_ms
@@ -317,7 +349,12 @@ class MemoryBackend(GuardBackend):
             else:
                 held = waiter_id in guard.holders and waiter_id not in guard.reserved
                 live = guard.live.get(waiter_id)
-                if not held and (generation is None or (live is not None and live[0] == generation)):
+                reparked = live is not None and live[0] == _REPARKED
+                if (
+                    not held
+                    and not reparked
+                    and (generation is None or (live is not None and live[0] == generation))
+                ):
                     # Lapsed and back in the queue before any newer hand-off: the re-enqueued copy wins.
                     guard.queue.pop(waiter_id, None)
             self._end(key, guard)
@@ -374,7 +411,7 @@ class MemoryBackend(GuardBackend):
             while True:
                 guard = self._guards.get(key)
                 wake = None if guard is None else guard.woken.pop(waiter_id, None)
-                if wake is not None and wake[1] > _now_ms():
+                if wake is not None and wake[1] > self._now_ms():
                     return self.woken(wake[0])
                 remaining = give_up - time.monotonic()
                 if remaining <= 0:
@@ -404,8 +441,8 @@ class MemoryBackend(GuardBackend):
         check_key(key)
         check_count(limit, "limit")
         with self._changed:
-            guard = self._guards.setdefault(key, _Guard())
-            now = _now_ms()
+            guard = self._guard(key)
+            now = self._now_ms()
             reclaimed = guard.reclaim(now, self.stale_ttl_ms)
             handoffs = self._hand_off(key, guard, self._in_force(key, guard, limit), now)
             self._end(key, guard)

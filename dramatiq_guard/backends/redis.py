@@ -471,6 +471,9 @@ class RedisBackend(GuardBackend):
 
         Returns:
           ReleaseResult: ``released`` tells whether any lapsed holder was reclaimed.
+          Holders that lapsed after the key's last deadline expired with it and are
+          not counted (an unconfirmed reservation among them is: it goes back to the
+          queue).
         """
         check_count(limit, "limit")
         return self._release_reply(key, self._run("sweep", key, limit))

@@ -23,6 +23,7 @@ from .env import (
     redis_client_from_env,
     redis_url_from_env,
 )
+from .fake_clock import FakeClock, libfaketime
 from .proxy import SilentProxy
 from .recorder import Gate, Recorder
 from .redis_server import RedisServer, free_port
@@ -44,6 +45,7 @@ __all__ = [
     "RABBITMQ_URL_ENV",
     "REDIS_URL_ENV",
     "DramatiqWorker",
+    "FakeClock",
     "Gate",
     "Recorder",
     "RedisServer",
@@ -55,6 +57,7 @@ __all__ = [
     "free_port",
     "guard_leftovers",
     "in_ci",
+    "libfaketime",
     "pid_alive",
     "redis_broker_dead",
     "redis_broker_pending",

@@ -8,12 +8,13 @@ behaviour) or to restart uses its own :class:`RedisServer` (the
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import redis
@@ -32,11 +33,17 @@ class RedisServer:
     Keyspace notifications are on (``KA``) so :func:`harness.wait_until` can be
     woken by key changes. :meth:`stop` keeps the port, so :meth:`start` brings
     the same URL back (empty). ``args`` are more ``redis-server`` options, after
-    the defaults (so they override them), e.g. ``("--maxmemory-policy", "allkeys-lru")``.
+    the defaults (so they override them), e.g. ``("--maxmemory-policy", "allkeys-lru")``;
+    ``env`` more environment variables for the server (e.g. :meth:`harness.FakeClock.server_env`).
     """
 
     def __init__(
-        self, port: int | None = None, *, executable: str | None = None, args: Sequence[str] = ()
+        self,
+        port: int | None = None,
+        *,
+        executable: str | None = None,
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
     ) -> None:
         found = executable or shutil.which("redis-server")
         if found is None:
@@ -46,6 +53,7 @@ class RedisServer:
         self.host = "127.0.0.1"
         self.proc: subprocess.Popen[bytes] | None = None
         self.args = tuple(args)
+        self.env = dict(env or {})
         self._dir = Path(tempfile.mkdtemp(prefix="dramatiq-guard-redis-"))
 
     @property
@@ -87,6 +95,7 @@ class RedisServer:
                 *self.args,
             ],
             stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.env} if self.env else None,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )  # fmt: skip

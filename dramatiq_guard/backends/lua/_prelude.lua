@@ -18,7 +18,7 @@
 --   KEYS[9] S  zset  standby -> deadline (ms): a waiter sent ahead to the broker and not picked
 --                    up yet (standby.lua); with a payload in P it is not confirmed yet
 --   KEYS[10] M hash  what the key's waiters need from other processes, kept while anything is
---                    queued: 'limit' -> the default limit, recorded by a process that knows it
+--                    queued (deleted with the queue, holders or not): 'limit' -> the default limit, recorded by a process that knows it
 --                    when a waiter queues (a process that does not, e.g. one sweeping a key of
 --                    another application, uses it); 'r:<w>' -> the route (the broker) of parked
 --                    waiter w, which only a process of that route delivers; 'g:<w>' -> the
@@ -79,6 +79,7 @@ local HMAX = 0 -- the largest deadline H had when loaded (its expiry is at least
 local EXISTED = false -- whether H, W, P, R, D or S existed when loaded
 local QUEUED = false -- whether W, P, R, D or S existed when loaded (see the invariants)
 local PARKED = false -- whether this script queued a waiter
+local PASSED_OVER = false -- whether handoff left parked waiters of another route in the queue
 local LOADED = false
 local OWNED = false
 local RAISED = false -- a deadline in H went above HMAX: H, T and I must expire later
@@ -227,7 +228,9 @@ local function set_holders(pairs_)
   call_many('ZADD', H, pairs_)
 end
 
--- ZREM H and HDEL I of these holders, and the copy.
+-- ZREM H and HDEL I of these holders, and the copy. A ZREM of the last member deletes H, and its
+-- expiry with it: a holder added later in the same script (a hand-off) makes a new H, which must
+-- be given an expiry again (RAISED), or it would never expire.
 local function drop_holders(list)
   for _, h in ipairs(list) do
     if HS[h] ~= nil then
@@ -237,6 +240,9 @@ local function drop_holders(list)
   end
   call_many('ZREM', H, list)
   call_many('HDEL', I, list)
+  if HN == 0 then
+    HMAX = 0
+  end
 end
 
 -- Reclaim: a lapsed reservation of a parked waiter goes back to its place in
@@ -380,6 +386,7 @@ local function handoff(limit, out)
     local foreign = payloads[i] and routes[i] and routes[i] ~= '' and routes[i] ~= ROUTE
       and not redis.call('ZSCORE', S, w)
     stopped = stopped or (foreign and true or false)
+    PASSED_OVER = PASSED_OVER or (payloads[i] and stopped and true or false)
     if not (payloads[i] and stopped) then
       waiters[#waiters + 1] = w
       places[#waiters] = heads[2 * i]
@@ -503,7 +510,13 @@ local function finish()
     if EXISTED or PARKED or not OWNED then
       redis.call('DEL', H, W, P, R, D, S, T, I, M)
     end
-  elseif HN > 0 and (RAISED or META_AT) then
+    return
+  end
+  if QUEUED and not queued then
+    -- The queue drained but holders remain: M (never expiring) goes with the queue it served.
+    redis.call('DEL', M)
+  end
+  if HN > 0 and (RAISED or META_AT) then
     local at = latest()
     if RAISED then
       redis.call('PEXPIREAT', H, at)

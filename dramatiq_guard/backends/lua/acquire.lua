@@ -49,11 +49,9 @@ for i = 1, #handed, 3 do
   end
 end
 
--- Free slots left after the hand-off mean the queue is empty, unless the hand-off left parked
--- waiters of another route in place (their slots wait for a process of that route): then a new
--- acquirer queues behind them, as in the FIFO.
-local acquired = HS[holder] ~= nil
-  or (HN < limit and not ((QUEUED or PARKED) and redis.call('ZCARD', W) > 0))
+-- Free slots left after the hand-off mean the queue is empty, unless the hand-off passed over
+-- parked waiters of another route: then the slots are theirs (their route's sweep hands them on).
+local acquired = HS[holder] ~= nil or (HN < limit and not PASSED_OVER)
 local queued = ''
 if acquired then
   set_holders({ NOW + ttl, holder })
@@ -97,6 +95,13 @@ elseif mode ~= '' then
     if not added then
       redis.call('ZREM', D, holder)
       redis.call('HDEL', I, holder)
+    end
+    if generation ~= '' and redis.call('HEXISTS', G, holder) == 1 then
+      -- The copy of a lapsed hand-off parked in its place: it is the queue entry now. No copy
+      -- of an earlier hand-off may start any more, and a late confirmation of its own
+      -- generation must not take the entry out (confirm_handoff.lua): that copy is gone.
+      redis.call('HSET', G, holder, 'parked')
+      redis.call('PEXPIRE', G, STALE_TTL)
     end
   else
     redis.call('ZADD', D, NOW + tonumber(arg(5)), holder)

@@ -13,6 +13,11 @@ local generation = arg(3)
 OWNED = true
 reclaim()
 local held = 0
+-- Whether the copy of this generation takes the waiter's place, given the generation that may
+-- start (G): not if the copy parked in its place already (G is 'parked', acquire.lua).
+local function copy_wins(live)
+  return live ~= 'parked' and (generation == '' or live == generation)
+end
 local in_flight = QUEUED and redis.call('HGET', M, 'g:' .. waiter)
 if QUEUED and (generation == '' or not in_flight or in_flight == generation)
   and redis.call('HDEL', R, waiter) == 1 then
@@ -24,10 +29,10 @@ if QUEUED and (generation == '' or not in_flight or in_flight == generation)
 elseif HS[waiter] ~= nil and not (QUEUED and redis.call('HEXISTS', R, waiter) == 1) then
   -- Already started (its acquire turned the reservation into a lease).
   held = 1
-elseif QUEUED and redis.call('ZSCORE', W, waiter)
-  and (generation == '' or redis.call('HGET', G, waiter) == generation) then
+elseif QUEUED and redis.call('ZSCORE', W, waiter) and copy_wins(redis.call('HGET', G, waiter)) then
   -- The reservation lapsed and reclaim put the waiter back in the queue before any newer
-  -- hand-off: the re-enqueued copy wins.
+  -- hand-off: the re-enqueued copy wins (unless it was picked up already and parked in its
+  -- place, acquire.lua: then the entry is that copy).
   redis.call('ZREM', W, waiter)
   redis.call('ZREM', D, waiter)
   redis.call('ZREM', S, waiter)

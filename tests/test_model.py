@@ -1,0 +1,718 @@
+"""A model-checked core: the memory backend, a Redis and a Redis Cluster driven in lockstep.
+
+A Hypothesis :class:`~hypothesis.stateful.RuleBasedStateMachine` applies random operations of
+the guard backend contract (``dramatiq_guard/backends/base.py``) to three backends at once, with
+the same arguments: a :class:`~dramatiq_guard.backends.MemoryBackend`, a
+:class:`~dramatiq_guard.backends.RedisBackend` on a private ``redis-server``, and one on a private
+one-node Redis Cluster. It plays the processes around them too: workers whose holders release,
+renew or die, callers that push a handed-off message and confirm it (in time, late, or never), a
+broker that delivers every pushed copy, threads that block on a wake and take it (or die), and
+processes of another route or that do not know a key's limit (``limit=None``).
+
+Time is the test's (:class:`harness.FakeClock`): both servers run under libfaketime on a frozen
+clock that the test moves, and the memory backend is given the same clock, so a lease or a
+reservation lapses at once, without sleeping, at the same millisecond everywhere. Every step first
+moves the clock on by :data:`TICK_MS` (a round trip takes time), and some steps leap ahead by a
+lease, a reservation or a day.
+
+After every step (:func:`~hypothesis.stateful.invariant`):
+
+* the backends agree: every result (fencing tokens and generations included), and every key's
+  state (live holders with their deadlines, waiters in order, reservations, limits, holder infos,
+  the waiting-keys and limits indexes);
+* a holder is added only while fewer than the limit in force hold the key (after a lowering,
+  nobody is evicted: the limit is exceeded only by holders that were there before);
+* the fencing tokens of a key (acquires, generations, wakes) strictly rise, each backend on its own;
+* every parked message is queued, reserved, on its way (handed to a caller, on the broker, held by
+  a blocked thread), or started, and never started twice;
+* every Redis key of the namespace expires, except a key's run-time limit, the limits index, the
+  waiting-keys index, and a key's queued state (waiters, payloads, reservations, meta, ready
+  waiters, standbys, and the infos of ready waiters), which may stay only while something of the
+  key is queued.
+
+At the end of each run (:meth:`GuardModel.teardown`) everything is drained: every parked message
+must have started exactly once, and after a day nothing of the namespace is left in Redis.
+
+Budget: ``DRAMATIQ_GUARD_MODEL_EXAMPLES`` runs (default 60) of up to
+``DRAMATIQ_GUARD_MODEL_STEPS`` steps (default 30), derandomized (the same runs every time) unless
+``DRAMATIQ_GUARD_MODEL_RANDOM=1``. README's "Running the tests" gives the longer run for a release.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import os
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import pytest
+import redis
+from harness import FakeClock, RedisServer, free_port, in_ci, libfaketime, wait_until
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from redis.cluster import RedisCluster
+
+from dramatiq_guard.backends import (
+    AcquireResult,
+    GuardBackend,
+    Handoff,
+    KeyState,
+    MemoryBackend,
+    RedisBackend,
+    ReleaseResult,
+    Waiter,
+    Woken,
+)
+
+EXAMPLES = int(os.environ.get("DRAMATIQ_GUARD_MODEL_EXAMPLES", "60"))
+STEPS = int(os.environ.get("DRAMATIQ_GUARD_MODEL_STEPS", "30"))
+RANDOM = os.environ.get("DRAMATIQ_GUARD_MODEL_RANDOM", "") not in ("", "0")
+
+#: The guard keys, and the default limit their actors declare.
+DEFAULTS = {"a": 1, "b": 2}
+KEYS = tuple(DEFAULTS)
+MAIN, OTHER = "main", "other"  # two routes: this application's broker, and another's
+NAMESPACE = "model"
+TICK_MS = 1  # every step takes a millisecond (a round trip): tokens never run ahead of the clock
+LEASE_MS = 30_000
+HANDOFF_MS = 10_000  # the reservation; a wake waits half of it
+CONFIRM_MS = 30_000  # how long a confirmed hand-off or standby may take to start
+BLOCK_MS = 20_000  # how long a blocking waiter (or a standby picked up) waits
+DAY_MS = 86_400_000  # the backends' stale_ttl_ms: how long a lapsed hand-off's generation is kept
+LEAPS = (TICK_MS, HANDOFF_MS // 2, HANDOFF_MS, BLOCK_MS, LEASE_MS, DAY_MS)
+#: A fixed start, so a derandomized run issues the same tokens every time.
+START_MS = 1_893_456_000_000  # 2030-01-01T00:00:00Z
+#: Keys of a guard key that may not expire, but exist only while something of it is queued
+#: (``info`` holds a ready waiter's too: without a holder, it has no deadline to expire with).
+QUEUED_STATE = {"waiters", "payloads", "reserved", "meta", "deadlines", "standbys", "info"}
+
+T = TypeVar("T")
+
+pytestmark = pytest.mark.redis
+
+
+@dataclasses.dataclass
+class Servers:
+    """The test's clock and the two private servers that read it."""
+
+    clock: FakeClock
+    standalone: RedisServer
+    cluster: RedisServer
+
+    def clients(self) -> tuple[redis.Redis, RedisCluster]:
+        return (
+            redis.Redis(host=self.standalone.host, port=self.standalone.port),
+            RedisCluster(host=self.cluster.host, port=self.cluster.port),
+        )
+
+
+def _start_cluster_node(clock: FakeClock) -> RedisServer:
+    """A one-node Redis Cluster owning every slot, on ``clock`` (moved on: a node waits 2 s to be ok)."""
+    node = RedisServer(
+        args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+              "--cluster-port", str(free_port())),
+        env=clock.server_env(),
+    ).start()  # fmt: skip
+    try:
+        with node.client() as client:
+            client.cluster("addslotsrange", 0, 16383)
+            clock.advance(5_000)
+            wait_until(lambda: client.cluster("info").get("cluster_state") == "ok", timeout=20)
+    except BaseException:
+        node.close()
+        raise
+    return node
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[Servers]:
+    """The clock and two servers under libfaketime (a missing libfaketime fails the test with CI=true)."""
+    if libfaketime() is None:
+        message = "libfaketime is not installed (apt-get install libfaketime): the model needs it"
+        if in_ci():
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    clock = FakeClock(START_MS)
+    with contextlib.ExitStack() as stack:
+        stack.callback(clock.close)
+        standalone = RedisServer(env=clock.server_env())
+        stack.enter_context(standalone)
+        cluster = _start_cluster_node(clock)
+        stack.callback(cluster.close)
+        with standalone.client() as client:
+            seconds, micros = client.time()
+            assert int(seconds) * 1000 + int(micros) // 1000 == clock.now_ms, "Redis ignores the fake clock"
+        yield Servers(clock, standalone, cluster)
+
+
+# --- what the processes around the backends hold --------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """A copy of a parked message given to a caller (to push), or on the broker."""
+
+    key: str
+    mid: str
+    payload: bytes
+    generation: int | None
+    route: str  # the caller's, whose broker the copy goes to
+    standby: bool  # sent ahead (confirm_standby) rather than handed off (confirm_handoff)
+
+
+@dataclasses.dataclass(frozen=True)
+class Thread:
+    """A worker thread blocked on a key: a blocking acquirer, or a standby it picked up (``copy``)."""
+
+    key: str
+    mid: str
+    copy: Copy | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Swept:
+    """A sweep's result, compared by its hand-offs only.
+
+    Its ``released`` (whether a lapsed holder was reclaimed) may differ: on Redis, holders
+    that lapsed before the key's last deadline went are gone by expiry, with nothing to reclaim.
+    """
+
+    result: ReleaseResult
+
+
+def _handoffs(handoffs: Sequence[Handoff]) -> tuple[tuple[str, bytes | None, int | None], ...]:
+    return tuple((h.waiter_id, h.payload, h.generation) for h in handoffs)
+
+
+def copy_of(handoff: Handoff, route: str, *, standby: bool) -> Copy:
+    """The copy a hand-off (or a standby send) gives a caller of ``route`` to push."""
+    assert handoff.payload is not None
+    return Copy(handoff.key, handoff.waiter_id, handoff.payload, handoff.generation, route, standby)
+
+
+def seen_at(state: KeyState, now: int) -> tuple[object, set[tuple[str, int, str | None]]]:
+    """A key's state as the backends must agree on it at ``now``: live holders only (on Redis,
+    lapsed ones may have expired already) with their deadlines; and their infos apart.
+
+    A ready waiter's info is kept on Redis in the holders' info hash, which expires with the
+    holders: if they all lapsed before it was handed a slot, Redis no longer knows it (the
+    memory backend does). So Redis's infos need only be among memory's.
+    """
+    live = {holder for holder, deadline in state.holders if deadline > now}
+    return (
+        (
+            sorted((holder, deadline) for holder, deadline in state.holders if holder in live),
+            state.waiters,
+            sorted(state.reserved),
+            state.limit,
+        ),
+        {info for info in state.holder_info if info[0] in live},
+    )
+
+
+def _normal(result: object) -> object:
+    """A result as the backends must agree on it (holders as a set: equal deadlines tie either way)."""
+    if isinstance(result, AcquireResult):
+        return (
+            result.acquired, result.token, frozenset(result.holders), result.limit, result.parked,
+            _handoffs(result.handoffs), result.standby, result.stale,
+        )  # fmt: skip
+    if isinstance(result, ReleaseResult):
+        return (result.released, _handoffs(result.handoffs), _handoffs(result.standbys))
+    if isinstance(result, Swept):
+        return _handoffs(result.result.handoffs)
+    if isinstance(result, Woken):
+        return (result.token, result.reserved_ms)
+    if isinstance(result, tuple):
+        return tuple(_handoffs(part) for part in result)
+    return result
+
+
+class GuardModel(RuleBasedStateMachine):
+    """The backends in lockstep, the processes around them, and what must hold (module docstring)."""
+
+    def __init__(self, servers: Servers) -> None:
+        super().__init__()
+        self.clock = servers.clock
+        self.redis_client, self.cluster_client = servers.clients()
+        self.redis_client.flushall()
+        self.cluster_client.flushall()
+        self.backends: list[tuple[str, GuardBackend]] = [
+            ("memory", MemoryBackend(handoff_ttl_ms=HANDOFF_MS, clock=self.clock.ns)),
+            ("redis", RedisBackend(self.redis_client, namespace=NAMESPACE, handoff_ttl_ms=HANDOFF_MS)),
+            ("cluster", RedisBackend(
+                self.cluster_client, namespace=NAMESPACE, handoff_ttl_ms=HANDOFF_MS, index_grace_ms=0
+            )),
+        ]  # fmt: skip
+        for _, backend in self.backends:
+            backend.route = MAIN
+        self.memory = self.backends[0][1]
+        self.ids = (f"m{n}" for n in itertools.count())
+        self.running: dict[str, str] = {}  # holder -> key: acquired, and not released nor dead
+        self.threads: dict[str, Thread] = {}  # blocked on a wake
+        self.pending: list[Copy] = []  # handed to a caller, not pushed yet
+        self.owed: list[Copy] = []  # pushed, confirmation not sent yet
+        self.broker: list[Copy] = []  # pushed, not picked up yet
+        self.parked: dict[str, str] = {}  # every message that parked -> its key
+        self.started: Counter[str] = Counter()
+        self.top: dict[tuple[str, str], int] = {}  # (backend, key) -> the highest token seen
+        self.seen: dict[tuple[str, str], set[int]] = {}  # (backend, key) -> every token seen
+        self.wake_floor: dict[tuple[str, str, str], int] = {}  # (backend, key, waiter) -> top at its wake
+        self.failed = False
+
+    # --- running operations on every backend --------------------------------------------------
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Marks the run failed if the body raises, so :meth:`teardown` does not drain over the failure."""
+        try:
+            yield
+        except BaseException:
+            self.failed = True
+            raise
+
+    def live_holders(self, key: str) -> set[str]:
+        now = self.clock.now_ms
+        return {holder for holder, deadline in self.memory.inspect(key).holders if deadline > now}
+
+    def limit_in_force(self, key: str) -> int:
+        limit = self.memory.get_limit(key)
+        return DEFAULTS[key] if limit is None else limit
+
+    def call(self, key: str, operation: Callable[[GuardBackend], T], *, route: str = MAIN) -> list[T]:
+        """One tick, then ``operation`` on every backend (as a process of ``route``); the results agree."""
+        self.clock.advance(TICK_MS)
+        before = self.live_holders(key)
+        results: list[T] = []
+        for _, backend in self.backends:
+            backend.route = route
+            try:
+                results.append(operation(backend))
+            finally:
+                backend.route = MAIN
+        expected = _normal(results[0])
+        for (name, _), result in zip(self.backends[1:], results[1:], strict=True):
+            assert _normal(result) == expected, f"{name} disagrees with memory:\n{result}\n{results[0]}"
+        after = self.live_holders(key)
+        if after - before:
+            assert len(after) <= self.limit_in_force(key), (
+                f"{sorted(after - before)} joined {sorted(before)} over the limit {self.limit_in_force(key)}"
+            )
+        return results
+
+    def check_tokens(self, key: str, results: Sequence[object]) -> None:
+        """The tokens each backend issued strictly rise (a wake's: above what was seen before it)."""
+        for (name, _), result in zip(self.backends, results, strict=True):
+            tokens: list[int] = []
+            handoffs: tuple[Handoff, ...] = ()
+            if isinstance(result, AcquireResult):
+                handoffs = result.handoffs
+            elif isinstance(result, ReleaseResult):
+                handoffs = result.handoffs + result.standbys
+            elif isinstance(result, tuple):
+                handoffs = result[0] + result[1]
+            tokens = [h.generation for h in handoffs if h.generation is not None]
+            if isinstance(result, AcquireResult) and result.token is not None:
+                tokens.append(result.token)
+            top = self.top.get((name, key), 0)
+            seen = self.seen.setdefault((name, key), set())
+            for handoff in handoffs:
+                if handoff.payload is None:
+                    self.wake_floor[(name, key, handoff.waiter_id)] = top
+            for token in tokens:
+                assert token > top, f"{name}: token {token} of {key!r} after {top}"
+                top = token
+                seen.add(token)
+            self.top[(name, key)] = top
+
+    def absorb(self, key: str, results: Sequence[AcquireResult | ReleaseResult], route: str) -> None:
+        """Take the hand-offs and standbys of an operation (the memory backend's: they all agree)."""
+        self.check_tokens(key, results)
+        first = results[0]
+        for handoff in first.handoffs:
+            if handoff.payload is not None:
+                self.pending.append(copy_of(handoff, route, standby=False))
+        if isinstance(first, ReleaseResult):
+            self.pending += [copy_of(sent, route, standby=True) for sent in first.standbys]
+
+    def started_now(self, key: str, mid: str) -> None:
+        """``mid`` holds ``key`` and runs."""
+        self.running[mid] = key
+        if mid in self.parked:
+            self.started[mid] += 1
+
+    def acquire(
+        self,
+        key: str,
+        mid: str,
+        *,
+        wait: Waiter | None,
+        route: str = MAIN,
+        generation: int | None = None,
+        info: str | None = None,
+        starts: bool = True,
+    ) -> AcquireResult:
+        """``acquire`` everywhere; ``starts``: an acquired message starts (not a running holder's renewal)."""
+        results = self.call(
+            key,
+            lambda b: b.acquire(
+                key, mid, limit=DEFAULTS[key], ttl_ms=LEASE_MS, wait=wait, info=info, generation=generation
+            ),
+            route=route,
+        )
+        self.absorb(key, results, route)
+        result = results[0]
+        if result.acquired and starts:
+            self.started_now(key, mid)
+        return result
+
+    def sweep(self, key: str, limit: int | None, route: str) -> None:
+        results = self.call(key, lambda b: Swept(b.sweep(key, limit=limit)), route=route)
+        self.absorb(key, [swept.result for swept in results], route)
+
+    def release(
+        self, key: str, mid: str, *, send_ahead: int = 0, route: str = MAIN, known: bool = True
+    ) -> None:
+        limit = DEFAULTS[key] if known else None
+        results = self.call(
+            key, lambda b: b.release(key, mid, limit=limit, send_ahead=send_ahead), route=route
+        )
+        self.absorb(key, results, route)
+        self.running.pop(mid, None)
+
+    # --- rules: messages and holders -------------------------------------------------------------
+
+    @rule(
+        key=st.sampled_from(KEYS),
+        mode=st.sampled_from(["now", "park", "block"]),
+        route=st.sampled_from([MAIN, MAIN, OTHER]),
+    )
+    def a_message_arrives(self, key: str, mode: str, route: str) -> None:
+        """A new message acquires: without waiting, parking its payload, or blocking its thread."""
+        with self.step():
+            mid = next(self.ids)
+            wait = {
+                "now": None,
+                "park": Waiter(payload=f"msg:{mid}".encode()),
+                "block": Waiter(wait_ms=BLOCK_MS),
+            }[mode]
+            result = self.acquire(key, mid, wait=wait, route=route, info=mode)
+            if result.parked and mode == "park":
+                self.parked[mid] = key
+            elif result.parked:
+                self.threads[mid] = Thread(key, mid, None)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), send_ahead=st.sampled_from([0, 0, 1, 2]), foreign=st.booleans())
+    def a_holder_releases(self, data: st.DataObject, send_ahead: int, foreign: bool) -> None:
+        """A holder releases (maybe sending waiters ahead); ``foreign``: forced by another route's process."""
+        with self.step():
+            mid = data.draw(st.sampled_from(sorted(self.running)))
+            key = self.running[mid]
+            if foreign:
+                self.release(key, mid, send_ahead=send_ahead, route=OTHER, known=False)
+            else:
+                self.release(key, mid, send_ahead=send_ahead)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), again=st.booleans())
+    def a_holder_renews(self, data: st.DataObject, again: bool) -> None:
+        """A holder renews its lease (``again``: by acquiring again, which is re-entrant)."""
+        with self.step():
+            mid = data.draw(st.sampled_from(sorted(self.running)))
+            key = self.running[mid]
+            if again:
+                result = self.acquire(key, mid, wait=None, starts=False)
+                if not result.acquired:
+                    self.running.pop(mid)  # its lease had lapsed and the slot was taken
+            else:
+                self.call(key, lambda b: b.renew(key, mid, ttl_ms=LEASE_MS))
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def a_holder_dies(self, data: st.DataObject) -> None:
+        """A holder's process dies: it never releases, its lease lapses in time."""
+        with self.step():
+            self.running.pop(data.draw(st.sampled_from(sorted(self.running))))
+
+    # --- rules: time, sweeps and limits ----------------------------------------------------------
+
+    @rule(ms=st.sampled_from(LEAPS))
+    def time_passes(self, ms: int) -> None:
+        """The clock leaps: past a wake, a reservation, a blocking wait, a lease, or a day.
+
+        Before a day passes, everything in flight is delivered: the contract promises nothing
+        of a copy that waits longer than ``stale_ttl_ms`` (a day), which may start then.
+        """
+        with self.step():
+            if ms >= DAY_MS:
+                self.deliver_everything()
+            self.clock.advance(ms)
+
+    @rule(key=st.sampled_from(KEYS), known=st.booleans(), route=st.sampled_from([MAIN, OTHER]))
+    def a_process_sweeps(self, key: str, known: bool, route: str) -> None:
+        """A sweep, by a process that knows the key's limit or not (``limit=None``), of either route."""
+        with self.step():
+            limit = DEFAULTS[key] if known else None
+            self.sweep(key, limit, route)
+
+    @rule(
+        key=st.sampled_from(KEYS),
+        limit=st.sampled_from([None, 0, 1, 2, 3]),
+        known=st.booleans(),
+    )
+    def the_limit_changes(self, key: str, limit: int | None, known: bool) -> None:
+        """An operator sets, raises, lowers, zeroes or clears a key's run-time limit."""
+        with self.step():
+            self.set_limit(key, limit, DEFAULTS[key] if known else None)
+
+    def set_limit(self, key: str, limit: int | None, default: int | None) -> None:
+        results = self.call(key, lambda b: b.set_limit(key, limit, default=default))
+        self.absorb(key, results, MAIN)
+        for _, backend in self.backends:
+            assert backend.get_limit(key) == limit
+
+    @rule(key=st.sampled_from(KEYS), count=st.sampled_from([1, 2, 3]), route=st.sampled_from([MAIN, OTHER]))
+    def waiters_are_sent_ahead(self, key: str, count: int, route: str) -> None:
+        """A process sends the oldest parked waiters ahead as standbys."""
+        with self.step():
+            results = self.call(
+                key, lambda b: b.send_standbys(key, limit=DEFAULTS[key], count=count), route=route
+            )
+            self.check_tokens(key, results)
+            handoffs, sent = results[0]
+            self.pending += [copy_of(h, route, standby=False) for h in handoffs if h.payload is not None]
+            self.pending += [copy_of(standby, route, standby=True) for standby in sent]
+
+    # --- rules: the callers of hand-offs, the broker ---------------------------------------------
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data(), lost=st.booleans())
+    def a_caller_pushes(self, data: st.DataObject, lost: bool) -> None:
+        """A caller pushes a copy it was handed to its broker (``lost``: it died before the push)."""
+        copy = data.draw(st.sampled_from(self.pending))
+        self.pending.remove(copy)
+        if not lost:
+            self.broker.append(copy)
+            self.owed.append(copy)
+
+    @precondition(lambda self: self.owed)
+    @rule(data=st.data(), how=st.sampled_from(["in time", "late", "never"]))
+    def a_caller_confirms(self, data: st.DataObject, how: str) -> None:
+        """A pushed copy is confirmed in time, after its reservation lapsed, or never (its caller died)."""
+        with self.step():
+            copy = data.draw(st.sampled_from(self.owed))
+            self.owed.remove(copy)
+            if how == "never":
+                return
+            if how == "late":
+                self.clock.advance(HANDOFF_MS)
+            self.confirm(copy)
+
+    def confirm(self, copy: Copy) -> None:
+        key, mid, generation = copy.key, copy.mid, copy.generation
+        if copy.standby:
+            self.call(
+                key,
+                lambda b: b.confirm_standby(key, mid, copy.payload, ttl_ms=CONFIRM_MS, generation=generation),
+                route=copy.route,
+            )
+        else:
+            self.call(
+                key,
+                lambda b: b.confirm_handoff(key, mid, ttl_ms=CONFIRM_MS, generation=generation),
+                route=copy.route,
+            )
+
+    @precondition(lambda self: self.broker)
+    @rule(data=st.data(), block=st.booleans())
+    def a_worker_picks_up_a_copy(self, data: st.DataObject, block: bool) -> None:
+        """A worker of the copy's route gets it and acquires with its generation, parking if refused.
+
+        ``block``: with a wait, so a standby blocks in its place instead of parking again.
+        """
+        with self.step():
+            copy = data.draw(st.sampled_from(self.broker))
+            self.broker.remove(copy)
+            self.pick_up(copy, BLOCK_MS if block else 0)
+
+    def pick_up(self, copy: Copy, wait_ms: int) -> None:
+        wait = Waiter(payload=copy.payload, wait_ms=wait_ms)
+        result = self.acquire(copy.key, copy.mid, wait=wait, route=copy.route, generation=copy.generation)
+        if result.standby:
+            self.threads[copy.mid] = Thread(copy.key, copy.mid, copy)
+
+    # --- rules: blocked threads ------------------------------------------------------------------
+
+    @precondition(lambda self: self.threads)
+    @rule(data=st.data())
+    def a_thread_takes_its_wake(self, data: st.DataObject) -> None:
+        """A blocked thread looks for its wake (the push that handed it the slot, with its token)."""
+        with self.step():
+            thread = self.threads[data.draw(st.sampled_from(sorted(self.threads)))]
+            self.take_wake(thread)
+
+    def take_wake(self, thread: Thread) -> None:
+        key, mid = thread.key, thread.mid
+        results = self.call(key, lambda b: b.wait_for_handoff(key, mid, timeout_ms=0))
+        if results[0] is None:
+            return
+        for (name, _), woken in zip(self.backends, results, strict=True):
+            assert woken is not None
+            floor = self.wake_floor.pop((name, key, mid), None)
+            assert floor is not None, f"{name}: {mid} woken without a hand-off"
+            assert woken.token > floor and woken.token not in self.seen[(name, key)]
+            self.seen[(name, key)].add(woken.token)
+        del self.threads[mid]
+        self.started_now(key, mid)
+
+    @precondition(lambda self: self.threads)
+    @rule(data=st.data(), dies=st.booleans())
+    def a_thread_gives_up(self, data: st.DataObject, dies: bool) -> None:
+        """A blocked thread gives up: it parks its message again (or cancels its wait), or it dies.
+
+        A thread that dies holding a message it picked up leaves it unacknowledged: the broker
+        delivers the same copy again.
+        """
+        with self.step():
+            thread = self.threads.pop(data.draw(st.sampled_from(sorted(self.threads))))
+            if dies:
+                if thread.copy is not None:
+                    self.broker.append(thread.copy)
+            elif thread.copy is not None:
+                self.pick_up(thread.copy, 0)
+            else:
+                key, mid = thread.key, thread.mid
+                results = self.call(key, lambda b: b.cancel_wait(key, mid, limit=DEFAULTS[key]))
+                self.absorb(key, results, MAIN)
+
+    # --- invariants ------------------------------------------------------------------------------
+
+    @invariant()
+    def the_backends_agree_on_every_key(self) -> None:
+        with self.step():
+            now = self.clock.now_ms
+            for key in KEYS:
+                states = [seen_at(backend.inspect(key), now) for _, backend in self.backends]
+                (expected, infos), *others = states
+                for (name, _), (seen, known) in zip(self.backends[1:], others, strict=True):
+                    assert seen == expected, f"{name} disagrees with memory on {key!r}:\n{seen}\n{expected}"
+                    assert known <= infos, f"{name} disagrees with memory on {key!r}: {known} {infos}"
+            for name, backend in self.backends[1:]:
+                assert sorted(backend.waiting_keys()) == sorted(self.memory.waiting_keys()), name
+                assert backend.limit_keys() == self.memory.limit_keys(), name
+
+    @invariant()
+    def every_parked_message_is_somewhere_and_started_at_most_once(self) -> None:
+        with self.step():
+            assert all(count == 1 for count in self.started.values()), self.started
+            carried = {copy.mid for copy in itertools.chain(self.pending, self.broker)}
+            carried |= {thread.mid for thread in self.threads.values() if thread.copy is not None}
+            queued = set()
+            for key in KEYS:
+                state = self.memory.inspect(key)
+                queued |= {waiter for waiter, _, _ in state.waiters} | set(state.reserved)
+            for mid in self.parked:
+                assert self.started[mid] or mid in queued or mid in carried, f"{mid} is lost"
+
+    @invariant()
+    def every_redis_key_expires(self) -> None:
+        with self.step():
+            states = {key: self.memory.inspect(key) for key in KEYS}
+            queued = {key for key, state in states.items() if state.waiters or state.reserved}
+            for client in (self.redis_client, self.cluster_client):
+                for name in self.stored(client):
+                    if name in (f"{NAMESPACE}:waiting", f"{NAMESPACE}:limits"):
+                        continue
+                    key, _, suffix = name[len(NAMESPACE) + 2 :].rpartition("}:")
+                    if suffix == "limit":
+                        continue
+                    if suffix in QUEUED_STATE and key in queued:
+                        continue
+                    assert client.pttl(name) >= 0, f"{name} never expires"  # -1: no expiry
+
+    @staticmethod
+    def stored(client: redis.Redis | RedisCluster) -> list[str]:
+        names: Any = client.keys(f"{NAMESPACE}:*")
+        return sorted(name.decode() if isinstance(name, bytes) else name for name in names)
+
+    # --- the end: everything drains -------------------------------------------------------------
+
+    def deliver_everything(self) -> None:
+        """Threads take their wakes (or die), copies are pushed, confirmed and picked up, holders release."""
+        for thread in list(self.threads.values()):
+            self.take_wake(thread)
+        for thread in self.threads.values():  # the others die: their copies are delivered again
+            if thread.copy is not None:
+                self.broker.append(thread.copy)
+        self.threads.clear()
+        self.broker += self.pending
+        self.owed += self.pending
+        self.pending.clear()
+        for copy in self.owed:
+            self.confirm(copy)
+        self.owed.clear()
+        while self.broker:
+            self.pick_up(self.broker.pop(0), 0)
+        for mid, key in sorted(self.running.items()):
+            self.release(key, mid)
+
+    def teardown(self) -> None:
+        """Drain every key; every parked message must have started exactly once, and Redis empties."""
+        try:
+            if not self.failed:
+                self.drain()
+        finally:
+            self.redis_client.close()
+            self.cluster_client.close()
+
+    def drain(self) -> None:
+        for key in KEYS:
+            self.set_limit(key, None, DEFAULTS[key])
+        for _ in range(20):
+            self.deliver_everything()
+            if not (self.pending or self.broker or self.memory.waiting_keys()):
+                break
+            self.clock.advance(LEASE_MS + BLOCK_MS)
+            for key in KEYS:
+                for route in (MAIN, OTHER):
+                    self.sweep(key, DEFAULTS[key], route)
+        self.the_backends_agree_on_every_key()
+        never = sorted(mid for mid in self.parked if not self.started[mid])
+        assert not never, f"parked messages never started: {never}"
+        self.every_parked_message_is_somewhere_and_started_at_most_once()
+        self.clock.advance(DAY_MS + 1)
+        for client in (self.redis_client, self.cluster_client):
+            assert self.stored(client) == [], f"left in Redis after a day: {self.stored(client)}"
+
+
+@pytest.mark.timeout(900)  # a failure is shrunk, which takes minutes: let it finish and print
+def test_the_backends_follow_the_model(servers: Servers) -> None:
+    """Random operations and faults on the three backends in lockstep (module docstring)."""
+
+    class OnTheseServers(GuardModel):
+        def __init__(self) -> None:
+            super().__init__(servers)
+
+    run_state_machine_as_test(
+        OnTheseServers,
+        settings=settings(
+            max_examples=EXAMPLES,
+            stateful_step_count=STEPS,
+            deadline=None,
+            derandomize=not RANDOM,
+            database=None,
+            print_blob=True,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
