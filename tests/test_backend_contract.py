@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -1650,3 +1650,15 @@ def test_a_send_lock_expires_with_its_holder(redis_env: Env) -> None:
     assert {client.pexpiretime(name) for name in names} == {deadline}
     redis_env.wait_past(deadline)
     assert redis_env.stored() == set()  # its producer died: nothing is left
+
+
+def test_the_stale_copy_window_is_a_setting_of_each_backend(env: Env) -> None:
+    backend = env.backend()
+    made = (
+        MemoryBackend(stale_ttl_ms=60_000)
+        if env.kind == "memory"
+        else RedisBackend(cast(Any, backend).client, namespace=env.namespace, stale_ttl_ms=60_000)
+    )
+    assert made.stale_ttl_ms == 60_000
+    with pytest.raises(ValueError, match="stale_ttl_ms"):
+        MemoryBackend(stale_ttl_ms=0)

@@ -142,6 +142,8 @@ class MemoryBackend(GuardBackend):
       handoff_ttl_ms(int): How long a slot handed to a waiter stays reserved.
       max_payload_bytes(int): The largest parked message stored (see
         :class:`~dramatiq_guard.backends.GuardBackend`).
+      stale_ttl_ms(int): How long a lapsed hand-off's live generation is
+        remembered (see :class:`~dramatiq_guard.backends.GuardBackend`).
       clock(Callable[[], int]): The backend's clock: the time in nanoseconds
         since the epoch, as :func:`time.time_ns` returns it. A test passes
         one it controls, so leases and reservations lapse without sleeping
@@ -155,9 +157,12 @@ class MemoryBackend(GuardBackend):
         *,
         handoff_ttl_ms: int = 10_000,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        stale_ttl_ms: int = 86_400_000,
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
-        super().__init__(handoff_ttl_ms=handoff_ttl_ms, max_payload_bytes=max_payload_bytes)
+        super().__init__(
+            handoff_ttl_ms=handoff_ttl_ms, max_payload_bytes=max_payload_bytes, stale_ttl_ms=stale_ttl_ms
+        )
         self._clock = clock
         self._changed = threading.Condition(threading.Lock())
         self._guards: dict[str, _Guard] = {}

@@ -102,6 +102,8 @@ class RedisBackend(GuardBackend):
         clients plus the longest a park can be in flight.
       max_payload_bytes(int): The largest parked message stored (see
         :class:`~dramatiq_guard.backends.GuardBackend`).
+      stale_ttl_ms(int): How long a lapsed hand-off's live generation is
+        remembered (see :class:`~dramatiq_guard.backends.GuardBackend`).
 
     Raises:
       ValueError: If ``namespace`` is empty or contains a brace, or a
@@ -116,8 +118,11 @@ class RedisBackend(GuardBackend):
         handoff_ttl_ms: int = 10_000,
         index_grace_ms: int = 60_000,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        stale_ttl_ms: int = 86_400_000,
     ) -> None:
-        super().__init__(handoff_ttl_ms=handoff_ttl_ms, max_payload_bytes=max_payload_bytes)
+        super().__init__(
+            handoff_ttl_ms=handoff_ttl_ms, max_payload_bytes=max_payload_bytes, stale_ttl_ms=stale_ttl_ms
+        )
         if not namespace or "{" in namespace or "}" in namespace:
             raise ValueError(f"a guard namespace must be non-empty and contain no braces, got {namespace!r}")
         check_ms(index_grace_ms, "index_grace_ms", minimum=0)
