@@ -62,7 +62,7 @@ import uuid
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, NoReturn
+from typing import Any
 
 import dramatiq
 import dramatiq.broker
@@ -83,8 +83,8 @@ from harness import (  # noqa: E402
     DramatiqWorker,
     Recorder,
     RedisServer,
-    in_ci,
     services,
+    unavailable,
 )
 
 # --- markers --------------------------------------------------------------------------------
@@ -141,18 +141,11 @@ def pytest_runtest_makereport(
 # --- shared helpers -------------------------------------------------------------------------
 
 
-def _unavailable(message: str) -> NoReturn:
-    """Skip the test for want of ``message``'s service; with CI=true, fail it instead."""
-    if in_ci():
-        pytest.fail(message, pytrace=False)
-    pytest.skip(message)
-
-
 def _require(service: services.Service) -> str:
     """The service's URL, or skip (fail with CI=true) when it does not answer."""
     reason = services.unreachable(service)
     if reason is not None:
-        _unavailable(services.unreachable_message(service, reason))
+        unavailable(services.unreachable_message(service, reason))
     return service.url
 
 
@@ -239,7 +232,7 @@ def redis_server_on_path() -> str:
     """The ``redis-server`` executable, for a test that starts one itself (skip, or fail with CI=true)."""
     path = shutil.which("redis-server")
     if path is None:
-        _unavailable("redis-server is not on PATH")
+        unavailable("redis-server is not on PATH")
     return path
 
 

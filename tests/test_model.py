@@ -50,7 +50,7 @@ from typing import Any, TypeVar
 
 import pytest
 import redis
-from harness import FakeClock, RedisServer, free_port, in_ci, libfaketime, wait_until
+from harness import FakeClock, RedisServer, free_port, libfaketime, unavailable, wait_until
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -138,10 +138,7 @@ def _start_cluster_node(clock: FakeClock) -> RedisServer:
 def servers() -> Iterator[Servers]:
     """The clock and two servers under libfaketime (a missing libfaketime fails the test with CI=true)."""
     if libfaketime() is None:
-        message = "libfaketime is not installed (apt-get install libfaketime): the model needs it"
-        if in_ci():
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
+        unavailable("libfaketime is not installed (apt-get install libfaketime): the model needs it")
     clock = FakeClock(START_MS)
     with contextlib.ExitStack() as stack:
         stack.callback(clock.close)

@@ -22,6 +22,7 @@ from .env import (
     in_ci,
     redis_client_from_env,
     redis_url_from_env,
+    unavailable,
 )
 from .fake_clock import FakeClock, libfaketime
 from .proxy import SilentProxy
@@ -63,6 +64,7 @@ __all__ = [
     "redis_broker_pending",
     "redis_client_from_env",
     "redis_url_from_env",
+    "unavailable",
     "wait_for_redis_broker_drain",
     "wait_until",
 ]

@@ -19,7 +19,7 @@ imported, so one actor module works on both sides::
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NoReturn
 
 import dramatiq
 import redis
@@ -40,6 +40,15 @@ RABBITMQ_URL_ENV = "DRAMATIQ_GUARD_TEST_RABBITMQ_URL"
 def in_ci() -> bool:
     """True when ``CI`` is set to a true value: unreachable services fail tests instead of skipping."""
     return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def unavailable(message: str) -> NoReturn:
+    """Skip the test for want of what ``message`` names; with CI=true, fail it instead."""
+    import pytest
+
+    if in_ci():
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
 
 
 def _required(name: str) -> str:
