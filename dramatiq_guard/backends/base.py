@@ -145,11 +145,12 @@ from dramatiq_guard.backends.checks import (
     check_max_payload_bytes,
     check_ms,
 )
-from dramatiq_guard.backends.values import AcquireResult, Handoff, KeyState, ReleaseResult, Waiter, Woken
+from dramatiq_guard.backends.values import HOLDERS_SHOWN, AcquireResult, Handoff, KeyState, ReleaseResult, Waiter, Woken
 from dramatiq_guard.errors import PayloadTooLarge
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
+    "HOLDERS_SHOWN",
     "AcquireResult",
     "GuardBackend",
     "Handoff",

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from dramatiq_guard.backends.base import (
     DEFAULT_MAX_PAYLOAD_BYTES,
+    HOLDERS_SHOWN,
     AcquireResult,
     GuardBackend,
     Handoff,
@@ -75,6 +76,11 @@ class _Guard:
         """The next fencing token: above every one issued before, and at least the time in us."""
         self.token = max(self.token + 1, self.clock() // 1000)
         return self.token
+
+    def first_holders(self) -> tuple[str, ...]:
+        """Who a refused acquire names: the first :data:`HOLDERS_SHOWN`, earliest deadline first."""
+        order = sorted(self.holders, key=lambda h: (self.holders[h], h))
+        return tuple(order[:HOLDERS_SHOWN])
 
     def is_idle(self) -> bool:
         return not (self.holders or self.queue or self.reserved)
@@ -305,7 +311,7 @@ class MemoryBackend(GuardBackend):
                             guard.live[holder] = (_REPARKED, now + self.stale_ttl_ms)
                 entry.info = (info or None) if entry.ready else None
                 parked = True
-            holders = tuple(sorted(guard.holders, key=guard.holders.__getitem__))
+            holders = () if token is not None else guard.first_holders()
             self._end(key, guard)
             return AcquireResult(
                 token is not None, token, holders, in_force, parked, tuple(handoffs), standby, valid_from=sent

@@ -24,6 +24,7 @@ from redis.commands.core import Script
 
 from dramatiq_guard.backends.base import (
     DEFAULT_MAX_PAYLOAD_BYTES,
+    HOLDERS_SHOWN,
     AcquireResult,
     GuardBackend,
     Handoff,
@@ -368,7 +369,7 @@ class RedisBackend(GuardBackend):
         return AcquireResult(
             acquired=acquired,
             token=None,
-            holders=(holder,) if acquired else tuple(text(h) for h in holders),
+            holders=() if acquired else tuple(text(h) for h in holders[:HOLDERS_SHOWN]),
             limit=1,
             valid_from=sent,
         )

@@ -5,7 +5,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-__all__ = ["AcquireResult", "Handoff", "KeyState", "ReleaseResult", "Waiter", "Woken"]
+__all__ = ["HOLDERS_SHOWN", "AcquireResult", "Handoff", "KeyState", "ReleaseResult", "Waiter", "Woken"]
+
+#: How many holders a refused acquire names (:attr:`AcquireResult.holders`); the
+#: Redis scripts' ``HOLDERS_SHOWN`` (``_prelude.lua``) is the same (a test keeps them equal).
+HOLDERS_SHOWN = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +39,10 @@ class AcquireResult:
     Parameters:
       acquired(bool): Whether ``holder`` now holds a slot of the key.
       token(int|None): The new fencing token when acquired, else None.
-      holders(tuple[str, ...]): The live holders after the operation (oldest
-        deadline first), so a refused caller can name who is in the way.
+      holders(tuple[str, ...]): When refused, who is in the way, for the
+        caller to name: the first :data:`HOLDERS_SHOWN` live holders (earliest
+        deadline first). Empty when acquired: the reply never carries the whole
+        set (a limit may be thousands; :meth:`GuardBackend.inspect` lists it).
       limit(int): The limit in force.
       parked(bool): Whether the caller's waiter entry is queued (it was
         refused and asked to wait, or was already waiting).

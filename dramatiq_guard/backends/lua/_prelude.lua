@@ -48,11 +48,14 @@
 --   * H, T and I, when they exist, expire no earlier than the largest deadline in H,
 --     so a key whose holders all died vanishes by itself.
 --
--- Cost model: load() reads what exists with one EXISTS and all of H with one ZRANGE
--- (the holders are bounded by the limit), and the functions below work on that copy
--- (HS, HN) instead of asking Redis again. A script that sets OWNED = true promises to
--- change H only through set_holders / drop_holders (or to keep HS, HN, RAISED right
--- itself); finish() re-reads H for a script that does not.
+-- Cost model: every operation is O(log n) in the key's holders, waiters and reservations,
+-- plus what it changes (a limit of 10,000 costs what a limit of 8 does). load() reads what
+-- exists with one EXISTS, the holder count with ZCARD and the latest deadline with one
+-- ZRANGE -1 -1; reclaim reads only the lapsed holders (ZRANGEBYSCORE up to now) and their
+-- reservations; whether one member holds is one ZSCORE (holds()). Nothing reads all of H, W,
+-- R or I but inspect.lua. A script that sets OWNED = true promises to change H only through
+-- set_holders / drop_holders (or to keep HN, RAISED right itself); finish() re-counts H for a
+-- script that does not.
 local H, W, P, R, D, T, L, I = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local S, M, G = KEYS[9], KEYS[10], KEYS[11]
 local X = KEYS[12]
@@ -73,8 +76,9 @@ local clock = redis.call('TIME')
 local NOW_US = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 local NOW = math.floor(NOW_US / 1000)
 
-local HS = {} -- holder -> deadline: the script's copy of H
-local HN = 0 -- how many members HS has
+-- How many holders a refused acquire names (AcquireResult.holders).
+local HOLDERS_SHOWN = 10
+local HN = 0 -- how many members H has (kept by set_holders / drop_holders)
 local HMAX = 0 -- the largest deadline H had when loaded (its expiry is at least that)
 local EXISTED = false -- whether H, W, P, R, D or S existed when loaded
 local QUEUED = false -- whether W, P, R, D or S existed when loaded (see the invariants)
@@ -117,16 +121,17 @@ local function load()
   if present == 0 then
     return
   end
-  local flat = redis.call('ZRANGE', H, 0, -1, 'WITHSCORES')
-  for i = 1, #flat, 2 do
-    HS[flat[i]] = tonumber(flat[i + 1])
-  end
-  HN = #flat / 2
+  HN = redis.call('ZCARD', H)
   if HN > 0 then
-    HMAX = tonumber(flat[#flat])
+    HMAX = tonumber(redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')[2])
     present = present - 1
   end
   QUEUED = present > 0
+end
+
+-- Whether h holds a slot (after reclaim: a live holder).
+local function holds(h)
+  return HN > 0 and redis.call('ZSCORE', H, h) ~= false
 end
 
 -- The next fencing token: above every token issued before for this key, and at least
@@ -202,43 +207,40 @@ local function new_generation(w)
   return gen
 end
 
--- The largest deadline in HS (0 if none).
+-- The largest deadline in H (0 if none).
 local function latest()
-  local at = 0
-  for _, deadline in pairs(HS) do
-    if deadline > at then
-      at = deadline
-    end
+  if HN == 0 then
+    return 0
   end
-  return at
+  local last = redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')
+  return #last > 0 and tonumber(last[2]) or 0
 end
 
--- ZADD H (score-member pairs) and the copy.
+-- A variadic write over a long list, in chunks (see call_many), returning the sum of its
+-- integer replies (how many members it added or removed).
+local function count_many(command, key, list)
+  local n = 0
+  for i = 1, #list, 4000 do
+    n = n + redis.call(command, key, unpack(list, i, math.min(i + 3999, #list)))
+  end
+  return n
+end
+
+-- ZADD H (score-member pairs), counted in HN.
 local function set_holders(pairs_)
   for i = 1, #pairs_, 2 do
-    local h, deadline = pairs_[i + 1], pairs_[i]
-    if HS[h] == nil then
-      HN = HN + 1
-    end
-    HS[h] = deadline
-    if deadline > HMAX then
+    if pairs_[i] > HMAX then
       RAISED = true
     end
   end
-  call_many('ZADD', H, pairs_)
+  HN = HN + count_many('ZADD', H, pairs_)
 end
 
--- ZREM H and HDEL I of these holders, and the copy. A ZREM of the last member deletes H, and its
--- expiry with it: a holder added later in the same script (a hand-off) makes a new H, which must
--- be given an expiry again (RAISED), or it would never expire.
+-- ZREM H and HDEL I of these holders, counted in HN. A ZREM of the last member deletes H, and
+-- its expiry with it: a holder added later in the same script (a hand-off) makes a new H, which
+-- must be given an expiry again (RAISED), or it would never expire.
 local function drop_holders(list)
-  for _, h in ipairs(list) do
-    if HS[h] ~= nil then
-      HS[h] = nil
-      HN = HN - 1
-    end
-  end
-  call_many('ZREM', H, list)
+  HN = HN - count_many('ZREM', H, list)
   call_many('HDEL', I, list)
   if HN == 0 then
     HMAX = 0
@@ -249,31 +251,44 @@ end
 -- the queue (its payload never left P); other lapsed holders and expired
 -- blocking waiters are dropped. A reservation whose holder entry vanished
 -- (H expired because every holder died) counts as lapsed.
+-- A reservation's holder entry leaves H only by lapsing (release and cancel_wait drop the
+-- reservation with it), so the reservations to look at are the lapsed holders', or all of R
+-- once H is gone.
 -- Returns how many holders were reclaimed.
 local function reclaim()
   load()
-  local lapsed, was_lapsed = {}, {}
-  for h, deadline in pairs(HS) do
-    if deadline <= NOW then
-      lapsed[#lapsed + 1] = h
-      was_lapsed[h] = true
+  local lapsed = {}
+  if HN > 0 then
+    lapsed = redis.call('ZRANGEBYSCORE', H, '-inf', NOW)
+    if #lapsed > 0 then
+      drop_holders(lapsed)
     end
-  end
-  if #lapsed > 0 then
-    drop_holders(lapsed)
   end
   local reclaimed = #lapsed
   if QUEUED then
-    local reserved = redis.call('HGETALL', R)
     local back, gone = {}, {}
-    for i = 1, #reserved, 2 do
-      local w = reserved[i]
-      if HS[w] == nil then
+    if HN == 0 then
+      local was_lapsed = {}
+      for _, h in ipairs(lapsed) do
+        was_lapsed[h] = true
+      end
+      local reserved = redis.call('HGETALL', R)
+      for i = 1, #reserved, 2 do
+        local w = reserved[i]
         back[#back + 1] = reserved[i + 1]
         back[#back + 1] = w
         gone[#gone + 1] = w
         if not was_lapsed[w] then
           reclaimed = reclaimed + 1
+        end
+      end
+    elseif #lapsed > 0 then
+      local places = call_many('HMGET', R, lapsed)
+      for i, w in ipairs(lapsed) do
+        if places[i] then
+          back[#back + 1] = places[i]
+          back[#back + 1] = w
+          gone[#gone + 1] = w
         end
       end
     end
@@ -319,33 +334,49 @@ end
 -- first, then the oldest others. A ready waiter starts on a push; any other needs a worker
 -- to fetch its message first, and a slot handed to it stands idle until then. So the FIFO
 -- order is relaxed within a window of the limit's size only (not at all for a mutex).
+-- Cost: O(log n) per ready waiter (their ranks in W) and per waiter chosen; the window itself
+-- is never read (it may hold thousands).
 local function choose(free, limit)
   if free >= limit or redis.call('EXISTS', D) == 0 then
     return redis.call('ZRANGE', W, 0, free - 1, 'WITHSCORES')
   end
-  local window = redis.call('ZRANGE', W, 0, limit - 1, 'WITHSCORES')
-  if #window <= 2 * free then
-    return window
-  end
-  local ready, n = {}, 0
-  for i = 1, #window, 2 do
-    if n == free then
-      break
-    end
-    if redis.call('ZSCORE', D, window[i]) then
-      ready[window[i]] = true
-      n = n + 1
+  -- The ready waiters within the window, by their places.
+  local ready = {}
+  for _, w in ipairs(redis.call('ZRANGE', D, 0, -1)) do
+    local rank = redis.call('ZRANK', W, w)
+    if rank and rank < limit then
+      ready[#ready + 1] = { rank, w }
     end
   end
+  table.sort(ready, function(a, b)
+    return a[1] < b[1]
+  end)
+  local picked = {}
+  for i = 1, math.min(free, #ready) do
+    picked[ready[i][2]] = true
+  end
+  -- Then the oldest others: among the first `free` + (ready picked) waiters there are enough.
+  local n = math.min(free, #ready)
+  local head = redis.call('ZRANGE', W, 0, free + n - 1, 'WITHSCORES')
   local chosen, others = {}, free - n
-  for i = 1, #window, 2 do
-    local w = window[i]
-    if ready[w] or others > 0 then
-      if not ready[w] then
-        others = others - 1
-      end
+  for i = 1, #head, 2 do
+    local w = head[i]
+    if picked[w] then
+      picked[w] = nil
       chosen[#chosen + 1] = w
-      chosen[#chosen + 1] = window[i + 1]
+      chosen[#chosen + 1] = head[i + 1]
+    elseif others > 0 then
+      others = others - 1
+      chosen[#chosen + 1] = w
+      chosen[#chosen + 1] = head[i + 1]
+    end
+  end
+  -- Ready waiters further back than the head read above, in FIFO order after it.
+  for i = 1, n do
+    local w = ready[i][2]
+    if picked[w] then
+      chosen[#chosen + 1] = w
+      chosen[#chosen + 1] = redis.call('ZSCORE', W, w)
     end
   end
   return chosen
@@ -493,12 +524,7 @@ end
 -- reservations never expire.
 local function finish()
   if not OWNED then
-    HS, HN = {}, 0
-    local flat = redis.call('ZRANGE', H, 0, -1, 'WITHSCORES')
-    for i = 1, #flat, 2 do
-      HS[flat[i]] = tonumber(flat[i + 1])
-    end
-    HN = #flat / 2
+    HN = redis.call('ZCARD', H)
     RAISED = HN > 0
     QUEUED = true
   end

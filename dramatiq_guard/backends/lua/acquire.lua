@@ -1,6 +1,7 @@
 -- acquire(holder, ttl_ms, mode, payload, wait_ms, info, generation); mode: '' (no wait), 'park',
 -- 'block'; generation: the one a handed-off copy carries, or ''.
 -- Returns {acquired, token|nil, limit, queued, holders, handoffs} (RedisBackend._acquire_reply);
+-- holders: when refused, the first HOLDERS_SHOWN live holders (earliest deadline first), else none;
 -- queued is '' (not waiting), 'queued', 'standby' for a standby (sent ahead, see
 -- standby.lua) picked up in 'park' mode with wait_ms > 0: it blocks in its place, a ready
 -- waiter (in D) from now on; or 'stale': the copy's generation is not the one that may start
@@ -27,7 +28,7 @@ if generation ~= '' then
     return { 0, false, limit_in_force(), 'stale', {}, {} }
   end
 end
-local was_holder = HS[holder] ~= nil
+local was_holder = holds(holder)
 -- The limit and the last token in one read.
 local values = redis.call('MGET', L, T)
 LIMIT = values[1] and tonumber(values[1]) or default_limit()
@@ -51,7 +52,7 @@ end
 
 -- Free slots left after the hand-off mean the queue is empty, unless the hand-off passed over
 -- parked waiters of another route: then the slots are theirs (their route's sweep hands them on).
-local acquired = HS[holder] ~= nil or (HN < limit and not PASSED_OVER)
+local acquired = holds(holder) or (HN < limit and not PASSED_OVER)
 local queued = ''
 if acquired then
   set_holders({ NOW + ttl, holder })
@@ -116,18 +117,10 @@ elseif mode ~= '' then
   queued = standby and 'standby' or 'queued'
 end
 finish()
-local order = {}
-for h, deadline in pairs(HS) do
-  order[#order + 1] = { deadline, h }
-end
-table.sort(order, function(a, b)
-  if a[1] ~= b[1] then
-    return a[1] < b[1]
-  end
-  return a[2] < b[2]
-end)
+-- Who is in the way, for a refused caller to name: the first few live holders, earliest
+-- deadline first (never the whole set: a limit may be thousands).
 local holders = {}
-for i, entry in ipairs(order) do
-  holders[i] = entry[2]
+if not acquired then
+  holders = redis.call('ZRANGE', H, 0, HOLDERS_SHOWN - 1)
 end
 return { acquired and 1 or 0, token, limit, queued, holders, handoffs }

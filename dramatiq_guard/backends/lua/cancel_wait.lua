@@ -7,7 +7,7 @@ local waiter = arg(1)
 OWNED = true
 reclaim()
 local released = 0
-if HS[waiter] ~= nil then
+if holds(waiter) then
   released = 1
   drop_holders({ waiter })
 end

@@ -26,7 +26,7 @@ if QUEUED and (generation == '' or not in_flight or in_flight == generation)
   redis.call('HDEL', P, waiter)
   forget(waiter)
   held = 1
-elseif HS[waiter] ~= nil and not (QUEUED and redis.call('HEXISTS', R, waiter) == 1) then
+elseif holds(waiter) and not (QUEUED and redis.call('HEXISTS', R, waiter) == 1) then
   -- Already started (its acquire turned the reservation into a lease).
   held = 1
 elseif QUEUED and redis.call('ZSCORE', W, waiter) and copy_wins(redis.call('HGET', G, waiter)) then

@@ -9,11 +9,10 @@ local holder = arg(1)
 OWNED = true
 reclaim()
 local released = 0
-if HS[holder] ~= nil then
+if holds(holder) then
   released = 1
   if HN == 1 and not QUEUED then
     -- The last holder of a key nobody waits for: finish() deletes it all.
-    HS[holder] = nil
     HN = 0
   else
     drop_holders({ holder })

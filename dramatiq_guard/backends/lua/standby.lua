@@ -60,7 +60,7 @@ if QUEUED and redis.call('HGET', P, waiter) == arg(4) then
     redis.call('HDEL', M, 'g:' .. waiter)
     held = 1
   end
-elseif HS[waiter] ~= nil or (QUEUED and (redis.call('ZSCORE', D, waiter) or redis.call('ZSCORE', S, waiter))) then
+elseif holds(waiter) or (QUEUED and (redis.call('ZSCORE', D, waiter) or redis.call('ZSCORE', S, waiter))) then
   -- Picked up already (it blocks as a standby, or holds its slot), or sent again.
   held = 1
 end
