@@ -1300,6 +1300,36 @@ def test_waiters_and_payloads_never_expire_and_a_sweep_recovers_them(redis_env: 
     assert swept.released and swept.handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
 
 
+def test_a_key_is_due_for_a_sweep_once_a_deadline_passed_and_swept_in_batches(env: Env) -> None:
+    """Invariant: a key with waiters is in due_keys() no later than its earliest deadline.
+
+    On a standalone Redis it is not there before (so an idle sweep costs what is due, not what
+    waits); the other backends may list every waiting key.
+    """
+    backend = env.backend(handoff_ttl_ms=60_000)
+    other = "other-key"
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=300).acquired
+    assert backend.acquire(other, "b", limit=1, ttl_ms=60_000).acquired
+    park(backend, "p1")
+    park(backend, "p2", key=other)
+    if env.kind == "redis":
+        assert backend.due_keys() == []  # every deadline is ahead: nothing to look at
+    env.wait_past(deadline_of(backend, KEY, "a"))
+    due = backend.due_keys()
+    assert KEY in due
+    if env.kind == "redis":
+        assert due == [KEY]
+    [swept] = backend.sweep_many([(KEY, 1)])
+    assert swept.handoffs == (Handoff(KEY, "p1", b"msg:p1"),)  # (a's entry may have expired with it)
+    if env.kind == "redis":
+        assert backend.due_keys() == []  # due again at p1's reservation deadline, 60 s on
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000, generation=swept.handoffs[0].generation)
+    for key, holder in [(KEY, "p1"), (other, "b")]:
+        backend.release(KEY if key == KEY else other, holder, limit=1)
+    assert backend.sweep_many([]) == []
+
+
+
 # --- Redis specifics ----------------------------------------------------------------------------
 
 

@@ -28,7 +28,9 @@ After every step (:func:`~hypothesis.stateful.invariant`):
 * every Redis key of the namespace expires, except a key's run-time limit, the limits index, the
   waiting-keys index, and a key's queued state (waiters, payloads, reservations, meta, ready
   waiters, standbys, and the infos of ready waiters), which may stay only while something of the
-  key is queued.
+  key is queued;
+* on the standalone Redis, a waiting key's index entry is due (its score, when the sweeps look at
+  it) no later than the key's earliest holder, ready-waiter or standby deadline.
 
 At the end of each run (:meth:`GuardModel.teardown`) everything is drained: every parked message
 must have started exactly once, and after a day nothing of the namespace is left in Redis.
@@ -637,6 +639,19 @@ class GuardModel(RuleBasedStateMachine):
                     if suffix in QUEUED_STATE and key in queued:
                         continue
                     assert client.pttl(name) >= 0, f"{name} never expires"  # -1: no expiry
+
+    @invariant()
+    def a_waiting_key_is_due_no_later_than_its_earliest_deadline(self) -> None:
+        """The standalone index's score (when the sweeps look at the key) never passes a deadline."""
+        with self.step():
+            client = self.redis_client
+            entries: Any = client.zrange(f"{NAMESPACE}:waiting", 0, -1, withscores=True)
+            for member, due in entries:
+                key = member.decode() if isinstance(member, bytes) else member
+                for suffix in ("holders", "deadlines", "standbys"):
+                    first: Any = client.zrange(f"{NAMESPACE}:{{{key}}}:{suffix}", 0, 0, withscores=True)
+                    if first:
+                        assert due <= first[0][1], f"{key!r} is due at {due}, after its {suffix} {first}"
 
     @staticmethod
     def stored(client: redis.Redis | RedisCluster) -> list[str]:

@@ -292,7 +292,7 @@ def test_a_restart_with_persistence_that_kept_the_parked_keys_is_not_a_loss(
     try:
         redis_health.check(backend)
         backend.acquire("concurrency:k", "m1", limit=0, ttl_ms=MINUTE, wait=Waiter(payload=b"{}"))
-        watch = redis_watch.StateWatch(backend)
+        watch = redis_watch.StateWatch(backend, keys_every_s=0)
         assert watch.check() == []
         server.stop()
         server.start()
@@ -314,7 +314,7 @@ def test_vanished_waiters_a_lost_index_entry_and_a_flush_are_reported(
     try:
         for key, waiter in (("concurrency:a", "m1"), ("concurrency:b", "m2")):
             backend.acquire(key, waiter, limit=0, ttl_ms=MINUTE, wait=Waiter(payload=b"{}"))
-        watch = redis_watch.StateWatch(backend)
+        watch = redis_watch.StateWatch(backend, keys_every_s=0)
         caplog.set_level(logging.WARNING, logger="dramatiq_guard")
         assert watch.check() == []
 

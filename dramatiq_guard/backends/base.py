@@ -145,7 +145,15 @@ from dramatiq_guard.backends.checks import (
     check_max_payload_bytes,
     check_ms,
 )
-from dramatiq_guard.backends.values import HOLDERS_SHOWN, AcquireResult, Handoff, KeyState, ReleaseResult, Waiter, Woken
+from dramatiq_guard.backends.values import (
+    HOLDERS_SHOWN,
+    AcquireResult,
+    Handoff,
+    KeyState,
+    ReleaseResult,
+    Waiter,
+    Woken,
+)
 from dramatiq_guard.errors import PayloadTooLarge
 
 __all__ = [
@@ -427,6 +435,28 @@ class GuardBackend(abc.ABC):
         What a worker runs periodically so waiters are never stranded when
         every holder died.
         """
+
+    def sweep_many(self, keys: Sequence[tuple[str, int | None]]) -> list[ReleaseResult]:
+        """:meth:`sweep` each ``(key, limit)``, in order; one result per key.
+
+        The Redis backend sends them in pipelined batches (one round trip per
+        batch); the default sweeps one after the other. Each key's sweep is
+        atomic on its own, not the batch.
+        """
+        return [self.sweep(key, limit=limit) for key, limit in keys]
+
+    def due_keys(self) -> list[str]:
+        """The waiting keys a sweep should look at now: never fewer than those that need one.
+
+        A key needs a sweep once one of its deadlines passed (a holder's lease
+        or reservation, a ready waiter's, a standby's) or when it has a parked
+        waiter only a process of another route can take. The Redis backend on
+        a standalone Redis keeps its waiting-keys index scored by when each
+        key is next due, so this reads only those (and every key at least
+        every 30 s); the default (and a Redis Cluster) returns every waiting
+        key (:meth:`waiting_keys`).
+        """
+        return self.waiting_keys()
 
     @abc.abstractmethod
     def set_limit(self, key: str, limit: int | None, *, default: int | None = 1) -> ReleaseResult:

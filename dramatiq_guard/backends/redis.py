@@ -111,6 +111,9 @@ class RedisBackend(GuardBackend):
         duration is out of range (:func:`~dramatiq_guard.backends.base.check_ms`).
     """
 
+    #: How many keys :meth:`sweep_many` sends in one pipelined round trip.
+    SWEEP_BATCH = 100
+
     def __init__(
         self,
         client: RedisClient,
@@ -141,6 +144,7 @@ class RedisBackend(GuardBackend):
             name: client.register_script(prelude + "\n" + load_lua(name)) for name in _KEY_SCRIPTS
         }
         self._unindex = client.register_script(load_lua("unindex"))
+        self._due = client.register_script(load_lua("due"))
         # Scripts of their own, without the prelude: the lean common paths (see each file).
         self._lock = client.register_script(load_lua("lock"))
         self._renew = client.register_script(load_lua("renew"))
@@ -483,6 +487,31 @@ class RedisBackend(GuardBackend):
         """
         check_count(limit, "limit")
         return self._release_reply(key, self._run("sweep", key, limit))
+
+    def sweep_many(self, keys: Sequence[tuple[str, int | None]]) -> list[ReleaseResult]:
+        """:meth:`sweep` each ``(key, limit)`` in pipelined batches of :attr:`SWEEP_BATCH`."""
+        results: list[ReleaseResult] = []
+        script = self._scripts["sweep"]
+        for first in range(0, len(keys), self.SWEEP_BATCH):
+            batch = keys[first : first + self.SWEEP_BATCH]
+            for _, limit in batch:
+                check_count(limit, "limit")
+            calls = [(script, self._keys(key), self._args(key, limit)) for key, limit in batch]
+            replies = run_scripts(self.client, calls)
+            results.extend(self._release_reply(key, r) for (key, _), r in zip(batch, replies, strict=True))
+        return results
+
+    def due_keys(self) -> list[str]:
+        """The waiting keys due for a sweep now; see :meth:`GuardBackend.due_keys`.
+
+        On a standalone Redis: the index entries scored up to now (the scripts
+        keep each at the key's earliest deadline, ``_prelude.lua`` ``next_due``).
+        On a Redis Cluster the index is not kept by the scripts: every waiting key.
+        """
+        if self._in_cluster():
+            return self.waiting_keys()
+        [due] = run_scripts(self.client, [(self._due, [self._index], [])])
+        return [text(k) for k in due]
 
     def set_limit(self, key: str, limit: int | None, *, default: int | None = 1) -> ReleaseResult:
         """Set or clear the run-time limit; see :meth:`GuardBackend.set_limit`.

@@ -2,7 +2,9 @@
 
 While workers run (:func:`watch`, called once per pass by each worker
 process's slot sweep), a :class:`StateWatch` per backend compares what it
-sees with what it saw at its previous pass, in two round trips:
+sees with what it saw at its previous pass, in one round trip (two when it
+checks the waiters of every waiting key, which costs O(waiting keys): every
+:data:`KEYS_EVERY_S`, and at once after a restart or a flush):
 
 * the server's ``run_id`` changed: Redis restarted. Unless it persists and
   every key that had waiters at the previous pass is still waiting, the
@@ -30,6 +32,7 @@ only: on a Redis Cluster the index is not kept atomically with the keys
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from typing import Any
 
@@ -50,9 +53,13 @@ from dramatiq_guard.backends.redis_health import (
 )
 from dramatiq_guard.errors import EvictingRedis
 
-__all__ = ["StateWatch", "watch"]
+__all__ = ["KEYS_EVERY_S", "StateWatch", "watch"]
 
 logger = logging.getLogger("dramatiq_guard.backends.redis_health")
+
+
+#: How often, by default, a process checks every waiting key's waiters (:class:`StateWatch`).
+KEYS_EVERY_S = 30.0
 
 
 def _info(reply: Any) -> dict[str, Any]:
@@ -67,16 +74,22 @@ class StateWatch:
 
     Parameters:
       backend(RedisBackend): The backend to watch.
+      keys_every_s(float): How often the waiters check (which reads every
+        waiting key, so costs O(waiting keys)) runs; the server checks (run
+        id, flushes, evictions) run at every :meth:`check`, and a restart or
+        a flush triggers the waiters check at once.
     """
 
-    def __init__(self, backend: RedisBackend) -> None:
+    def __init__(self, backend: RedisBackend, *, keys_every_s: float = KEYS_EVERY_S) -> None:
         # Weak: the watches are kept in a WeakKeyDictionary keyed by the backend.
         self._backend = weakref.ref(backend)
         self.run_id: str | None = None
         self.flushes: int | None = None
         self.evicted: int | None = None
-        #: The guard keys that had waiters at the previous check.
+        #: The guard keys that had waiters at the previous check of the waiters.
         self.waiting: list[str] = []
+        self.keys_every_s = keys_every_s
+        self.keys_checked: float | None = None  # time.monotonic() of the last waiters check
         self._script: Script = backend.client.register_script(load_lua("health"))
         self._cluster = isinstance(backend.client, redis.cluster.RedisCluster)
 
@@ -111,16 +124,29 @@ class StateWatch:
         pipe.info("stats")
         pipe.info("commandstats")
         server, stats, commands = (_info(r) for r in pipe.execute(raise_on_error=False))
-        index = f"{self.backend.namespace}:waiting"
-        indexed, vanished, payloads, unindexed = self._script(
-            keys=[index], args=[self.backend.namespace, *self.waiting]
-        )
-        indexed = [text(k) for k in indexed]
         run_id = server.get("run_id")
         run_id = None if run_id is None else str(run_id)
         flushes = sum(
             int(_info(commands.get(f"cmdstat_{c}")).get("calls", 0)) for c in ("flushall", "flushdb")
         )
+        now = time.monotonic()
+        indexed: list[str] = self.waiting
+        vanished: list[Any] = []
+        payloads: list[Any] = []
+        unindexed: list[Any] = []
+        if (
+            self.keys_checked is None
+            or now - self.keys_checked >= self.keys_every_s
+            or run_id != self.run_id
+            or (commands and flushes != self.flushes)
+        ):
+            # The waiters check reads every waiting key: not at every pass (see keys_every_s).
+            index = f"{self.backend.namespace}:waiting"
+            found, vanished, payloads, unindexed = self._script(
+                keys=[index], args=[self.backend.namespace, *self.waiting]
+            )
+            indexed = [text(k) for k in found]
+            self.keys_checked = now
         evicted = stats.get("evicted_keys")
 
         losses: list[str] = []

@@ -372,11 +372,13 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
             leave_sweep(self, sweeper)
         self.flush()
 
-    def sweep(self, broker: Broker, key: str) -> ReleaseResult:
-        """Reclaim a lapsed lock or rerun reservation of ``key`` and hand the lock to its rerun."""
-        result = self.backend(broker).sweep(key, limit=1)
+    def sweep_limit(self, key: str) -> int:
+        """A dedup lock's limit: 1 (the sweep reclaims a lapsed lock or rerun reservation)."""
+        return 1
+
+    def swept(self, broker: Broker, key: str, result: ReleaseResult) -> None:
+        """Re-enqueue the rerun the sweep of ``key`` handed the lock to."""
         self._deliver(broker, result.handoffs)
-        return result
 
     def _finish(self, broker: Broker, message: MessageProxy, *, terminal: bool) -> None:
         lease = execution_state(message).data.pop(self.option, None)

@@ -3,20 +3,21 @@
 One thread per process and backend, started in ``after_worker_boot`` by the
 first guard middleware that needs it (slots, and deduplication for its
 ``reschedule_once`` reruns): every ``sweep_interval`` it reclaims the lapsed
-leases and reservations of the keys that have waiters (from the backend's
-waiting-keys index) and hands them on, each key by the middleware that claims
-it (docs/slots.md, "Waiters are never stranded").
+leases and reservations of the waiting keys that are due (a deadline passed:
+:meth:`~dramatiq_guard.backends.GuardBackend.due_keys`) and hands them on, each
+key by the middleware that claims it, in pipelined batches (docs/slots.md,
+"Waiters are never stranded").
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Protocol
+from typing import Protocol
 
 from dramatiq import Broker
 
-from dramatiq_guard.backends.base import GuardBackend
+from dramatiq_guard.backends.base import GuardBackend, ReleaseResult
 
 __all__ = ["Sweepable", "Sweeper", "join_sweep", "leave_sweep", "sweep_all"]
 
@@ -32,8 +33,11 @@ class Sweepable(Protocol):
     def claims(self, key: str) -> bool:
         """Whether ``key`` is one of its guard keys."""
 
-    def sweep(self, broker: Broker, key: str) -> Any:
-        """Reclaim what lapsed on ``key`` and hand it on."""
+    def sweep_limit(self, key: str) -> int | None:
+        """The default limit it sweeps ``key`` with (None: the one recorded with the key's waiters)."""
+
+    def swept(self, broker: Broker, key: str, result: ReleaseResult) -> None:
+        """Deliver what the sweep of ``key`` handed on."""
 
 
 Member = tuple[Sweepable, Broker]
@@ -58,19 +62,31 @@ class Sweeper:
 
 
 def sweep_all(backend: GuardBackend, members: list[Member]) -> None:
-    """Sweep every key with waiters that belongs to one of ``members``; failures are logged."""
+    """Sweep every due key (:meth:`GuardBackend.due_keys`) that belongs to one of ``members``.
+
+    Each middleware's keys go to the backend in one :meth:`GuardBackend.sweep_many`
+    (pipelined batches on Redis), so a pass costs what is due, not what waits.
+    Failures are logged; what failed is due again at the next pass.
+    """
     try:
-        keys = backend.waiting_keys()
+        keys = backend.due_keys()
     except Exception:
-        logger.warning("The sweep could not list the waiting keys; retrying.", exc_info=True)
+        logger.warning("The sweep could not list the due keys; retrying.", exc_info=True)
         return
     for middleware, broker in members:
-        for key in keys:
-            if middleware.claims(key):
-                try:
-                    middleware.sweep(broker, key)
-                except Exception:
-                    logger.warning("The sweep of %r failed; retrying.", key, exc_info=True)
+        mine = [(key, middleware.sweep_limit(key)) for key in keys if middleware.claims(key)]
+        if not mine:
+            continue
+        try:
+            results = backend.sweep_many(mine)
+        except Exception:
+            logger.warning("The sweep of %d key(s) failed; retrying.", len(mine), exc_info=True)
+            continue
+        for (key, _), result in zip(mine, results, strict=True):
+            try:
+                middleware.swept(broker, key, result)
+            except Exception:
+                logger.warning("Delivering what the sweep of %r handed on failed.", key, exc_info=True)
 
 
 _sweepers: dict[int, Sweeper] = {}

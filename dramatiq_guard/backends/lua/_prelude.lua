@@ -27,9 +27,11 @@
 --                    whose hand-off or standby send lapsed unconfirmed (an older copy may still
 --                    be on the broker); outlives the key's other state, expiring STALE_TTL after
 --                    its last write
---   KEYS[12] X zset  the waiting-keys index (guard key -> when a waiter last parked), given on a
---                    standalone Redis only: it is in another Cluster slot. With it, the index
---                    is kept here, atomically: K is in it exactly while W or R is not empty.
+--   KEYS[12] X zset  the waiting-keys index (guard key -> when it is next due for a sweep, see
+--                    next_due), given on a standalone Redis only: it is in another Cluster
+--                    slot. With it, the index is kept here, atomically: K is in it exactly
+--                    while W or R is not empty, and its score is never later than the key's
+--                    earliest deadline, so the sweeps read only the keys that are due.
 -- and the same leading ARGV, values the Python side owns (RedisBackend._args):
 --   ARGV[1] the prefix of the per-waiter wake lists (WAKE .. waiter_id)
 --   ARGV[2] handoff_ttl_ms
@@ -90,6 +92,10 @@ local RAISED = false -- a deadline in H went above HMAX: H, T and I must expire 
 local META_AT = nil -- the expiry T and I were already given by this script (acquire)
 local LIMIT = nil
 local TOKEN = nil -- the last fencing token issued, once read (see next_token)
+local EARLIEST = nil -- the earliest deadline this script wrote (in H, D or S): K is due by then
+local SWEEPING = false -- set by sweep.lua: K's due time in X is recomputed, not only moved earlier
+-- The latest a key with waiters is due for a sweep, whatever its deadlines say (ms).
+local DUE_BACKSTOP_MS = 30000
 
 -- Integers up to 2^53 as decimal strings (tostring would use an exponent).
 local function fmt(n)
@@ -127,6 +133,19 @@ local function load()
     present = present - 1
   end
   QUEUED = present > 0
+end
+
+-- K is due for a sweep by `at` (a deadline this script wrote).
+local function note_due(at)
+  if EARLIEST == nil or at < EARLIEST then
+    EARLIEST = at
+  end
+end
+
+-- ZADD z at member: a deadline in D or S, noted for the index.
+local function add_deadline(z, at, member)
+  redis.call('ZADD', z, at, member)
+  note_due(at)
 end
 
 -- Whether h holds a slot (after reclaim: a live holder).
@@ -232,6 +251,7 @@ local function set_holders(pairs_)
     if pairs_[i] > HMAX then
       RAISED = true
     end
+    note_due(pairs_[i])
   end
   HN = HN + count_many('ZADD', H, pairs_)
 end
@@ -483,7 +503,7 @@ local function send_ahead(count, out)
       local payload = redis.call('HGET', P, w)
       local route = payload and redis.call('HGET', M, 'r:' .. w)
       if payload and not (route and route ~= '' and route ~= ROUTE) then
-        redis.call('ZADD', S, NOW + HANDOFF_TTL, w)
+        add_deadline(S, NOW + HANDOFF_TTL, w)
         out[#out + 1] = w
         out[#out + 1] = payload
         out[#out + 1] = new_generation(w)
@@ -507,15 +527,43 @@ local function enqueue(w)
     end
   end
   local added = redis.call('ZADD', W, 'NX', fmt(place), w) == 1
-  if added and X then
-    redis.call('ZADD', X, NOW, KEY)
-  end
   if KNOWN_DEFAULT then
     -- For processes that do not know the key's actor (another application's sweep).
     redis.call('HSET', M, 'limit', DEFAULT_LIMIT)
   end
   PARKED = true
   return added
+end
+
+-- When K next needs a sweep: at its earliest deadline (a holder's lease or reservation, a ready
+-- waiter's, a standby's), now if a parked waiter of another route was passed over (a process of
+-- its route hands it on), and DUE_BACKSTOP_MS from now at the latest.
+local function next_due()
+  if PASSED_OVER then
+    return NOW
+  end
+  local due = NOW + DUE_BACKSTOP_MS
+  for _, z in ipairs({ H, D, S }) do
+    local first = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
+    if #first > 0 and tonumber(first[2]) < due then
+      due = tonumber(first[2])
+    end
+  end
+  return due
+end
+
+-- K's entry in X, for a key with waiters: set to next_due() by a sweep, or when missing (K just
+-- started queueing); else only ever moved earlier, to the earliest deadline this script wrote.
+local function index_due()
+  local current = redis.call('ZSCORE', X, KEY)
+  if SWEEPING or not current then
+    redis.call('ZADD', X, next_due(), KEY)
+    return
+  end
+  local at = PASSED_OVER and NOW or EARLIEST
+  if at and at < tonumber(current) then
+    redis.call('ZADD', X, at, KEY)
+  end
 end
 
 -- With no holder, no waiter and no reservation left, drop all state but the
@@ -531,6 +579,9 @@ local function finish()
   local queued = PARKED or (QUEUED and redis.call('EXISTS', W, R) > 0)
   if X and QUEUED and not queued then
     redis.call('ZREM', X, KEY)
+  end
+  if X and queued then
+    index_due()
   end
   if HN == 0 and not queued then
     if EXISTED or PARKED or not OWNED then

@@ -88,7 +88,7 @@ elseif mode ~= '' then
   local standby = mode == 'park' and tonumber(arg(5)) > 0 and not added
     and (sent or redis.call('ZSCORE', D, holder))
   if standby then
-    redis.call('ZADD', D, NOW + tonumber(arg(5)), holder)
+    add_deadline(D, NOW + tonumber(arg(5)), holder)
     redis.call('HDEL', P, holder)
   elseif mode == 'park' then
     redis.call('HSET', P, holder, arg(4))
@@ -105,7 +105,7 @@ elseif mode ~= '' then
       redis.call('PEXPIRE', G, STALE_TTL)
     end
   else
-    redis.call('ZADD', D, NOW + tonumber(arg(5)), holder)
+    add_deadline(D, NOW + tonumber(arg(5)), holder)
     if not added then
       redis.call('HDEL', P, holder)
     end

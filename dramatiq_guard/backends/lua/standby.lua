@@ -55,7 +55,7 @@ if QUEUED and redis.call('HGET', P, waiter) == arg(4) then
     forget(waiter)
     held = 1
   elseif redis.call('ZSCORE', S, waiter) then
-    redis.call('ZADD', S, NOW + ttl, waiter)
+    add_deadline(S, NOW + ttl, waiter)
     redis.call('HDEL', P, waiter)
     redis.call('HDEL', M, 'g:' .. waiter)
     held = 1

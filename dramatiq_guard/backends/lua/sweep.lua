@@ -4,6 +4,7 @@ if refused then
   return refused
 end
 OWNED = true
+SWEEPING = true
 local reclaimed = reclaim()
 local handoffs = {}
 handoff(limit_in_force(), handoffs)

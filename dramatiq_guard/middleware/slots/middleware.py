@@ -449,13 +449,15 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             self.backend(broker), self.courier(broker), lambda h: self.deliver(broker, h), key, limit
         )
 
-    def sweep(self, broker: Broker, key: str) -> ReleaseResult:
-        """Reclaim lapsed leases of ``key`` and hand free slots to its waiters."""
-        result = self.backend(broker).sweep(key, limit=self.limit_for_key(key))
+    def sweep_limit(self, key: str) -> int | None:
+        """The default limit the sweep hands ``key`` on with (None if no actor here declares it)."""
+        return self.limit_for_key(key)
+
+    def swept(self, broker: Broker, key: str, result: ReleaseResult) -> None:
+        """Re-enqueue what the sweep of ``key`` handed on (see :mod:`dramatiq_guard.middleware.sweep`)."""
         self.deliver(broker, result.handoffs)
         if result.released or result.handoffs:
             events.lockwait_changed()
-        return result
 
     # -- run-time limits ------------------------------------------------------
 
