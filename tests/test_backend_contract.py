@@ -1329,7 +1329,6 @@ def test_a_key_is_due_for_a_sweep_once_a_deadline_passed_and_swept_in_batches(en
     assert backend.sweep_many([]) == []
 
 
-
 # --- Redis specifics ----------------------------------------------------------------------------
 
 
