@@ -4,7 +4,7 @@ While workers run (:func:`watch`, called once per pass by each worker
 process's slot sweep), a :class:`StateWatch` per backend compares what it
 sees with what it saw at its previous pass, in one round trip (two when it
 checks the waiters of every waiting key, which costs O(waiting keys): every
-:data:`KEYS_EVERY_S`, and at once after a restart or a flush):
+:data:`KEYS_EVERY_S` or slower with many keys, and at once after a restart or a flush):
 
 * the server's ``run_id`` changed: Redis restarted. Unless it persists and
   every key that had waiters at the previous pass is still waiting, the
@@ -53,13 +53,15 @@ from dramatiq_guard.backends.redis_health import (
 )
 from dramatiq_guard.errors import EvictingRedis
 
-__all__ = ["KEYS_EVERY_S", "StateWatch", "watch"]
+__all__ = ["KEYS_EVERY_S", "KEYS_PER_S", "StateWatch", "watch"]
 
 logger = logging.getLogger("dramatiq_guard.backends.redis_health")
 
 
-#: How often, by default, a process checks every waiting key's waiters (:class:`StateWatch`).
+#: How often, by default, a process checks every waiting key's waiters (:class:`StateWatch`)...
 KEYS_EVERY_S = 30.0
+#: ...at most: with many waiting keys, no oftener than this many keys a second on average.
+KEYS_PER_S = 50
 
 
 def _info(reply: Any) -> dict[str, Any]:
@@ -75,9 +77,12 @@ class StateWatch:
     Parameters:
       backend(RedisBackend): The backend to watch.
       keys_every_s(float): How often the waiters check (which reads every
-        waiting key, so costs O(waiting keys)) runs; the server checks (run
-        id, flushes, evictions) run at every :meth:`check`, and a restart or
-        a flush triggers the waiters check at once.
+        waiting key, so costs O(waiting keys)) runs, and with more than
+        ``keys_every_s * KEYS_PER_S`` waiting keys, every ``keys / KEYS_PER_S``
+        seconds (10,000 keys: every 200 s), so it costs at most
+        :data:`KEYS_PER_S` commands a second. The server checks (run id,
+        flushes, evictions) run at every :meth:`check`, and a restart or a
+        flush triggers the waiters check at once.
     """
 
     def __init__(self, backend: RedisBackend, *, keys_every_s: float = KEYS_EVERY_S) -> None:
@@ -136,7 +141,7 @@ class StateWatch:
         unindexed: list[Any] = []
         if (
             self.keys_checked is None
-            or now - self.keys_checked >= self.keys_every_s
+            or now - self.keys_checked >= max(self.keys_every_s, len(self.waiting) / KEYS_PER_S)
             or run_id != self.run_id
             or (commands and flushes != self.flushes)
         ):

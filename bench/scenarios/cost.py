@@ -1,0 +1,345 @@
+"""What a guard costs per message, and how that cost grows with the work (a key's holders and waiters,
+the number of waiting keys)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from bench.core import Context, Figure, scenario
+from dramatiq_guard.backends import GuardBackend, RedisBackend, ReleaseResult, Waiter, redis_watch
+from dramatiq_guard.middleware.sweep import Member, sweep_all
+
+PROCESSES, THREADS = 2, 8
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pids: Sequence[int]) -> float:
+    """User + system CPU seconds the processes have used (``/proc/<pid>/stat``)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rpartition(")")[2].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / _CLOCK_TICKS
+
+
+def _commands(ctx: Context) -> int:
+    """Every command the run's Redis executed so far (inside scripts too), but INFO and FLUSHALL."""
+    stats = ctx.client.info("commandstats")
+    return sum(
+        int(v["calls"]) for k, v in stats.items() if k.removeprefix("cmdstat_") not in {"info", "flushall"}
+    )
+
+
+def _script_usec(ctx: Context) -> tuple[int, int]:
+    """(calls, microseconds) of EVALSHA so far: the server's own time for the guard's scripts."""
+    stats = ctx.client.info("commandstats").get("cmdstat_evalsha", {})
+    return int(stats.get("calls", 0)), int(stats.get("usec", 0))
+
+
+class _Row:
+    """One actor's figures: send rate, drain rate, worker CPU ms and Redis commands per message."""
+
+    def __init__(self, name: str, label: str) -> None:
+        self.name, self.label = name, label
+        self.send = self.drain = self.cpu_ms = self.commands = 0.0
+
+
+def _drain(
+    ctx: Context, pids: Sequence[int], send: Callable[[str, int, int], object], n: int
+) -> tuple[float, ...]:
+    """(rate, worker CPU ms per message, Redis commands per message): the median-rate run of the repeats."""
+    runs = []
+    for _ in range(ctx.repeats):
+        run_id = ctx.new_run_id()
+        cpu, commands = _cpu_s(pids), _commands(ctx)
+        start = time.time()
+        for i in range(n):
+            send(run_id, n, i)
+        end = ctx.wait_finish(run_id)
+        runs.append((n / (end - start), (_cpu_s(pids) - cpu) * 1000 / n, (_commands(ctx) - commands) / n))
+    runs.sort()
+    return runs[len(runs) // 2]
+
+
+def _measure(ctx: Context, row: _Row, actor: Any, pids: Sequence[int], n: int) -> None:
+    _drain(ctx, pids, lambda run_id, total, i: actor.send(run_id, total, -1 - i), max(1, n // 10))  # warm-up
+    row.drain, row.cpu_ms, row.commands = _drain(
+        ctx, pids, lambda run_id, total, i: actor.send(run_id, total, i), n
+    )
+
+
+def _sender(actor: Any, n: int) -> Callable[[int], object]:
+    return lambda i: actor.send("send", n, i)
+
+
+def _per_guard(ctx: Context) -> list[Figure]:
+    os.environ["BENCH_COST"] = "1"
+    os.environ.pop("BENCH_COST_GUARD", None)
+    module = importlib.reload(ctx.import_actors("bench.scenarios.cost_actors"))
+    plain_tick = module.tick
+    os.environ["BENCH_COST_GUARD"] = "1"
+    guarded = importlib.reload(module)
+    n = ctx.n(3000, 300)
+    rows = [
+        (_Row("plain", "unguarded (no guard installed)"), plain_tick),
+        (_Row("installed", "guard installed, nobody opts in"), guarded.tick),
+        (_Row("dedup", 'dedup="until_executed", a new key per message'), guarded.dedup_tick),
+        (_Row("mutex", "mutex=True, a key per message, never busy"), guarded.mutex_tick),
+        (_Row("wide", f"concurrency limit {guarded.WIDE_LIMIT} on one key"), guarded.wide_tick),
+    ]
+    for row, actor in rows:
+        row.send = ctx.send_rate(_sender(actor, n), n)
+    ctx.flush()
+    worker = ctx.worker(
+        "bench.scenarios.cost_actors",
+        processes=PROCESSES,
+        threads=THREADS,
+        env={"BENCH_COST": "1", "BENCH_COST_GUARD": ""},
+    )
+    _measure(ctx, rows[0][0], plain_tick, worker.worker_pids, n)
+    ctx.stop_workers()
+    ctx.flush()
+    worker = ctx.worker(
+        "bench.scenarios.cost_actors",
+        processes=PROCESSES,
+        threads=THREADS,
+        env={"BENCH_COST": "1", "BENCH_COST_GUARD": "1"},
+    )
+    for row, actor in rows[1:]:
+        _measure(ctx, row, actor, worker.worker_pids, n)
+    ctx.stop_workers()
+    os.environ.pop("BENCH_COST_GUARD", None)
+    sized = (
+        f"N={n}, {PROCESSES}x{THREADS}, median of {ctx.repeats} after a warm-up; every actor does one INCR"
+    )
+    figures = []
+    for row, _ in rows:
+        vs = None if row.name == "plain" else "cost"
+        figures += [
+            Figure(
+                f"{row.name}_send_rate",
+                f"{row.label}: send rate",
+                row.send,
+                "msg/s",
+                vs=vs and "cost/plain_send_rate",
+                detail=f"N={n}, no worker running",
+            ),
+            Figure(
+                f"{row.name}_drain_rate",
+                f"{row.label}: drain rate",
+                row.drain,
+                "msg/s",
+                vs=vs and "cost/plain_drain_rate",
+                detail=sized,
+            ),
+            Figure(
+                f"{row.name}_cpu_ms",
+                f"{row.label}: worker CPU per message",
+                row.cpu_ms,
+                "ms",
+                vs=vs and "cost/plain_cpu_ms",
+                better="lower",
+                detail="user + system time of the worker processes over the drain",
+            ),
+            Figure(
+                f"{row.name}_commands",
+                f"{row.label}: Redis commands per message",
+                row.commands,
+                vs=vs and "cost/plain_commands",
+                compare="delta",
+                better="lower",
+                detail="every command Redis ran during the drain (sends, broker, guard, inside scripts too)",
+            ),
+        ]
+    return figures
+
+
+def _op_us(ctx: Context, limit: int, waiters: int, cycles: int) -> tuple[float, float]:
+    """(server µs per script call, client µs per operation): ``limit`` holders, ``waiters`` parked.
+
+    One cycle: a holder releases (the oldest waiter is handed its slot), the hand-off is
+    confirmed, and a new message parks at the back: the holders and the waiters stay as many.
+    """
+    ctx.flush()
+    backend = RedisBackend.from_url(ctx.redis_url, handoff_ttl_ms=600_000)
+    key, ttl, payload = "curve", 600_000, b"x" * 200
+    try:
+        for h in range(limit):
+            assert backend.acquire(key, f"h{h}", limit=limit, ttl_ms=ttl).acquired
+        for w in range(waiters):
+            backend.acquire(key, f"w{w}", limit=limit, ttl_ms=ttl, wait=Waiter(payload=payload))
+        holders = [f"h{h}" for h in range(limit)]
+        calls, usec = _script_usec(ctx)
+        start = time.perf_counter()
+        for i in range(cycles):
+            released = backend.release(key, holders[i % limit], limit=limit)
+            [handoff] = released.handoffs
+            assert backend.confirm_handoff(key, handoff.waiter_id, ttl_ms=ttl, generation=handoff.generation)
+            holders[i % limit] = handoff.waiter_id
+            backend.acquire(key, f"n{i}", limit=limit, ttl_ms=ttl, wait=Waiter(payload=payload))
+        elapsed = time.perf_counter() - start
+        calls_after, usec_after = _script_usec(ctx)
+        return (usec_after - usec) / (calls_after - calls), elapsed * 1e6 / (3 * cycles)
+    finally:
+        backend.close()
+        ctx.flush()
+
+
+def _curves(ctx: Context) -> list[Figure]:
+    cycles = ctx.n(2000, 200)
+    limits = (8, 100, 1000, 10_000) if not ctx.quick else (8, 1000)
+    waiter_counts = (10, 1000, 100_000) if not ctx.quick else (10, 1000)
+    figures = []
+    detail = (
+        f"{cycles} cycles of release (hand-off) + confirm + park; EVALSHA usec / calls from INFO commandstats"
+    )
+    for limit in limits:
+        server, client = _op_us(ctx, limit, 10, cycles)
+        vs = None if limit == limits[0] else f"cost/op_server_us_limit_{limits[0]}"
+        figures.append(
+            Figure(
+                f"op_server_us_limit_{limit}",
+                f"per operation, Redis time: limit {limit:,}, 10 waiters",
+                server,
+                "µs",
+                vs=vs,
+                better="lower",
+                detail=detail,
+            )
+        )
+        figures.append(
+            Figure(
+                f"op_client_us_limit_{limit}",
+                f"per operation, round trip: limit {limit:,}, 10 waiters",
+                client,
+                "µs",
+                vs=vs and f"cost/op_client_us_limit_{limits[0]}",
+                better="lower",
+            )
+        )
+    for waiters in waiter_counts:
+        server, client = _op_us(ctx, 8, waiters, cycles)
+        vs = None if waiters == waiter_counts[0] else f"cost/op_server_us_waiters_{waiter_counts[0]}"
+        figures.append(
+            Figure(
+                f"op_server_us_waiters_{waiters}",
+                f"per operation, Redis time: limit 8, {waiters:,} waiters",
+                server,
+                "µs",
+                vs=vs,
+                better="lower",
+                detail=detail,
+            )
+        )
+        figures.append(
+            Figure(
+                f"op_client_us_waiters_{waiters}",
+                f"per operation, round trip: limit 8, {waiters:,} waiters",
+                client,
+                "µs",
+                vs=vs and f"cost/op_client_us_waiters_{waiter_counts[0]}",
+                better="lower",
+            )
+        )
+    return figures
+
+
+class _SweepAll:
+    """A sweep member that claims every key (as the slots middleware does its own)."""
+
+    def __init__(self, backend: GuardBackend) -> None:
+        self._backend = backend
+
+    def backend(self, broker: Any) -> GuardBackend:
+        return self._backend
+
+    def claims(self, key: str) -> bool:
+        return True
+
+    def sweep_limit(self, key: str) -> int:
+        return 1
+
+    def swept(self, broker: Any, key: str, result: ReleaseResult) -> None:
+        assert not result.handoffs, "nothing is due in an idle sweep"
+
+
+class _EveryKeyBackend(RedisBackend):
+    """How the sweep worked before: every waiting key at every pass."""
+
+    def due_keys(self) -> list[str]:
+        return self.waiting_keys()
+
+
+def _idle_sweep(ctx: Context) -> list[Figure]:
+    """Commands per process per pass (one pass a second) of the sweep and state watch, idle keys."""
+    keys, processes, passes = ctx.n(10_000, 1000), 10, ctx.n(5, 2)
+    ctx.flush()
+    setup = RedisBackend.from_url(ctx.redis_url)
+    for k in range(keys):  # a live holder (its lease ends in 10 minutes) and one parked waiter
+        setup.acquire(f"idle{k}", "h", limit=1, ttl_ms=600_000)
+        setup.acquire(f"idle{k}", "w", limit=1, ttl_ms=600_000, wait=Waiter(payload=b"x" * 200))
+    setup.close()
+    figures = []
+    for name, cls, label in [
+        ("due", RedisBackend, "now (due keys only)"),
+        ("every", _EveryKeyBackend, "before (every waiting key, every pass)"),
+    ]:
+        backends = [cls.from_url(ctx.redis_url) for _ in range(processes if name == "due" else 2)]
+        members: list[list[Member]] = [[(_SweepAll(b), None)] for b in backends]  # type: ignore[list-item]
+        watches = [
+            redis_watch.StateWatch(b, keys_every_s=redis_watch.KEYS_EVERY_S if name == "due" else 0)
+            for b in backends
+        ]
+        for b, m, w in zip(
+            backends, members, watches, strict=True
+        ):  # a first pass: the watch's first full check
+            sweep_all(b, m)
+            w.check()
+        count = passes if name == "due" else 1
+        before = _commands(ctx)
+        for _ in range(count):
+            for b, m, w in zip(backends, members, watches, strict=True):
+                sweep_all(b, m)
+                w.check()
+        per_pass = (_commands(ctx) - before) / (len(backends) * count)
+        for b in backends:
+            b.close()
+        figures.append(
+            Figure(
+                f"sweep_{name}_commands",
+                f"idle sweep + state watch, {keys:,} waiting keys: Redis commands / process / s, {label}",
+                per_pass,
+                vs=None if name == "due" else "cost/sweep_due_commands",
+                better="lower",
+                detail=f"{len(backends)} processes x {count} passes (sweep_interval 1 s) after a first; "
+                "the watch's full check of every key (amortized: at most 50 keys/s) is not in these passes",
+            )
+        )
+    ctx.flush()
+    return figures
+
+
+@scenario("cost", title="What a guard costs per message, and how it grows with the work", order=45)
+def cost(ctx: Context) -> list[Figure]:
+    """The per-guard cost table, the scaling curves and the idle sweep (``bench/scenarios/cost_actors.py``).
+
+    * per guard: the same actor (one INCR to count its completion) unguarded, on a broker with
+      the guard installed but no option, and with each guard; send rate (N sends, no worker),
+      drain rate on a real worker (2 processes x 8 threads; first send to last completion,
+      median of the repeats after a warm-up), the worker processes' CPU per message, and every
+      Redis command per message during the drain. Ratios against the unguarded row.
+    * scaling: one key with L holders and W parked waiters; a cycle releases a holder (its slot
+      handed to the oldest waiter), confirms the hand-off and parks a new message, so L and W
+      stay put. The Redis time per script call (INFO commandstats) and the round trip per
+      operation, for L = 8 / 100 / 1,000 / 10,000 (W = 10) and W = 10 / 1,000 / 100,000 (L = 8).
+      Flat means O(log n): a ratio near 1 against the smallest.
+    * idle sweep: 10,000 keys, each with a live holder and a parked waiter; 10 processes' sweep
+      passes (and their state watch), the commands per process per pass (one pass a second),
+      side by side with the sweep as it was (every waiting key at every pass, 2 processes).
+    """
+    return _per_guard(ctx) + _curves(ctx) + _idle_sweep(ctx)
