@@ -81,12 +81,13 @@ def _per_guard(ctx: Context) -> list[Figure]:
     os.environ["BENCH_COST"] = "1"
     os.environ.pop("BENCH_COST_GUARD", None)
     module = importlib.reload(ctx.import_actors("bench.scenarios.cost_actors"))
-    plain_tick = module.tick
+    plain_tick, module_floor = module.tick, module.floor_tick
     os.environ["BENCH_COST_GUARD"] = "1"
     guarded = importlib.reload(module)
     n = ctx.n(3000, 300)
     rows = [
         (_Row("plain", "unguarded (no guard installed)"), plain_tick),
+        (_Row("floor", "floor: unguarded + 2 no-op script round trips"), module_floor),
         (_Row("installed", "guard installed, nobody opts in"), guarded.tick),
         (_Row("dedup", 'dedup="until_executed", a new key per message'), guarded.dedup_tick),
         (_Row("mutex", "mutex=True, a key per message, never busy"), guarded.mutex_tick),
@@ -101,7 +102,8 @@ def _per_guard(ctx: Context) -> list[Figure]:
         threads=THREADS,
         env={"BENCH_COST": "1", "BENCH_COST_GUARD": ""},
     )
-    _measure(ctx, rows[0][0], plain_tick, worker.worker_pids, n)
+    for row, actor in rows[:2]:
+        _measure(ctx, row, actor, worker.worker_pids, n)
     ctx.stop_workers()
     ctx.flush()
     worker = ctx.worker(
@@ -110,7 +112,7 @@ def _per_guard(ctx: Context) -> list[Figure]:
         threads=THREADS,
         env={"BENCH_COST": "1", "BENCH_COST_GUARD": "1"},
     )
-    for row, actor in rows[1:]:
+    for row, actor in rows[2:]:
         _measure(ctx, row, actor, worker.worker_pids, n)
     ctx.stop_workers()
     os.environ.pop("BENCH_COST_GUARD", None)
@@ -328,8 +330,10 @@ def _idle_sweep(ctx: Context) -> list[Figure]:
 def cost(ctx: Context) -> list[Figure]:
     """The per-guard cost table, the scaling curves and the idle sweep (``bench/scenarios/cost_actors.py``).
 
-    * per guard: the same actor (one INCR to count its completion) unguarded, on a broker with
-      the guard installed but no option, and with each guard; send rate (N sends, no worker),
+    * per guard: the same actor (one INCR to count its completion) unguarded, unguarded with
+      two no-op script round trips (the floor of a guard that waits for one round trip before
+      the actor and one after), on a broker with the guard installed but no option, and with
+      each guard; send rate (N sends, no worker),
       drain rate on a real worker (2 processes x 8 threads; first send to last completion,
       median of the repeats after a warm-up), the worker processes' CPU per message, and every
       Redis command per message during the drain. Ratios against the unguarded row.

@@ -32,6 +32,15 @@ if os.environ.get("BENCH_COST"):
         """No guard option (on the guarded broker: installed, not opted into)."""
         cross_finish_line(broker.client, run_id, total)
 
+    noop = broker.client.register_script("return 1")
+
+    @dramatiq.actor(queue_name="bench_cost", max_retries=0)
+    def floor_tick(run_id: str, total: int, i: int) -> None:
+        """No guard, but the guard's two round trips: a no-op script before the work and one after."""
+        noop()
+        cross_finish_line(broker.client, run_id, total)
+        noop()
+
     if os.environ.get("BENCH_COST_GUARD"):
 
         @dramatiq.actor(queue_name="bench_cost", max_retries=0, dedup="until_executed")
