@@ -346,6 +346,25 @@ def test_vanished_waiters_a_lost_index_entry_and_a_flush_are_reported(
         backend.close()
 
 
+def test_the_waiters_check_reads_every_waiting_key_only_every_keys_every_s(
+    servers: Callable[..., RedisServer], registry: CollectorRegistry
+) -> None:
+    """Each sweep pass checks the server; every waiting key only every keys_every_s (its cost is O(keys))."""
+    server = servers()
+    backend = RedisBackend.from_url(server.url, namespace="g")
+    try:
+        backend.acquire("concurrency:a", "m1", limit=0, ttl_ms=MINUTE, wait=Waiter(payload=b"{}"))
+        watch = redis_watch.StateWatch(backend, keys_every_s=3600)
+        assert watch.check() == []  # the first check reads every waiting key
+        backend.client.delete("g:{concurrency:a}:waiters")
+        assert watch.check() == []  # not again within the hour
+        assert lost(registry, "vanished") == 0
+        watch.keys_every_s = 0
+        assert watch.check() == ["vanished"]
+    finally:
+        backend.close()
+
+
 def test_the_watch_ignores_other_backends_and_survives_an_unreachable_redis(
     servers: Callable[..., RedisServer],
 ) -> None:

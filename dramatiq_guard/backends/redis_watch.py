@@ -82,7 +82,7 @@ class StateWatch:
         seconds (10,000 keys: every 200 s), so it costs at most
         :data:`KEYS_PER_S` commands a second. The server checks (run id,
         flushes, evictions) run at every :meth:`check`, and a restart or a
-        flush triggers the waiters check at once.
+        flush triggers the waiters check at once. 0: at every check.
     """
 
     def __init__(self, backend: RedisBackend, *, keys_every_s: float = KEYS_EVERY_S) -> None:
@@ -141,7 +141,7 @@ class StateWatch:
         unindexed: list[Any] = []
         if (
             self.keys_checked is None
-            or now - self.keys_checked >= max(self.keys_every_s, len(self.waiting) / KEYS_PER_S)
+            or now - self.keys_checked >= self._keys_interval_s()
             or run_id != self.run_id
             or (commands and flushes != self.flushes)
         ):
@@ -200,6 +200,12 @@ class StateWatch:
         self.evicted = None if evicted is None else int(evicted)
         self.waiting = indexed
         return losses
+
+    def _keys_interval_s(self) -> float:
+        """How long between two waiters checks: ``keys_every_s``, longer with many keys (0: every check)."""
+        if self.keys_every_s <= 0:
+            return 0.0
+        return max(self.keys_every_s, len(self.waiting) / KEYS_PER_S)
 
     def _restarted(self, run_id: str, indexed: list[str]) -> list[str]:
         gone = [k for k in self.waiting if k not in indexed]
