@@ -279,8 +279,11 @@ class _Expirer:
                     target=self._run, name="dramatiq-guard-lease-cap", daemon=True
                 )
                 self._thread.start()
-            heapq.heappush(self._heap, (time.monotonic() + after_ms / 1000, next(self._count), lease))
-            self._cond.notify()
+            at = time.monotonic() + after_ms / 1000
+            earliest = not self._heap or at < self._heap[0][0]
+            heapq.heappush(self._heap, (at, next(self._count), lease))
+            if earliest:  # else the thread wakes for an earlier cap first, and looks again then
+                self._cond.notify()
 
     def cancel(self, lease: Lease) -> None:
         with self._cond:

@@ -44,6 +44,7 @@ processes) the child starts with a fresh, empty renewer of its own.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -119,6 +120,7 @@ class LeaseHandle:
         self.ttl_ms = ttl_ms
         self.on_lost: list[Callable[[LeaseHandle], None]] = []
         self._renewer = renewer
+        self._marked = False  # lost; _lost is set once the on_lost callbacks ran
         self._lost = threading.Event()
         self._marking = threading.Lock()
         # Set by register, cleared by unregister (under the renewer's lock): whether
@@ -140,7 +142,7 @@ class LeaseHandle:
         (:meth:`mark_lost`), so it never turns back to False. Once
         unregistered, a lease is no longer judged by time.
         """
-        if self._lost.is_set():
+        if self._marked:
             return True
         if self._active and time.monotonic() >= self.valid_until:
             self.mark_lost(_NOT_RENEWED)
@@ -148,7 +150,7 @@ class LeaseHandle:
         return False
 
     def wait_lost(self, timeout: float | None = None) -> bool:
-        """Block until the lease is lost or ``timeout`` seconds pass.
+        """Block until the lease is lost (and its ``on_lost`` callbacks ran) or ``timeout`` seconds pass.
 
         Returns:
           bool: Whether the lease is lost.
@@ -170,21 +172,24 @@ class LeaseHandle:
             (once, by whoever marks it first).
         """
         with self._marking:
-            first = not self._lost.is_set()
-            self._lost.set()
+            first = not self._marked
+            self._marked = True
         # Unregistered after it is marked: a reader never finds it neither renewed nor lost.
         self._renewer.unregister(self)
         if not first:
             return
-        if why is not None:
-            logger.warning("The lease of %r on guard key %r was lost: %s.", self.holder, self.key, why)
-        for callback in list(self.on_lost):
-            try:
-                callback(self)
-            except Exception:
-                logger.exception(
-                    "An on_lost callback of the lease of %r on %r failed.", self.holder, self.key
-                )
+        try:
+            if why is not None:
+                logger.warning("The lease of %r on guard key %r was lost: %s.", self.holder, self.key, why)
+            for callback in list(self.on_lost):
+                try:
+                    callback(self)
+                except Exception:
+                    logger.exception(
+                        "An on_lost callback of the lease of %r on %r failed.", self.holder, self.key
+                    )
+        finally:
+            self._lost.set()  # wait_lost() returns once the callbacks ran
 
     def __repr__(self) -> str:
         return (
@@ -205,6 +210,8 @@ class LeaseRenewer:
         self._busy: set[int] = set()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # When the thread wakes by itself (monotonic; inf: only when woken, -inf: it is awake).
+        self._sleeping_until = -math.inf
 
     def register(
         self,
@@ -250,7 +257,9 @@ class LeaseRenewer:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="dramatiq-guard-renewer", daemon=True)
                 self._thread.start()
-            self._changed.notify()
+            if min(handle.due, handle.valid_until) < self._sleeping_until:
+                # Only a lease due before the thread wakes anyway wakes it (not one per message).
+                self._changed.notify()
         return handle
 
     def unregister(self, handle: LeaseHandle) -> None:
@@ -283,7 +292,9 @@ class LeaseRenewer:
                     lapsed, batches, next_at = self._next()
                     if lapsed or batches:
                         break
+                    self._sleeping_until = math.inf if next_at is None else next_at
                     self._changed.wait(None if next_at is None else max(0.0, next_at - time.monotonic()))
+                    self._sleeping_until = -math.inf  # awake: it looks at every lease before sleeping
             for handle in lapsed:
                 handle.mark_lost(_NOT_RENEWED)
             for batch in batches:
