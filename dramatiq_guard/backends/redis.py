@@ -576,13 +576,10 @@ class RedisBackend(GuardBackend):
         Works on a Redis Cluster (redis-py routes each command to its slot).
         """
         check_count(waiters, "waiters")
-        names = [self._names(key) for key in keys]
+        pairs = [(key, self._names(key)) for key in keys]
         summaries: list[KeySummary] = []
-        for start in range(0, len(keys), self.SUMMARY_CHUNK):
-            chunk = list(
-                zip(keys[start : start + self.SUMMARY_CHUNK], names[start : start + self.SUMMARY_CHUNK])
-            )
-            summaries.extend(self._summary_chunk(chunk, waiters))
+        for start in range(0, len(pairs), self.SUMMARY_CHUNK):
+            summaries.extend(self._summary_chunk(pairs[start : start + self.SUMMARY_CHUNK], waiters))
         return summaries
 
     def _summary_chunk(self, chunk: list[tuple[str, _KeyNames]], waiters: int) -> list[KeySummary]:
@@ -611,10 +608,10 @@ class RedisBackend(GuardBackend):
         summaries = []
         for i, (key, _) in enumerate(chunk):
             holders, count, oldest, reserved, limit, recorded = replies[6 * i : 6 * i + 6]
-            first: tuple[WaiterPeek, ...] = ()
+            peeks: tuple[WaiterPeek, ...] = ()
             if firsts[i]:
                 payloads, infos = details.pop(0), details.pop(0)
-                first = tuple(
+                peeks = tuple(
                     WaiterPeek(
                         w,
                         since,
@@ -632,7 +629,7 @@ class RedisBackend(GuardBackend):
                     oldest_since_ms=int(float(oldest[0][1])) // 1000 if oldest else None,
                     limit=None if limit is None else int(limit),
                     recorded_limit=None if recorded is None else int(recorded),
-                    first=first,
+                    first=peeks,
                 )
             )
         return summaries
