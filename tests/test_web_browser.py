@@ -65,23 +65,28 @@ def browser() -> Iterator[Any]:
 
 @pytest.fixture
 def serve() -> Iterator[Callable[[Dashboard], str]]:
-    """Serve a dashboard with waitress on a free port of 127.0.0.1 (in a thread); returns its URL."""
-    import waitress  # type: ignore[import-untyped]
+    """Serve a dashboard on a free port of 127.0.0.1 (in a thread); returns its URL.
 
-    servers: list[Any] = []
+    Werkzeug's threaded server here, because it stops at once (``shutdown``);
+    ``dramatiq-guard serve`` (waitress) is started for real in tests/test_web.py.
+    """
+    from werkzeug.serving import BaseWSGIServer, make_server
+
+    servers: list[BaseWSGIServer] = []
     threads: list[threading.Thread] = []
 
     def start(app: Dashboard) -> str:
-        server = waitress.create_server(app, host="127.0.0.1", port=0, threads=4)
-        thread = threading.Thread(target=server.run, daemon=True)
+        server = make_server("127.0.0.1", 0, app, threaded=True)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         servers.append(server)
         threads.append(thread)
-        return f"http://127.0.0.1:{server.effective_port}"
+        return f"http://127.0.0.1:{server.server_port}"
 
     yield start
     for server in servers:
-        server.close()
+        server.shutdown()
+        server.server_close()
     for thread in threads:
         thread.join(timeout=10)
 
@@ -223,7 +228,9 @@ def test_keys_and_arguments_with_markup_render_as_text_and_writes_need_secret_an
     # Read-only: a write with the form token but without the secret is refused.
     csrf = next(c["value"] for c in page.context.cookies() if c["name"] == "dg_csrf")
     same_site = {"Origin": url}
-    refused = page.request.post(f"{url}/limit", form={"k": key, "limit": "0", "csrf": csrf}, headers=same_site)
+    refused = page.request.post(
+        f"{url}/limit", form={"k": key, "limit": "0", "csrf": csrf}, headers=same_site
+    )
     assert refused.status == 403 and "read-only" in refused.text()
     _unlock(page)
     # Unlocked: a write without the form token, or from another site, is refused.
@@ -234,5 +241,7 @@ def test_keys_and_arguments_with_markup_render_as_text_and_writes_need_secret_an
     )
     assert other_site.status == 403
     assert backend.get_limit(key) is None  # nothing was written
-    accepted = page.request.post(f"{url}/limit", form={"k": key, "limit": "0", "csrf": csrf}, headers=same_site)
+    accepted = page.request.post(
+        f"{url}/limit", form={"k": key, "limit": "0", "csrf": csrf}, headers=same_site
+    )
     assert accepted.ok and backend.get_limit(key) == 0

@@ -18,7 +18,7 @@ from werkzeug.utils import redirect
 from werkzeug.wrappers import Request, Response
 
 from dramatiq_guard import admin
-from dramatiq_guard.backends.base import GuardBackend
+from dramatiq_guard.backends.base import GuardBackend, check_key
 from dramatiq_guard.bounds import MAX_COUNT
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.web.history import History, sparkline
@@ -217,10 +217,11 @@ class Dashboard:
 
     # -- pages ------------------------------------------------------------------
 
-    def _key_arg(self, request: Request) -> str:
-        key = request.args.get("k", "")
+    def _key_arg(self, request: Request, values: Any = None) -> str:
+        """The guard key named by the ``k`` field (of the query, or of ``values``)."""
+        key = str((request.args if values is None else values).get("k", ""))
         try:
-            self.backend.summaries([key])
+            check_key(key)
         except ValueError as e:
             raise BadRequest(str(e)) from None
         return key
@@ -371,22 +372,17 @@ class Dashboard:
 
     def on_limit(self, request: Request) -> Response:
         self.require_write(request)
-        key = request.form.get("k", "")
+        key = self._key_arg(request, request.form)
         limit = self._limit_arg(request, request.form)
-        try:
-            lines = admin.set_limit(self.backend, key, limit, self.requeue)
-        except ValueError as e:
-            raise BadRequest(str(e)) from None
-        return self.done(request, key, lines)
+        return self.done(request, key, admin.set_limit(self.backend, key, limit, self.requeue))
 
     def on_release(self, request: Request) -> Response:
         self.require_write(request)
-        key = request.form.get("k", "")
-        try:
-            lines = admin.release_holders(self.backend, key, request.form.getlist("holder"), self.requeue)
-        except ValueError as e:
-            raise BadRequest(str(e)) from None
-        return self.done(request, key, lines)
+        key = self._key_arg(request, request.form)
+        # Only holders a release may release: never an unconfirmed hand-off (its payload is the only copy).
+        releasable = set(admin.releasable(self.backend.inspect(key)))
+        holders = [holder for holder in request.form.getlist("holder") if holder in releasable]
+        return self.done(request, key, admin.release_holders(self.backend, key, holders, self.requeue))
 
     def on_unlock(self, request: Request) -> Response:
         if self.write_secret is None:
