@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -245,3 +246,26 @@ def test_keys_and_arguments_with_markup_render_as_text_and_writes_need_secret_an
         f"{url}/limit", form={"k": key, "limit": "0", "csrf": csrf}, headers=same_site
     )
     assert accepted.ok and backend.get_limit(key) == 0
+
+
+def test_the_overview_of_ten_thousand_waiting_keys_is_paginated_and_quick(
+    redis_url: str, browser: Any, serve: Callable[[Dashboard], str]
+) -> None:
+    """Reports the render time (the budget is 1 s; timing is measured in bench/, never asserted)."""
+    from bench.scenarios.web import fill
+
+    fill(redis_url, "dramatiq-guard", 10_000)
+    url = serve(make_app(RedisBackend.from_url(redis_url)))
+    page = browser.new_page()
+    start = time.perf_counter()
+    page.goto(f"{url}/")
+    expect(page.locator("#keys tbody tr")).to_have_count(50)
+    elapsed = time.perf_counter() - start
+    expect(page.locator("nav.pages")).to_contain_text("page 1 of 200")
+    expect(page.locator("#counts")).to_contain_text("10000 key(s)")
+    served = page.evaluate("performance.getEntriesByType('navigation')[0].responseEnd")
+    print(
+        f"\noverview of 10,000 waiting keys: {elapsed * 1000:.0f} ms in chromium (response {served:.0f} ms)"
+    )
+    page.click("nav.pages a")
+    expect(page.locator("nav.pages")).to_contain_text("page 2 of 200")
