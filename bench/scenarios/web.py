@@ -89,7 +89,9 @@ def web(ctx: Context) -> list[Figure]:
             statistics.median(times) * 1000,
             "ms",
             better="lower",
-            detail=f"median of 5; min {min(times) * 1000:.0f} ms, max {max(times) * 1000:.0f} ms; budget 1000 ms",
+            detail=(
+                f"median of 5; min {min(times) * 1000:.0f} ms, max {max(times) * 1000:.0f} ms; budget 1000 ms"
+            ),
         )
     ]
 
@@ -105,4 +107,6 @@ if __name__ == "__main__":
         seconds, shown = measure(url, ns, 5)
     finally:
         drop(url, ns)
-    print(f"overview of {count} keys ({shown} rows shown): " + ", ".join(f"{s * 1000:.0f} ms" for s in seconds))
+    print(
+        f"overview of {count} keys ({shown} rows shown): " + ", ".join(f"{s * 1000:.0f} ms" for s in seconds)
+    )

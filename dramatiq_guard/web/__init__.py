@@ -120,6 +120,6 @@ def serve(app: Dashboard, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, 
     server as a development server, while waitress is a small, pure-Python
     production server with no dependencies of its own.
     """
-    import waitress  # type: ignore[import-untyped]
+    import waitress
 
     waitress.serve(app, host=host, port=port, threads=threads, ident="dramatiq-guard")
