@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -388,9 +389,12 @@ def test_serve_runs_the_dashboard_on_localhost(redis_url: str, tmp_path: Path) -
 
         page = wait_until(fetch, timeout=30, what="the dashboard to answer")
         assert "Unlock writes" in page and "No guard key has holders" in page
+        proc.send_signal(signal.SIGINT)  # as Ctrl-C: waitress stops, the command exits 0
+        assert proc.wait(timeout=30) == 0
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 def test_serve_refuses_a_bad_broker(capsys: pytest.CaptureFixture[str]) -> None:
