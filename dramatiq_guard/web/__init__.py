@@ -22,7 +22,9 @@ host application's own auth). Every POST must carry the session's CSRF token
 (``Origin``, else ``Referer``). Keys, actor names and arguments come from
 messages: the templates escape everything (Jinja2 autoescape), and a strict
 Content-Security-Policy allows no inline script. Reads are not protected:
-bind it to localhost, or protect its prefix in the host application.
+bind it to localhost, or protect its prefix in the host application. Behind a
+reverse proxy, pass the browser's ``Host`` on (or apply Werkzeug's
+``ProxyFix``), or the same-origin check refuses every write.
 """
 
 from __future__ import annotations
