@@ -1709,3 +1709,62 @@ def test_the_stale_copy_window_is_a_setting_of_each_backend(env: Env) -> None:
     assert made.stale_ttl_ms == 60_000
     with pytest.raises(ValueError, match="stale_ttl_ms"):
         MemoryBackend(stale_ttl_ms=0)
+
+
+# --- summaries: the overview of many keys -----------------------------------------------------
+
+
+def test_summaries_count_holders_waiters_and_limits_without_changing_anything(env: Env) -> None:
+    backend = env.backend()
+    other = "slots:other"
+    assert backend.acquire(KEY, "h1", limit=2, ttl_ms=60_000, info="deliver").acquired
+    assert backend.acquire(KEY, "h2", limit=2, ttl_ms=60_000).acquired
+    park(backend, "w1", limit=2)
+    blocking = backend.acquire(KEY, "w2", limit=2, ttl_ms=60_000, wait=Waiter(wait_ms=60_000), info="report")
+    assert blocking.parked
+    park(backend, "w3", limit=2)
+    backend.set_limit(other, 0)
+    before = backend.inspect(KEY)
+
+    summary, idle = backend.summaries([KEY, other], waiters=2)
+
+    assert backend.inspect(KEY) == before  # read only
+    assert (summary.key, summary.holders, summary.waiters, summary.reserved) == (KEY, 2, 3, 0)
+    assert summary.oldest_since_ms == before.waiters[0][1]
+    assert (summary.limit, summary.recorded_limit, summary.limit_in_force) == (None, 2, 2)
+    assert [(w.waiter_id, w.since_ms) for w in summary.first] == [(w, s) for w, s, _ in before.waiters[:2]]
+    assert [w.payload for w in summary.first] == [b"msg:w1", None]
+    assert summary.first[1].info == "report"
+    assert (idle.holders, idle.waiters, idle.oldest_since_ms, idle.limit, idle.limit_in_force) == (
+        0,
+        0,
+        None,
+        0,
+        0,
+    )
+    [plain] = backend.summaries([KEY])
+    assert plain.first == () and plain.oldest_since_ms == summary.oldest_since_ms
+
+
+def test_summaries_of_many_keys_come_back_in_order(env: Env) -> None:
+    backend = env.backend()
+    keys = [f"slots:many:{i}" for i in range(25)]
+    for i, key in enumerate(keys):
+        assert backend.acquire(key, f"h{i}", limit=1, ttl_ms=60_000).acquired
+        if i % 2:
+            park(backend, f"w{i}", key=key)
+    if isinstance(backend, RedisBackend):
+        backend.SUMMARY_CHUNK = 10  # several pipelines
+    got = backend.summaries(keys, waiters=1)
+    assert [s.key for s in got] == keys
+    assert [s.waiters for s in got] == [i % 2 for i in range(25)]
+    assert [[w.waiter_id for w in s.first] for s in got] == [[f"w{i}"] if i % 2 else [] for i in range(25)]
+    assert backend.summaries([]) == []
+
+
+def test_summaries_check_their_keys_and_count(env: Env) -> None:
+    backend = env.backend()
+    with pytest.raises(ValueError, match="key"):
+        backend.summaries([""])
+    with pytest.raises(ValueError, match="waiters"):
+        backend.summaries([KEY], waiters=-1)

@@ -65,7 +65,9 @@ def _park(backend: RedisBackend, key: str, waiter: str, payload: bytes = b"{}") 
         (["limit", "set"], ["KEY N | --actor NAME N", "--broker", "0 halts"]),
         (["limit", "clear"], ["KEY", "--actor"]),
         (["release"], ["KEY", "--yes", "--broker", "confirmation"]),
-        (["ledger"], ["prune", "show"]),
+        (["ledger"], ["prune", "show", "list"]),
+        (["ledger", "list"], ["--state", "--ledger", "--json"]),
+        (["serve"], ["--host", "--port", "--broker", "--write-secret", "web extra"]),
         (["ledger", "prune"], ["--older-than", "--ledger", "30d"]),
         (["ledger", "show"], ["KEY", "--ledger", "--json"]),
     ],
@@ -324,3 +326,50 @@ def test_bad_key_is_a_usage_error(run: Run) -> None:
         err
         == "dramatiq-guard: error: a guard key must be non-empty and must not start with '}', got '}bad'\n"
     )
+
+
+def test_inspect_describes_the_first_waiters_and_summarizes_many_keys(
+    backend: RedisBackend, run: Run
+) -> None:
+    message: dramatiq.Message[object] = dramatiq.Message(
+        queue_name="q", actor_name="deliver_webhook", args=(42, "x" * 200), kwargs={}, options={}
+    )
+    assert backend.acquire("slots:c1", "m1", limit=1, ttl_ms=MINUTE).acquired
+    _park(backend, "slots:c1", message.message_id, message.encode())
+    _park(backend, "slots:c1", "m3", b"not a message")
+    assert backend.acquire("slots:c2", "m4", limit=1, ttl_ms=MINUTE).acquired
+    _park(backend, "slots:c2", "m5")
+    backend.set_limit("slots:halted", 0)
+
+    status, out, _ = run("inspect", "slots:c1", "--json", "--waiters", "2")
+    assert status == 0
+    [key] = json.loads(out)["keys"]
+    first, second = key["waiters"]["first"]
+    assert (first["id"], first["parked"], first["actor"]) == (message.message_id, True, "deliver_webhook")
+    assert first["args"].startswith('42, "xxx') and first["args"].endswith("…")
+    assert (second["id"], second["actor"], second["args"]) == ("m3", None, "(cannot decode the message)")
+    assert (key["recorded_limit"], key["limit_in_force"]) == (1, 1)
+
+    status, out, _ = run("inspect", "slots:c1", "--waiters", "1")
+    assert status == 0
+    assert "WAITER" in out and "deliver_webhook" in out and "... and 1 more waiter(s)" in out
+
+    status, out, _ = run("inspect", "--summary", "--json")
+    assert status == 0
+    rows = json.loads(out)["keys"]
+    assert [r["key"] for r in rows] == ["slots:c1", "slots:c2", "slots:halted"]  # oldest wait first
+    assert {r["key"]: (r["holders"], r["waiters"], r["limit_in_force"]) for r in rows} == {
+        "slots:c1": (1, 2, 1),
+        "slots:c2": (1, 1, 1),
+        "slots:halted": (0, 0, 0),
+    }
+    status, out, _ = run("inspect", "--summary")
+    assert status == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["KEY", "KIND", "HOLDERS", "LIMIT", "WAITERS", "OLDEST"]
+    assert [line.split()[0] for line in lines[1:]] == ["slots:c1", "slots:c2", "slots:halted"]
+    assert "0 (run-time)" in lines[3]
+    status, out, _ = run("inspect", "nothing:*", "--summary")
+    assert (status, out.strip()) == (0, "No guard key matching 'nothing:*' has waiters or a run-time limit.")
+    status, _, err = run("inspect", "}bad")
+    assert status == 2 and "}" in err

@@ -5,8 +5,10 @@ from dramatiq_guard.backends.base import (
     GuardBackend,
     Handoff,
     KeyState,
+    KeySummary,
     ReleaseResult,
     Waiter,
+    WaiterPeek,
     Woken,
 )
 from dramatiq_guard.backends.memory import MemoryBackend
@@ -17,9 +19,11 @@ __all__ = [
     "GuardBackend",
     "Handoff",
     "KeyState",
+    "KeySummary",
     "MemoryBackend",
     "RedisBackend",
     "ReleaseResult",
     "Waiter",
+    "WaiterPeek",
     "Woken",
 ]

@@ -150,8 +150,10 @@ from dramatiq_guard.backends.values import (
     AcquireResult,
     Handoff,
     KeyState,
+    KeySummary,
     ReleaseResult,
     Waiter,
+    WaiterPeek,
     Woken,
 )
 from dramatiq_guard.errors import PayloadTooLarge
@@ -163,8 +165,10 @@ __all__ = [
     "GuardBackend",
     "Handoff",
     "KeyState",
+    "KeySummary",
     "ReleaseResult",
     "Waiter",
+    "WaiterPeek",
     "Woken",
     "check_acquire",
     "check_count",
@@ -491,6 +495,31 @@ class GuardBackend(abc.ABC):
         Found through an index kept by :meth:`set_limit`, never by scanning
         the keyspace, so a limited key with no holder and no waiter is found
         too (e.g. by ``dramatiq-guard inspect``).
+        """
+
+    @abc.abstractmethod
+    def summaries(self, keys: Sequence[str], *, waiters: int = 0) -> list[KeySummary]:
+        """A few numbers about each of ``keys``, for an overview of many keys.
+
+        Read only (nothing is reclaimed or handed on), and cheap: O(log n +
+        ``waiters``) per key in its holders and waiters, with every key's
+        reads sent together (the Redis backend pipelines them, in two round
+        trips when ``waiters`` > 0). A key with no state gets zero counts.
+        Each key's numbers are a snapshot of that key, but not necessarily
+        all of them of one instant (the Redis reads are not a transaction):
+        for display, never for decisions.
+
+        Parameters:
+          keys(Sequence[str]): The guard keys, e.g. from :meth:`waiting_keys`.
+          waiters(int): How many of each key's first waiters to return in
+            :attr:`KeySummary.first` (with their payloads), 0 for none.
+
+        Returns:
+          list[KeySummary]: One per key, in the order of ``keys``.
+
+        Raises:
+          ValueError: If a key is invalid (:func:`check_key`) or ``waiters``
+            out of range (:func:`check_count`).
         """
 
     def slow_call_warning(self, shortest_lease_ms: int) -> str | None:

@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from dramatiq_guard.backends.base import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -22,8 +22,10 @@ from dramatiq_guard.backends.base import (
     GuardBackend,
     Handoff,
     KeyState,
+    KeySummary,
     ReleaseResult,
     Waiter,
+    WaiterPeek,
     Woken,
     check_acquire,
     check_count,
@@ -515,6 +517,31 @@ class MemoryBackend(GuardBackend):
         """Keys that have a run-time limit (the backend's own table of limits), sorted."""
         with self._changed:
             return sorted(self._limits)
+
+    def summaries(self, keys: Sequence[str], *, waiters: int = 0) -> list[KeySummary]:
+        """A few numbers about each key; see :meth:`GuardBackend.summaries` (all under one lock)."""
+        check_count(waiters, "waiters")
+        for key in keys:
+            check_key(key)
+        with self._changed:
+            return [self._summary(key, self._guards.get(key), waiters) for key in keys]
+
+    def _summary(self, key: str, guard: _Guard | None, waiters: int) -> KeySummary:
+        limit = self._limits.get(key)
+        if guard is None:
+            return KeySummary(key, 0, 0, 0, None, limit, None)
+        # Sorting is O(n log n) here; this backend is for tests, where queues are short.
+        queue = sorted(guard.queue.items(), key=lambda item: item[1].place)
+        return KeySummary(
+            key,
+            holders=len(guard.holders),
+            waiters=len(queue),
+            reserved=len(guard.reserved),
+            oldest_since_ms=queue[0][1].since_ms if queue else None,
+            limit=limit,
+            recorded_limit=guard.default_limit,
+            first=tuple(WaiterPeek(w, e.since_ms, e.payload, e.info) for w, e in queue[:waiters]),
+        )
 
     def close(self) -> None:
         """Nothing to release; the state is kept (it is the process's memory)."""

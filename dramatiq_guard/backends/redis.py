@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
 import redis
@@ -29,8 +29,10 @@ from dramatiq_guard.backends.base import (
     GuardBackend,
     Handoff,
     KeyState,
+    KeySummary,
     ReleaseResult,
     Waiter,
+    WaiterPeek,
     Woken,
     check_acquire,
     check_count,
@@ -148,6 +150,7 @@ class RedisBackend(GuardBackend):
         # Scripts of their own, without the prelude: the lean common paths (see each file).
         self._lock = client.register_script(load_lua("lock"))
         self._renew = client.register_script(load_lua("renew"))
+        self._summaries = client.register_script(load_lua("summaries"))
         self._client_timeouts: Timeouts | None = None
 
     @classmethod
@@ -589,6 +592,101 @@ class RedisBackend(GuardBackend):
         """Keys that have a run-time limit, from the limits index kept by :meth:`set_limit`."""
         with reachable():
             return sorted(text(k) for k in self.client.smembers(self._limits_index))
+
+    #: How many keys :meth:`summaries` reads per pipeline.
+    SUMMARY_CHUNK = 1000
+
+    def summaries(self, keys: Sequence[str], *, waiters: int = 0) -> list[KeySummary]:
+        """A few numbers about each key; see :meth:`GuardBackend.summaries`.
+
+        Per key a ZCARD of its holders and waiters, a ZRANGE of its first
+        waiters, an HLEN of its reservations, a GET of its run-time limit
+        and an HGET of its recorded one, a thousand keys at a time: on a
+        standalone Redis in one read-only script call (``lua/summaries.lua``,
+        so a thousand keys cost one command), on a Redis Cluster pipelined
+        (redis-py routes each command to its slot). With ``waiters`` > 0, a
+        pipeline then reads the first waiters' payloads and infos (HMGET).
+        """
+        check_count(waiters, "waiters")
+        for key in keys:
+            check_key(key)
+        pairs = [(key, f"{self.namespace}:{{{key}}}:") for key in keys]
+        summaries: list[KeySummary] = []
+        for start in range(0, len(pairs), self.SUMMARY_CHUNK):
+            summaries.extend(self._summary_chunk(pairs[start : start + self.SUMMARY_CHUNK], waiters))
+        return summaries
+
+    def _summary_counts(self, chunk: list[tuple[str, str]], first: int) -> list[Any]:
+        """Six replies per key: ZCARD H, ZCARD W, its first waiters WITHSCORES, HLEN R, GET L, HGET M limit.
+
+        On a standalone Redis one script call (``lua/summaries.lua``) reads a
+        whole chunk; on a cluster, whose keys are in many slots, a pipeline.
+        """
+        if not self._in_cluster():
+            keys = [
+                p + suffix for _, p in chunk for suffix in ("holders", "waiters", "reserved", "limit", "meta")
+            ]
+            [reply] = run_scripts(self.client, [(self._summaries, keys, [first])])
+            if isinstance(reply, Exception):
+                raise reply
+            flat: list[Any] = []
+            for holders, count, oldest, reserved, limit, recorded in reply:
+                pairs = [(oldest[j], oldest[j + 1]) for j in range(0, len(oldest), 2)]
+                flat += [holders, count, pairs, reserved, limit, recorded]
+            return flat
+        pipe = self.client.pipeline(transaction=False)
+        for _, p in chunk:  # p: the prefix of the key's names (see _names)
+            pipe.zcard(p + "holders")
+            pipe.zcard(p + "waiters")
+            pipe.zrange(p + "waiters", 0, first - 1, withscores=True)
+            pipe.hlen(p + "reserved")
+            pipe.get(p + "limit")
+            pipe.hget(p + "meta", "limit")
+        return list(pipe.execute())
+
+    def _summary_chunk(self, chunk: list[tuple[str, str]], waiters: int) -> list[KeySummary]:
+        with reachable():
+            replies = self._summary_counts(chunk, max(waiters, 1))
+            firsts = [
+                [(text(w), int(float(score)) // 1000) for w, score in replies[6 * i + 2]][:waiters]
+                for i in range(len(chunk))
+            ]
+            details: Iterator[Any] = iter(())
+            if any(firsts):
+                pipe = self.client.pipeline(transaction=False)
+                for (_, p), first in zip(chunk, firsts, strict=True):
+                    if first:
+                        pipe.hmget(p + "payloads", [w for w, _ in first])
+                        pipe.hmget(p + "info", [w for w, _ in first])
+                details = iter(pipe.execute())
+        summaries = []
+        for i, (key, _) in enumerate(chunk):
+            holders, count, oldest, reserved, limit, recorded = replies[6 * i : 6 * i + 6]
+            peeks: tuple[WaiterPeek, ...] = ()
+            if firsts[i]:
+                payloads, infos = next(details), next(details)
+                peeks = tuple(
+                    WaiterPeek(
+                        w,
+                        since,
+                        None if payload is None else data(payload),
+                        None if info is None else (text(info).partition("|")[2] or None),
+                    )
+                    for (w, since), payload, info in zip(firsts[i], payloads, infos, strict=True)
+                )
+            summaries.append(
+                KeySummary(
+                    key,
+                    holders=int(holders),
+                    waiters=int(count),
+                    reserved=int(reserved),
+                    oldest_since_ms=int(float(oldest[0][1])) // 1000 if oldest else None,
+                    limit=None if limit is None else int(limit),
+                    recorded_limit=None if recorded is None else int(recorded),
+                    first=peeks,
+                )
+            )
+        return summaries
 
     def close(self) -> None:
         """Close the client if this backend made it (:meth:`from_url`)."""

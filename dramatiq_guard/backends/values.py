@@ -5,7 +5,17 @@ from __future__ import annotations
 import dataclasses
 import time
 
-__all__ = ["HOLDERS_SHOWN", "AcquireResult", "Handoff", "KeyState", "ReleaseResult", "Waiter", "Woken"]
+__all__ = [
+    "HOLDERS_SHOWN",
+    "AcquireResult",
+    "Handoff",
+    "KeyState",
+    "KeySummary",
+    "ReleaseResult",
+    "Waiter",
+    "WaiterPeek",
+    "Woken",
+]
 
 #: How many holders a refused acquire names (:attr:`AcquireResult.holders`); the
 #: Redis scripts' ``HOLDERS_SHOWN`` (``_prelude.lua``) is the same (a test keeps them equal).
@@ -164,3 +174,57 @@ class Waiter:
 
     payload: bytes | None = None
     wait_ms: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class WaiterPeek:
+    """One of the first waiters of a key, as :meth:`GuardBackend.summaries` shows it.
+
+    Parameters:
+      waiter_id(str): The waiter's id (a message id).
+      since_ms(int): When it queued (its place in the FIFO), on the backend's clock.
+      payload(bytes|None): The parked message, or None for a blocking
+        waiter, a confirmed standby, or a waiter handed a slot between the
+        two reads of a Redis summary.
+      info(str|None): What a ready waiter's thread said of it (its actor's
+        name), if anything.
+    """
+
+    waiter_id: str
+    since_ms: int
+    payload: bytes | None
+    info: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class KeySummary:
+    """A few numbers about a key, cheap to read for many keys (:meth:`GuardBackend.summaries`).
+
+    Parameters:
+      key(str): The guard key.
+      holders(int): How many holders it has (lapsed ones not yet reclaimed
+        included, as :meth:`GuardBackend.inspect` shows them).
+      waiters(int): How many waiters are queued.
+      reserved(int): How many holders are unconfirmed hand-offs.
+      oldest_since_ms(int|None): When the oldest waiter queued, or None.
+      limit(int|None): The run-time limit, or None.
+      recorded_limit(int|None): The default limit recorded with the key's
+        waiters by a process that knows it (see *limits known from the
+        backend*), or None.
+      first(tuple[WaiterPeek, ...]): The first waiters in FIFO order, as
+        many as asked for.
+    """
+
+    key: str
+    holders: int
+    waiters: int
+    reserved: int
+    oldest_since_ms: int | None
+    limit: int | None
+    recorded_limit: int | None
+    first: tuple[WaiterPeek, ...] = ()
+
+    @property
+    def limit_in_force(self) -> int | None:
+        """The run-time limit, else the recorded one, else None (unknown here)."""
+        return self.limit if self.limit is not None else self.recorded_limit

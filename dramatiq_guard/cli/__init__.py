@@ -10,6 +10,8 @@ Usage (``dramatiq-guard COMMAND --help`` for each)::
   dramatiq-guard release KEY [--yes] [--broker MODULE:ATTR]
   dramatiq-guard ledger prune --older-than 30d [--ledger URL]
   dramatiq-guard ledger show KEY [--ledger URL] [--json]
+  dramatiq-guard ledger list [--state S] [--ledger URL] [--json]
+  dramatiq-guard serve [--host 127.0.0.1] [--port 8470] [--broker MODULE:ATTR] [--write-secret S]
 
 Redis comes from ``--redis`` or ``DRAMATIQ_GUARD_REDIS_URL`` (default
 ``redis://localhost:6379/0``); the ledger's database from ``--ledger`` or
@@ -60,6 +62,7 @@ from typing import TextIO
 
 from dramatiq_guard.cli.commands import (
     _cmd_inspect,
+    _cmd_ledger_list,
     _cmd_ledger_prune,
     _cmd_ledger_show,
     _cmd_limit_clear,
@@ -79,6 +82,7 @@ from dramatiq_guard.cli.common import (
     _limit_arg,
     parse_duration,
 )
+from dramatiq_guard.cli.serve import _serve_parser
 from dramatiq_guard.resolve import REDIS_URL_ENV
 
 __all__ = ["REDIS_URL_ENV", "Context", "build_parser", "main", "parse_duration"]
@@ -148,6 +152,18 @@ def build_parser() -> argparse.ArgumentParser:
         "pattern", nargs="?", default="*", metavar="PATTERN", help="a key or a glob pattern (default: *)"
     )
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    inspect.add_argument(
+        "--summary",
+        action="store_true",
+        help="one line per key (holders, limit, waiters, oldest wait), most in need of a look first",
+    )
+    inspect.add_argument(
+        "--waiters",
+        metavar="N",
+        type=_limit_arg,
+        default=10,
+        help="describe each key's first N waiters: actor, arguments, waited for (default: %(default)s)",
+    )
     inspect.set_defaults(run=_cmd_inspect)
 
     limit = commands.add_parser(
@@ -263,6 +279,27 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("key", metavar="KEY", help="the idempotency key")
     show.add_argument("--json", action="store_true", help="print JSON")
     show.set_defaults(run=_cmd_ledger_show)
+    list_ = ledgers.add_parser(
+        "list",
+        parents=[ledger_common],
+        help="count rows by state and list the in-progress and failed ones",
+        description=(
+            "Count the ledger's rows by state, and list the most recently updated rows of some states "
+            "(default: in_progress and failed)."
+        ),
+    )
+    list_.add_argument(
+        "--state",
+        action="append",
+        choices=["in_progress", "completed", "failed"],
+        help="list rows of this state (repeatable)",
+    )
+    list_.add_argument(
+        "--limit", metavar="N", type=_limit_arg, default=50, help="rows per state (default: 50)"
+    )
+    list_.add_argument("--json", action="store_true", help="print JSON")
+    list_.set_defaults(run=_cmd_ledger_list)
+    _serve_parser(commands, common)
     return parser
 
 

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import importlib
 import json
-import os
-import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from dramatiq_guard.backends.base import GuardBackend, Handoff, KeyState
+from dramatiq_guard import admin
+from dramatiq_guard.backends.base import GuardBackend, KeyState
 from dramatiq_guard.cli.common import (
     Context,
     OperationalError,
@@ -31,70 +28,26 @@ def _check_key(backend: GuardBackend, key: str) -> KeyState:
         raise UsageError(str(e)) from None
 
 
-def _now_ms(backend: GuardBackend) -> int:
-    """Now on the backend's clock (Redis ``TIME`` for a single Redis), in milliseconds."""
-    client = getattr(backend, "client", None)
-    import redis
-
-    if isinstance(client, redis.Redis):
-        seconds, micros = client.time()
-        return int(seconds) * 1000 + int(micros) // 1000
-    return time.time_ns() // 1_000_000
-
-
-def _key_view(key: str, state: KeyState, now: int) -> dict[str, Any]:
-    reserved = set(state.reserved)
-    info = {holder: (since, actor) for holder, since, actor in state.holder_info}
-    holders = []
-    for holder, deadline in state.holders:
-        since, actor = info.get(holder, (None, None))
-        holders.append(
-            {
-                "holder": holder,
-                "deadline_ms": deadline,
-                "lease_left_ms": deadline - now,
-                "reserved": holder in reserved,
-                "actor": actor,
-                "since_ms": since,
-            }
-        )
-    parked = sum(1 for _, _, is_parked in state.waiters if is_parked)
-    oldest = min((since for _, since, _ in state.waiters), default=None)
-    return {
-        "key": key,
-        "limit": state.limit,
-        "holders": holders,
-        "waiters": {
-            "count": len(state.waiters),
-            "parked": parked,
-            "blocking": len(state.waiters) - parked,
-            "oldest_age_ms": None if oldest is None else now - oldest,
-            "ids": [waiter for waiter, _, _ in state.waiters],
-        },
-        "token": state.token,
-    }
-
-
-def _indexed_keys(backend: GuardBackend) -> list[str]:
-    keys = list(backend.waiting_keys())
-    limit_keys: Callable[[], list[str]] | None = getattr(backend, "limit_keys", None)
-    if limit_keys is not None:
-        keys.extend(k for k in limit_keys() if k not in keys)
-    return keys
-
-
 def _cmd_inspect(ctx: Context) -> int:
+    if ctx.args.summary:
+        return _inspect_summary(ctx)
     backend = ctx.backend
     pattern: str = ctx.args.pattern
-    keys = [k for k in _indexed_keys(backend) if fnmatch.fnmatchcase(k, pattern)]
+    keys = [k for k in admin.indexed_keys(backend) if fnmatch.fnmatchcase(k, pattern)]
     if not any(c in pattern for c in "*?[") and pattern not in keys:
         keys.append(pattern)
-    now = _now_ms(backend)
-    views = []
-    for key in sorted(keys):
-        state = _check_key(backend, key)
-        if state.holders or state.waiters or state.limit is not None or key == pattern:
-            views.append(_key_view(key, state, now))
+    keys.sort()
+    try:
+        summaries = backend.summaries(keys, waiters=ctx.args.waiters)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    now = admin.now_ms(backend)
+    views = [
+        admin.key_view(key, state, now, summary)
+        for key, summary in zip(keys, summaries, strict=True)
+        for state in (backend.inspect(key),)
+        if state.holders or state.waiters or state.limit is not None or key == pattern
+    ]
     settings = _redis_settings(backend)
     if ctx.args.json:
         report: dict[str, Any] = {"now_ms": now, "keys": views}
@@ -110,6 +63,34 @@ def _cmd_inspect(ctx: Context) -> int:
         ctx.print(f"Redis {settings.where}:")
         for line in settings.describe():
             ctx.print(f"  {line}")
+    return 0
+
+
+def _inspect_summary(ctx: Context) -> int:
+    """``inspect --summary``: one line per key, most in need of a look first (the dashboard's overview)."""
+    report = admin.overview(ctx.backend, pattern=ctx.args.pattern)
+    if ctx.args.json:
+        ctx.print(json.dumps(report, indent=2))
+        return 0
+    if not report["keys"]:
+        ctx.print(f"No guard key matching {ctx.args.pattern!r} has waiters or a run-time limit.")
+        return 0
+    rows = [("KEY", "KIND", "HOLDERS", "LIMIT", "WAITERS", "OLDEST")]
+    for row in report["keys"]:
+        limit = row["limit_in_force"]
+        rows.append(
+            (
+                row["key"],
+                row["kind"],
+                str(row["holders"]),
+                "?" if limit is None else str(limit) + ("" if row["limit"] is None else " (run-time)"),
+                str(row["waiters"]),
+                _format_ms(row["oldest_age_ms"]),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    for row in rows:
+        ctx.print("  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths, strict=True)) + "  " + row[5])
     return 0
 
 
@@ -136,6 +117,7 @@ def _print_key(ctx: Context, view: dict[str, Any], now: int) -> None:
         )
     ctx.print(f"{view['key']}")
     ctx.print(f"  {summary}")
+    rows: list[tuple[str, ...]]
     if view["holders"]:
         rows = [("HOLDER", "LEASE LEFT", "ACTOR", "SINCE")]
         for holder in view["holders"]:
@@ -148,87 +130,48 @@ def _print_key(ctx: Context, view: dict[str, Any], now: int) -> None:
                     "-" if since is None else f"{_format_ms(now - since)} ago",
                 )
             )
-        widths = [max(len(row[i]) for row in rows) for i in range(3)]
-        for row in rows:
-            ctx.print(
-                "  "
-                + "  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True))
-                + "  "
-                + row[3]
+        _print_table(ctx, rows)
+    first = view["waiters"].get("first") or []
+    if first:
+        rows = [("WAITER", "WAITED", "KIND", "ACTOR", "ARGUMENTS")]
+        for waiter in first:
+            rows.append(
+                (
+                    waiter["id"],
+                    _format_ms(waiter["waited_ms"]),
+                    "parked" if waiter["parked"] else "blocking",
+                    waiter["actor"] or "-",
+                    waiter["args"] or "-",
+                )
             )
+        _print_table(ctx, rows)
+        if waiters["count"] > len(first):
+            ctx.print(f"  ... and {waiters['count'] - len(first)} more waiter(s)")
 
 
-#: Puts handed-off parked messages back on the app's broker and confirms them.
-Requeue = Callable[[Sequence[Handoff]], None]
-
-
-def _requeue(ctx: Context, handoffs: Sequence[Handoff], requeue: Requeue | None) -> str:
-    """Put handed-off parked messages back on the broker, or leave them reserved; say which.
-
-    Parameters:
-      requeue: What ``--broker`` gives (see :func:`_broker_requeue`), or None.
-    """
-    parked = [h for h in handoffs if h.payload is not None]
-    woken = len(handoffs) - len(parked)
-    notes = []
-    if woken:
-        notes.append(f"{woken} blocking waiter(s) woken")
-    if not parked:
-        return "; ".join(notes) or "no waiter was handed a slot"
-    if requeue is None:
-        ttl = _format_ms(ctx.backend.handoff_ttl_ms)
-        notes.append(
-            f"{len(parked)} parked message(s) handed a slot and left reserved: a worker's sweep "
-            f"re-enqueues them once the reservation lapses (~{ttl}); pass --broker to re-enqueue now"
+def _print_table(ctx: Context, rows: Sequence[Sequence[str]]) -> None:
+    """Rows as aligned columns, indented; the last column is not padded."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        ctx.print(
+            "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
         )
-        return "; ".join(notes)
-    requeue(parked)
-    # A hand-off whose re-enqueue failed is still an unconfirmed reservation
-    # (its payload stored): it lapses back into the queue by itself.
-    failed = [h.waiter_id for h in parked if h.waiter_id in ctx.backend.inspect(h.key).reserved]
-    notes.append(f"{len(parked) - len(failed)} parked message(s) re-enqueued")
-    if failed:
-        notes.append(f"could not re-enqueue {', '.join(failed)}: left reserved (see the log)")
-    return "; ".join(notes)
 
 
-def _broker_requeue(ctx: Context) -> Requeue | None:
+def _broker_requeue(ctx: Context) -> admin.Requeue | None:
     """How to re-enqueue hand-offs on the ``--broker MODULE:ATTR``, or None without it.
 
-    Loaded before anything changes, so a bad ``--broker`` changes nothing.
-    Each hand-off is delivered exactly as a worker would
-    (:func:`dramatiq_guard.delivery.courier_for`): by the guard middleware on
-    that broker that claims its key, else enqueued through the gate as
-    holding its key and confirmed for the backend's hand-off time.
+    Loaded before anything changes, so a bad ``--broker`` changes nothing
+    (see :func:`dramatiq_guard.admin.broker_requeue`).
     """
     spec: str | None = getattr(ctx.args, "broker", None)
     if spec is None:
         return None
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise UsageError(f"--broker must be MODULE:ATTR (e.g. myapp.tasks:broker), got {spec!r}")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     try:
-        broker = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise UsageError(f"--broker {spec}: {e}") from None
-    from dramatiq import Broker
-
-    from dramatiq_guard.delivery import courier_for
-    from dramatiq_guard.resolve import route_of
-
-    if not isinstance(broker, Broker):
-        raise UsageError(f"--broker {spec} is a {type(broker).__name__}, not a dramatiq Broker")
-    backend = ctx.backend
-    # This command now delivers for that broker: its parked messages may be handed their slots.
-    backend.route = route_of(broker)
-
-    def requeue(handoffs: Sequence[Handoff]) -> None:
-        for handoff in handoffs:
-            courier_for(broker, backend, handoff.key).deliver([handoff])
-
-    return requeue
+        broker = admin.load_broker(spec)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return admin.broker_requeue(broker, ctx.backend)
 
 
 def _actor_limit_key(name: str) -> str:
@@ -261,11 +204,10 @@ def _cmd_limit_set(ctx: Context) -> int:
     backend = ctx.backend
     _check_key(backend, key)
     requeue = _broker_requeue(ctx)
-    # The default is only used if no run-time limit is in force; here one always is.
-    result = backend.set_limit(key, ctx.args.limit, default=0)
-    ctx.print(f"{key}: limit set to {ctx.args.limit}" + (" (halted)" if ctx.args.limit == 0 else ""))
-    if result.handoffs:
-        ctx.print(f"  {_requeue(ctx, result.handoffs, requeue)}")
+    first, *notes = admin.set_limit(backend, key, ctx.args.limit, requeue)
+    ctx.print(first)
+    for note in notes:
+        ctx.print(f"  {note}")
     return 0
 
 
@@ -286,7 +228,7 @@ def _cmd_release(ctx: Context) -> int:
     state = _check_key(backend, key)
     requeue = _broker_requeue(ctx)
     reserved = set(state.reserved)
-    holders = [holder for holder, _ in state.holders if holder not in reserved]
+    holders = admin.releasable(state)
     if not holders:
         extra = f" ({len(reserved)} unconfirmed hand-off(s) left to lapse)" if reserved else ""
         ctx.print(f"{key}: no holder to release{extra}")
@@ -302,17 +244,10 @@ def _cmd_release(ctx: Context) -> int:
             ctx.print()
         if answer not in {"y", "yes"}:
             raise OperationalError("not released (not confirmed; pass --yes to skip the question)")
-    # The command does not know the actor: the backend uses the limit recorded with the key's
-    # waiters (a run-time limit, if set, wins anyway).
-    released = 0
-    handoffs: list[Handoff] = []
-    for holder in holders:
-        result = backend.release(key, holder, limit=None)
-        released += result.released
-        handoffs.extend(result.handoffs)
-    ctx.print(f"{key}: released {released} holder(s)")
-    if handoffs:
-        ctx.print(f"  {_requeue(ctx, handoffs, requeue)}")
+    first, *notes = admin.release_holders(backend, key, holders, requeue)
+    ctx.print(first)
+    for note in notes:
+        ctx.print(f"  {note}")
     return 0
 
 
@@ -360,4 +295,25 @@ def _cmd_ledger_show(ctx: Context) -> int:
     for name, value in fields.items():
         text = json.dumps(value, default=str) if name in ("payload", "result") else value
         ctx.print(f"{name + ':':<{width + 1}} {'-' if value is None else text}")
+    return 0
+
+
+def _cmd_ledger_list(ctx: Context) -> int:
+    ledger = _ledger(ctx)
+    states = ctx.args.state or ["in_progress", "failed"]
+    view = admin.ledger_view(ledger, states=states, limit=ctx.args.limit)
+    if ctx.args.json:
+        ctx.print(json.dumps(view, indent=2, default=str))
+        return 0
+    counts = view["counts"]
+    ctx.print("rows: " + ("  ".join(f"{state} {n}" for state, n in sorted(counts.items())) or "none"))
+    for state, rows in view["rows"].items():
+        ctx.print(f"{state}: {len(rows)} shown")
+        if rows:
+            table = [("KEY", "ACTOR", "ATTEMPTS", "UPDATED", "ERROR")]
+            table.extend(
+                (r["key"], r["actor_name"], str(r["attempts"]), r["updated_at"], r["error"] or "-")
+                for r in rows
+            )
+            _print_table(ctx, table)
     return 0

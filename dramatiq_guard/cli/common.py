@@ -8,6 +8,7 @@ import os
 import re
 from typing import Any, TextIO
 
+from dramatiq_guard.admin import format_ms
 from dramatiq_guard.backends.base import GuardBackend
 from dramatiq_guard.bounds import MAX_COUNT, MAX_RETENTION_MS
 from dramatiq_guard.resolve import REDIS_URL_ENV
@@ -80,19 +81,8 @@ def _limit_arg(text: str) -> int:
     return value
 
 
-def _format_ms(ms: int | None) -> str:
-    if ms is None:
-        return "-"
-    if ms < 0:
-        return "lapsed"
-    if ms < 10_000:
-        return f"{ms / 1000:.1f}s"
-    seconds = ms // 1000
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
-    if seconds < 86_400:
-        return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
-    return f"{seconds // 86_400}d{(seconds % 86_400) // 3600:02d}h"
+#: A duration for people (shared with the dashboard).
+_format_ms = format_ms
 
 
 # -- running ------------------------------------------------------------------

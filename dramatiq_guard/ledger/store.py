@@ -417,24 +417,25 @@ class Ledger:
         t = self.table
         with self.engine.connect() as conn:
             row = conn.execute(sa.select(t).where(t.c.idempotency_key == storage_key(key))).first()
-        if row is None:
-            return None
-        return LedgerRecord(
-            key=row.idempotency_key,
-            state=row.state,
-            actor_name=row.actor_name,
-            fingerprint=row.fingerprint,
-            payload=row.payload,
-            result=row.result,
-            error=row.error,
-            attempts=row.attempts,
-            holder=row.holder,
-            fencing_token=row.fencing_token,
-            created_at=row.created_at,
-            updated_at=row.updated_at,
-            completed_at=row.completed_at,
-            expires_at=row.expires_at,
-        )
+        return None if row is None else _record(row)
+
+    def counts(self) -> dict[str, int]:
+        """How many rows the ledger has in each state (expired rows not yet pruned included)."""
+        self.prepare()
+        t = self.table
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(t.c.state, sa.func.count()).group_by(t.c.state)).all()
+        return {str(state): int(count) for state, count in rows}
+
+    def rows(self, *, state: str | None = None, limit: int = 50) -> list[LedgerRecord]:
+        """The most recently updated rows (of one ``state``, if given), at most ``limit``."""
+        self.prepare()
+        t = self.table
+        query = sa.select(t).order_by(t.c.updated_at.desc()).limit(limit)
+        if state is not None:
+            query = query.where(t.c.state == state)
+        with self.engine.connect() as conn:
+            return [_record(row) for row in conn.execute(query)]
 
     def prune(self, older_than: Duration | None = None) -> int:
         """Delete the rows that no longer protect their key; return how many.
@@ -458,6 +459,26 @@ class Ledger:
             condition = sa.or_(condition, sa.and_(t.c.state != IN_PROGRESS, t.c.updated_at <= cutoff))
         with self.engine.begin() as conn:
             return int(conn.execute(sa.delete(t).where(condition)).rowcount)
+
+
+def _record(row: Any) -> LedgerRecord:
+    """A row of the table as a :class:`LedgerRecord`."""
+    return LedgerRecord(
+        key=row.idempotency_key,
+        state=row.state,
+        actor_name=row.actor_name,
+        fingerprint=row.fingerprint,
+        payload=row.payload,
+        result=row.result,
+        error=row.error,
+        attempts=row.attempts,
+        holder=row.holder,
+        fencing_token=row.fencing_token,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        completed_at=row.completed_at,
+        expires_at=row.expires_at,
+    )
 
 
 def _row(

@@ -1,0 +1,412 @@
+"""What the ``dramatiq-guard`` command and the web dashboard show and do.
+
+Both read the guard through the functions here, so the dashboard shows
+nothing the command's view (``inspect --json``, ``inspect --summary --json``,
+``ledger list --json``) does not have, and both change it through the same
+two writes: :func:`set_limit` and :func:`release_holders`.
+
+Views are plain dicts of JSON values (the command prints them as JSON;
+the dashboard renders them with autoescaping on). Keys, actor names and
+arguments come from messages: they are data, never markup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import importlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from dramatiq_guard.backends.base import GuardBackend, Handoff, KeyState, KeySummary, WaiterPeek
+
+if TYPE_CHECKING:
+    from dramatiq import Broker
+
+    from dramatiq_guard.ledger import Ledger
+
+__all__ = [
+    "KINDS",
+    "Requeue",
+    "broker_requeue",
+    "describe_payload",
+    "format_ms",
+    "indexed_keys",
+    "key_detail",
+    "key_view",
+    "kind_of",
+    "ledger_view",
+    "load_broker",
+    "now_ms",
+    "overview",
+    "release_holders",
+    "set_limit",
+    "summary_view",
+]
+
+#: The kinds of guard keys, by the prefix the middlewares give them.
+KINDS = ("dedup", "mutex", "concurrency")
+
+#: How many characters of a waiter's arguments a view shows.
+ARGS_CHARS = 120
+
+
+def format_ms(ms: int | None) -> str:
+    """A duration for people: ``2.5s``, ``4m05s``, ``3h10m``, ``2d04h``; ``lapsed`` below 0."""
+    if ms is None:
+        return "-"
+    if ms < 0:
+        return "lapsed"
+    if ms < 10_000:
+        return f"{ms / 1000:.1f}s"
+    seconds = ms // 1000
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+    if seconds < 86_400:
+        return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
+    return f"{seconds // 86_400}d{(seconds % 86_400) // 3600:02d}h"
+
+
+def now_ms(backend: GuardBackend) -> int:
+    """Now on the backend's clock (Redis ``TIME`` for a single Redis), in milliseconds."""
+    client = getattr(backend, "client", None)
+    import redis
+
+    if isinstance(client, redis.Redis):
+        seconds, micros = client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+    return time.time_ns() // 1_000_000
+
+
+def indexed_keys(backend: GuardBackend) -> list[str]:
+    """The keys of the backend's indexes: keys with waiters, then keys with a run-time limit."""
+    keys = list(backend.waiting_keys())
+    seen = set(keys)
+    keys.extend(k for k in backend.limit_keys() if k not in seen)
+    return keys
+
+
+def kind_of(key: str) -> str:
+    """``dedup``, ``mutex`` or ``concurrency`` (by the key's prefix), else ``other``."""
+    prefix = key.partition(":")[0]
+    if prefix == "concurrency-default":
+        return "concurrency"
+    return prefix if prefix in KINDS else "other"
+
+
+def describe_payload(payload: bytes | None) -> tuple[str | None, str | None]:
+    """A parked message's actor and its first arguments (shortened), or ``(None, None)``.
+
+    Decoded with Dramatiq's global encoder; a payload it cannot decode is
+    described as such, never raised.
+    """
+    if payload is None:
+        return None, None
+    from dramatiq import Message
+
+    try:
+        message = Message.decode(payload)
+    except Exception:
+        return None, "(cannot decode the message)"
+    parts = [json.dumps(arg, default=repr) for arg in message.args[:3]]
+    parts.extend(f"{name}={json.dumps(value, default=repr)}" for name, value in message.kwargs.items())
+    text = ", ".join(parts)
+    if len(text) > ARGS_CHARS or len(message.args) > 3:
+        text = text[:ARGS_CHARS] + "…"
+    return message.actor_name, text
+
+
+def _waiter_view(peek: WaiterPeek, now: int) -> dict[str, Any]:
+    actor, args = describe_payload(peek.payload)
+    return {
+        "id": peek.waiter_id,
+        "since_ms": peek.since_ms,
+        "waited_ms": now - peek.since_ms,
+        "parked": peek.payload is not None,
+        "actor": actor or peek.info,
+        "args": args,
+    }
+
+
+def key_view(key: str, state: KeyState, now: int, summary: KeySummary | None = None) -> dict[str, Any]:
+    """One key as the command (``inspect --json``) and the dashboard's key page show it.
+
+    Parameters:
+      state(KeyState): The key's snapshot (:meth:`GuardBackend.inspect`).
+      now(int): Now on the backend's clock (:func:`now_ms`).
+      summary(KeySummary|None): Its summary with the first waiters
+        (:meth:`GuardBackend.summaries`), for their actors and arguments and
+        the recorded limit; without it those are left out.
+    """
+    reserved = set(state.reserved)
+    info = {holder: (since, actor) for holder, since, actor in state.holder_info}
+    holders = []
+    for holder, deadline in state.holders:
+        since, actor = info.get(holder, (None, None))
+        holders.append(
+            {
+                "holder": holder,
+                "deadline_ms": deadline,
+                "lease_left_ms": deadline - now,
+                "reserved": holder in reserved,
+                "actor": actor,
+                "since_ms": since,
+            }
+        )
+    parked = sum(1 for _, _, is_parked in state.waiters if is_parked)
+    oldest = min((since for _, since, _ in state.waiters), default=None)
+    view: dict[str, Any] = {
+        "key": key,
+        "kind": kind_of(key),
+        "limit": state.limit,
+        "holders": holders,
+        "waiters": {
+            "count": len(state.waiters),
+            "parked": parked,
+            "blocking": len(state.waiters) - parked,
+            "oldest_age_ms": None if oldest is None else now - oldest,
+            "ids": [waiter for waiter, _, _ in state.waiters],
+        },
+        "token": state.token,
+    }
+    if summary is not None:
+        view["recorded_limit"] = summary.recorded_limit
+        view["limit_in_force"] = state.limit if state.limit is not None else summary.recorded_limit
+        view["waiters"]["first"] = [_waiter_view(peek, now) for peek in summary.first]
+    return view
+
+
+def key_detail(backend: GuardBackend, key: str, *, waiters: int = 100) -> dict[str, Any]:
+    """:func:`key_view` of ``key`` read now (and ``now_ms``), with its first ``waiters`` waiters described.
+
+    Raises:
+      ValueError: If ``key`` is not a valid guard key.
+    """
+    state = backend.inspect(key)
+    [summary] = backend.summaries([key], waiters=waiters)
+    now = now_ms(backend)
+    return {**key_view(key, state, now, summary), "now_ms": now}
+
+
+def summary_view(summary: KeySummary, now: int) -> dict[str, Any]:
+    """One row of the overview (``inspect --summary --json``, the dashboard's overview)."""
+    in_force = summary.limit_in_force
+    return {
+        "key": summary.key,
+        "kind": kind_of(summary.key),
+        "holders": summary.holders,
+        "waiters": summary.waiters,
+        "reserved": summary.reserved,
+        "oldest_age_ms": None if summary.oldest_since_ms is None else now - summary.oldest_since_ms,
+        "limit": summary.limit,
+        "recorded_limit": summary.recorded_limit,
+        "limit_in_force": in_force,
+        "halted": in_force == 0,
+        "at_limit": in_force is not None and in_force > 0 and summary.holders >= in_force,
+    }
+
+
+def _attention(row: dict[str, Any]) -> tuple[bool, int, bool, bool, str]:
+    """Sort key, most in need of a look first: halted with waiters, oldest wait, at the limit, halted."""
+    age = row["oldest_age_ms"]
+    return (
+        not (row["halted"] and row["waiters"]),
+        -(age if age is not None else -1),
+        not row["at_limit"],
+        not row["halted"],
+        row["key"],
+    )
+
+
+def overview(
+    backend: GuardBackend,
+    *,
+    pattern: str = "*",
+    kind: str | None = None,
+    page: int = 1,
+    per_page: int | None = None,
+) -> dict[str, Any]:
+    """Every indexed key with holders, waiters or a run-time limit, most in need of a look first.
+
+    Keys come from the backend's indexes (:func:`indexed_keys`), never from
+    a scan; one :meth:`GuardBackend.summaries` call reads them all, and the
+    sort and pagination happen here.
+
+    Parameters:
+      pattern(str): A glob the keys must match.
+      kind(str|None): Only keys of this kind (:func:`kind_of`).
+      page(int): Which page (from 1) of ``per_page`` rows.
+      per_page(int|None): Rows per page; None for all.
+
+    Returns:
+      dict: ``now_ms``, ``total`` (matching keys), ``counts`` (per kind:
+      keys, holders, waiters), ``page``, ``pages`` and ``keys`` (the rows).
+    """
+    keys = [k for k in indexed_keys(backend) if fnmatch.fnmatchcase(k, pattern)]
+    if kind is not None:
+        keys = [k for k in keys if kind_of(k) == kind]
+    now = now_ms(backend)
+    rows = [summary_view(s, now) for s in backend.summaries(keys)]
+    rows = [r for r in rows if r["holders"] or r["waiters"] or r["limit"] is not None]
+    counts: dict[str, dict[str, int]] = {}
+    for row in rows:
+        entry = counts.setdefault(row["kind"], {"keys": 0, "holders": 0, "waiters": 0})
+        entry["keys"] += 1
+        entry["holders"] += row["holders"]
+        entry["waiters"] += row["waiters"]
+    rows.sort(key=_attention)
+    pages = 1 if per_page is None else max(1, -(-len(rows) // per_page))
+    page = min(max(1, page), pages)
+    shown = rows if per_page is None else rows[(page - 1) * per_page : page * per_page]
+    return {"now_ms": now, "total": len(rows), "counts": counts, "page": page, "pages": pages, "keys": shown}
+
+
+# -- the ledger -----------------------------------------------------------------
+
+
+def _record_view(record: Any) -> dict[str, Any]:
+    fields = dataclasses.asdict(record)
+    return {
+        name: value.isoformat() if hasattr(value, "isoformat") else value for name, value in fields.items()
+    }
+
+
+def ledger_view(
+    ledger: Ledger, *, states: Iterable[str] = ("in_progress", "failed"), limit: int = 50
+) -> dict[str, Any]:
+    """The ledger as ``ledger list --json`` and the dashboard show it: counts by state, and rows.
+
+    Parameters:
+      states: Which rows to list (the ones that may need a look, by default).
+      limit(int): At most this many rows per state, most recently updated first.
+    """
+    return {
+        "counts": ledger.counts(),
+        "rows": {state: [_record_view(r) for r in ledger.rows(state=state, limit=limit)] for state in states},
+    }
+
+
+def ledger_row(ledger: Ledger, key: str) -> dict[str, Any] | None:
+    """One ledger row by its idempotency key (``ledger show --json``), or None."""
+    record = ledger.get(key)
+    return None if record is None else _record_view(record)
+
+
+# -- the two writes -------------------------------------------------------------
+
+#: Puts handed-off parked messages back on the app's broker and confirms them.
+Requeue = Callable[[Sequence[Handoff]], None]
+
+
+def load_broker(spec: str) -> Broker:
+    """The broker named by ``MODULE:ATTR`` (the current directory importable).
+
+    Raises:
+      ValueError: If ``spec`` is malformed, cannot be imported, or is not a broker.
+    """
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--broker must be MODULE:ATTR (e.g. myapp.tasks:broker), got {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        broker = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--broker {spec}: {e}") from None
+    from dramatiq import Broker
+
+    if not isinstance(broker, Broker):
+        raise ValueError(f"--broker {spec} is a {type(broker).__name__}, not a dramatiq Broker")
+    return broker
+
+
+def broker_requeue(broker: Broker, backend: GuardBackend) -> Requeue:
+    """How to re-enqueue hand-offs on ``broker``, exactly as a worker would.
+
+    Each hand-off is delivered by :func:`dramatiq_guard.delivery.courier_for`:
+    by the guard middleware on that broker that claims its key, else enqueued
+    through the gate as holding its key and confirmed. The backend's route
+    becomes the broker's, so its parked messages may be handed their slots.
+    """
+    from dramatiq_guard.delivery import courier_for
+    from dramatiq_guard.resolve import route_of
+
+    backend.route = route_of(broker)
+
+    def requeue(handoffs: Sequence[Handoff]) -> None:
+        for handoff in handoffs:
+            courier_for(broker, backend, handoff.key).deliver([handoff])
+
+    return requeue
+
+
+def deliver(backend: GuardBackend, handoffs: Sequence[Handoff], requeue: Requeue | None) -> str:
+    """Put handed-off parked messages back on the broker, or leave them reserved; say which."""
+    parked = [h for h in handoffs if h.payload is not None]
+    woken = len(handoffs) - len(parked)
+    notes = []
+    if woken:
+        notes.append(f"{woken} blocking waiter(s) woken")
+    if not parked:
+        return "; ".join(notes) or "no waiter was handed a slot"
+    if requeue is None:
+        ttl = format_ms(backend.handoff_ttl_ms)
+        notes.append(
+            f"{len(parked)} parked message(s) handed a slot and left reserved: a worker's sweep "
+            f"re-enqueues them once the reservation lapses (~{ttl}); pass --broker to re-enqueue now"
+        )
+        return "; ".join(notes)
+    requeue(parked)
+    # A hand-off whose re-enqueue failed is still an unconfirmed reservation
+    # (its payload stored): it lapses back into the queue by itself.
+    failed = [h.waiter_id for h in parked if h.waiter_id in backend.inspect(h.key).reserved]
+    notes.append(f"{len(parked) - len(failed)} parked message(s) re-enqueued")
+    if failed:
+        notes.append(f"could not re-enqueue {', '.join(failed)}: left reserved (see the log)")
+    return "; ".join(notes)
+
+
+def set_limit(backend: GuardBackend, key: str, limit: int, requeue: Requeue | None) -> list[str]:
+    """Set ``key``'s run-time limit (0 halts it), hand new slots to waiters; returns what was done.
+
+    The write of ``dramatiq-guard limit set`` and of the dashboard's limit form.
+    """
+    # The default is only used if no run-time limit is in force; here one always is.
+    result = backend.set_limit(key, limit, default=0)
+    lines = [f"{key}: limit set to {limit}" + (" (halted)" if limit == 0 else "")]
+    if result.handoffs:
+        lines.append(deliver(backend, result.handoffs, requeue))
+    return lines
+
+
+def releasable(state: KeyState) -> list[str]:
+    """The holders a forced release releases: every one but unconfirmed hand-offs."""
+    reserved = set(state.reserved)
+    return [holder for holder, _ in state.holders if holder not in reserved]
+
+
+def release_holders(
+    backend: GuardBackend, key: str, holders: Sequence[str], requeue: Requeue | None
+) -> list[str]:
+    """Release ``holders`` of ``key`` by force and hand their slots on; returns what was done.
+
+    The write of ``dramatiq-guard release`` and of the dashboard's release
+    button. Each holder is released by its id, so one that started since
+    ``holders`` was read is not touched. The backend hands the freed slots to
+    the oldest waiters with the limit recorded with them (the caller does
+    not know the actor, and never guesses its limit).
+    """
+    released = 0
+    handoffs: list[Handoff] = []
+    for holder in holders:
+        result = backend.release(key, holder, limit=None)
+        released += result.released
+        handoffs.extend(result.handoffs)
+    lines = [f"{key}: released {released} holder(s)"]
+    if handoffs:
+        lines.append(deliver(backend, handoffs, requeue))
+    return lines

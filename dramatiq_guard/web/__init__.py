@@ -1,0 +1,127 @@
+"""The web dashboard: keys, holders, waiters, limits and the ledger, in a browser.
+
+Needs the ``web`` extra (``pip install 'dramatiq-guard[web]'``: Jinja2,
+Werkzeug, waitress). Run it on its own with ``dramatiq-guard serve`` (bound to
+127.0.0.1), or mount the WSGI application :func:`make_app` returns in an
+existing site, as Dramatiq's own dashboard is mounted::
+
+    from werkzeug.middleware.dispatcher import DispatcherMiddleware
+    from dramatiq_guard.web import make_app
+
+    application = DispatcherMiddleware(site, {"/guard": make_app(redis="redis://...", broker=broker)})
+
+It shows what ``dramatiq-guard inspect --json``, ``inspect --summary --json``
+and ``ledger list --json`` show (the same view functions,
+:mod:`dramatiq_guard.admin`), plus small charts of holders and waiters per key
+since the page server started (:mod:`dramatiq_guard.web.history`).
+
+Safe by default. It is read-only unless given a ``write_secret`` (a browser
+session unlocks writes with it) or an ``authorize(environ)`` callable (the
+host application's own auth). Every POST must carry the session's CSRF token
+(a double-submit cookie, ``SameSite=Strict``) and come from the same origin
+(``Origin``, else ``Referer``). Keys, actor names and arguments come from
+messages: the templates escape everything (Jinja2 autoescape), and a strict
+Content-Security-Policy allows no inline script. Reads are not protected:
+bind it to localhost, or protect its prefix in the host application. Behind a
+reverse proxy, pass the browser's ``Host`` on (or apply Werkzeug's
+``ProxyFix``), or the same-origin check refuses every write.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dramatiq_guard.web.app import Authorize, Dashboard
+from dramatiq_guard.web.history import History
+
+if TYPE_CHECKING:
+    from dramatiq import Broker
+
+    from dramatiq_guard.backends.base import GuardBackend
+    from dramatiq_guard.ledger import Ledger
+
+__all__ = ["DEFAULT_PORT", "Dashboard", "History", "make_app", "serve"]
+
+#: The port ``dramatiq-guard serve`` binds by default.
+DEFAULT_PORT = 8470
+
+
+def make_app(
+    backend: GuardBackend | None = None,
+    *,
+    redis: Any = None,
+    namespace: str = "dramatiq-guard",
+    broker: Broker | str | None = None,
+    ledger: Ledger | str | None = None,
+    write_secret: str | None = None,
+    authorize: Authorize | None = None,
+    refresh_ms: int = 1500,
+    per_page: int = 50,
+) -> Dashboard:
+    """Make the dashboard's WSGI application.
+
+    Parameters:
+      backend(GuardBackend|None): The guard's backend; else made from ``redis``.
+      redis: A redis-py client or a URL (default: ``DRAMATIQ_GUARD_REDIS_URL``,
+        else ``redis://localhost:6379/0``), used when ``backend`` is None.
+      namespace(str): The prefix of the guard's Redis keys.
+      broker(Broker|str|None): Your app's broker (or ``"module:attr"``): a limit
+        raised or a key released from the page re-enqueues the messages that
+        get a slot on it, as ``--broker`` does for the command. Without it a
+        worker's sweep does, after the reservation lapses.
+      ledger(Ledger|str|None): The idempotency ledger (or its URL) to show, or None.
+      write_secret(str|None): The secret a browser session gives to unlock writes.
+      authorize(Callable|None): ``authorize(environ) -> bool``, whether a
+        request may write (your site's own auth, e.g. staff only).
+      refresh_ms(int): How often an open page updates itself.
+      per_page(int): Keys per page of the overview.
+
+    Returns:
+      Dashboard: The WSGI application.
+    """
+    if backend is None:
+        backend = _backend(redis, namespace)
+    requeue = None
+    if broker is not None:
+        from dramatiq_guard import admin
+
+        if isinstance(broker, str):
+            broker = admin.load_broker(broker)
+        requeue = admin.broker_requeue(broker, backend)
+    if isinstance(ledger, str):
+        from dramatiq_guard.ledger import Ledger
+
+        ledger = Ledger(ledger, create_tables=False)
+    return Dashboard(
+        backend,
+        requeue=requeue,
+        ledger=ledger,
+        write_secret=write_secret,
+        authorize=authorize,
+        refresh_ms=refresh_ms,
+        per_page=per_page,
+    )
+
+
+def _backend(redis: Any, namespace: str) -> GuardBackend:
+    import os
+
+    from dramatiq_guard.backends.redis import RedisBackend
+    from dramatiq_guard.resolve import REDIS_URL_ENV
+
+    if redis is None or isinstance(redis, str):
+        url = redis or os.environ.get(REDIS_URL_ENV) or "redis://localhost:6379/0"
+        return RedisBackend.from_url(url, namespace=namespace)
+    return RedisBackend(redis, namespace=namespace)
+
+
+def serve(app: Dashboard, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, threads: int = 4) -> None:
+    """Serve ``app`` with waitress until interrupted.
+
+    waitress rather than Werkzeug's ``run_simple``: Werkzeug documents its
+    server as a development server, while waitress is a small, pure-Python
+    production server with no dependencies of its own.
+    """
+    import waitress
+
+    waitress.serve(app, host=host, port=port, threads=threads, ident="dramatiq-guard")

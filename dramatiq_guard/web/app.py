@@ -1,0 +1,420 @@
+"""The dashboard's WSGI application (see :func:`dramatiq_guard.web.make_app`)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import importlib.resources
+import json
+import secrets
+import urllib.parse
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+from werkzeug.exceptions import BadRequest, Forbidden, HTTPException, NotFound
+from werkzeug.routing import Map, Rule
+from werkzeug.utils import redirect
+from werkzeug.wrappers import Request, Response
+
+from dramatiq_guard import admin
+from dramatiq_guard.backends.base import GuardBackend, check_key
+from dramatiq_guard.bounds import MAX_COUNT
+from dramatiq_guard.errors import BackendUnavailable
+from dramatiq_guard.web.history import History, sparkline
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIEnvironment
+
+    from dramatiq_guard.ledger import Ledger
+
+__all__ = ["Dashboard"]
+
+CSRF_COOKIE = "dg_csrf"
+WRITE_COOKIE = "dg_write"
+FLASH_COOKIE = "dg_flash"
+STATIC = {"dashboard.css": "text/css", "dashboard.js": "text/javascript"}
+#: No inline script or style, nothing from elsewhere, no framing: a key or an argument that slips
+#: past escaping still cannot run.
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+    "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+
+Authorize = Callable[["WSGIEnvironment"], bool]
+
+
+class Dashboard:
+    """The dashboard: a WSGI application (made by :func:`dramatiq_guard.web.make_app`).
+
+    Parameters:
+      backend(GuardBackend): The guard's backend.
+      requeue(admin.Requeue|None): How hand-offs are re-enqueued (the app's broker), or None.
+      ledger(Ledger|None): The idempotency ledger to show, or None.
+      write_secret(str|None): The secret that unlocks writes in a browser session.
+      authorize(Callable|None): ``authorize(environ) -> bool``: whether a request may write
+        (the host application's own auth).
+      refresh_ms(int): How often an open page updates itself.
+      per_page(int): Keys per page of the overview.
+      history(History|None): Where the charts' samples are kept.
+    """
+
+    def __init__(
+        self,
+        backend: GuardBackend,
+        *,
+        requeue: admin.Requeue | None = None,
+        ledger: Ledger | None = None,
+        write_secret: str | None = None,
+        authorize: Authorize | None = None,
+        refresh_ms: int = 1500,
+        per_page: int = 50,
+        history: History | None = None,
+    ) -> None:
+        self.backend = backend
+        self.requeue = requeue
+        self.ledger = ledger
+        self.write_secret = write_secret or None
+        self.authorize = authorize
+        self.refresh_ms = refresh_ms
+        self.per_page = per_page
+        self.history = history or History()
+        self.jinja = jinja2.Environment(
+            loader=jinja2.PackageLoader("dramatiq_guard.web", "templates"),
+            autoescape=True,
+            undefined=jinja2.StrictUndefined,
+        )
+        self.jinja.filters["ms"] = admin.format_ms
+        self.jinja.globals["sparkline"] = lambda key: sparkline(self.history.of(key))
+        self.jinja.globals["args_query"] = _args_query
+        self.urls = Map(
+            [
+                Rule("/", endpoint="overview", methods=["GET"]),
+                Rule("/key", endpoint="key", methods=["GET"]),
+                Rule("/ledger", endpoint="ledger", methods=["GET"]),
+                Rule("/api/overview", endpoint="api_overview", methods=["GET"]),
+                Rule("/api/key", endpoint="api_key", methods=["GET"]),
+                Rule("/confirm/limit", endpoint="confirm_limit", methods=["GET"]),
+                Rule("/confirm/release", endpoint="confirm_release", methods=["GET"]),
+                Rule("/limit", endpoint="limit", methods=["POST"]),
+                Rule("/release", endpoint="release", methods=["POST"]),
+                Rule("/unlock", endpoint="unlock", methods=["POST"]),
+                Rule("/lock", endpoint="lock", methods=["POST"]),
+                Rule("/static/<name>", endpoint="static", methods=["GET"]),
+            ]
+        )
+
+    # -- WSGI -------------------------------------------------------------------
+
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        request = Request(environ)
+        try:
+            response = self.dispatch(request)
+        except HTTPException as e:
+            response = self.render(
+                request, "message.html", status=e.code or 500, title=e.name, text=e.description
+            )
+        except BackendUnavailable as e:
+            response = self.render(
+                request, "message.html", status=503, title="Redis unreachable", text=str(e)
+            )
+        response.headers["Content-Security-Policy"] = CSP
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        response.headers["X-Frame-Options"] = "DENY"
+        response.headers["Referrer-Policy"] = "same-origin"
+        response.headers.setdefault("Cache-Control", "no-store")
+        return response(environ, start_response)
+
+    def dispatch(self, request: Request) -> Response:
+        adapter = self.urls.bind_to_environ(request.environ)
+        endpoint, values = adapter.match()
+        handler: Callable[..., Response] = getattr(self, f"on_{endpoint}")
+        if request.method == "POST":
+            self.check_post(request)
+        return handler(request, **values)
+
+    # -- security ---------------------------------------------------------------
+
+    def csrf_token(self, request: Request) -> str:
+        """The session's CSRF token: its cookie, or a new one (set by :meth:`render`)."""
+        token = request.cookies.get(CSRF_COOKIE, "")
+        if len(token) < 32:
+            token = getattr(request, "_new_csrf", "") or secrets.token_urlsafe(32)
+            request._new_csrf = token  # type: ignore[attr-defined]
+        return token
+
+    def check_post(self, request: Request) -> None:
+        """Refuse a cross-site POST: the Origin (else Referer) must be ours, the form token the cookie's."""
+        here = urllib.parse.urlsplit(request.host_url)
+        origin = request.headers.get("Origin") or request.headers.get("Referer")
+        if not origin:
+            raise Forbidden("A write needs the Origin or Referer header of this site.")
+        there = urllib.parse.urlsplit(origin)
+        if (there.scheme, there.netloc) != (here.scheme, here.netloc):
+            raise Forbidden("A write from another site is refused.")
+        cookie = request.cookies.get(CSRF_COOKIE, "")
+        form = request.form.get("csrf", "")
+        if len(cookie) < 32 or not hmac.compare_digest(cookie.encode(), form.encode()):
+            raise Forbidden("The form's token is missing or stale: reload the page and try again.")
+
+    def _write_mac(self, token: str) -> str:
+        assert self.write_secret is not None
+        return hmac.new(self.write_secret.encode(), b"write:" + token.encode(), hashlib.sha256).hexdigest()
+
+    def can_write(self, request: Request) -> bool:
+        """Whether this request may change the guard: the host app says so, or the session was unlocked."""
+        if self.authorize is not None and self.authorize(request.environ):
+            return True
+        if self.write_secret is None:
+            return False
+        token = request.cookies.get(CSRF_COOKIE, "")
+        unlocked = request.cookies.get(WRITE_COOKIE, "")
+        return len(token) >= 32 and hmac.compare_digest(unlocked.encode(), self._write_mac(token).encode())
+
+    def require_write(self, request: Request) -> None:
+        if not self.can_write(request):
+            raise Forbidden("This dashboard is read-only for you: unlock it with the write secret first.")
+
+    # -- rendering --------------------------------------------------------------
+
+    def render(self, request: Request, template: str, *, status: int = 200, **context: Any) -> Response:
+        token = self.csrf_token(request)
+        flash = request.cookies.get(FLASH_COOKIE)
+        flash = None if flash is None else urllib.parse.unquote(flash)
+        page = self.jinja.get_template(template).render(
+            root=request.script_root,
+            csrf=token,
+            writable=self.can_write(request),
+            unlockable=self.write_secret is not None,
+            refresh_ms=self.refresh_ms,
+            flash=flash,
+            **context,
+        )
+        response = Response(page, status=status, mimetype="text/html")
+        self._cookies(request, response)
+        if flash is not None and not context.get("fragment"):
+            response.delete_cookie(FLASH_COOKIE, path=request.script_root or "/")
+        return response
+
+    def _cookies(self, request: Request, response: Response) -> None:
+        new = getattr(request, "_new_csrf", None)
+        if new:
+            response.set_cookie(
+                CSRF_COOKIE, new, httponly=True, samesite="Strict", path=request.script_root or "/"
+            )
+
+    def done(self, request: Request, key: str, lines: list[str]) -> Response:
+        """After a write: back to the key's page, which says what was done."""
+        response = redirect(f"{request.script_root}/key?{urllib.parse.urlencode({'k': key})}", code=303)
+        response.set_cookie(
+            FLASH_COOKIE,
+            urllib.parse.quote(" ".join(lines))[:3000],
+            httponly=True,
+            samesite="Strict",
+            path=request.script_root or "/",
+        )
+        return response
+
+    # -- pages ------------------------------------------------------------------
+
+    def _key_arg(self, request: Request, values: Any = None) -> str:
+        """The guard key named by the ``k`` field (of the query, or of ``values``)."""
+        key = str((request.args if values is None else values).get("k", ""))
+        try:
+            check_key(key)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        return key
+
+    def _overview(self, request: Request) -> dict[str, Any]:
+        kind = request.args.get("kind") or None
+        try:
+            page = int(request.args.get("page", "1"))
+        except ValueError:
+            page = 1
+        view = admin.overview(
+            self.backend,
+            pattern=request.args.get("q") or "*",
+            kind=kind if kind in admin.KINDS else None,
+            page=page,
+            per_page=self.per_page,
+        )
+        self.history.record((r["key"], r["holders"], r["waiters"]) for r in view["keys"])
+        return view
+
+    def _ledger(self) -> dict[str, Any] | None:
+        if self.ledger is None:
+            return None
+        try:
+            return admin.ledger_view(self.ledger, limit=20)
+        except Exception as e:  # the database down must not take the guard's page with it
+            return {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
+
+    def on_overview(self, request: Request) -> Response:
+        fragment = request.args.get("fragment") == "1"
+        context: dict[str, Any] = {
+            "view": self._overview(request),
+            "ledger": self._ledger(),
+            "kinds": admin.KINDS,
+            "args": request.args,
+            "fragment": fragment,
+        }
+        return self.render(request, "_overview.html" if fragment else "overview.html", **context)
+
+    def on_api_overview(self, request: Request) -> Response:
+        return _json(self._overview(request))
+
+    def _key(self, request: Request) -> dict[str, Any]:
+        key = self._key_arg(request)
+        view = admin.key_detail(self.backend, key)
+        self.history.record([(key, len(view["holders"]), view["waiters"]["count"])])
+        return view
+
+    def on_key(self, request: Request) -> Response:
+        fragment = request.args.get("fragment") == "1"
+        view = self._key(request)
+        template = "_key.html" if fragment else "key.html"
+        return self.render(request, template, view=view, key=view["key"], fragment=fragment)
+
+    def on_api_key(self, request: Request) -> Response:
+        return _json(self._key(request))
+
+    def on_ledger(self, request: Request) -> Response:
+        if self.ledger is None:
+            raise NotFound("No ledger is configured for this dashboard (start it with --ledger URL).")
+        key = request.args.get("k", "")
+        row = admin.ledger_row(self.ledger, key) if key else None
+        fields = (
+            None if row is None else [(name, json.dumps(value, default=str)) for name, value in row.items()]
+        )
+        return self.render(request, "ledger.html", key=key, fields=fields)
+
+    def on_static(self, request: Request, name: str) -> Response:
+        if name not in STATIC:
+            raise NotFound()
+        body = importlib.resources.files("dramatiq_guard.web").joinpath("static").joinpath(name).read_bytes()
+        response = Response(body, mimetype=STATIC[name])
+        response.headers["Cache-Control"] = "max-age=300"
+        return response
+
+    # -- confirmations and writes ---------------------------------------------
+
+    def _limit_arg(self, request: Request, values: Any) -> int:
+        text = values.get("limit", "")
+        try:
+            limit = int(text)
+        except ValueError:
+            limit = -1
+        if not 0 <= limit <= MAX_COUNT:
+            raise BadRequest(f"A limit must be an integer from 0 to {MAX_COUNT}, got {text!r}.")
+        return limit
+
+    def on_confirm_limit(self, request: Request) -> Response:
+        self.require_write(request)
+        limit = self._limit_arg(request, request.args)
+        view = self._key(request)
+        holders, waiters = len(view["holders"]), view["waiters"]["count"]
+        before = view["limit"]
+        lines = [
+            f"Set the run-time limit of {view['key']} from "
+            + ("none (the actor's own)" if before is None else str(before))
+            + f" to {limit}. It has {holders} holder(s) and {waiters} waiter(s) now."
+        ]
+        if limit == 0:
+            lines.append("0 halts the key: new messages park; running ones finish.")
+        elif limit > holders and waiters:
+            handed = min(waiters, limit - holders)
+            where = (
+                "re-enqueued on the broker at once"
+                if self.requeue is not None
+                else "left reserved until a worker's sweep re-enqueues them (no --broker given)"
+            )
+            lines.append(f"The {handed} oldest waiter(s) get a slot at once, their messages {where}.")
+        elif limit < holders:
+            lines.append("Nobody is evicted: new holders wait until the running ones drop below the limit.")
+        return self.render(
+            request,
+            "confirm.html",
+            key=view["key"],
+            action="limit",
+            lines=lines,
+            fields={"limit": limit},
+            holders=[],
+        )
+
+    def on_confirm_release(self, request: Request) -> Response:
+        self.require_write(request)
+        key = self._key_arg(request)
+        state = self.backend.inspect(key)
+        holders = admin.releasable(state)
+        if not holders:
+            lines = [
+                f"{key} has no holder to release "
+                f"({len(state.reserved)} unconfirmed hand-off(s) left to lapse)."
+            ]
+            return self.render(
+                request, "confirm.html", key=key, action=None, lines=lines, fields={}, holders=[]
+            )
+        lines = [
+            f"Release {len(holders)} holder(s) of {key} by force: {', '.join(holders)}.",
+            f"Their slots go to the oldest of its {len(state.waiters)} waiter(s), within the limit recorded "
+            "with them; parked messages are "
+            + (
+                "re-enqueued on the broker at once."
+                if self.requeue is not None
+                else "left reserved until a worker's sweep re-enqueues them."
+            ),
+            "A released holder that is still running loses its lease (it is told at its next renewal).",
+        ]
+        return self.render(
+            request, "confirm.html", key=key, action="release", lines=lines, fields={}, holders=holders
+        )
+
+    def on_limit(self, request: Request) -> Response:
+        self.require_write(request)
+        key = self._key_arg(request, request.form)
+        limit = self._limit_arg(request, request.form)
+        return self.done(request, key, admin.set_limit(self.backend, key, limit, self.requeue))
+
+    def on_release(self, request: Request) -> Response:
+        self.require_write(request)
+        key = self._key_arg(request, request.form)
+        # Only holders a release may release: never an unconfirmed hand-off (its payload is the only copy).
+        releasable = set(admin.releasable(self.backend.inspect(key)))
+        holders = [holder for holder in request.form.getlist("holder") if holder in releasable]
+        return self.done(request, key, admin.release_holders(self.backend, key, holders, self.requeue))
+
+    def on_unlock(self, request: Request) -> Response:
+        if self.write_secret is None:
+            raise Forbidden("This dashboard has no write secret: it is read-only.")
+        given = request.form.get("secret", "")
+        back = request.form.get("next", "")
+        if not back.startswith("/") or back.startswith("//"):
+            back = "/"
+        if not hmac.compare_digest(given.encode(), self.write_secret.encode()):
+            raise Forbidden("Wrong write secret.")
+        response = redirect(request.script_root + back, code=303)
+        response.set_cookie(
+            WRITE_COOKIE,
+            self._write_mac(request.cookies[CSRF_COOKIE]),
+            httponly=True,
+            samesite="Strict",
+            path=request.script_root or "/",
+        )
+        return response
+
+    def on_lock(self, request: Request) -> Response:
+        response = redirect(request.script_root + "/", code=303)
+        response.delete_cookie(WRITE_COOKIE, path=request.script_root or "/")
+        return response
+
+
+def _json(value: Any) -> Response:
+    return Response(json.dumps(value, default=str), mimetype="application/json")
+
+
+def _args_query(args: Any, **overrides: Any) -> str:
+    """The overview's query string with ``overrides`` (``fragment`` only when given)."""
+    query = {name: value for name, value in args.items() if name in ("q", "kind", "page") and value}
+    query.update({name: str(value) for name, value in overrides.items()})
+    return urllib.parse.urlencode(query)
