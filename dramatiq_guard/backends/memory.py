@@ -66,6 +66,7 @@ class _Guard:
     woken: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # token, wake deadline
     info: dict[str, tuple[int, str | None]] = dataclasses.field(default_factory=dict)
     token: int = 0
+    token_ms: int = 0  # when the last token was issued: it outlives the key's state by stale_ttl_ms
     default_limit: int | None = None  # recorded when a waiter queues, for callers that do not know it
     # waiter -> (the one generation of its message that may start, until when it is remembered)
     live: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
@@ -73,7 +74,9 @@ class _Guard:
 
     def next_token(self) -> int:
         """The next fencing token: above every one issued before, and at least the time in us."""
-        self.token = max(self.token + 1, self.clock() // 1000)
+        now_us = self.clock() // 1000
+        self.token = max(self.token + 1, now_us)
+        self.token_ms = now_us // 1000
         return self.token
 
     def is_idle(self) -> bool:
@@ -237,8 +240,13 @@ class MemoryBackend(GuardBackend):
         if not (guard.queue or guard.reserved):
             guard.default_limit = None  # recorded for the waiters, it goes with them (as on Redis)
         if guard.is_idle():
-            if guard.live:  # outlives the rest of the key's state, as on Redis
-                self._guards[key] = _Guard(live=guard.live, clock=self._clock)
+            # The live generations and the last token outlive the rest of the key's state, as on
+            # Redis (the token for stale_ttl_ms after it was issued).
+            kept = guard.token if guard.token_ms + self.stale_ttl_ms > self._now_ms() else 0
+            if guard.live or kept:
+                self._guards[key] = _Guard(
+                    live=guard.live, token=kept, token_ms=guard.token_ms, clock=self._clock
+                )
             else:
                 self._guards.pop(key, None)
 
