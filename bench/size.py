@@ -119,7 +119,6 @@ def main(argv: list[str] | None = None) -> None:
         sizer = Sizer(server)
         n = 10_000
         keys = [f"size:mutex:{i}" for i in range(n)]
-        empty = sizer.used()
         one = sizer.per(n, lambda: sizer.hold(keys))
         rows.append(("a key with one holder (a running mutex)", f"{one:.0f} B", f"{n:,} keys"))
         wide = [f"size:wide:{i}" for i in range(100)]
@@ -135,9 +134,10 @@ def main(argv: list[str] | None = None) -> None:
         message = sizer.per(100 * 100, lambda: sizer.park_all(parked, 100))
         how = f"100 keys x 100 parked; payload {payload} B (a typical Dramatiq message)"
         rows.append(("a parked message", f"{message:.0f} B", how))
+        held = sizer.used()
         for key in keys:
             assert sizer.backend.release(key, f"{key}:h0", limit=1).released
-        left = (sizer.used() - empty) / n
+        left = one - (held - sizer.used()) / n
         how = f"the {n:,} keys above released; only their token stays"
         rows.append(("a drained key (its last token, kept stale_ttl_ms)", f"{left:.0f} B", how))
 
