@@ -111,7 +111,7 @@ import dramatiq_guard
 broker.add_middleware(CurrentMessage())
 dramatiq_guard.install(
     broker, redis={guard}, lease_ttl=3_000, pickup_ttl=10_000, sweep_interval=250,
-    replica_waits={replica_waits},
+    replica_waits={replica_waits}, route={route!r},
 )
 dramatiq.set_broker(broker)
 records = redis.Redis.from_url({records_url!r})
@@ -245,6 +245,9 @@ def write_apps(
             broker_setup=template.format(url=app.broker_url),
             guard=guard,
             replica_waits=replica_waits,
+            # Two applications on one RabbitMQ vhost would have the same route (README, "Two
+            # applications on one guard Redis"): named apart.
+            route=None if cluster is None else f"chaos-{app.name}",
             records_url=records_url,
             records_key=RECORDS_KEY,
             queue=app.queue,

@@ -235,37 +235,51 @@ def _run_on_nodes(
     results: list[Any] = [None] * len(calls)
     pending = list(range(len(calls)))
     for attempt in range(2):
-        with reachable():
-            groups: dict[str, tuple[redis.Redis, list[int]]] = {}
-            if zadd is not None:
-                node = cast(Any, client).get_node_from_key(zadd[0])
-                groups[node.name] = (client.get_redis_connection(node), [])
-            for i in pending:
-                node = cast(Any, client).get_node_from_key(calls[i][1][0])
-                groups.setdefault(node.name, (client.get_redis_connection(node), []))[1].append(i)
         moved: list[int] = []
-        for target, indices in groups.values():
+        failed: BackendUnavailable | None = None
+        for target, indices in _by_node(client, calls, pending, zadd).values():
+            # Every node's calls run even if another node failed (a renewal batch must not leave the
+            # leases of healthy nodes to lapse because one node is failing over); then it raises.
             try:
                 replies = _run_pipelined(
                     client, target, [calls[i] for i in indices], zadd, replicas, moved_ok=attempt == 0
                 )
-            except ReplicasBehind:
-                raise
-            except BackendUnavailable:
-                # The node is gone (a failover under way): the next call asks the cluster again.
-                with contextlib.suppress(*_UNAVAILABLE):
-                    client.nodes_manager.initialize()
-                raise
+            except BackendUnavailable as exc:
+                if not isinstance(exc, ReplicasBehind):  # the node is gone: ask the cluster again
+                    with contextlib.suppress(*_UNAVAILABLE):
+                        client.nodes_manager.initialize()
+                failed = failed or exc
+                continue
             for i, reply in zip(indices, replies, strict=True):
                 if isinstance(reply, (redis.exceptions.MovedError, redis.exceptions.AskError)):
                     moved.append(i)
                 results[i] = reply
+        if failed is not None:
+            raise failed
         if not moved:
-            return results
+            break
         with reachable():
             client.nodes_manager.initialize()
         pending, zadd = moved, None
-    return results  # not reached: the second attempt raises what it gets (moved_ok=False)
+    return results  # a second MOVED was raised by _run_pipelined (moved_ok=False)
+
+
+def _by_node(
+    client: redis.cluster.RedisCluster,
+    calls: list[ScriptCall],
+    pending: list[int],
+    zadd: tuple[str, str] | None,
+) -> dict[str, tuple[redis.Redis, list[int]]]:
+    """The ``pending`` calls (indices), and the ZADD's node, grouped by the node owning their first key."""
+    groups: dict[str, tuple[redis.Redis, list[int]]] = {}
+    with reachable():
+        if zadd is not None:
+            node = cast(Any, client).get_node_from_key(zadd[0])
+            groups[node.name] = (client.get_redis_connection(node), [])
+        for i in pending:
+            node = cast(Any, client).get_node_from_key(calls[i][1][0])
+            groups.setdefault(node.name, (client.get_redis_connection(node), []))[1].append(i)
+    return groups
 
 
 def _run_pipelined(
