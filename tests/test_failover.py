@@ -158,7 +158,10 @@ def retried(call: Callable[[], T]) -> T:
 
 
 def survives_failover(
-    backend: RedisBackend, fail_over: Callable[[], None], restore_a_replica: Callable[[], None]
+    backend: RedisBackend,
+    fail_over: Callable[[], None],
+    restore_a_replica: Callable[[], None],
+    meanwhile: Callable[[], None] = lambda: None,
 ) -> None:
     """A limit-1 key's holder and parked message are still there after ``fail_over()``.
 
@@ -179,6 +182,7 @@ def survives_failover(
         raise AssertionError("an operation stood without a replica to acknowledge it")
 
     wait_until(replicas_behind, timeout=30, what="the new primary to answer (and fail closed)")
+    meanwhile()
     restore_a_replica()
     refused = retried(lambda: backend.acquire(KEY, "m3", limit=1, ttl_ms=60_000))
     assert not refused.acquired and refused.holders == ("m1",)  # no second holder
@@ -207,9 +211,21 @@ def test_with_replica_waits_a_limit_1_key_survives_a_cluster_failover() -> None:
         try:
             backend = RedisBackend(client, replica_waits=1, replica_wait_timeout_ms=1_000)
 
+            failing = cluster.owner_of(KEY)
+            other = next(k for k in (f"other:{i}" for i in range(100)) if cluster.owner_of(k) is not failing)
+            assert backend.acquire(other, "o1", limit=1, ttl_ms=60_000).acquired
+
             def fail_over() -> None:
                 cluster.fail_over(KEY)
 
-            survives_failover(backend, fail_over, cluster.restore_failed)
+            def renew_both() -> None:
+                """A renewal batch with a lease on the failed-over node and one on a healthy node:
+                it fails closed, but the healthy node's lease was renewed all the same."""
+                before = dict(backend.inspect(other).holders)["o1"]
+                with pytest.raises(ReplicasBehind):
+                    backend.renew_many([(KEY, "m1", 60_000), (other, "o1", 120_000)])
+                assert dict(backend.inspect(other).holders)["o1"] > before
+
+            survives_failover(backend, fail_over, cluster.restore_failed, renew_both)
         finally:
             client.close()
