@@ -31,8 +31,8 @@ against its limit, dedup keys admitted twice while a holder was outstanding, the
 and the guard keys left in Redis. The figures are printed as Markdown and written, with the
 records, the kills and every worker's log, to ``--out`` (a temporary directory by default). The
 exit status is 1 if a message was lost, ran again without a kill to explain it, a limit was
-exceeded, a dedup key admitted a second message, or a guard key other than a limit or a ``:gens``
-key was left.
+exceeded, a dedup key admitted a second message, or a guard key other than a limit, a ``:gens``
+key or a last fencing token (``:token``, with an expiry) was left.
 
 With ``--guard cluster`` the guard's Redis is a Redis Cluster of 3 primaries with 1 replica each
 (:class:`harness.topology.RedisCluster3x1`), both applications are on RabbitMQ (the RedisBroker is
