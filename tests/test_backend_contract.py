@@ -1241,6 +1241,27 @@ def test_a_park_racing_the_drain_is_never_left_unindexed(env: Env) -> None:
         assert_drained(env, backend)
 
 
+def test_a_drained_key_keeps_its_last_token_and_a_dedup_lock_keeps_none(env: Env) -> None:
+    """A key's last fencing token outlives its other state (``stale_ttl_ms``), so the next token
+    is above it even if the clock that issues it is behind (a promoted replica:
+    tests/test_failover.py); a lock that fences nothing (try_lock, deduplication) issues none and
+    keeps none, on its fast path and on the generic one (a re-entrant try_lock) alike."""
+    backend = env.backend()
+    first = backend.acquire(KEY, "a", limit=1, ttl_ms=60_000)
+    assert backend.release(KEY, "a", limit=1).released
+    assert backend.inspect(KEY).token == first.token
+    assert_drained(env, backend)
+    assert first.token is not None
+    assert (backend.acquire(KEY, "b", limit=1, ttl_ms=60_000).token or 0) > first.token
+    dedup = "dedup:report"
+    assert backend.try_lock(dedup, "m1", ttl_ms=60_000).acquired
+    again = backend.try_lock(dedup, "m1", ttl_ms=60_000)  # re-entrant: not the fast path on Redis
+    assert again.acquired and again.token is None
+    assert backend.release(dedup, "m1", limit=1).released
+    assert backend.inspect(dedup).token is None
+    assert_drained(env, backend, key=dedup)
+
+
 def test_a_key_whose_holders_all_died_vanishes_by_itself(redis_env: Env) -> None:
     backend = redis_env.backend()
     assert backend.acquire(KEY, "a", limit=2, ttl_ms=200).acquired

@@ -264,6 +264,25 @@ class MemoryBackend(GuardBackend):
         generation: int | None = None,
     ) -> AcquireResult:
         """Try to become a holder of ``key``; see :meth:`GuardBackend.acquire`."""
+        return self._acquire(key, holder, limit, ttl_ms, wait, info, generation, fenced=True)
+
+    def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:
+        """Take ``key`` as a limit-1 lock; see :meth:`GuardBackend.try_lock` (no token issued nor kept)."""
+        check_ms(ttl_ms, "ttl_ms")
+        return self._acquire(key, holder, 1, ttl_ms, None, info, None, fenced=False)
+
+    def _acquire(
+        self,
+        key: str,
+        holder: str,
+        limit: int | None,
+        ttl_ms: int,
+        wait: Waiter | None,
+        info: str | None,
+        generation: int | None,
+        *,
+        fenced: bool,
+    ) -> AcquireResult:
         check_acquire(limit, ttl_ms, wait)
         self.check_payload(key, holder, wait)
         sent = time.monotonic()  # the result's valid_from: the deadline counts from later
@@ -275,8 +294,9 @@ class MemoryBackend(GuardBackend):
                 return AcquireResult(False, None, (), in_force, stale=True)
             handoffs = [h for h in self._hand_off(key, guard, in_force, now) if h.waiter_id != holder]
             token = None
-            parked = standby = False
+            acquired = parked = standby = False
             if holder in guard.holders or (len(guard.holders) < in_force and not guard.queue):
+                acquired = True
                 guard.holders[holder] = now + ttl_ms
                 guard.info.setdefault(holder, (now, info or None))
                 guard.queue.pop(holder, None)
@@ -285,7 +305,7 @@ class MemoryBackend(GuardBackend):
                 if generation is not None and holder in guard.live:
                     # This copy started: it is the one that may start again (a redelivery).
                     guard.live[holder] = (generation, now + self.stale_ttl_ms)
-                token = guard.next_token()
+                token = guard.next_token() if fenced else None
             elif wait is not None:
                 entry = guard.queue.get(holder)
                 standby = (
@@ -316,7 +336,7 @@ class MemoryBackend(GuardBackend):
             holders = tuple(sorted(guard.holders, key=guard.holders.__getitem__))
             self._end(key, guard)
             return AcquireResult(
-                token is not None, token, holders, in_force, parked, tuple(handoffs), standby, valid_from=sent
+                acquired, token, holders, in_force, parked, tuple(handoffs), standby, valid_from=sent
             )
 
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:
