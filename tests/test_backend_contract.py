@@ -1247,19 +1247,19 @@ def test_a_drained_key_keeps_its_last_token_and_a_dedup_lock_keeps_none(env: Env
     tests/test_failover.py); a lock that fences nothing (try_lock, deduplication) issues none and
     keeps none, on its fast path and on the generic one (a re-entrant try_lock) alike."""
     backend = env.backend()
-    first = backend.acquire(KEY, "a", limit=1, ttl_ms=60_000)
-    assert backend.release(KEY, "a", limit=1).released
-    assert backend.inspect(KEY).token == first.token
-    assert_drained(env, backend)
-    assert first.token is not None
-    assert (backend.acquire(KEY, "b", limit=1, ttl_ms=60_000).token or 0) > first.token
     dedup = "dedup:report"
     assert backend.try_lock(dedup, "m1", ttl_ms=60_000).acquired
     again = backend.try_lock(dedup, "m1", ttl_ms=60_000)  # re-entrant: not the fast path on Redis
     assert again.acquired and again.token is None
     assert backend.release(dedup, "m1", limit=1).released
     assert backend.inspect(dedup).token is None
-    assert_drained(env, backend, key=dedup)
+    assert_drained(env, backend, key=dedup)  # nothing at all is left
+    first = backend.acquire(KEY, "a", limit=1, ttl_ms=60_000)
+    assert backend.release(KEY, "a", limit=1).released
+    assert backend.inspect(KEY).token == first.token
+    assert_drained(env, backend)  # but the token
+    assert first.token is not None
+    assert (backend.acquire(KEY, "b", limit=1, ttl_ms=60_000).token or 0) > first.token
 
 
 def test_a_key_whose_holders_all_died_vanishes_by_itself(redis_env: Env) -> None:
