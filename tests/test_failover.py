@@ -24,6 +24,7 @@ from harness.topology import RedisCluster3x1, ReplicatedRedis, SentinelRedis, re
 
 import dramatiq_guard
 from dramatiq_guard.backends import RedisBackend, Waiter
+from dramatiq_guard.backends.redis_client import ReplicaWaits
 from dramatiq_guard.errors import BackendUnavailable, ConfigurationError, ReplicasBehind
 
 T = TypeVar("T")
@@ -229,3 +230,16 @@ def test_with_replica_waits_a_limit_1_key_survives_a_cluster_failover() -> None:
             survives_failover(backend, fail_over, cluster.restore_failed, renew_both)
         finally:
             client.close()
+
+
+def test_install_sets_replica_waits_on_a_redis_backend_and_warns_of_a_short_socket_timeout(
+    private_redis: RedisServer,
+) -> None:
+    client = private_redis.client(socket_timeout=0.5)
+    backend = RedisBackend(client)
+    dramatiq_guard.install(StubBroker(), redis=backend, replica_waits=2, replica_wait_timeout_ms=700)
+    assert backend.replicas == ReplicaWaits(2, 700)
+    assert "replica_wait_timeout_ms=700 is not below" in (backend.slow_call_warning(60_000) or "")
+    short = RedisBackend(client, replica_waits=1, replica_wait_timeout_ms=100)
+    assert "replica_wait_timeout_ms" not in (short.slow_call_warning(60_000) or "")
+    assert RedisBackend(client).replicas is None  # 0: no waits

@@ -208,9 +208,23 @@ class RedisBackend(GuardBackend):
     def slow_call_warning(self, shortest_lease_ms: int) -> str | None:
         """Why one call could block longer than ``shortest_lease_ms`` on a silent Redis, or None.
 
-        See :func:`dramatiq_guard.backends.redis_client.slow_call_warning`.
+        See :func:`dramatiq_guard.backends.redis_client.slow_call_warning`. With
+        replica waits, also says so when the client's ``socket_timeout`` does not
+        leave room for ``replica_wait_timeout_ms``: a decision whose replicas are
+        slow would then fail as a timeout of the connection, not as
+        :class:`~dramatiq_guard.errors.ReplicasBehind` (closed either way).
         """
-        return slow_call_warning(self.client, self.timeouts(), shortest_lease_ms)
+        warnings = [slow_call_warning(self.client, self.timeouts(), shortest_lease_ms)]
+        socket_timeout = self.timeouts().socket_timeout
+        waits = self.replicas
+        if waits is not None and socket_timeout is not None and socket_timeout * 1000 <= waits.timeout_ms:
+            warnings.append(
+                f"dramatiq-guard: replica_wait_timeout_ms={waits.timeout_ms} is not below the guard "
+                f"client's socket_timeout ({socket_timeout:g} s): a decision whose replicas are slow "
+                f"fails as a connection timeout. Set replica_wait_timeout_ms below it."
+            )
+        found = [warning for warning in warnings if warning is not None]
+        return " ".join(found) if found else None
 
     # -- keys ---------------------------------------------------------------
 
