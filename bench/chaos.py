@@ -4,6 +4,7 @@ Run it from the repository root (it needs ``redis-server`` on PATH, and RabbitMQ
 
     .venv/bin/python -m bench.chaos                     # 300 messages per app, kills for 60 s
     .venv/bin/python -m bench.chaos --b-broker redis    # both apps on RedisBrokers
+    .venv/bin/python -m bench.chaos --guard cluster --replica-waits 1   # a failover mid-run
 
 What it does:
 
@@ -30,8 +31,17 @@ against its limit, dedup keys admitted twice while a holder was outstanding, the
 and the guard keys left in Redis. The figures are printed as Markdown and written, with the
 records, the kills and every worker's log, to ``--out`` (a temporary directory by default). The
 exit status is 1 if a message was lost, ran again without a kill to explain it, a limit was
-exceeded, a dedup key admitted a second message, or a guard key other than a limit or a ``:gens``
-key was left.
+exceeded, a dedup key admitted a second message, or a guard key other than a limit, a ``:gens``
+key or a last fencing token (``:token``, with an expiry) was left.
+
+With ``--guard cluster`` the guard's Redis is a Redis Cluster of 3 primaries with 1 replica each
+(:class:`harness.topology.RedisCluster3x1`), both applications are on RabbitMQ (the RedisBroker is
+not cluster safe), and ``--failover-at`` seconds after the first send the primary owning
+``concurrency:both`` is SIGKILLed: its replica takes its slots over; ``--restore-after`` seconds
+later the dead node is started again and rejoins as a replica (with ``--replica-waits 1`` the new
+primary fails every decision closed until then: it has no replica). The report adds which guard
+keys were on the failed primary, and for each, how long after the kill a run of it started again
+(the waiters moving again).
 
 Concurrency is measured from the records, not with ``harness.Recorder.track``: a run SIGKILLed
 inside ``track()`` never decrements its counter, so that counter only grows under kills.
@@ -68,6 +78,7 @@ if str(TESTS_DIR) not in sys.path:  # the test harness (``harness``) is shared w
     sys.path.insert(0, str(TESTS_DIR))
 
 from harness import DramatiqWorker, RedisServer, redis_broker_dead, redis_broker_pending  # noqa: E402
+from harness.topology import RedisCluster3x1  # noqa: E402
 
 GUARD_NS = "dramatiq-guard"
 RECORDS_KEY = "chaos:records"
@@ -92,12 +103,16 @@ import time
 import dramatiq
 import redis
 from dramatiq.middleware import CurrentMessage
+from redis.cluster import ClusterNode, RedisCluster
 
 import dramatiq_guard
 
 {broker_setup}
 broker.add_middleware(CurrentMessage())
-dramatiq_guard.install(broker, redis={guard_url!r}, lease_ttl=3_000, pickup_ttl=10_000, sweep_interval=250)
+dramatiq_guard.install(
+    broker, redis={guard}, lease_ttl=3_000, pickup_ttl=10_000, sweep_interval=250,
+    replica_waits={replica_waits}, route={route!r},
+)
 dramatiq.set_broker(broker)
 records = redis.Redis.from_url({records_url!r})
 OPTS = dict(broker=broker, queue_name={queue!r}, min_backoff=100, max_backoff=1_000)
@@ -174,6 +189,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between two kills")
     parser.add_argument("--drain-timeout", type=float, default=120.0, help="seconds allowed to drain")
     parser.add_argument("--b-broker", choices=["rabbitmq", "redis"], default="rabbitmq")
+    parser.add_argument(
+        "--guard",
+        choices=["single", "cluster"],
+        default="single",
+        help="the guard's Redis: one server, or a 3x1 Redis Cluster failed over mid-run (apps on RabbitMQ)",
+    )
+    parser.add_argument("--replica-waits", type=int, default=0, help="install(replica_waits=...)")
+    parser.add_argument("--failover-at", type=float, default=25.0, help="seconds after the first send")
+    parser.add_argument("--restore-after", type=float, default=3.0, help="seconds the failed node stays down")
     parser.add_argument("--seed", type=int, default=12)
     parser.add_argument(
         "--out", help="directory for the records, kills, logs and report (default: a temp dir)"
@@ -194,11 +218,23 @@ class App:
     actors: ModuleType | None = None
 
 
-def write_apps(directory: Path, server: RedisServer, b_broker: str, run_tag: str) -> tuple[App, App]:
+def write_apps(
+    directory: Path,
+    server: RedisServer,
+    b_broker: str,
+    run_tag: str,
+    cluster: RedisCluster3x1 | None = None,
+    replica_waits: int = 0,
+) -> tuple[App, App]:
     base = server.url.rsplit("/", 1)[0]
     # The guard's own client, its calls bounded below the 3 s lease (see README, "A silent Redis").
-    guard_url, records_url = f"{base}/0?socket_timeout=2&socket_connect_timeout=2", f"{base}/2"
+    guard = repr(f"{base}/0?socket_timeout=2&socket_connect_timeout=2")
+    records_url = f"{base}/2"
     a = App("a", f"chaos_app_a_{run_tag}", "chaos_a", "redis", f"{base}/1")
+    if cluster is not None:  # every node as a startup node, so a client finds the cluster after a failover
+        nodes = ", ".join(f"ClusterNode({n.host!r}, {n.port})" for n in cluster.nodes)
+        guard = f"RedisCluster(startup_nodes=[{nodes}], socket_timeout=2, socket_connect_timeout=2)"
+        a = App("a", f"chaos_app_a_{run_tag}", f"chaos_a_{run_tag}", "rabbitmq", RABBITMQ_URL)
     if b_broker == "rabbitmq":
         b = App("b", f"chaos_app_b_{run_tag}", f"chaos_b_{run_tag}", "rabbitmq", RABBITMQ_URL)
     else:
@@ -207,7 +243,11 @@ def write_apps(directory: Path, server: RedisServer, b_broker: str, run_tag: str
         template = REDIS_BROKER if app.broker_kind == "redis" else RABBITMQ_BROKER
         header = APP_HEADER.format(
             broker_setup=template.format(url=app.broker_url),
-            guard_url=guard_url,
+            guard=guard,
+            replica_waits=replica_waits,
+            # Two applications on one RabbitMQ vhost would have the same route (README, "Two
+            # applications on one guard Redis"): named apart.
+            route=None if cluster is None else f"chaos-{app.name}",
             records_url=records_url,
             records_key=RECORDS_KEY,
             queue=app.queue,
@@ -368,6 +408,38 @@ class Timeline:
     all_ended: float | None = None
     guard_clean: float | None = None
     skipped_ticks: int = 0
+    failover_at: float | None = None  # time.time() of the primary's SIGKILL
+    promoted_at: float | None = None  # when its replica served the slot
+    restored_at: float | None = None  # when the dead node was back, as a replica
+    failed_keys: list[str] = dataclasses.field(default_factory=list)  # guard keys on that primary
+
+
+#: The guard key whose primary is failed over, and the guard keys the chaos uses (to tell which
+#: lived on that primary).
+FAILOVER_KEY = "concurrency:both"
+GUARD_KEYS = {
+    **{f"concurrency:{k}": k for k in LIMITS if k != "b-mutex"},
+    "mutex:b-mutex": "b-mutex",
+    **{f"dedup:user-{u}": f"user-{u}" for u in range(4)},
+}
+
+
+def fail_over(cluster: RedisCluster3x1, args: argparse.Namespace, timeline: Timeline) -> None:
+    """At ``--failover-at``, SIGKILL the primary of FAILOVER_KEY; ``--restore-after`` later, restart it."""
+    time.sleep(max(0.0, timeline.first_send + args.failover_at - time.time()))
+    failed = cluster.owner_of(FAILOVER_KEY)
+    timeline.failed_keys = sorted(
+        record_key for guard_key, record_key in GUARD_KEYS.items() if cluster.owner_of(guard_key) is failed
+    )
+    timeline.failover_at = time.time()
+    print(f"chaos: killed the guard primary on port {failed.port}", file=sys.stderr, flush=True)
+    promoted = cluster.fail_over(FAILOVER_KEY)
+    timeline.promoted_at = time.time()
+    print(f"chaos: its replica on port {promoted.port} took over", file=sys.stderr, flush=True)
+    time.sleep(args.restore_after)
+    cluster.restore_failed()
+    timeline.restored_at = time.time()
+    print("chaos: the failed node is back, as a replica", file=sys.stderr, flush=True)
 
 
 def kill_phase(
@@ -424,10 +496,11 @@ def wait_for(predicate: Any, timeout: float, pause: float = 0.2) -> float | None
         time.sleep(pause)
 
 
-def guard_keys(client: redis.Redis) -> dict[str, list[tuple[str, str, int]]]:
-    """The guard's keys by kind: ``kept`` (limits, the waiting index), ``gens``, ``other``;
-    each as (key, type, ttl in ms, -1 for none)."""
-    found: dict[str, list[tuple[str, str, int]]] = {"kept": [], "gens": [], "other": []}
+def guard_keys(client: Any) -> dict[str, list[tuple[str, str, int]]]:
+    """The guard's keys by kind: ``kept`` (limits, the waiting index), ``gens``, ``tokens`` (a
+    key's last fencing token, expiring a day after it was issued), ``other``; each as (key, type,
+    ttl in ms, -1 for none). ``client``: a Redis or RedisCluster client."""
+    found: dict[str, list[tuple[str, str, int]]] = {"kept": [], "gens": [], "tokens": [], "other": []}
     for raw in sorted(client.scan_iter(f"{GUARD_NS}:*".encode())):
         key = raw.decode()
         kind = "other"
@@ -435,6 +508,8 @@ def guard_keys(client: redis.Redis) -> dict[str, list[tuple[str, str, int]]]:
             kind = "kept"
         elif key.endswith(":gens"):
             kind = "gens"
+        elif key.endswith(":token") and int(client.pttl(raw)) >= 0:
+            kind = "tokens"
         type_ = client.type(raw)
         type_name = type_.decode() if isinstance(type_, bytes) else str(type_)
         found[kind].append((key, type_name, int(client.pttl(raw))))
@@ -501,27 +576,36 @@ def run(args: argparse.Namespace, out: Path) -> Outcome:
     logs = out / "logs"
     app_dir.mkdir(parents=True, exist_ok=True)
     logs.mkdir(exist_ok=True)
-    with RedisServer() as server:
-        apps = write_apps(app_dir, server, args.b_broker, run_tag)
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(RedisServer())
+        cluster = stack.enter_context(RedisCluster3x1()) if args.guard == "cluster" else None
+        apps = write_apps(app_dir, server, args.b_broker, run_tag, cluster, args.replica_waits)
         sys.path.insert(0, str(app_dir))
         for app in apps:
             app.actors = importlib.import_module(app.module)
         env = worker_env(app_dir)
         pools = [Pool(f"{app.name}{i}", app, env, app_dir, logs) for i in (1, 2) for app in apps]
         try:
-            return drive(args, server, apps, pools, logs)
+            return drive(args, server, apps, pools, logs, cluster)
         finally:
             for pool in pools:
                 pool.stop()
-            if apps[1].broker_kind == "rabbitmq":
-                with contextlib.suppress(Exception):
-                    rabbitmq_depth(apps[1].broker_url, apps[1].queue, delete=True)
+            for app in apps:
+                if app.broker_kind == "rabbitmq":
+                    with contextlib.suppress(Exception):
+                        rabbitmq_depth(app.broker_url, app.queue, delete=True)
+    raise AssertionError("not reached")
 
 
 def drive(
-    args: argparse.Namespace, server: RedisServer, apps: Sequence[App], pools: Sequence[Pool], logs: Path
+    args: argparse.Namespace,
+    server: RedisServer,
+    apps: Sequence[App],
+    pools: Sequence[Pool],
+    logs: Path,
+    cluster: RedisCluster3x1 | None = None,
 ) -> Outcome:
-    guard = server.client(db=0)
+    guard: Any = server.client(db=0) if cluster is None else cluster.client(socket_timeout=2)
     records = Records(server.client(db=2))
     for pool in pools:
         pool.start()
@@ -531,8 +615,14 @@ def drive(
     sent: list[Sent] = []
     sender = threading.Thread(target=send_all, args=(args, apps, sent))
     sender.start()
+    failover = None
+    if cluster is not None:
+        failover = threading.Thread(target=fail_over, args=(cluster, args, timeline), daemon=True)
+        failover.start()
     kills, timeline.skipped_ticks = kill_phase(pools, args.interval, time.monotonic() + args.kill_for, sender)
     sender.join()
+    if failover is not None:
+        failover.join()
     timeline.last_send = max(s.returned_at for s in sent)
     timeline.kills_stopped = time.time()
     print(f"chaos: kills stopped after {len(kills)} kills; draining", file=sys.stderr, flush=True)
@@ -722,11 +812,32 @@ def log_summary(logs: Path) -> dict[str, dict[str, Any]]:
     return summary
 
 
+def moved_again(runs: Sequence[Run], timeline: Timeline) -> dict[str, float | None]:
+    """For each key of the failed primary, seconds from its kill to the first run of the key that
+    started after it (None: none did)."""
+    if timeline.failover_at is None:
+        return {}
+    at = timeline.failover_at
+    return {
+        key: min((run.start - at for run in runs if run.key == key and run.start > at), default=None)
+        for key in timeline.failed_keys
+    }
+
+
 def analyse(outcome: Outcome, logs: Path) -> dict[str, Any]:
     kills_by_pid = {kill.pid: kill for kill in outcome.kills}
     runs = runs_of(outcome.records)
     t = outcome.timeline
     return {
+        "failover": None
+        if t.failover_at is None
+        else {
+            "failed_keys": t.failed_keys,
+            "at_s": t.failover_at - t.first_send,
+            "promoted_after_s": None if t.promoted_at is None else t.promoted_at - t.failover_at,
+            "restored_after_s": None if t.restored_at is None else t.restored_at - t.failover_at,
+            "moved_again_s": moved_again(runs, t),
+        },
         "apps": {app: app_figures(app, outcome, runs, kills_by_pid) for app in ("a", "b")},
         "max_concurrency": concurrency(runs, kills_by_pid),
         "limits": LIMITS,
@@ -795,11 +906,29 @@ def seconds(value: float | None, missing: str) -> str:
     return missing if value is None else f"{value:.1f} s"
 
 
+def failover_lines(failover: dict[str, Any] | None) -> list[str]:
+    if failover is None:
+        return []
+    moved = ", ".join(
+        f"`{key}` {'never' if s is None else f'{s:.1f} s'}" for key, s in failover["moved_again_s"].items()
+    )
+    return [
+        f"Failover: the guard primary owning `{FAILOVER_KEY}` was SIGKILLed {failover['at_s']:.1f} s after "
+        f"the first send; its replica served the slots {seconds(failover['promoted_after_s'], 'never')} "
+        f"later; the dead node was back as a replica {seconds(failover['restored_after_s'], 'never')} "
+        f"after the kill. Keys on that primary: {', '.join(f'`{k}`' for k in failover['failed_keys'])}. "
+        f"First run of each that started after the kill (waiters moving again): {moved or 'none'}.",
+        "",
+    ]
+
+
 def render(result: dict[str, Any], command: str, b_broker: str) -> str:
     left = result["leftovers"]
+    kept = ", ".join(f"`{k}`" for k, _, _ in left["kept"]) or "none"
     lines = [
         f"Command: `{command}`; app B on {'RabbitMQ' if b_broker == 'rabbitmq' else 'a RedisBroker'}.",
         "",
+        *failover_lines(result.get("failover")),
         f"Kills: {result['kills']} in {result['kill_phase_s']:.1f} s ({dict(result['kills_per_pool'])}), "
         f"{result['skipped_ticks']} ticks skipped (no pool ready).",
         "",
@@ -816,8 +945,8 @@ def render(result: dict[str, Any], command: str, b_broker: str) -> str:
         "held nothing but limits and `:gens` keys "
         f"{seconds(result['guard_clean_after_kills_s'], 'NOT within 60 s more')} after the kills stopped.",
         "",
-        "Guard keys left after the drain, but limits"
-        f" ({', '.join(f'`{k}`' for k, _, _ in left['kept']) or 'none'}):",
+        f"Guard keys left after the drain, but limits ({kept})"
+        f" and {len(left['tokens'])} keys' last fencing tokens (expiring a day after their last token):",
         "",
         *(
             [f"- `{k}` ({kind}, ttl {ttl / 1000:.0f} s)" for k, kind, ttl in left["gens"] + left["other"]]

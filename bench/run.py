@@ -19,6 +19,21 @@ from bench.scenarios import load_all
 DEFAULT_OUTPUT = ROOT / "docs" / "benchmarks.md"
 
 
+#: Where the sections written by other scripts start in docs/benchmarks.md (``python -m bench.size``):
+#: a run of the bench keeps them as they are.
+KEPT_MARKER = "<!-- Written by other scripts (each says which); python -m bench keeps what follows. -->"
+
+
+def kept_sections(path: Path) -> str:
+    """What follows :data:`KEPT_MARKER` in the report at ``path`` (with it), or ``""``."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return ""
+    at = text.find(KEPT_MARKER)
+    return "" if at < 0 else "\n" + text[at:]
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, one repeat (a smoke test)")
@@ -192,6 +207,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if output == "-":
         sys.stdout.write(report)
     else:
-        Path(output).write_text(report)
+        Path(output).write_text(report + kept_sections(Path(output)))
         print(f"bench: wrote {output}", file=sys.stderr)
     return 1 if failed else 0

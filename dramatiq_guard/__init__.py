@@ -18,6 +18,7 @@ from dramatiq_guard.errors import (
     GuardError,
     GuardOptionError,
     LeaseLost,
+    ReplicasBehind,
 )
 from dramatiq_guard.install import install
 from dramatiq_guard.lease import Lease
@@ -65,4 +66,5 @@ __all__ = [  # noqa: RUF022 - grouped by capability, not sorted
     "GuardOptionError",
     "ConfigurationError",
     "BackendUnavailable",
+    "ReplicasBehind",
 ]

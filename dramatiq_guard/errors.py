@@ -35,6 +35,32 @@ class BackendUnavailable(GuardError):
     """
 
 
+class ReplicasBehind(BackendUnavailable):
+    """Fewer replicas than asked acknowledged a decision in time (``replica_waits``, Redis ``WAIT``).
+
+    The decision was taken on the primary but may not survive a failover, so
+    the operation fails closed, as if Redis had been unreachable: an acquire
+    that raised this may still hold its slot on the primary (its lease lapses
+    after its ``ttl``, unless the message's retry re-enters it: same holder),
+    a park may have stored its message (the retry joins the same entry), a
+    release may have freed the slot (the message is done anyway).
+
+    Attributes:
+      acknowledged(int): How many replicas acknowledged.
+      wanted(int): How many were asked for.
+      timeout_ms(int): How long the primary waited for them.
+    """
+
+    def __init__(self, acknowledged: int, wanted: int, timeout_ms: int) -> None:
+        super().__init__(
+            f"the guard's Redis backend: only {acknowledged} of {wanted} replica(s) acknowledged "
+            f"a decision within {timeout_ms} ms (replica_waits={wanted}): failing closed"
+        )
+        self.acknowledged = acknowledged
+        self.wanted = wanted
+        self.timeout_ms = timeout_ms
+
+
 class ConfigurationError(GuardError, ValueError):
     """dramatiq-guard cannot work with the broker or settings it was given."""
 

@@ -61,6 +61,8 @@ def install(
     allow_evicting_redis: bool = False,
     max_payload_bytes: int | None = None,
     route: str | None = None,
+    replica_waits: int = 0,
+    replica_wait_timeout_ms: int = 1_000,
     **settings: Any,
 ) -> list[Middleware]:
     """Add every guard middleware to ``broker`` and return them, in broker order.
@@ -95,6 +97,15 @@ def install(
         broker, :func:`dramatiq_guard.resolve.route_of`). Every process of
         one application must have the same route, and no other application's
         (see README, "Failure model").
+      replica_waits(int): How many replicas of the guard's Redis must
+        acknowledge every decision before it stands (Redis ``WAIT`` after
+        each script; see :class:`~dramatiq_guard.backends.RedisBackend`). 0
+        (the default): none; a failover may then lose the last decisions
+        (README, "Scaling out").
+      replica_wait_timeout_ms(int): How long to wait for them; if fewer
+        acknowledge in time, the operation fails closed
+        (:class:`~dramatiq_guard.errors.ReplicasBehind`, a
+        ``BackendUnavailable``: the message is retried).
       **settings: Passed to each middleware that takes a keyword of that
         name.
 
@@ -111,7 +122,8 @@ def install(
         by no middleware (the error lists the settings that exist).
       EvictingRedis: If the guard's Redis may evict keys and
         ``allow_evicting_redis`` is False (the error says what to set).
-      ValueError: If ``max_payload_bytes`` is not a positive int.
+      ValueError: If ``max_payload_bytes`` is not a positive int, or
+        ``replica_waits`` or ``replica_wait_timeout_ms`` is out of range.
     """
     classes = [_load(path) for path in MIDDLEWARE]
     existing = [m for m in broker.middleware if type(m) in classes]
@@ -123,6 +135,8 @@ def install(
         "allow_evicting_redis",
         "max_payload_bytes",
         "route",
+        "replica_waits",
+        "replica_wait_timeout_ms",
     }
     unknown = sorted(set(settings) - known)
     if unknown:
@@ -132,6 +146,7 @@ def install(
         )
 
     backend = _backend(broker, redis, route, max_payload_bytes)
+    _wait_for_replicas(backend, replica_waits, replica_wait_timeout_ms)
     redis_health.check(backend, allow_evicting=allow_evicting_redis)
     retries = next((m for m in broker.middleware if isinstance(m, Retries)), None)
     installed: list[Middleware] = []
@@ -168,3 +183,18 @@ def _backend(broker: Broker, redis: Any, route: str | None, max_payload_bytes: i
     if max_payload_bytes is not None:
         backend.max_payload_bytes = check_max_payload_bytes(max_payload_bytes)
     return backend
+
+
+def _wait_for_replicas(backend: GuardBackend, count: int, timeout_ms: int) -> None:
+    """Make ``backend`` wait for ``count`` replicas after every decision (a Redis backend only)."""
+    from dramatiq_guard.backends.redis import RedisBackend, replica_waits_of
+
+    replicas = replica_waits_of(count, timeout_ms)
+    if isinstance(backend, RedisBackend):
+        if replicas is not None:
+            backend.replicas = replicas
+    elif replicas is not None:
+        raise ConfigurationError(
+            f"dramatiq_guard.install(): replica_waits={count} needs the guard's state on Redis, "
+            f"not on a {type(backend).__name__}"
+        )

@@ -10,6 +10,7 @@ with a bounded deadline; everything else waits on an event.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -248,12 +249,15 @@ def park(backend: GuardBackend, waiter: str, *, limit: int = 1, key: str = KEY) 
 def assert_drained(
     env: Env, backend: GuardBackend, *, key: str = KEY, limit: int | None = None, lapsed: bool = False
 ) -> None:
-    """Nothing of ``key`` is left but its run-time limit (and its entry in the limits index).
+    """Nothing of ``key`` is left but its run-time limit (and its entry in the limits index), and
+    its last fencing token if it issued one, expiring within ``stale_ttl_ms`` (so a token issued
+    later, by a promoted replica whose clock is behind, is still above it).
 
     ``lapsed``: a hand-off lapsed unconfirmed, so the generation that may start is remembered too,
     expiring within ``stale_ttl_ms`` (a stale copy may still be on the broker).
     """
-    assert backend.inspect(key) == KeyState((), (), (), limit, None)
+    state = backend.inspect(key)
+    assert dataclasses.replace(state, token=None) == KeyState((), (), (), limit, None)
     assert key not in backend.waiting_keys()
     assert (key in backend.limit_keys()) is (limit is not None)
     if env.client is not None:
@@ -264,6 +268,10 @@ def assert_drained(
             gens = f"{env.namespace}:{{{key}}}:gens"
             expected.add(gens)
             assert 0 < env.client.pttl(gens) <= backend.stale_ttl_ms
+        token = f"{env.namespace}:{{{key}}}:token"
+        if state.token is not None:
+            expected.add(token)
+            assert 0 < env.client.pttl(token) <= backend.stale_ttl_ms
         assert env.stored() == expected
 
 
@@ -1199,9 +1207,9 @@ def test_a_drained_key_leaves_the_waiting_keys_index_at_once(env: Env) -> None:
         assert backend.waiting_keys() == []
     assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000).acquired
     assert backend.release(KEY, "w", limit=1).released
-    assert backend.inspect(KEY) == KeyState((), (), (), None, None)
+    assert dataclasses.replace(backend.inspect(KEY), token=None) == KeyState((), (), (), None, None)
     if env.client is not None:
-        assert env.stored() == set()
+        assert env.stored() == {f"{env.namespace}:{{{KEY}}}:token"}  # it expires by itself
 
 
 def test_a_park_racing_the_drain_is_never_left_unindexed(env: Env) -> None:
@@ -1235,6 +1243,27 @@ def test_a_park_racing_the_drain_is_never_left_unindexed(env: Env) -> None:
         assert_drained(env, backend)
 
 
+def test_a_drained_key_keeps_its_last_token_and_a_dedup_lock_keeps_none(env: Env) -> None:
+    """A key's last fencing token outlives its other state (``stale_ttl_ms``), so the next token
+    is above it even if the clock that issues it is behind (a promoted replica:
+    tests/test_failover.py); a lock that fences nothing (try_lock, deduplication) issues none and
+    keeps none, on its fast path and on the generic one (a re-entrant try_lock) alike."""
+    backend = env.backend()
+    dedup = "dedup:report"
+    assert backend.try_lock(dedup, "m1", ttl_ms=60_000).acquired
+    again = backend.try_lock(dedup, "m1", ttl_ms=60_000)  # re-entrant: not the fast path on Redis
+    assert again.acquired and again.token is None
+    assert backend.release(dedup, "m1", limit=1).released
+    assert backend.inspect(dedup).token is None
+    assert_drained(env, backend, key=dedup)  # nothing at all is left
+    first = backend.acquire(KEY, "a", limit=1, ttl_ms=60_000)
+    assert backend.release(KEY, "a", limit=1).released
+    assert backend.inspect(KEY).token == first.token
+    assert_drained(env, backend)  # but the token
+    assert first.token is not None
+    assert (backend.acquire(KEY, "b", limit=1, ttl_ms=60_000).token or 0) > first.token
+
+
 def test_a_key_whose_holders_all_died_vanishes_by_itself(redis_env: Env) -> None:
     backend = redis_env.backend()
     assert backend.acquire(KEY, "a", limit=2, ttl_ms=200).acquired
@@ -1242,7 +1271,10 @@ def test_a_key_whose_holders_all_died_vanishes_by_itself(redis_env: Env) -> None
     assert redis_env.client is not None
     assert redis_env.stored()
     redis_env.wait_past(deadline_of(backend, KEY, "b"))
-    assert redis_env.stored() == set()  # nobody touched it: it expired
+    # Nobody touched it: it expired, all but its last token, which expires later by itself.
+    token = f"{redis_env.namespace}:{{{KEY}}}:token"
+    assert redis_env.stored() == {token}
+    assert 0 < redis_env.client.pttl(token) <= backend.stale_ttl_ms
 
 
 def test_a_slot_handed_on_by_the_last_holder_still_expires(env: Env) -> None:

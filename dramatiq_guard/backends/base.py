@@ -23,9 +23,17 @@ limit
 fencing token
     Every successful :meth:`~GuardBackend.acquire` returns a token strictly
     greater than every token issued before for ``K``. A token is
-    ``max(last + 1, now_in_microseconds)`` on the backend's clock, so tokens
-    keep growing even after ``K``'s state was dropped when it fell idle
-    (across that gap, only as far as the backend's clock does not go back).
+    ``max(last + 1, now_in_microseconds)`` on the backend's clock, and the
+    last one outlives ``K``'s other state: it is kept ``stale_ttl_ms`` (a
+    day) after it was issued, and as long as ``K`` has a holder. So tokens
+    keep growing when ``K`` falls idle and comes back, and across a failover
+    to a replica whose clock is behind (Redis: provided the replica had
+    received the last token, which replica waits guarantee): a token can go
+    back only if ``K`` stayed idle longer than ``stale_ttl_ms`` *and* the
+    clock that issues the next one is behind the one that issued the last by
+    more than that idle time. A lock that fences nothing
+    (:meth:`~GuardBackend.try_lock`, deduplication) issues no token and
+    keeps none: its key drains completely.
 
 waiters
     A FIFO of entries waiting for a slot, each keyed by a *waiter id* (a
@@ -202,7 +210,9 @@ class GuardBackend(abc.ABC):
         before anything is written (:meth:`check_payload`).
       stale_ttl_ms(int): How long the backend remembers which generation of a
         lapsed hand-off's message may start (see *generations*): a stale copy
-        that waits on the broker longer than this could start. Default one day.
+        that waits on the broker longer than this could start; and how long a
+        key's last fencing token outlives its other state (see *fencing
+        token*). Default one day.
 
     Attributes:
       route(str): Which broker this process delivers parked messages to (see

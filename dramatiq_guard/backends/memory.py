@@ -69,6 +69,7 @@ class _Guard:
     woken: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # token, wake deadline
     info: dict[str, tuple[int, str | None]] = dataclasses.field(default_factory=dict)
     token: int = 0
+    token_ms: int = 0  # when the last token was issued: it outlives the key's state by stale_ttl_ms
     default_limit: int | None = None  # recorded when a waiter queues, for callers that do not know it
     # waiter -> (the one generation of its message that may start, until when it is remembered)
     live: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
@@ -76,7 +77,9 @@ class _Guard:
 
     def next_token(self) -> int:
         """The next fencing token: above every one issued before, and at least the time in us."""
-        self.token = max(self.token + 1, self.clock() // 1000)
+        now_us = self.clock() // 1000
+        self.token = max(self.token + 1, now_us)
+        self.token_ms = now_us // 1000
         return self.token
 
     def first_holders(self) -> tuple[str, ...]:
@@ -245,8 +248,13 @@ class MemoryBackend(GuardBackend):
         if not (guard.queue or guard.reserved):
             guard.default_limit = None  # recorded for the waiters, it goes with them (as on Redis)
         if guard.is_idle():
-            if guard.live:  # outlives the rest of the key's state, as on Redis
-                self._guards[key] = _Guard(live=guard.live, clock=self._clock)
+            # The live generations and the last token outlive the rest of the key's state, as on
+            # Redis (the token for stale_ttl_ms after it was issued).
+            kept = guard.token if guard.token_ms + self.stale_ttl_ms > self._now_ms() else 0
+            if guard.live or kept:
+                self._guards[key] = _Guard(
+                    live=guard.live, token=kept, token_ms=guard.token_ms, clock=self._clock
+                )
             else:
                 self._guards.pop(key, None)
 
@@ -264,6 +272,25 @@ class MemoryBackend(GuardBackend):
         generation: int | None = None,
     ) -> AcquireResult:
         """Try to become a holder of ``key``; see :meth:`GuardBackend.acquire`."""
+        return self._acquire(key, holder, limit, ttl_ms, wait, info, generation, fenced=True)
+
+    def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:
+        """Take ``key`` as a limit-1 lock; see :meth:`GuardBackend.try_lock` (no token issued nor kept)."""
+        check_ms(ttl_ms, "ttl_ms")
+        return self._acquire(key, holder, 1, ttl_ms, None, info, None, fenced=False)
+
+    def _acquire(
+        self,
+        key: str,
+        holder: str,
+        limit: int | None,
+        ttl_ms: int,
+        wait: Waiter | None,
+        info: str | None,
+        generation: int | None,
+        *,
+        fenced: bool,
+    ) -> AcquireResult:
         check_acquire(limit, ttl_ms, wait)
         self.check_payload(key, holder, wait)
         sent = time.monotonic()  # the result's valid_from: the deadline counts from later
@@ -275,8 +302,9 @@ class MemoryBackend(GuardBackend):
                 return AcquireResult(False, None, (), in_force, stale=True)
             handoffs = [h for h in self._hand_off(key, guard, in_force, now) if h.waiter_id != holder]
             token = None
-            parked = standby = False
+            acquired = parked = standby = False
             if holder in guard.holders or (len(guard.holders) < in_force and not guard.queue):
+                acquired = True
                 guard.holders[holder] = now + ttl_ms
                 guard.info.setdefault(holder, (now, info or None))
                 guard.queue.pop(holder, None)
@@ -285,7 +313,7 @@ class MemoryBackend(GuardBackend):
                 if generation is not None and holder in guard.live:
                     # This copy started: it is the one that may start again (a redelivery).
                     guard.live[holder] = (generation, now + self.stale_ttl_ms)
-                token = guard.next_token()
+                token = guard.next_token() if fenced else None
             elif wait is not None:
                 entry = guard.queue.get(holder)
                 standby = (
@@ -316,7 +344,7 @@ class MemoryBackend(GuardBackend):
             holders = () if token is not None else guard.first_holders()
             self._end(key, guard)
             return AcquireResult(
-                token is not None, token, holders, in_force, parked, tuple(handoffs), standby, valid_from=sent
+                acquired, token, holders, in_force, parked, tuple(handoffs), standby, valid_from=sent
             )
 
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:

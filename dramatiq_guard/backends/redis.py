@@ -13,7 +13,6 @@ raise, how long one call can block, pipelining) is in
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, cast
@@ -42,6 +41,7 @@ from dramatiq_guard.backends.base import (
 from dramatiq_guard.backends.redis_client import (
     DEFAULT_SOCKET_TIMEOUT_S,
     RedisClient,
+    ReplicaWaits,
     Timeouts,
     data,
     load_lua,
@@ -52,7 +52,20 @@ from dramatiq_guard.backends.redis_client import (
     timeouts_of,
 )
 
-__all__ = ["DEFAULT_SOCKET_TIMEOUT_S", "RedisBackend", "RedisClient"]
+__all__ = ["DEFAULT_SOCKET_TIMEOUT_S", "RedisBackend", "RedisClient", "replica_waits_of"]
+
+
+def replica_waits_of(count: int, timeout_ms: int) -> ReplicaWaits | None:
+    """The replica waits asked for, checked: None for a count of 0.
+
+    Raises:
+      ValueError: If ``count`` is not an int from 0 to 2**31 - 1, or
+        ``timeout_ms`` not a duration from 1 ms (:func:`check_ms`; Redis's
+        ``WAIT`` with 0 would wait without end).
+    """
+    check_count(count, "replica_waits")
+    check_ms(timeout_ms, "replica_wait_timeout_ms")
+    return ReplicaWaits(count, timeout_ms) if count else None
 
 
 class _KeyNames(NamedTuple):
@@ -105,8 +118,22 @@ class RedisBackend(GuardBackend):
         clients plus the longest a park can be in flight.
       max_payload_bytes(int): The largest parked message stored (see
         :class:`~dramatiq_guard.backends.GuardBackend`).
-      stale_ttl_ms(int): How long a lapsed hand-off's live generation is
-        remembered (see :class:`~dramatiq_guard.backends.GuardBackend`).
+      stale_ttl_ms(int): How long a lapsed hand-off's live generation, and a
+        key's last fencing token, are remembered (see
+        :class:`~dramatiq_guard.backends.GuardBackend`).
+      replica_waits(int): How many replicas must acknowledge every decision
+        (acquire, park, renew, release, hand-off, limit) before it stands:
+        each script is followed, on the same connection (on a Redis Cluster,
+        to the node owning the key's slot), by Redis ``WAIT``. 0 (the
+        default): none, replication is asynchronous and a failover may lose
+        the decisions of its last moments (see ``docs/redis.md``,
+        "Failover").
+      replica_wait_timeout_ms(int): How long the primary waits for them. If
+        fewer acknowledge in time, the operation fails closed: it raises
+        :class:`~dramatiq_guard.errors.ReplicasBehind` (a
+        :class:`~dramatiq_guard.errors.BackendUnavailable`), though it was
+        done on the primary (see that exception). It must stay below the
+        client's ``socket_timeout``.
 
     Raises:
       ValueError: If ``namespace`` is empty or contains a brace, or a
@@ -125,6 +152,8 @@ class RedisBackend(GuardBackend):
         index_grace_ms: int = 60_000,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         stale_ttl_ms: int = 86_400_000,
+        replica_waits: int = 0,
+        replica_wait_timeout_ms: int = 1_000,
     ) -> None:
         super().__init__(
             handoff_ttl_ms=handoff_ttl_ms, max_payload_bytes=max_payload_bytes, stale_ttl_ms=stale_ttl_ms
@@ -132,6 +161,7 @@ class RedisBackend(GuardBackend):
         if not namespace or "{" in namespace or "}" in namespace:
             raise ValueError(f"a guard namespace must be non-empty and contain no braces, got {namespace!r}")
         check_ms(index_grace_ms, "index_grace_ms", minimum=0)
+        self.replicas = replica_waits_of(replica_waits, replica_wait_timeout_ms)
         self.client = client
         self.namespace = namespace
         self.index_grace_ms = index_grace_ms
@@ -186,9 +216,23 @@ class RedisBackend(GuardBackend):
     def slow_call_warning(self, shortest_lease_ms: int) -> str | None:
         """Why one call could block longer than ``shortest_lease_ms`` on a silent Redis, or None.
 
-        See :func:`dramatiq_guard.backends.redis_client.slow_call_warning`.
+        See :func:`dramatiq_guard.backends.redis_client.slow_call_warning`. With
+        replica waits, also says so when the client's ``socket_timeout`` does not
+        leave room for ``replica_wait_timeout_ms``: a decision whose replicas are
+        slow would then fail as a timeout of the connection, not as
+        :class:`~dramatiq_guard.errors.ReplicasBehind` (closed either way).
         """
-        return slow_call_warning(self.client, self.timeouts(), shortest_lease_ms)
+        warnings = [slow_call_warning(self.client, self.timeouts(), shortest_lease_ms)]
+        socket_timeout = self.timeouts().socket_timeout
+        waits = self.replicas
+        if waits is not None and socket_timeout is not None and socket_timeout * 1000 <= waits.timeout_ms:
+            warnings.append(
+                f"dramatiq-guard: replica_wait_timeout_ms={waits.timeout_ms} is not below the guard "
+                f"client's socket_timeout ({socket_timeout:g} s): a decision whose replicas are slow "
+                f"fails as a connection timeout. Set replica_wait_timeout_ms below it."
+            )
+        found = [warning for warning in warnings if warning is not None]
+        return " ".join(found) if found else None
 
     # -- keys ---------------------------------------------------------------
 
@@ -247,8 +291,15 @@ class RedisBackend(GuardBackend):
         keys = self._keys(key)
         if extra_key is not None and not self._in_cluster():
             keys.append(extra_key)
-        with reachable():
-            return self._scripts[name](keys=keys, args=self._args(key, default_limit, *args))
+        return self._call(self._scripts[name], keys, self._args(key, default_limit, *args))
+
+    def _call(self, script: Script, keys: list[str], args: list[Any]) -> Any:
+        """Run one script; with replica waits, followed by a ``WAIT`` on its connection."""
+        if self.replicas is None:
+            with reachable():
+                return script(keys=keys, args=args)
+        [reply] = run_scripts(self.client, [(script, keys, args)], replicas=self.replicas)
+        return reply
 
     def _handoffs(self, key: str, flat: list[Any]) -> tuple[Handoff, ...]:
         """Decode ``waiter, payload-or-nil, generation-or-nil`` triples (no payload: a woken waiter)."""
@@ -328,23 +379,40 @@ class RedisBackend(GuardBackend):
           ValueError: If ``key``, a number or (with ``wait``) ``holder`` is not allowed.
           PayloadTooLarge: If ``wait.payload`` is over ``max_payload_bytes`` (nothing is written).
         """
+        return self._acquire(key, holder, limit, ttl_ms, wait, info, generation, fenced=True)
+
+    def _acquire(
+        self,
+        key: str,
+        holder: str,
+        limit: int | None,
+        ttl_ms: int,
+        wait: Waiter | None,
+        info: str | None,
+        generation: int | None,
+        *,
+        fenced: bool,
+    ) -> AcquireResult:
+        """Run ``acquire.lua``; unless ``fenced``, no token is issued nor kept (:meth:`try_lock`)."""
         check_acquire(limit, ttl_ms, wait)
         self.check_payload(key, holder, wait)
         gen: str | int = "" if generation is None else generation
+        fence = "1" if fenced else "0"
         sent = time.monotonic()  # the result's valid_from: Redis counts the ttl from later
         if wait is None:
-            mode: list[str | int | bytes] = ["", b"", 0, info or "", gen]
+            mode: list[str | int | bytes] = ["", b"", 0, info or "", gen, fence]
             reply = self._run("acquire", key, limit, holder, ttl_ms, *mode)
         else:
             self._check_waiter(holder)
             kind = "park" if wait.payload is not None else "block"
-            mode = [kind, b"" if wait.payload is None else wait.payload, wait.wait_ms, info or "", gen]
+            mode = [kind, b"" if wait.payload is None else wait.payload, wait.wait_ms, info or "", gen, fence]
             if self._in_cluster():
                 script = self._scripts["acquire"]
                 [reply] = run_scripts(
                     self.client,
                     [(script, self._keys(key), self._args(key, limit, holder, ttl_ms, *mode))],
                     zadd_first=(self._index, key),
+                    replicas=self.replicas,
                 )
             else:
                 reply = self._run("acquire", key, limit, holder, ttl_ms, *mode)
@@ -357,7 +425,8 @@ class RedisBackend(GuardBackend):
         free key (6 Redis commands in the script) and a key held by another
         (4); anything else (a waiter or reservation, a run-time limit, a
         lapsed holder, the holder itself) goes on to :meth:`acquire`, a
-        second round trip.
+        second round trip, which issues no token either: a dedup lock's key
+        keeps no fencing token once it drains (see ``docs/redis.md``).
 
         Raises:
           BackendUnavailable: If Redis cannot be reached.
@@ -367,11 +436,9 @@ class RedisBackend(GuardBackend):
         names = self._names(key)
         keys = [names.holders, names.waiters, names.reserved, names.limit, names.token, names.info]
         sent = time.monotonic()
-        with reachable():
-            status, holders = self._lock(keys=keys, args=[holder, ttl_ms, info or ""])
+        status, holders = self._call(self._lock, keys, [holder, ttl_ms, info or ""])
         if int(status) < 0:
-            result = self.acquire(key, holder, limit=1, ttl_ms=ttl_ms, info=info)
-            return dataclasses.replace(result, token=None)
+            return self._acquire(key, holder, 1, ttl_ms, None, info, None, fenced=False)
         acquired = int(status) == 1
         return AcquireResult(
             acquired=acquired,
@@ -388,8 +455,7 @@ class RedisBackend(GuardBackend):
         it touches only the holder's entry and the expiry of its key.
         """
         check_ms(ttl_ms, "ttl_ms", minimum=0)
-        with reachable():
-            return bool(self._renew(keys=self._renew_keys(key), args=[holder, ttl_ms]))
+        return bool(self._call(self._renew, self._renew_keys(key), [holder, ttl_ms]))
 
     def renew_many(self, leases: Sequence[tuple[str, str, int]]) -> list[bool]:
         """Renew several leases in one pipelined round trip."""
@@ -398,7 +464,7 @@ class RedisBackend(GuardBackend):
         for _, _, ttl_ms in leases:
             check_ms(ttl_ms, "ttl_ms", minimum=0)
         calls = [(self._renew, self._renew_keys(key), [holder, ttl]) for key, holder, ttl in leases]
-        return [bool(result) for result in run_scripts(self.client, calls)]
+        return [bool(result) for result in run_scripts(self.client, calls, replicas=self.replicas)]
 
     def _renew_keys(self, key: str) -> list[str]:
         names = self._names(key)

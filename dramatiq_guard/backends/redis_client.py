@@ -28,11 +28,13 @@ import redis.cluster
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
-from dramatiq_guard.errors import BackendUnavailable
+from dramatiq_guard.errors import BackendUnavailable, ReplicasBehind
 
 __all__ = [
     "DEFAULT_SOCKET_TIMEOUT_S",
     "RedisClient",
+    "ReplicaWaits",
+    "ScriptCall",
     "Timeouts",
     "data",
     "load_lua",
@@ -174,11 +176,23 @@ def slow_call_warning(client: RedisClient, timeouts: Timeouts, shortest_lease_ms
     )
 
 
+class ReplicaWaits(NamedTuple):
+    """How many replicas must acknowledge each decision (Redis ``WAIT``), and for how long to wait."""
+
+    replicas: int
+    timeout_ms: int
+
+
+#: A script call: the script, its KEYS and its ARGV.
+ScriptCall: TypeAlias = tuple[Script, list[str], list[Any]]
+
+
 def run_scripts(
     client: RedisClient,
-    calls: Sequence[tuple[Script, list[str], list[Any]]],
+    calls: Sequence[ScriptCall],
     *,
     zadd_first: tuple[str, str] | None = None,
+    replicas: ReplicaWaits | None = None,
 ) -> list[Any]:
     """Run several scripts in one pipelined round trip, optionally after a ZADD ``(index, member)``.
 
@@ -186,28 +200,142 @@ def run_scripts(
     round trip per execution (and does nothing for cluster pipelines), so
     a NOSCRIPT reply is handled here: load the script, re-run only the
     calls that were refused (they did nothing).
+
+    With ``replicas`` (and a count above 0), each pipeline ends with a
+    ``WAIT``, on the same connection, so the primary answers only once that
+    many replicas have acknowledged the writes (or the timeout passed). On a
+    Redis Cluster the calls go to the node owning their first key's slot, one
+    pipeline per node (a ``WAIT`` waits for its own connection's writes only);
+    a call refused with MOVED or ASK (a failover moved its slot; it did
+    nothing) is re-run once on the new owner, the cluster's map refreshed
+    (and refreshed too when a node cannot be reached, for the next call).
+
+    Raises:
+      ReplicasBehind: If a ``WAIT`` got fewer acknowledgements than asked,
+        after every call ran (their decisions stand on the primary, and may
+        be lost by a failover).
+      BackendUnavailable: If Redis cannot be reached.
     """
+    if replicas is None or replicas.replicas <= 0:
+        return _run_pipelined(client, client, calls, zadd_first, None)
+    if not isinstance(client, redis.cluster.RedisCluster):
+        return _run_pipelined(client, client, calls, zadd_first, replicas)
+    if zadd_first is not None:
+        _run_on_nodes(client, [], zadd_first, replicas)
+    return _run_on_nodes(client, list(calls), None, replicas)
+
+
+def _run_on_nodes(
+    client: redis.cluster.RedisCluster,
+    calls: list[ScriptCall],
+    zadd: tuple[str, str] | None,
+    replicas: ReplicaWaits,
+) -> list[Any]:
+    """Run ``calls`` (or only ``zadd``) on the nodes owning their keys, each pipeline with its WAIT."""
+    results: list[Any] = [None] * len(calls)
+    pending = list(range(len(calls)))
+    for attempt in range(2):
+        moved: list[int] = []
+        failed: BackendUnavailable | None = None
+        for target, indices in _by_node(client, calls, pending, zadd).values():
+            # Every node's calls run even if another node failed (a renewal batch must not leave the
+            # leases of healthy nodes to lapse because one node is failing over); then it raises.
+            try:
+                replies = _run_pipelined(
+                    client, target, [calls[i] for i in indices], zadd, replicas, moved_ok=attempt == 0
+                )
+            except BackendUnavailable as exc:
+                if not isinstance(exc, ReplicasBehind):  # the node is gone: ask the cluster again
+                    with contextlib.suppress(*_UNAVAILABLE):
+                        client.nodes_manager.initialize()
+                failed = failed or exc
+                continue
+            for i, reply in zip(indices, replies, strict=True):
+                if isinstance(reply, (redis.exceptions.MovedError, redis.exceptions.AskError)):
+                    moved.append(i)
+                results[i] = reply
+        if failed is not None:
+            raise failed
+        if not moved:
+            break
+        with reachable():
+            client.nodes_manager.initialize()
+        pending, zadd = moved, None
+    return results  # a second MOVED was raised by _run_pipelined (moved_ok=False)
+
+
+def _by_node(
+    client: redis.cluster.RedisCluster,
+    calls: list[ScriptCall],
+    pending: list[int],
+    zadd: tuple[str, str] | None,
+) -> dict[str, tuple[redis.Redis, list[int]]]:
+    """The ``pending`` calls (indices), and the ZADD's node, grouped by the node owning their first key."""
+    groups: dict[str, tuple[redis.Redis, list[int]]] = {}
     with reachable():
-        pipe = client.pipeline(transaction=False)
-        if zadd_first is not None:
-            pipe.zadd(zadd_first[0], {zadd_first[1]: int(time.time() * 1000)})
-        for script, keys, args in calls:
-            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-        results = pipe.execute(raise_on_error=False)
-        if zadd_first is not None:
-            results = results[1:]
+        if zadd is not None:
+            node = cast(Any, client).get_node_from_key(zadd[0])
+            groups[node.name] = (client.get_redis_connection(node), [])
+        for i in pending:
+            node = cast(Any, client).get_node_from_key(calls[i][1][0])
+            groups.setdefault(node.name, (client.get_redis_connection(node), []))[1].append(i)
+    return groups
+
+
+def _run_pipelined(
+    client: RedisClient,
+    target: RedisClient,
+    calls: Sequence[ScriptCall],
+    zadd_first: tuple[str, str] | None,
+    replicas: ReplicaWaits | None,
+    *,
+    moved_ok: bool = False,
+) -> list[Any]:
+    """One pipeline on ``target`` (then a second for NOSCRIPT refusals); ``client`` loads scripts."""
+    with reachable():
+        results = _pipeline(target, calls, zadd_first, replicas)
         missing = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
         if missing:
             for script in {id(calls[i][0]): calls[i][0] for i in missing}.values():
                 script.sha = client.script_load(script.script)
-            pipe = client.pipeline(transaction=False)
-            for i in missing:
-                script, keys, args = calls[i]
-                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-            for i, result in zip(missing, pipe.execute(raise_on_error=False), strict=True):
+            for i, result in zip(
+                missing, _pipeline(target, [calls[i] for i in missing], None, replicas), strict=True
+            ):
                 results[i] = result
     for result in results:
+        if moved_ok and isinstance(result, (redis.exceptions.MovedError, redis.exceptions.AskError)):
+            continue
         if isinstance(result, Exception):
             with reachable():
                 raise result
-    return list(results)
+    return results
+
+
+def _pipeline(
+    target: RedisClient,
+    calls: Sequence[ScriptCall],
+    zadd_first: tuple[str, str] | None,
+    replicas: ReplicaWaits | None,
+) -> list[Any]:
+    """The replies of one pipeline (errors as values), the ZADD's and the WAIT's left out.
+
+    Raises:
+      ReplicasBehind: If the WAIT got fewer acknowledgements than ``replicas.replicas``.
+    """
+    pipe = target.pipeline(transaction=False)
+    if zadd_first is not None:
+        pipe.zadd(zadd_first[0], {zadd_first[1]: int(time.time() * 1000)})
+    for script, keys, args in calls:
+        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    if replicas is not None:
+        pipe.execute_command("WAIT", replicas.replicas, replicas.timeout_ms)
+    results = list(pipe.execute(raise_on_error=False))
+    if replicas is not None:
+        acked = results.pop()
+        if isinstance(acked, Exception):
+            raise acked
+        if int(acked) < replicas.replicas:
+            raise ReplicasBehind(int(acked), replicas.replicas, replicas.timeout_ms)
+    if zadd_first is not None:
+        results = results[1:]
+    return results

@@ -11,7 +11,8 @@
 --   KEYS[4] R  hash  waiter -> its place in W, while it holds an unconfirmed reservation
 --   KEYS[5] D  zset  ready waiter -> deadline (ms) after which its entry is dropped: a waiter
 --                    a thread is blocked on (a blocking acquire, or a standby picked up)
---   KEYS[6] T  string  the last fencing token
+--   KEYS[6] T  string  the last fencing token; outlives the key's other state, expiring no earlier
+--                    than STALE_TTL after its last write (store_token)
 --   KEYS[7] L  string  the run-time limit
 --   KEYS[8] I  hash  holder -> "<since_ms>|<info>": when it acquired, and what the caller said of it;
 --                    a ready waiter -> "|<info>" (so a hand-off can record it)
@@ -39,7 +40,7 @@
 --   ARGV[4] the guard key K itself (for the indexes)
 --   ARGV[5] the default limit, or '' if the caller does not know it (then the recorded one, else 0)
 --   ARGV[6] the caller's route: the broker it delivers parked messages to
---   ARGV[7] STALE_TTL, how long G outlives its last write (ms)
+--   ARGV[7] STALE_TTL, how long G and T outlive their last write (ms)
 -- A script's own arguments follow; it reads them with arg(1), arg(2), ...
 -- Times come from the server's clock only.
 --
@@ -48,7 +49,7 @@
 --     have a payload in P, and P's members are in W or R: with W, P, R, D and S all absent
 --     nothing is queued. A member of both P and S is a standby being sent (standby.lua).
 --   * H, T and I, when they exist, expire no earlier than the largest deadline in H,
---     so a key whose holders all died vanishes by itself.
+--     so a key whose holders all died vanishes by itself (T, and G, later still).
 --
 -- Cost model: every operation is O(log n) in the key's holders, waiters and reservations,
 -- plus what it changes (a limit of 10,000 costs what a limit of 8 does). load() reads what
@@ -243,6 +244,17 @@ local function count_many(command, key, list)
     n = n + redis.call(command, key, unpack(list, i, math.min(i + 3999, #list)))
   end
   return n
+end
+
+-- Write TOKEN to T, to expire no earlier than the latest deadline in H nor STALE_TTL from now.
+-- T outlives the key's other state (finish() leaves it to expire): a token issued after the key
+-- fell idle is still above the last one, even by a server whose clock is behind the one that
+-- issued it (a replica promoted by a failover), unless the key stayed idle longer than STALE_TTL.
+-- Returns the expiry given (for META_AT).
+local function store_token()
+  local at = math.max(latest(), NOW + STALE_TTL)
+  redis.call('SET', T, fmt(TOKEN), 'PXAT', at)
+  return at
 end
 
 -- ZADD H (score-member pairs), counted in HN.
@@ -485,8 +497,7 @@ local function handoff(limit, out)
     call_many('ZREM', S, woken)
   end
   if TOKEN ~= nil then
-    META_AT = latest()
-    redis.call('SET', T, fmt(TOKEN), 'PXAT', META_AT)
+    META_AT = store_token()
   end
 end
 
@@ -510,8 +521,8 @@ local function send_ahead(count, out)
       end
     end
   end
-  if TOKEN ~= nil and HN > 0 then
-    redis.call('SET', T, fmt(TOKEN), 'PXAT', latest())
+  if TOKEN ~= nil then
+    store_token()
   end
 end
 
@@ -567,7 +578,8 @@ local function index_due()
 end
 
 -- With no holder, no waiter and no reservation left, drop all state but the
--- limit and G (and the key's waiting-keys index entry). Otherwise make the
+-- limit, G and T (which expire by themselves, see mark_lapsed and store_token), and the key's
+-- waiting-keys index entry. Otherwise make the
 -- holder-derived keys expire with the last holder: waiters, payloads and
 -- reservations never expire.
 local function finish()
@@ -585,7 +597,7 @@ local function finish()
   end
   if HN == 0 and not queued then
     if EXISTED or PARKED or not OWNED then
-      redis.call('DEL', H, W, P, R, D, S, T, I, M)
+      redis.call('DEL', H, W, P, R, D, S, I, M)
     end
     return
   end
@@ -598,7 +610,8 @@ local function finish()
     if RAISED then
       redis.call('PEXPIREAT', H, at)
     end
-    if RAISED and not META_AT then
+    if RAISED and not META_AT and redis.call('PTTL', T) < at - NOW then
+      -- Later, never sooner (store_token): T may have to outlive the holders.
       redis.call('PEXPIREAT', T, at)
     end
     redis.call('PEXPIREAT', I, at)

@@ -1,5 +1,6 @@
--- acquire(holder, ttl_ms, mode, payload, wait_ms, info, generation); mode: '' (no wait), 'park',
--- 'block'; generation: the one a handed-off copy carries, or ''.
+-- acquire(holder, ttl_ms, mode, payload, wait_ms, info, generation[, fenced]); mode: '' (no wait),
+-- 'park', 'block'; generation: the one a handed-off copy carries, or ''; fenced: '0' for a lock
+-- that fences nothing (GuardBackend.try_lock: no token is issued, T is not written), else a token.
 -- Returns {acquired, token|nil, limit, queued, holders, handoffs} (RedisBackend._acquire_reply);
 -- holders: when refused, the first HOLDERS_SHOWN live holders (earliest deadline first), else none;
 -- queued is '' (not waiting), 'queued', 'standby' for a standby (sent ahead, see
@@ -17,6 +18,7 @@ end
 local holder = arg(1)
 local ttl = tonumber(arg(2))
 local mode = arg(3)
+local fenced = arg(8) ~= '0'
 OWNED = true
 
 reclaim()
@@ -77,9 +79,10 @@ if acquired then
     -- This copy started: it is the one that may start again (a redelivery), no older one.
     redis.call('HSET', G, holder, generation)
   end
-  token = next_token()
-  META_AT = latest()
-  redis.call('SET', T, fmt(token), 'PXAT', META_AT)
+  if fenced then
+    token = next_token()
+    META_AT = store_token()
+  end
 elseif mode ~= '' then
   local added = enqueue(holder)
   -- A standby sent ahead (standby.lua) that was picked up, or one already blocking in its place

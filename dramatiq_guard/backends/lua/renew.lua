@@ -7,7 +7,7 @@
 -- ARGV: holder, ttl_ms.
 -- Keeps the prelude's invariant: H, T and I, when they exist, expire no earlier than the
 -- largest deadline in H (PEXPIREAT GT: never sooner than they already do; on a server without
--- GT, Redis < 7, from the latest deadline). Times come from the server's clock only.
+-- GT, Redis < 7, from the latest deadline, and T only later). Times come from the server's clock only.
 local MAX_DURATION_MS = 31622400000
 local H, T, I = KEYS[1], KEYS[2], KEYS[3]
 local holder, ttl_arg = ARGV[1], ARGV[2]
@@ -33,7 +33,9 @@ if type(reply) == 'table' and reply.err then
   local last = redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')
   at = math.max(at, tonumber(last[2] or '0'))
   redis.call('PEXPIREAT', H, at)
-  redis.call('PEXPIREAT', T, at)
+  if redis.call('PTTL', T) < at - now then -- T may have to outlive the holders (store_token)
+    redis.call('PEXPIREAT', T, at)
+  end
   redis.call('PEXPIREAT', I, at)
   return 1
 end
