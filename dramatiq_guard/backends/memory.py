@@ -341,7 +341,7 @@ class MemoryBackend(GuardBackend):
                             guard.live[holder] = (_REPARKED, now + self.stale_ttl_ms)
                 entry.info = (info or None) if entry.ready else None
                 parked = True
-            holders = () if token is not None else guard.first_holders()
+            holders = () if acquired else guard.first_holders()
             self._end(key, guard)
             return AcquireResult(
                 acquired, token, holders, in_force, parked, tuple(handoffs), standby, valid_from=sent
