@@ -308,4 +308,7 @@ def test_the_scripts_bounds_are_the_python_ones() -> None:
     for own in ("lock", "renew"):  # the scripts without the prelude
         script = (Path(dramatiq_guard.__file__).parent / "backends" / "lua" / f"{own}.lua").read_text()
         assert f"local MAX_DURATION_MS = {bounds.MAX_DURATION_MS}\n" in script
+    for fast in ("acquire_fast", "release_fast"):  # the fast paths run before the prelude
+        script = (Path(dramatiq_guard.__file__).parent / "backends" / "lua" / f"{fast}.lua").read_text()
+        assert f"local DAY366, COUNT = {bounds.MAX_DURATION_MS}, {bounds.MAX_COUNT}\n" in script
     assert bounds.MAX_DURATION_MS == MAX_MS and bounds.MAX_COUNT == 2**31 - 1

@@ -84,6 +84,15 @@ class _KeyNames(NamedTuple):
     gens: str
 
 
+#: Scripts with a common path run before the prelude (``lua/<name>_fast.lua``): see docs/redis.md.
+_FAST_PATHS = ("acquire", "release")
+
+
+def _fast_path(name: str) -> str:
+    """The script's fast-path header (it returns early, or falls through to the prelude), or ''."""
+    return load_lua(f"{name}_fast") + "\n" if name in _FAST_PATHS else ""
+
+
 _KEY_SCRIPTS = (
     "acquire",
     "release",
@@ -173,7 +182,8 @@ class RedisBackend(GuardBackend):
         self._owns_client = False
         prelude = load_lua("_prelude")
         self._scripts: dict[str, Script] = {
-            name: client.register_script(prelude + "\n" + load_lua(name)) for name in _KEY_SCRIPTS
+            name: client.register_script(_fast_path(name) + prelude + "\n" + load_lua(name))
+            for name in _KEY_SCRIPTS
         }
         self._unindex = client.register_script(load_lua("unindex"))
         self._due = client.register_script(load_lua("due"))
