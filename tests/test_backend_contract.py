@@ -1253,6 +1253,9 @@ def test_a_drained_key_keeps_its_last_token_and_a_dedup_lock_keeps_none(env: Env
     assert backend.try_lock(dedup, "m1", ttl_ms=60_000).acquired
     again = backend.try_lock(dedup, "m1", ttl_ms=60_000)  # re-entrant: not the fast path on Redis
     assert again.acquired and again.token is None
+    # The dedup lock's holder starts: an unfenced acquire (deduplication's) keeps none either.
+    started = backend.acquire(dedup, "m1", limit=1, ttl_ms=60_000, fenced=False)
+    assert started.acquired and started.token is None
     assert backend.release(dedup, "m1", limit=1).released
     assert backend.inspect(dedup).token is None
     assert_drained(env, backend, key=dedup)  # nothing at all is left

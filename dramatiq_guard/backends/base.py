@@ -266,6 +266,7 @@ class GuardBackend(abc.ABC):
         wait: Waiter | None = None,
         info: str | None = None,
         generation: int | None = None,
+        fenced: bool = True,
     ) -> AcquireResult:
         """Try to become a holder of ``key``.
 
@@ -297,6 +298,9 @@ class GuardBackend(abc.ABC):
             key, for :meth:`inspect` (``KeyState.holder_info``).
           generation(int|None): The generation a handed-off copy carries (see
             *generations*): a stale one is refused (``stale``) with nothing done.
+          fenced(bool): False for a lock that fences no writes (a dedup lock, as
+            :meth:`try_lock`): no token is issued (``token`` is None) and none is
+            kept for the key, so a key per message leaves nothing behind.
         """
 
     def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:

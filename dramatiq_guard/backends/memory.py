@@ -270,9 +270,10 @@ class MemoryBackend(GuardBackend):
         wait: Waiter | None = None,
         info: str | None = None,
         generation: int | None = None,
+        fenced: bool = True,
     ) -> AcquireResult:
         """Try to become a holder of ``key``; see :meth:`GuardBackend.acquire`."""
-        return self._acquire(key, holder, limit, ttl_ms, wait, info, generation, fenced=True)
+        return self._acquire(key, holder, limit, ttl_ms, wait, info, generation, fenced=fenced)
 
     def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:
         """Take ``key`` as a limit-1 lock; see :meth:`GuardBackend.try_lock` (no token issued nor kept)."""

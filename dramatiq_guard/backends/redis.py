@@ -377,6 +377,7 @@ class RedisBackend(GuardBackend):
         wait: Waiter | None = None,
         info: str | None = None,
         generation: int | None = None,
+        fenced: bool = True,
     ) -> AcquireResult:
         """Try to become a holder of ``key``; see :meth:`GuardBackend.acquire`.
 
@@ -389,7 +390,7 @@ class RedisBackend(GuardBackend):
           ValueError: If ``key``, a number or (with ``wait``) ``holder`` is not allowed.
           PayloadTooLarge: If ``wait.payload`` is over ``max_payload_bytes`` (nothing is written).
         """
-        return self._acquire(key, holder, limit, ttl_ms, wait, info, generation, fenced=True)
+        return self._acquire(key, holder, limit, ttl_ms, wait, info, generation, fenced=fenced)
 
     def _acquire(
         self,

@@ -319,7 +319,13 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         generation = generation_of(message, key)
         if policy.on_duplicate != "reschedule_once" or generation is not None:
             result = backend.acquire(
-                key, holder, limit=1, ttl_ms=policy.ttl_ms, info=message.actor_name, generation=generation
+                key,
+                holder,
+                limit=1,
+                ttl_ms=policy.ttl_ms,
+                info=message.actor_name,
+                generation=generation,
+                fenced=False,  # a dedup lock fences nothing: no token kept per key
             )
             self._deliver(broker, result.handoffs)
             if result.stale:
