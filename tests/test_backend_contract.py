@@ -505,7 +505,9 @@ def test_the_renewer_keeps_leases_alive_and_reports_lost_ones(env: Env) -> None:
         # Released by force: the next renewal finds it gone and reports it.
         assert backend.release(KEY, "b", limit=2).released
         assert handle_b.wait_lost(MARGIN_S)
-        assert lost == [handle_b] and renewer.leases == 1
+        # The renewer's thread marks it lost, then runs its callbacks: wait for them.
+        wait_until(lambda: lost == [handle_b], timeout=MARGIN_S, what="the on_lost callback")
+        assert renewer.leases == 1
         # Unregistered: renewal stops at once and the lease lapses within a ttl.
         handle_a.unregister()
         last_deadline = deadline_of(backend, KEY, "a")

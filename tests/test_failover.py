@@ -243,3 +243,20 @@ def test_install_sets_replica_waits_on_a_redis_backend_and_warns_of_a_short_sock
     short = RedisBackend(client, replica_waits=1, replica_wait_timeout_ms=100)
     assert "replica_wait_timeout_ms" not in (short.slow_call_warning(60_000) or "")
     assert RedisBackend(client).replicas is None  # 0: no waits
+
+
+def test_with_replica_waits_a_manual_cluster_failover_moves_calls_to_the_new_primary() -> None:
+    """``CLUSTER FAILOVER``: the client's map still names the old primary, now a replica, which
+    answers MOVED; the call did nothing there and is re-run once on the new primary."""
+    with RedisCluster3x1() as cluster:
+        client = cluster.client(socket_timeout=2, socket_connect_timeout=1)
+        try:
+            backend = RedisBackend(client, replica_waits=1, replica_wait_timeout_ms=1_000)
+            assert backend.acquire(KEY, "m1", limit=1, ttl_ms=60_000).acquired
+            cluster.switch_over(KEY)
+            refused = backend.acquire(KEY, "m2", limit=1, ttl_ms=60_000)  # no retry needed
+            assert not refused.acquired and refused.holders == ("m1",)
+            assert backend.renew_many([(KEY, "m1", 60_000)]) == [True]
+            assert backend.release(KEY, "m1", limit=1).released
+        finally:
+            client.close()

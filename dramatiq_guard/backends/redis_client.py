@@ -333,7 +333,10 @@ def _pipeline(
     if replicas is not None:
         acked = results.pop()
         if isinstance(acked, Exception):
-            raise acked
+            if any(isinstance(result, Exception) for result in results):
+                return results[1:] if zadd_first is not None else results  # the calls' errors say more
+            # A node that refuses WAIT is a replica (a failover demoted it): nothing stands.
+            raise BackendUnavailable(f"the guard's Redis backend could not wait for replicas: {acked}")
         if int(acked) < replicas.replicas:
             raise ReplicasBehind(int(acked), replicas.replicas, replicas.timeout_ms)
     if zadd_first is not None:

@@ -254,8 +254,11 @@ class RedisCluster3x1:
                 command(client, "CLUSTER", "REPLICATE", primary)
 
             def ready() -> bool:
-                return all(c.cluster("info").get("cluster_state") == "ok" for c in clients) and all(
-                    linked(c) for c in clients[3:]
+                """Every node ok and seeing a replica for every slot range, every replica synced."""
+                return (
+                    all(c.cluster("info").get("cluster_state") == "ok" for c in clients)
+                    and all(len(r) >= 4 for c in clients for r in command(c, "CLUSTER", "SLOTS"))
+                    and all(linked(c) for c in clients[3:])
                 )
 
             wait_until(ready, timeout=30, what="the cluster to be ok and its replicas synced")
@@ -282,6 +285,33 @@ class RedisCluster3x1:
                 if int(low) <= slot <= int(high):
                     port = int(primary[1])
         return next(node for node in self.nodes if node.port == port)
+
+    def replica_of(self, key: str) -> RedisServer:
+        """The replica of ``key``'s slot, as its primary reports it (``INFO replication``)."""
+        with self.owner_of(key).client() as client:
+            port = int(client.info("replication")["slave0"]["port"])
+        return next(node for node in self.nodes if node.port == port)
+
+    def switch_over(self, key: str) -> RedisServer:
+        """A manual failover of ``key``'s slot (``CLUSTER FAILOVER`` on its replica): nothing is lost,
+        the old primary becomes its replica. Returns the new primary once every node agrees."""
+        new = self.replica_of(key)
+        with new.client() as client:
+            command(client, "CLUSTER", "FAILOVER")
+
+        def switched() -> bool:
+            return all(self._owner_seen_by(node, key) == new.port for node in self.nodes)
+
+        wait_until(switched, timeout=30, what="the manual failover")
+        return new
+
+    def _owner_seen_by(self, node: RedisServer, key: str) -> int:
+        with node.client() as client:
+            slot = int(command(client, "CLUSTER", "KEYSLOT", key))
+            for low, high, primary, *_ in command(client, "CLUSTER", "SLOTS"):
+                if int(low) <= slot <= int(high):
+                    return int(primary[1])
+        return 0
 
     def fail_over(self, key: str) -> RedisServer:
         """Kill the primary of ``key``'s slot (SIGKILL) and wait until its replica took the slot over.

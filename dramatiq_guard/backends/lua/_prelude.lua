@@ -577,11 +577,10 @@ local function index_due()
   end
 end
 
--- With no holder, no waiter and no reservation left, drop all state but the
--- limit, G and T (which expire by themselves, see mark_lapsed and store_token), and the key's
--- waiting-keys index entry. Otherwise make the
--- holder-derived keys expire with the last holder: waiters, payloads and
--- reservations never expire.
+-- With no holder, no waiter and no reservation left, drop all state but the limit, G and T
+-- (which expire by themselves: mark_lapsed, store_token), and the key's waiting-keys index
+-- entry. Otherwise make the holder-derived keys expire with the last holder: waiters, payloads
+-- and reservations never expire.
 local function finish()
   if not OWNED then
     HN = redis.call('ZCARD', H)

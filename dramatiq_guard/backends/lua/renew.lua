@@ -7,7 +7,8 @@
 -- ARGV: holder, ttl_ms.
 -- Keeps the prelude's invariant: H, T and I, when they exist, expire no earlier than the
 -- largest deadline in H (PEXPIREAT GT: never sooner than they already do; on a server without
--- GT, Redis < 7, from the latest deadline, and T only later). Times come from the server's clock only.
+-- GT, Redis < 7, from the latest deadline, and T only later). Times come from the server's clock
+-- only.
 local MAX_DURATION_MS = 31622400000
 local H, T, I = KEYS[1], KEYS[2], KEYS[3]
 local holder, ttl_arg = ARGV[1], ARGV[2]
