@@ -192,61 +192,49 @@ def _op_us(ctx: Context, limit: int, waiters: int, cycles: int) -> tuple[float, 
         ctx.flush()
 
 
+def _curve_figures(
+    name: str, what: str, measured: tuple[float, float], cycles: int, first: str | None
+) -> list[Figure]:
+    """The Redis time and round trip of one point of a scaling curve (``first``: its first point)."""
+    server, client = measured
+    detail = (
+        f"{cycles} cycles of release (hand-off) + confirm + park; EVALSHA usec / calls (INFO commandstats)"
+    )
+    return [
+        Figure(
+            f"op_server_us_{name}",
+            f"per operation, Redis time: {what}",
+            server,
+            "µs",
+            vs=first and f"cost/op_server_us_{first}",
+            better="lower",
+            detail=detail,
+        ),
+        Figure(
+            f"op_client_us_{name}",
+            f"per operation, round trip: {what}",
+            client,
+            "µs",
+            vs=first and f"cost/op_client_us_{first}",
+            better="lower",
+        ),
+    ]
+
+
 def _curves(ctx: Context) -> list[Figure]:
     cycles = ctx.n(2000, 200)
     limits = (8, 100, 1000, 10_000) if not ctx.quick else (8, 1000)
     waiter_counts = (10, 1000, 100_000) if not ctx.quick else (10, 1000)
     figures = []
-    detail = (
-        f"{cycles} cycles of release (hand-off) + confirm + park; EVALSHA usec / calls from INFO commandstats"
-    )
     for limit in limits:
-        server, client = _op_us(ctx, limit, 10, cycles)
-        vs = None if limit == limits[0] else f"cost/op_server_us_limit_{limits[0]}"
-        figures.append(
-            Figure(
-                f"op_server_us_limit_{limit}",
-                f"per operation, Redis time: limit {limit:,}, 10 waiters",
-                server,
-                "µs",
-                vs=vs,
-                better="lower",
-                detail=detail,
-            )
-        )
-        figures.append(
-            Figure(
-                f"op_client_us_limit_{limit}",
-                f"per operation, round trip: limit {limit:,}, 10 waiters",
-                client,
-                "µs",
-                vs=vs and f"cost/op_client_us_limit_{limits[0]}",
-                better="lower",
-            )
-        )
+        first = None if limit == limits[0] else f"limit_{limits[0]}"
+        measured = _op_us(ctx, limit, 10, cycles)
+        figures += _curve_figures(f"limit_{limit}", f"limit {limit:,}, 10 waiters", measured, cycles, first)
     for waiters in waiter_counts:
         server, client = _op_us(ctx, 8, waiters, cycles)
-        vs = None if waiters == waiter_counts[0] else f"cost/op_server_us_waiters_{waiter_counts[0]}"
-        figures.append(
-            Figure(
-                f"op_server_us_waiters_{waiters}",
-                f"per operation, Redis time: limit 8, {waiters:,} waiters",
-                server,
-                "µs",
-                vs=vs,
-                better="lower",
-                detail=detail,
-            )
-        )
-        figures.append(
-            Figure(
-                f"op_client_us_waiters_{waiters}",
-                f"per operation, round trip: limit 8, {waiters:,} waiters",
-                client,
-                "µs",
-                vs=vs and f"cost/op_client_us_waiters_{waiter_counts[0]}",
-                better="lower",
-            )
+        first = None if waiters == waiter_counts[0] else f"waiters_{waiter_counts[0]}"
+        figures += _curve_figures(
+            f"waiters_{waiters}", f"limit 8, {waiters:,} waiters", server, client, first
         )
     return figures
 
