@@ -231,10 +231,10 @@ def _curves(ctx: Context) -> list[Figure]:
         measured = _op_us(ctx, limit, 10, cycles)
         figures += _curve_figures(f"limit_{limit}", f"limit {limit:,}, 10 waiters", measured, cycles, first)
     for waiters in waiter_counts:
-        server, client = _op_us(ctx, 8, waiters, cycles)
         first = None if waiters == waiter_counts[0] else f"waiters_{waiter_counts[0]}"
+        measured = _op_us(ctx, 8, waiters, cycles)
         figures += _curve_figures(
-            f"waiters_{waiters}", f"limit 8, {waiters:,} waiters", server, client, first
+            f"waiters_{waiters}", f"limit 8, {waiters:,} waiters", measured, cycles, first
         )
     return figures
 
