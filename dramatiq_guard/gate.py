@@ -93,6 +93,9 @@ class EnqueueGuard(Protocol):
 
     gate_priority: int
 
+    def guards_actor(self, actor_name: str) -> bool:
+        """Whether it may act on this actor's messages: the gate skips it for the others."""
+
     def before_push(
         self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None
     ) -> PushTicket | None:
@@ -161,8 +164,11 @@ class EnqueueGate:
           Exception: Whatever the broker's push raised.
         """
         tickets: list[PushTicket] = []
+        actor_name = message.actor_name
         try:
             for guard in self.guards:
+                if not guard.guards_actor(actor_name):
+                    continue  # an actor that opts into nothing costs a dict lookup per guard
                 ticket = guard.before_push(self.broker, message, delay, holds=holds)
                 if ticket is not None:
                     tickets.append(ticket)

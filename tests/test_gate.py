@@ -32,11 +32,23 @@ class Ticket:
 class RecordingGuard:
     """A guard that records its calls and does what it is told."""
 
-    def __init__(self, log: list[str], name: str, priority: int, action: str = "ticket") -> None:
+    def __init__(
+        self,
+        log: list[str],
+        name: str,
+        priority: int,
+        action: str = "ticket",
+        *,
+        actors: set[str] | None = None,
+    ) -> None:
         self.log = log
         self.name = name
         self.gate_priority = priority
         self.action = action
+        self.actors = actors  # None: every actor
+
+    def guards_actor(self, actor_name: str) -> bool:
+        return self.actors is None or actor_name in self.actors
 
     def before_push(
         self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None = None
@@ -166,3 +178,14 @@ def test_an_object_that_is_not_a_message_gets_the_brokers_own_error(broker: Stub
         broker.enqueue("not a message")  # type: ignore[arg-type]
     assert str(with_gate.value) == str(without_gate.value)
     assert log == []
+
+
+def test_a_guard_is_not_asked_about_an_actor_it_does_not_guard(broker: StubBroker) -> None:
+    job = make_actor(broker)
+    log: list[str] = []
+    gate = gate_for(broker)
+    gate.add(RecordingGuard(log, "other", 10, action="drop", actors={"someone_else"}))
+    gate.add(RecordingGuard(log, "mine", 20, actors={job.actor_name}))
+    job.send(1)
+    assert log == ["mine:before", "mine:pushed"]
+    assert broker.queues[job.queue_name].qsize() == 1

@@ -162,6 +162,10 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
         self.guarded[actor.actor_name] = ActorGuard(actor.actor_name, policy, resolver)
         self.attach(broker)
 
+    def guards_actor(self, actor_name: str) -> bool:
+        """Whether ``actor_name`` declared this middleware's option (the enqueue gate skips the rest)."""
+        return actor_name in self.guarded
+
     def guard_of(self, message: Message[Any] | MessageProxy) -> ActorGuard[P] | None:
         """The guard of ``message``'s actor, or None if it is not guarded by this middleware."""
         return self.guarded.get(message.actor_name)
