@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KINDS",
+    "LISTED_WAITERS",
     "Requeue",
     "broker_requeue",
     "describe_payload",
@@ -159,14 +160,17 @@ def key_view(key: str, state: KeyState, now: int, summary: KeySummary | None = N
         )
     parked = sum(1 for _, _, is_parked in state.waiters if is_parked)
     oldest = min((since for _, since, _ in state.waiters), default=None)
+    count = len(state.waiters)
+    if summary is not None:  # the snapshot may list only the first waiters (inspect(waiters=N))
+        count, oldest = summary.waiters, summary.oldest_since_ms
     view: dict[str, Any] = {
         "key": key,
         "kind": kind_of(key),
         "limit": state.limit,
         "holders": holders,
         "waiters": {
-            "count": len(state.waiters),
-            "parked": parked,
+            "count": count,
+            "parked": parked,  # of the listed ones ("ids")
             "blocking": len(state.waiters) - parked,
             "oldest_age_ms": None if oldest is None else now - oldest,
             "ids": [waiter for waiter, _, _ in state.waiters],
@@ -180,13 +184,17 @@ def key_view(key: str, state: KeyState, now: int, summary: KeySummary | None = N
     return view
 
 
+#: How many waiters of a key the command and the dashboard list (by id); the count is of all.
+LISTED_WAITERS = 1000
+
+
 def key_detail(backend: GuardBackend, key: str, *, waiters: int = 100) -> dict[str, Any]:
     """:func:`key_view` of ``key`` read now (and ``now_ms``), with its first ``waiters`` waiters described.
 
     Raises:
       ValueError: If ``key`` is not a valid guard key.
     """
-    state = backend.inspect(key)
+    state = backend.inspect(key, waiters=LISTED_WAITERS)
     [summary] = backend.summaries([key], waiters=waiters)
     now = now_ms(backend)
     return {**key_view(key, state, now, summary), "now_ms": now}

@@ -1556,6 +1556,21 @@ def test_a_refused_acquire_names_the_first_holders_and_an_acquired_one_nobody(en
     assert_drained(env, backend)
 
 
+def test_inspect_lists_at_most_the_first_waiters_asked_for(env: Env) -> None:
+    """inspect(waiters=N) reads the head of a queue only (a queue may be 100,000 long)."""
+    backend = env.backend()
+    assert backend.acquire(KEY, "h", limit=1, ttl_ms=60_000).acquired
+    for n in range(5):
+        park(backend, f"p{n}")
+    full = backend.inspect(KEY)
+    assert [w for w, _, _ in full.waiters] == [f"p{n}" for n in range(5)]
+    head = backend.inspect(KEY, waiters=2)
+    assert head.waiters == full.waiters[:2] and head.holders == full.holders
+    assert backend.inspect(KEY, waiters=0).waiters == ()
+    with pytest.raises(ValueError, match="waiters"):
+        backend.inspect(KEY, waiters=-1)
+
+
 def backend_holders(backend: GuardBackend) -> list[str]:
     return [holder for holder, _ in backend.inspect(KEY).holders]
 

@@ -489,8 +489,13 @@ class GuardBackend(abc.ABC):
         """The run-time limit of ``key``, or None if none is set."""
 
     @abc.abstractmethod
-    def inspect(self, key: str) -> KeyState:
-        """A snapshot of ``key`` (does not reclaim)."""
+    def inspect(self, key: str, *, waiters: int | None = None) -> KeyState:
+        """A snapshot of ``key`` (does not reclaim).
+
+        ``waiters``: at most this many of the first waiters (None: all of them;
+        the count of all is in :meth:`summaries`). Holders are all listed (they
+        are bounded by the limit). The one operation that may read a whole key.
+        """
 
     @abc.abstractmethod
     def waiting_keys(self) -> list[str]:

@@ -519,14 +519,16 @@ class MemoryBackend(GuardBackend):
         with self._changed:
             return self._limits.get(key)
 
-    def inspect(self, key: str) -> KeyState:
-        """A snapshot of ``key`` (it reclaims nothing)."""
+    def inspect(self, key: str, *, waiters: int | None = None) -> KeyState:
+        """A snapshot of ``key`` (it reclaims nothing); see :meth:`GuardBackend.inspect`."""
         check_key(key)
+        if waiters is not None:
+            check_count(waiters, "waiters")
         with self._changed:
             guard = self._guards.get(key)
             if guard is None:
                 return KeyState((), (), (), self._limits.get(key), None)
-            queue = sorted(guard.queue.items(), key=lambda item: item[1].place)
+            queue = sorted(guard.queue.items(), key=lambda item: item[1].place)[:waiters]
             holders = tuple(sorted(guard.holders.items(), key=lambda item: item[1]))
             return KeyState(
                 holders=holders,

@@ -629,9 +629,15 @@ class RedisBackend(GuardBackend):
             value = self.client.get(self._names(key).limit)
         return None if value is None else int(value)
 
-    def inspect(self, key: str) -> KeyState:
-        """A snapshot of ``key``, read atomically by one script (it reclaims nothing)."""
-        return self._inspect_reply(self._run("inspect", key, 0))
+    def inspect(self, key: str, *, waiters: int | None = None) -> KeyState:
+        """A snapshot of ``key``, read atomically by one script (it reclaims nothing).
+
+        ``waiters``: at most this many of the first waiters (None: all); see
+        :meth:`GuardBackend.inspect`.
+        """
+        if waiters is not None:
+            check_count(waiters, "waiters")
+        return self._inspect_reply(self._run("inspect", key, 0, "" if waiters is None else waiters))
 
     def waiting_keys(self) -> list[str]:
         """Keys in the waiting-keys index (see the module docstring).

@@ -45,7 +45,7 @@ def _cmd_inspect(ctx: Context) -> int:
     views = [
         admin.key_view(key, state, now, summary)
         for key, summary in zip(keys, summaries, strict=True)
-        for state in (backend.inspect(key),)
+        for state in (backend.inspect(key, waiters=admin.LISTED_WAITERS),)
         if state.holders or state.waiters or state.limit is not None or key == pattern
     ]
     settings = _redis_settings(backend)
