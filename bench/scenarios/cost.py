@@ -77,6 +77,16 @@ def _sender(actor: Any, n: int) -> Callable[[int], object]:
     return lambda i: actor.send("send", n, i)
 
 
+def _measure_on_worker(ctx: Context, rows: list[tuple[_Row, Any]], *, guard: bool, n: int) -> None:
+    """Drain each row's actor on one worker of the cost actors (guard installed or not)."""
+    ctx.flush()
+    env = {"BENCH_COST": "1", "BENCH_COST_GUARD": "1" if guard else ""}
+    worker = ctx.worker("bench.scenarios.cost_actors", processes=PROCESSES, threads=THREADS, env=env)
+    for row, actor in rows:
+        _measure(ctx, row, actor, worker.worker_pids, n)
+    ctx.stop_workers()
+
+
 def _per_guard(ctx: Context) -> list[Figure]:
     os.environ["BENCH_COST"] = "1"
     os.environ.pop("BENCH_COST_GUARD", None)
@@ -95,26 +105,8 @@ def _per_guard(ctx: Context) -> list[Figure]:
     ]
     for row, actor in rows:
         row.send = ctx.send_rate(_sender(actor, n), n)
-    ctx.flush()
-    worker = ctx.worker(
-        "bench.scenarios.cost_actors",
-        processes=PROCESSES,
-        threads=THREADS,
-        env={"BENCH_COST": "1", "BENCH_COST_GUARD": ""},
-    )
-    for row, actor in rows[:2]:
-        _measure(ctx, row, actor, worker.worker_pids, n)
-    ctx.stop_workers()
-    ctx.flush()
-    worker = ctx.worker(
-        "bench.scenarios.cost_actors",
-        processes=PROCESSES,
-        threads=THREADS,
-        env={"BENCH_COST": "1", "BENCH_COST_GUARD": "1"},
-    )
-    for row, actor in rows[2:]:
-        _measure(ctx, row, actor, worker.worker_pids, n)
-    ctx.stop_workers()
+    _measure_on_worker(ctx, rows[:2], guard=False, n=n)
+    _measure_on_worker(ctx, rows[2:], guard=True, n=n)
     os.environ.pop("BENCH_COST_GUARD", None)
     sized = (
         f"N={n}, {PROCESSES}x{THREADS}, median of {ctx.repeats} after a warm-up; every actor does one INCR"
