@@ -1540,6 +1540,30 @@ def test_a_new_acquirer_leaves_the_slot_of_another_routes_parked_waiter(env: Env
     assert_drained(env, backend)
 
 
+def test_a_standby_being_sent_behind_another_routes_waiter_is_still_handed_its_slot(env: Env) -> None:
+    """Regression (found by a long run of tests/test_model.py): on Redis, a standby being sent (its
+    payload not yet confirmed on the broker) that queued behind a parked waiter of another route
+    was left waiting, as a parked waiter there would be; the memory backend handed it its slot.
+    It is no parked waiter: its sender, of its own route, enqueues it, so it takes the slot (its
+    payload is not returned) and the other route's waiter keeps its place."""
+    backend = env.backend()
+    other = env.another_client(backend)  # the same object for the in-memory backend: set routes as we go
+    backend.route = "app-a"
+    for holder in ("h1", "h2"):
+        assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired
+    other.route = "app-b"
+    park(other, "p1", limit=2)
+    backend.route = "app-a"
+    park(backend, "p2", limit=2)
+    handed, sent = backend.send_standbys(KEY, limit=2, count=2)
+    assert handed == () and [h.waiter_id for h in sent] == ["p2"]  # p1 is app-b's to send
+    assert backend.release(KEY, "h1", limit=2).handoffs == ()  # the slot is p1's: its route hands it on
+    released = backend.release(KEY, "h2", limit=2)
+    assert released.handoffs == (Handoff(KEY, "p2", None),)  # its sender enqueues it
+    assert [w for w, _, _ in backend.inspect(KEY).waiters] == ["p1"]
+    assert backend.confirm_standby(KEY, "p2", ttl_ms=60_000, payload=b"msg:p2", generation=sent[0].generation)
+
+
 def test_a_refused_acquire_names_the_first_holders_and_an_acquired_one_nobody(env: Env) -> None:
     """The reply never carries a key's whole holder set (a limit may be thousands): O(log n)."""
     backend = env.backend()

@@ -446,11 +446,13 @@ local function handoff(limit, out)
   local deadline = NOW + HANDOFF_TTL
   local waiters, holders, places, stopped = {}, {}, {}, false
   for i, w in ipairs(candidates) do
-    local foreign = payloads[i] and routes[i] and routes[i] ~= '' and routes[i] ~= ROUTE
-      and not redis.call('ZSCORE', S, w)
+    -- A standby being sent (its payload still in P, and in S) is no parked waiter: its sender, of
+    -- its route, enqueues it, so neither its route nor a foreign waiter ahead of it stops it.
+    local parked = payloads[i] and not redis.call('ZSCORE', S, w)
+    local foreign = parked and routes[i] and routes[i] ~= '' and routes[i] ~= ROUTE
     stopped = stopped or (foreign and true or false)
-    PASSED_OVER = PASSED_OVER or (payloads[i] and stopped and true or false)
-    if not (payloads[i] and stopped) then
+    PASSED_OVER = PASSED_OVER or (parked and stopped and true or false)
+    if not (parked and stopped) then
       waiters[#waiters + 1] = w
       places[#waiters] = heads[2 * i]
       payloads[#waiters] = payloads[i]
