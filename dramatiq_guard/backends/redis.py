@@ -180,9 +180,9 @@ class RedisBackend(GuardBackend):
         # module docstring); known on first use (_in_cluster).
         self._cluster: bool | None = True if isinstance(client, redis.cluster.RedisCluster) else None
         self._owns_client = False
-        prelude = load_lua("_prelude")
+        bounds, prelude = load_lua("_bounds") + "\n", load_lua("_prelude") + "\n"
         self._scripts: dict[str, Script] = {
-            name: client.register_script(_fast_path(name) + prelude + "\n" + load_lua(name))
+            name: client.register_script(bounds + _fast_path(name) + prelude + load_lua(name))
             for name in _KEY_SCRIPTS
         }
         self._unindex = client.register_script(load_lua("unindex"))

@@ -1,5 +1,5 @@
 -- Shared prelude of every per-key guard script but lock.lua and renew.lua (concatenated in front
--- of it at load).
+-- of it at load, after _bounds.lua and the script's fast path, if it has one).
 -- The contract these scripts implement is GuardBackend's (backends/base.py: holders, limit,
 -- fencing token, waiters, hand-off, standbys); the comments here say how, not what.
 --
@@ -82,6 +82,7 @@ local NOW = math.floor(NOW_US / 1000)
 -- How many holders a refused acquire names (AcquireResult.holders).
 local HOLDERS_SHOWN = 10
 local HN = 0 -- how many members H has (kept by set_holders / drop_holders)
+local LATEST = nil -- the largest deadline in H while it is known (latest(); a write to H forgets it)
 local HMAX = 0 -- the largest deadline H had when loaded (its expiry is at least that)
 local EXISTED = false -- whether H, W, P, R, D or S existed when loaded
 local QUEUED = false -- whether W, P, R, D or S existed when loaded (see the invariants)
@@ -131,6 +132,7 @@ local function load()
   HN = redis.call('ZCARD', H)
   if HN > 0 then
     HMAX = tonumber(redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')[2])
+    LATEST = HMAX
     present = present - 1
   end
   QUEUED = present > 0
@@ -227,13 +229,16 @@ local function new_generation(w)
   return gen
 end
 
--- The largest deadline in H (0 if none).
+-- The largest deadline in H (0 if none), read once until H changes.
 local function latest()
   if HN == 0 then
     return 0
   end
-  local last = redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')
-  return #last > 0 and tonumber(last[2]) or 0
+  if LATEST == nil then
+    local last = redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')
+    LATEST = #last > 0 and tonumber(last[2]) or 0
+  end
+  return LATEST
 end
 
 -- A variadic write over a long list, in chunks (see call_many), returning the sum of its
@@ -266,6 +271,7 @@ local function set_holders(pairs_)
     note_due(pairs_[i])
   end
   HN = HN + count_many('ZADD', H, pairs_)
+  LATEST = nil -- a holder's deadline may have gone down as well as up
 end
 
 -- ZREM H and HDEL I of these holders, counted in HN. A ZREM of the last member deletes H, and
@@ -273,6 +279,7 @@ end
 -- must be given an expiry again (RAISED), or it would never expire.
 local function drop_holders(list)
   HN = HN - count_many('ZREM', H, list)
+  LATEST = nil
   call_many('HDEL', I, list)
   if HN == 0 then
     HMAX = 0
@@ -586,6 +593,7 @@ end
 local function finish()
   if not OWNED then
     HN = redis.call('ZCARD', H)
+    LATEST = nil
     RAISED = HN > 0
     QUEUED = true
   end
@@ -619,27 +627,8 @@ local function finish()
   end
 end
 
--- Argument checks, run by every per-key script before anything else: Redis does not roll
--- back a script that fails half-way, so a number it cannot use must be refused before the
--- first write, not found out by a command in the middle (which would leave, say, a holder
--- without an expiry). The bounds are dramatiq_guard/bounds.py's (a test keeps them equal):
--- durations from 0 to 366 days in ms, limits and counts from 0 to 2^31 - 1.
-local MAX_DURATION_MS = 31622400000
-local MAX_COUNT = 2147483647
-
--- Whether value is a whole number from low to high: a string of decimal digits only (no
--- sign, exponent, fraction, hex, blank, inf or nan: a limit is stored as given), or a
--- number the prelude already parsed.
-local function sane_integer(value, low, high)
-  local n = nil
-  if type(value) == 'string' then
-    n = #value <= 16 and string.match(value, '^%d+$') and tonumber(value)
-  elseif type(value) == 'number' then
-    n = value
-  end
-  return n and n == n and n % 1 == 0 and n >= low and n <= high
-end
-
+-- Argument checks, run by every per-key script before anything else (the bounds and
+-- whole_number are _bounds.lua's, in front of the script).
 -- validate_args({name, value, low, high}, ...) -> nil, or an error reply naming the first
 -- value that is not a whole number in its range. The prelude's own numbers (handoff_ttl_ms,
 -- wake_ttl_ms, stale_ttl_ms, the default limit if given) are checked first. A script starts with:
@@ -654,7 +643,7 @@ local function validate_args(...)
     ...,
   }
   for _, check in ipairs(checks) do
-    if not sane_integer(check[2], check[3], check[4]) then
+    if whole_number(check[2], check[3], check[4]) == nil then
       return redis.error_reply(
         check[1] .. ' must be an integer from ' .. fmt(check[3]) .. ' to ' .. fmt(check[4])
           .. ', got ' .. tostring(check[2])

@@ -8,15 +8,12 @@
 -- through to the prelude and acquire.lua (which refuses a bad number before any write).
 -- KEYS and ARGV as _prelude.lua; acquire's own arguments from ARGV[8] (see acquire.lua).
 do
-  -- A whole number from low to high, as validate_args would accept it (else: the full path).
-  local function whole(v, low, high)
-    local n = type(v) == 'string' and #v <= 16 and string.match(v, '^%d+$') and tonumber(v)
-    return n and n >= low and n <= high and n
-  end
-  local DAY366, COUNT = 31622400000, 2147483647
-  local ttl, stale = whole(ARGV[9], 1, DAY366), whole(ARGV[7], 1, DAY366)
-  if ttl and stale and whole(ARGV[2], 1, DAY366) and whole(ARGV[3], 1, DAY366)
-    and whole(ARGV[12], 0, DAY366) and (ARGV[5] == '' or whole(ARGV[5], 0, COUNT))
+  -- Only numbers validate_args accepts (_bounds.lua); the full path refuses the others.
+  local ttl = whole_number(ARGV[9], 1, MAX_DURATION_MS)
+  local stale = whole_number(ARGV[7], 1, MAX_DURATION_MS)
+  if ttl and stale and whole_number(ARGV[2], 1, MAX_DURATION_MS)
+    and whole_number(ARGV[3], 1, MAX_DURATION_MS) and whole_number(ARGV[12], 0, MAX_DURATION_MS)
+    and (ARGV[5] == '' or whole_number(ARGV[5], 0, MAX_COUNT))
     and ARGV[14] == '' and ARGV[15] ~= '0'
     and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[9]) == 0 then
     local values = redis.call('MGET', KEYS[7], KEYS[6])

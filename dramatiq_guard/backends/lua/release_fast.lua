@@ -5,14 +5,10 @@
 -- else, or a send_ahead it cannot use, falls through to the prelude and release.lua.
 -- KEYS and ARGV as _prelude.lua; release's own arguments from ARGV[8] (see release.lua).
 do
-  -- A whole number from low to high, as validate_args would accept it (else: the full path).
-  local function whole(v, low, high)
-    local n = type(v) == 'string' and #v <= 16 and string.match(v, '^%d+$') and tonumber(v)
-    return n and n >= low and n <= high and n
-  end
-  local DAY366, COUNT = 31622400000, 2147483647
-  if whole(ARGV[9] or '0', 0, COUNT) and whole(ARGV[2], 1, DAY366) and whole(ARGV[3], 1, DAY366)
-    and whole(ARGV[7], 1, DAY366) and (ARGV[5] == '' or whole(ARGV[5], 0, COUNT))
+  -- Only numbers validate_args accepts (_bounds.lua); the full path refuses the others.
+  if whole_number(ARGV[9] or '0', 0, MAX_COUNT) and whole_number(ARGV[2], 1, MAX_DURATION_MS)
+    and whole_number(ARGV[3], 1, MAX_DURATION_MS) and whole_number(ARGV[7], 1, MAX_DURATION_MS)
+    and (ARGV[5] == '' or whole_number(ARGV[5], 0, MAX_COUNT))
     and redis.call('EXISTS', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[9]) == 0
     and redis.call('ZCARD', KEYS[1]) == 1 then
     local deadline = redis.call('ZSCORE', KEYS[1], ARGV[8])
