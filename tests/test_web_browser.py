@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from dramatiq import Message
 from harness import unavailable
+from playwright import sync_api as playwright_sync  # a test dependency: missing, it fails (never skips)
 
 from dramatiq_guard.backends import RedisBackend, Waiter
 from dramatiq_guard.web import Dashboard, make_app
 
-playwright_sync = pytest.importorskip("playwright.sync_api")
 expect = playwright_sync.expect
 
 CHROMIUM = os.environ.get("DRAMATIQ_GUARD_TEST_CHROMIUM", "/usr/bin/chromium")
