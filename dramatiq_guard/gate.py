@@ -144,9 +144,13 @@ class EnqueueGate:
 
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
         """The wrapped ``broker.enqueue``."""
-        if not isinstance(message, Message):
-            return self.original(message, delay=delay)
-        return self.admit(message, delay=delay).message
+        if isinstance(message, Message):
+            actor_name = message.actor_name
+            for guard in self.guards:
+                if guard.guards_actor(actor_name):
+                    return self.admit(message, delay=delay).message
+        # Not a message any guard here guards: a dict lookup per guard, then the plain push.
+        return self.original(message, delay=delay)
 
     def admit(
         self, message: Message[Any], *, delay: int | None = None, holds: str | None = None

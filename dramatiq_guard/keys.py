@@ -70,6 +70,14 @@ class KeyResolver:
         self.actor_name = actor_name
         self.spec = spec
         self.signature = inspect.signature(fn)
+        #: The parameter names, when every parameter can be passed by position and none is
+        #: variadic: then a call with exactly that many positional arguments and no keywords
+        #: binds each name to its argument, without Signature.bind (the common case, per message).
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        every = self.signature.parameters.values()
+        self._positional: tuple[str, ...] | None = (
+            tuple(p.name for p in every) if all(p.kind in kinds for p in every) else None
+        )
         if isinstance(spec, tuple):
             params = self.signature.parameters
             unknown = [name for name in spec if name not in params]
@@ -93,9 +101,13 @@ class KeyResolver:
                     f"the key callable of {self.actor_name} returned {key!r}; it must return a str"
                 )
             return key
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
+        names = self._positional
+        if names is not None and not kwargs and len(args) == len(names):
+            arguments = dict(zip(names, args, strict=True))  # what bind() and apply_defaults() give here
+        else:
+            bound = self.signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            arguments = dict(bound.arguments)
         if self.spec is not None:
             arguments = {name: arguments[name] for name in self.spec}
         return f"{self.actor_name}:{digest(arguments)}"

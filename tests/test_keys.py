@@ -85,3 +85,26 @@ def test_arguments_that_do_not_fit_the_signature_are_a_type_error() -> None:
     resolve = KeyResolver("refresh", refresh, None)
     with pytest.raises(TypeError):
         resolve((), {"nobody": 1})
+
+
+def send_report(account: int, period: str, fmt: str = "pdf", /) -> None:
+    pass
+
+
+def test_a_full_positional_call_gives_the_key_signature_binding_gives() -> None:
+    # Every parameter given by position, no keywords: the resolver binds by name without
+    # Signature.bind (the per-message fast path); the key must be the one binding gives,
+    # positional-only parameters included.
+    resolve = KeyResolver("send_report", send_report, None)
+    bound = KeyResolver("send_report", send_report, None).signature.bind(7, "2026-11", "pdf").arguments
+    assert resolve((7, "2026-11", "pdf"), {}) == f"send_report:{digest(dict(bound))}"
+    assert resolve((7, "2026-11", "pdf"), {}) == resolve((7, "2026-11"), {})
+    assert KeyResolver("send_report", send_report, ("period",))((7, "2026-11", "csv"), {}) == (
+        f"send_report:{digest({'period': '2026-11'})}"
+    )
+
+
+def test_too_many_positional_arguments_are_still_a_type_error() -> None:
+    resolve = KeyResolver("send_report", send_report, None)
+    with pytest.raises(TypeError):
+        resolve((7, "2026-11", "pdf", "extra"), {})

@@ -13,6 +13,7 @@ raise, how long one call can block, pipelining) is in
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, cast
@@ -82,6 +83,17 @@ class _KeyNames(NamedTuple):
     standbys: str
     meta: str
     gens: str
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_names(namespace: str, key: str) -> _KeyNames:
+    """The Redis keys of guard key ``key`` (cached: a message's acquire and release both need them).
+
+    Raises:
+      ValueError: If ``key`` is not allowed (never cached).
+    """
+    check_key(key)
+    return _KeyNames(*(f"{namespace}:{{{key}}}:{suffix}" for suffix in _KeyNames._fields))
 
 
 #: Scripts with a common path run before the prelude (``lua/<name>_fast.lua``): see docs/redis.md.
@@ -258,8 +270,7 @@ class RedisBackend(GuardBackend):
         return self._cluster
 
     def _names(self, key: str) -> _KeyNames:
-        check_key(key)
-        return _KeyNames(*(f"{self.namespace}:{{{key}}}:{suffix}" for suffix in _KeyNames._fields))
+        return _key_names(self.namespace, key)
 
     def _keys(self, key: str) -> list[str]:
         """The KEYS of a per-key script: the key's names, then the waiting-keys index (standalone only)."""

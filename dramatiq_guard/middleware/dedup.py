@@ -275,10 +275,12 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
     # --- execution time ---------------------------------------------------------------------
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
-        self._local.pipe_next = None
-        key = message.options.get(LOCK_OPTION)
+        options = message.options
+        if getattr(self._local, "pipe_next", None) is not None:
+            self._local.pipe_next = None
+        key = options.get(LOCK_OPTION)
         if not isinstance(key, str):
-            return
+            return  # not a holder: nothing to do (nor for any actor that opts into nothing)
         guard = self.guard_of(message)
         if guard is not None and guard.policy.strategy == "until_expired":
             return
@@ -356,17 +358,20 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         result: Any = None,
         exception: BaseException | None = None,
     ) -> None:
-        if exception is None and not message.failed:
-            target = message.options.get("pipe_target")
-            if isinstance(target, dict):
-                # Pipelines (after this middleware in the after-hooks) enqueues
-                # this next step from this thread: let it through.
-                self._local.pipe_next = target.get("message_id")
+        options = message.options
+        target = options.get("pipe_target")
+        if isinstance(target, dict) and exception is None and not message.failed:
+            # Pipelines (after this middleware in the after-hooks) enqueues
+            # this next step from this thread: let it through.
+            self._local.pipe_next = target.get("message_id")
+        if LOCK_OPTION not in options:
+            return  # not a holder (its lock and lease exist only with the option): nothing to release
         will_retry = exception is not None and not message.failed and self._has_retries(broker)
         self._finish(broker, message, terminal=not will_retry)
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
-        self._finish(broker, message, terminal=not execution_state(message).parked)
+        if LOCK_OPTION in message.options:
+            self._finish(broker, message, terminal=not execution_state(message).parked)
 
     def after_worker_boot(self, broker: Broker, worker: Any) -> None:
         """Join this process's sweep: a rerun whose re-enqueue failed is handed on again."""
