@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.budgets import render_budgets
 from bench.core import ROOT, SCENARIOS, Context, Figure, Scenario
 from bench.scenarios import load_all
 
@@ -155,7 +156,7 @@ def render(
                 f"| {scen.name} | {f.label} | {fmt(f.value)} | {f.unit} "
                 f"| {comparison(f, figures)} | {(f.detail + ' ') if f.detail else ''}({better} is better) |"
             )
-    out += ["", "## Scenarios", ""]
+    out += ["", *render_budgets(figures), "", "## Scenarios", ""]
     for scen, _, seconds, _ in ran:
         out += [f"### {scen.name}: {scen.title}", "", scen.description, "", f"_Took {seconds:.1f} s._", ""]
     return "\n".join(out).rstrip() + "\n"

@@ -104,6 +104,9 @@ def ledger(ctx: Context) -> list[Figure]:
     * drain rate: a real ``dramatiq`` worker (2 processes x 8 threads) on the run's RedisBroker;
       the clock runs from the first of N sends to the last completion, as in the baseline.
       SQLite has one writer at a time, so its figures measure lock hand-offs more than work.
+    * floor: the plain insert with two ``SELECT 1`` in its transaction: the two round trips the
+      ledger adds (its claim and its fenced update) and nothing else, so the ledger's rate can be
+      read against what two round trips cost on this machine.
     * statements per job: every cursor execution plus COMMIT/ROLLBACK, counted with
       SQLAlchemy's ``before_cursor_execute`` / ``commit`` / ``rollback`` events, over N direct
       calls of the actor in this process (the same code path as in a worker). "duplicate" is
@@ -127,6 +130,10 @@ def ledger(ctx: Context) -> list[Figure]:
                     lambda run_id, total, i, a=actors: a.plain_insert.send(run_id, total, i),  # type: ignore[misc]
                     n_drain,
                 )
+                floor_rate = ctx.drain_rate(
+                    lambda run_id, total, i, a=actors: a.floor_insert.send(run_id, total, i),  # type: ignore[misc]
+                    n_drain,
+                )
                 ledger_rate = ctx.drain_rate(
                     lambda run_id, total, i, a=actors: a.ledger_insert.send(run_id, total, i),  # type: ignore[misc]
                     n_drain,
@@ -144,6 +151,15 @@ def ledger(ctx: Context) -> list[Figure]:
                     plain_rate,
                     "msg/s",
                     detail=sized,
+                ),
+                Figure(
+                    f"{name}_floor_rate",
+                    f"{name}: drain rate, floor: plain insert + 2 no-op statements",
+                    floor_rate,
+                    "msg/s",
+                    vs=f"ledger/{name}_plain_rate",
+                    detail=f"{sized}; SELECT 1 before and after the INSERT, in its transaction: the "
+                    "ledger's two extra round trips and nothing else",
                 ),
                 Figure(
                     f"{name}_ledger_rate",

@@ -1,9 +1,11 @@
 """Worker-side actors of the ledger bench (``python -m dramatiq bench.scenarios.ledger_actors``).
 
 Inert unless ``BENCH_LEDGER_DB_URL`` is set (the scenario loader imports every module here).
-Both actors insert one row; ``ledger_insert`` does it through the idempotency ledger (a new
-key per message), ``plain_insert`` in a transaction of its own. Both use the same Engine
-settings (the ledger's: for SQLite a 30 s lock timeout and write-ahead logging).
+Every actor inserts one row; ``ledger_insert`` does it through the idempotency ledger (a new
+key per message), ``plain_insert`` in a transaction of its own, ``floor_insert`` as the plain
+one with two no-op statements more (the ledger's extra round trips, without their work). All
+use the same Engine settings (the ledger's: for SQLite a 30 s lock timeout and write-ahead
+logging).
 """
 
 from __future__ import annotations
@@ -42,6 +44,17 @@ if DB_URL:
         """Insert one row in its own transaction."""
         with engine.begin() as conn:
             conn.execute(sa.insert(rows).values(run_id=run_id, i=i))
+        cross_finish_line(broker.client, run_id, total)
+
+    @dramatiq.actor(broker=broker, queue_name="bench_ledger", max_retries=0)
+    def floor_insert(run_id: str, total: int, i: int) -> None:
+        """The floor of the ledger's cost: the plain insert with two more statements that do
+        nothing (``SELECT 1``) in its transaction, as many round trips as the ledger's claim and
+        its fenced update, and nothing else."""
+        with engine.begin() as conn:
+            conn.execute(sa.text("SELECT 1"))
+            conn.execute(sa.insert(rows).values(run_id=run_id, i=i))
+            conn.execute(sa.text("SELECT 1"))
         cross_finish_line(broker.client, run_id, total)
 
     @dramatiq.actor(

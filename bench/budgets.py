@@ -1,0 +1,133 @@
+"""The performance budgets (DESIGN.md section 4, issue #13), read off one run's figures.
+
+Each budget names the figure it judges (a ratio of two figures of the run, or one figure as
+it is) and, where one was measured, the *floor*: the same ratio for unguarded code doing
+only the round trips the guard needs (a no-op script, ``SELECT 1``) and nothing else. A
+budget the floor itself misses cannot be met on the machine that ran the bench; the report
+says so and shows how far the guard is from the floor instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Literal
+
+from bench.core import Figure
+
+__all__ = ["BUDGETS", "Budget", "render_budgets"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """One budget: ``figure`` (over ``base``, if given) must be ``op`` ``limit``.
+
+    Parameters:
+      what: The budget, as DESIGN.md or the issue words it.
+      figure: ``"<scenario>/<key>"`` of the figure judged.
+      op: ``">="`` or ``"<="``.
+      limit: The bound.
+      base: The figure ``figure`` is divided by (a ratio budget), or None (the figure as it is).
+      floor: The floor's figure, divided by ``base`` as well, or None if none is measured.
+    """
+
+    what: str
+    figure: str
+    op: Literal[">=", "<="]
+    limit: float
+    base: str | None = None
+    floor: str | None = None
+
+    def meets(self, value: float) -> bool:
+        return value >= self.limit if self.op == ">=" else value <= self.limit
+
+
+def _drain(guard: str, label: str) -> list[Budget]:
+    return [
+        Budget(f"{label}: drain rate >= 0.75x unguarded", f"cost/{guard}_drain_rate", ">=", 0.75,
+               "cost/plain_drain_rate", "cost/floor_drain_rate"),
+        Budget(f"{label}: worker CPU per message <= 1.5x unguarded", f"cost/{guard}_cpu_ms", "<=", 1.5,
+               "cost/plain_cpu_ms", "cost/floor_cpu_ms"),
+    ]  # fmt: skip
+
+
+#: Every budget the bench can judge, in DESIGN.md's order.
+BUDGETS: tuple[Budget, ...] = (
+    Budget("dedup: accepted send >= 0.7x a plain send", "dedup/send_rate", ">=", 0.7,
+           "baseline/send_rate", "dedup/floor_send_rate"),
+    Budget("dedup: duplicate send >= 0.9x a plain send", "dedup/duplicate_send_rate", ">=", 0.9,
+           "baseline/send_rate"),
+    Budget("dedup: at most 6 Redis commands on the send path", "dedup/lock_commands_per_send", "<=", 6),
+    Budget("dedup: one extra round trip per send", "dedup/round_trips_per_send", "<=", 2),
+    *_drain("dedup", 'dedup="until_executed"'),
+    *_drain("mutex", "mutex=True"),
+    *_drain("wide", "concurrency limit 1000 on one key"),
+    Budget("installed, nobody opts in: send >= 0.97x plain", "cost/installed_send_rate", ">=", 0.97,
+           "cost/plain_send_rate"),
+    Budget("installed, nobody opts in: drain >= 0.97x plain", "cost/installed_drain_rate", ">=", 0.97,
+           "cost/plain_drain_rate"),
+    Budget("ledger on PostgreSQL: drain >= 0.85x a plain insert", "ledger/postgres_ledger_rate", ">=", 0.85,
+           "ledger/postgres_plain_rate", "ledger/postgres_floor_rate"),
+    Budget("per-operation Redis time flat (<= 1.5x) from limit 8 to 10,000", "cost/op_server_us_limit_10000",
+           "<=", 1.5, "cost/op_server_us_limit_8"),
+    Budget("per-operation Redis time flat (<= 1.5x) from 10 to 100,000 waiters",
+           "cost/op_server_us_waiters_100000", "<=", 1.5, "cost/op_server_us_waiters_10"),
+    Budget("idle sweep <= 100 Redis commands / s / process, 10,000 waiting keys", "cost/sweep_due_commands",
+           "<=", 100),
+    Budget("slot drain within 5 % of the unguarded floor", "slots/slot_floor_ratio", "<=", 1.05),
+    Budget("at most 1.05 broker pickups per message", "slots/slot_pickups", "<=", 1.05),
+    Budget('mutex hand-off median <= 1.0 ms (on_busy="wait")', "slots/handoff_wait_ms", "<=", 1.0),
+    Budget('mutex hand-off median <= 1.0 ms (on_busy="park")', "slots/handoff_park_ms", "<=", 1.0),
+)  # fmt: skip
+
+
+def _value(figures: Mapping[str, Figure], name: str, base: str | None) -> float | None:
+    figure = figures.get(name)
+    if figure is None:
+        return None
+    if base is None:
+        return figure.value
+    denominator = figures.get(base)
+    if denominator is None or denominator.value == 0:
+        return None
+    return figure.value / denominator.value
+
+
+def _fmt(value: float, ratio: bool) -> str:
+    return f"{value:.2f}x" if ratio else f"{value:,.2f}"
+
+
+def render_budgets(figures: Mapping[str, Figure]) -> list[str]:
+    """The report's budget table: each budget, its figure, the floor, and the verdict."""
+    out = [
+        "## Budgets",
+        "",
+        "Read off the figures above (`bench/budgets.py`). *Floor*: the same ratio for unguarded code",
+        "doing only the round trips the guard needs (no-op script calls, `SELECT 1`) and nothing else;",
+        "a budget the floor misses is out of reach on this machine, and *of the floor* says how much",
+        "of what the machine allows the guard reaches (1.00x: all of it).",
+        "",
+        "| budget | measured | floor | of the floor | verdict |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for budget in BUDGETS:
+        ratio = budget.base is not None
+        value = _value(figures, budget.figure, budget.base)
+        if value is None:
+            out.append(f"| {budget.what} | n/a | | | not measured in this run |")
+            continue
+        floor = _value(figures, budget.floor, budget.base) if budget.floor else None
+        share = ""
+        if floor:
+            share = f"{value / floor:.2f}x" if budget.op == ">=" else f"{floor / value:.2f}x"
+        if budget.meets(value):
+            verdict = "met"
+        elif floor is not None and not budget.meets(floor):
+            verdict = f"out of reach here: the floor is {_fmt(floor, ratio)}"
+        else:
+            verdict = "**missed**"
+        out.append(
+            f"| {budget.what} | {_fmt(value, ratio)} | {_fmt(floor, ratio) if floor is not None else '-'} "
+            f"| {share or '-'} | {verdict} |"
+        )
+    return out

@@ -1,0 +1,44 @@
+"""The bench's budget table: a budget is met, missed, or out of reach when its floor misses it too."""
+
+from __future__ import annotations
+
+from bench.budgets import BUDGETS, render_budgets
+from bench.core import Figure
+
+
+def _figures(**values: float) -> dict[str, Figure]:
+    return {name.replace("__", "/"): Figure(name, name, value) for name, value in values.items()}
+
+
+def _row(lines: list[str], what: str) -> str:
+    return next(line for line in lines if line.startswith(f"| {what} |"))
+
+
+def test_a_ratio_budget_is_met_missed_or_out_of_reach_against_its_floor() -> None:
+    what = "mutex=True: drain rate >= 0.75x unguarded"
+    common = {"cost__plain_drain_rate": 1000.0}
+    met = render_budgets(_figures(**common, cost__mutex_drain_rate=800.0, cost__floor_drain_rate=900.0))
+    assert _row(met, what).endswith("| 0.80x | 0.90x | 0.89x | met |")
+    missed = render_budgets(_figures(**common, cost__mutex_drain_rate=600.0, cost__floor_drain_rate=900.0))
+    assert _row(missed, what).endswith("| **missed** |")
+    out_of_reach = render_budgets(
+        _figures(**common, cost__mutex_drain_rate=500.0, cost__floor_drain_rate=660.0)
+    )
+    assert _row(out_of_reach, what).endswith("| 0.76x | out of reach here: the floor is 0.66x |")
+
+
+def test_an_upper_bound_on_cpu_reads_the_floor_the_other_way() -> None:
+    what = "mutex=True: worker CPU per message <= 1.5x unguarded"
+    lines = render_budgets(_figures(cost__plain_cpu_ms=0.3, cost__mutex_cpu_ms=0.6, cost__floor_cpu_ms=0.51))
+    # 2.0x against a floor of 1.7x: the guard reaches 0.85x of what the machine allows.
+    assert _row(lines, what).endswith("| 2.00x | 1.70x | 0.85x | out of reach here: the floor is 1.70x |")
+
+
+def test_a_budget_whose_figures_were_not_measured_says_so() -> None:
+    lines = render_budgets({})
+    assert len([line for line in lines if line.endswith("| not measured in this run |")]) == len(BUDGETS)
+
+
+def test_a_plain_figure_budget_is_judged_as_it_is() -> None:
+    lines = render_budgets(_figures(dedup__lock_commands_per_send=6.0))
+    assert _row(lines, "dedup: at most 6 Redis commands on the send path").endswith("| 6.00 | - | - | met |")
