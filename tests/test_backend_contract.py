@@ -1282,6 +1282,29 @@ def test_a_key_whose_holders_all_died_vanishes_by_itself(redis_env: Env) -> None
     assert 0 < redis_env.client.pttl(token) <= backend.stale_ttl_ms
 
 
+def test_holders_of_a_key_nobody_waits_for_come_and_go_and_it_still_expires(env: Env) -> None:
+    """A key under its limit with nobody waiting (on Redis, the scripts' fast paths): a holder
+    joins others, one of several leaves, a holder re-acquires with a later deadline; tokens
+    grow, the limit holds, the others keep their slots, and once the last deadline passes
+    nothing is left but the last token (on Redis: every key expired by itself)."""
+    backend = env.backend()
+    a = backend.acquire(KEY, "a", limit=2, ttl_ms=400)
+    b = backend.acquire(KEY, "b", limit=2, ttl_ms=200)  # its deadline is not the latest
+    assert a.acquired and b.acquired and (b.token or 0) > (a.token or 0)
+    refused = backend.acquire(KEY, "c", limit=2, ttl_ms=60_000)
+    assert not refused.acquired and set(refused.holders) == {"a", "b"}
+    assert backend.release(KEY, "a", limit=2).released  # one of two leaves: b keeps its slot
+    assert [holder for holder, _ in backend.inspect(KEY).holders] == ["b"]
+    again = backend.acquire(KEY, "b", limit=2, ttl_ms=300)  # re-entrant: the latest deadline now
+    assert again.acquired and (again.token or 0) > (b.token or 0)
+    assert backend.inspect(KEY).holder_info[0][0] == "b"
+    env.wait_past(deadline_of(backend, KEY, "b"))
+    if env.client is not None:
+        token = f"{env.namespace}:{{{KEY}}}:token"
+        assert env.stored() == {token}
+    assert backend.acquire(KEY, "d", limit=1, ttl_ms=60_000).acquired  # the lapsed holder is gone
+
+
 def test_a_slot_handed_on_by_the_last_holder_still_expires(env: Env) -> None:
     """Regression (found by tests/test_model.py): a release that removed the last holder and
     handed its slot on in the same step re-created the holders zset without an expiry (and kept

@@ -1,11 +1,17 @@
--- The free-key path of acquire.lua, run before _prelude.lua is even set up (so it costs neither
--- the prelude's setup nor its general reads): a fenced acquire with no generation, of a key that
--- has no holder, waiter, reservation or standby, with a limit of at least 1 (its run-time limit,
--- else the caller's default). It takes the key in 8 commands and leaves exactly the state, and
--- returns exactly the reply, that acquire.lua would (a holder with its deadline and
--- "<since_ms>|<info>", the next fencing token in T expiring no earlier than STALE_TTL from now,
--- H and I expiring at the holder's deadline). Anything else, or a number it cannot use, falls
--- through to the prelude and acquire.lua (which refuses a bad number before any write).
+-- The room-and-nobody-waiting path of acquire.lua, run before _prelude.lua is even set up (so it
+-- costs neither the prelude's setup nor its general reads): an acquire with no generation, of a
+-- key with nothing queued (no waiter, payload, reservation, ready waiter or standby) and no
+-- lapsed holder, that the caller takes (a free slot under the limit in force: the run-time
+-- limit, else the caller's default) or already holds (a re-entrant acquire, or a reservation
+-- taken up: it is acquired whatever the limit). It leaves exactly the state, and returns exactly
+-- the reply, that acquire.lua would: the holder with its new deadline, its "<since_ms>|<info>"
+-- (kept if it already held), its wake list gone if it already held; fenced, the next fencing
+-- token in T, expiring no earlier than the latest deadline nor STALE_TTL from now; H and I
+-- expiring no earlier than the latest deadline (moved only when it rose, as finish() does).
+-- Cost: O(log n) in the holders (ZRANGE -1 -1, ZCARD, ZRANGEBYSCORE LIMIT 1, ZSCORE, ZADD).
+-- Anything else (a waiter to hand to or to queue behind, a lapsed holder to reclaim, a full key,
+-- a generation to check), or a number it cannot use, falls through to the prelude and
+-- acquire.lua (which refuses a bad number before any write).
 -- KEYS and ARGV as _prelude.lua; acquire's own arguments from ARGV[8] (see acquire.lua).
 do
   -- Only numbers validate_args accepts (_bounds.lua); the full path refuses the others.
@@ -14,22 +20,52 @@ do
   if ttl and stale and whole_number(ARGV[2], 1, MAX_DURATION_MS)
     and whole_number(ARGV[3], 1, MAX_DURATION_MS) and whole_number(ARGV[12], 0, MAX_DURATION_MS)
     and (ARGV[5] == '' or whole_number(ARGV[5], 0, MAX_COUNT))
-    and ARGV[14] == '' and ARGV[15] ~= '0'
-    and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[9]) == 0 then
-    local values = redis.call('MGET', KEYS[7], KEYS[6])
-    local limit = values[1] and tonumber(values[1]) or (ARGV[5] ~= '' and tonumber(ARGV[5]) or 0)
-    if limit >= 1 then
-      local clock = redis.call('TIME')
-      local now_us = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
-      local now = math.floor(now_us / 1000)
-      local deadline = now + ttl
-      local token = math.max(tonumber(values[2] or '0') + 1, now_us)
-      redis.call('ZADD', KEYS[1], deadline, ARGV[8])
-      redis.call('HSET', KEYS[8], ARGV[8], string.format('%.0f', now) .. '|' .. ARGV[13])
-      redis.call('SET', KEYS[6], string.format('%.0f', token), 'PXAT', math.max(deadline, now + stale))
-      redis.call('PEXPIREAT', KEYS[1], deadline)
-      redis.call('PEXPIREAT', KEYS[8], deadline)
-      return { 1, token, limit, '', {}, {} }
+    and ARGV[14] == ''
+    and redis.call('EXISTS', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[9]) == 0 then
+    local H, T, L, I, holder = KEYS[1], KEYS[6], KEYS[7], KEYS[8], ARGV[8]
+    local clock = redis.call('TIME')
+    local now_us = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+    local now = math.floor(now_us / 1000)
+    local top = redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')
+    local n = #top > 0 and redis.call('ZCARD', H) or 0
+    if n == 0 or #redis.call('ZRANGEBYSCORE', H, '-inf', now, 'LIMIT', 0, 1) == 0 then
+      local values = redis.call('MGET', L, T)
+      local limit = values[1] and tonumber(values[1]) or (ARGV[5] ~= '' and tonumber(ARGV[5]) or 0)
+      local own = n > 0 and redis.call('ZSCORE', H, holder)
+      if own or n < limit then
+        local fenced = ARGV[15] ~= '0'
+        local highest = #top > 0 and tonumber(top[2]) or 0
+        local deadline = now + ttl
+        redis.call('ZADD', H, deadline, holder)
+        local since = string.format('%.0f', now) .. '|' .. ARGV[13]
+        if own then
+          redis.call('HSETNX', I, holder, since)
+          redis.call('DEL', ARGV[1] .. holder)
+        else
+          redis.call('HSET', I, holder, since)
+        end
+        local raised = deadline > highest
+        local latest = deadline
+        if not raised then
+          -- The holder's own deadline may have been the highest, and gone down.
+          latest = tonumber(redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')[2])
+        end
+        local token = false
+        if fenced then
+          token = math.max(tonumber(values[2] or '0') + 1, now_us)
+          redis.call('SET', T, string.format('%.0f', token), 'PXAT', math.max(latest, now + stale))
+        end
+        if raised then
+          redis.call('PEXPIREAT', H, latest)
+          if not fenced and redis.call('PTTL', T) < latest - now then
+            redis.call('PEXPIREAT', T, latest) -- later, never sooner: T may outlive the holders
+          end
+        end
+        if raised or fenced then
+          redis.call('PEXPIREAT', I, latest)
+        end
+        return { 1, token, limit, '', {}, {} }
+      end
     end
   end
 end
