@@ -376,6 +376,32 @@ def test_a_capped_lease_ends_at_its_ttl(env: Env) -> None:
     )
 
 
+def test_capped_leases_released_early_never_end_and_do_not_pile_up(env: Env) -> None:
+    """Many capped leases (a limit of hundreds with a ttl) released before their cap: none is
+    ended or told it was lost, the one still held ends at its cap, and the released ones do not
+    stay in the cap timer (it holds at most about twice the capped leases held)."""
+    from dramatiq_guard.lease import _expirer
+
+    backend = env.backend
+    released = []
+    for i in range(300):
+        token = backend.acquire("concurrency:wide", f"h{i}", limit=1000, ttl_ms=60_000).token
+        assert token is not None
+        lease = Lease(backend, "concurrency:wide", f"h{i}", token, limit=1000, ttl_ms=60_000, cap_ms=60_000)
+        lease.release()
+        released.append(lease)
+    token = backend.acquire("concurrency:wide", "last", limit=1000, ttl_ms=10_000).token
+    assert token is not None
+    last = Lease(backend, "concurrency:wide", "last", token, limit=1000, ttl_ms=10_000, cap_ms=50)
+    assert len(_expirer._heap) <= 2 * len(_expirer._live) + 64
+    assert last.wait_lost(10)
+    assert not any(lease.lost for lease in released)
+    wait_until(
+        lambda: backend.acquire("concurrency:wide", "next", limit=1, ttl_ms=1_000).acquired,
+        what="the capped lease to be ended on the backend (nobody else holds the key)",
+    )
+
+
 def test_a_standby_never_woken_parks_again_first_in_line_without_a_retry_or_a_result(env: Env) -> None:
     t = env.tracker
     started = threading.Event()
