@@ -49,42 +49,52 @@ class _Row:
         self.send = self.drain = self.cpu_ms = self.commands = 0.0
 
 
-def _drain(
-    ctx: Context, pids: Sequence[int], send: Callable[[str, int, int], object], n: int
+#: Repeats of the per-guard drains (interleaved: see :func:`_measure_interleaved`).
+DRAIN_REPEATS = 5
+
+
+def _drain_once(
+    ctx: Context, pids: Sequence[int], actor: Any, n: int, *, warm_up: bool = False
 ) -> tuple[float, ...]:
-    """(rate, worker CPU ms per message, Redis commands per message): the median-rate run of the repeats."""
-    runs = []
-    for _ in range(ctx.repeats):
-        run_id = ctx.new_run_id()
-        cpu, commands = _cpu_s(pids), _commands(ctx)
-        start = time.time()
-        for i in range(n):
-            send(run_id, n, i)
-        end = ctx.wait_finish(run_id)
-        runs.append((n / (end - start), (_cpu_s(pids) - cpu) * 1000 / n, (_commands(ctx) - commands) / n))
-    runs.sort()
-    return runs[len(runs) // 2]
+    """(rate, worker CPU ms per message, Redis commands per message) of one drain of ``n`` messages."""
+    run_id = ctx.new_run_id()
+    cpu, commands = _cpu_s(pids), _commands(ctx)
+    start = time.time()
+    for i in range(n):
+        actor.send(run_id, n, -1 - i if warm_up else i)
+    end = ctx.wait_finish(run_id)
+    return n / (end - start), (_cpu_s(pids) - cpu) * 1000 / n, (_commands(ctx) - commands) / n
 
 
-def _measure(ctx: Context, row: _Row, actor: Any, pids: Sequence[int], n: int) -> None:
-    _drain(ctx, pids, lambda run_id, total, i: actor.send(run_id, total, -1 - i), max(1, n // 10))  # warm-up
-    row.drain, row.cpu_ms, row.commands = _drain(
-        ctx, pids, lambda run_id, total, i: actor.send(run_id, total, i), n
-    )
+def _measure_interleaved(ctx: Context, rows: list[tuple[_Row, Any, bool]], n: int) -> None:
+    """Drain every row's actor on one of two workers running at once (plain Dramatiq, guard installed).
+
+    The rows take turns, one drain each per round, for :data:`DRAIN_REPEATS` rounds; each row
+    reports its median-rate drain. A slow spell of the machine (they come and go on a shared
+    one) then falls on every row alike instead of on whichever rows happened to run during it.
+    The idle worker costs next to nothing (its consumers block on Redis); the CPU counted is
+    the draining worker's.
+    """
+    ctx.flush()
+    pids = {}
+    for guard in (False, True):
+        env = {"BENCH_COST": "1", "BENCH_COST_GUARD": "1" if guard else ""}
+        worker = ctx.worker("bench.scenarios.cost_actors", processes=PROCESSES, threads=THREADS, env=env)
+        pids[guard] = worker.worker_pids
+    for _, actor, guard in rows:
+        _drain_once(ctx, pids[guard], actor, max(1, n // 10), warm_up=True)
+    runs: dict[str, list[tuple[float, ...]]] = {row.name: [] for row, _, _ in rows}
+    for _ in range(1 if ctx.quick else DRAIN_REPEATS):
+        for row, actor, guard in rows:
+            runs[row.name].append(_drain_once(ctx, pids[guard], actor, n))
+    for row, _, _ in rows:
+        ordered = sorted(runs[row.name])
+        row.drain, row.cpu_ms, row.commands = ordered[len(ordered) // 2]
+    ctx.stop_workers()
 
 
 def _sender(actor: Any, n: int) -> Callable[[int], object]:
     return lambda i: actor.send("send", n, i)
-
-
-def _measure_on_worker(ctx: Context, rows: list[tuple[_Row, Any]], *, guard: bool, n: int) -> None:
-    """Drain each row's actor on one worker of the cost actors (guard installed or not)."""
-    ctx.flush()
-    env = {"BENCH_COST": "1", "BENCH_COST_GUARD": "1" if guard else ""}
-    worker = ctx.worker("bench.scenarios.cost_actors", processes=PROCESSES, threads=THREADS, env=env)
-    for row, actor in rows:
-        _measure(ctx, row, actor, worker.worker_pids, n)
-    ctx.stop_workers()
 
 
 def _per_guard(ctx: Context) -> list[Figure]:
@@ -105,11 +115,11 @@ def _per_guard(ctx: Context) -> list[Figure]:
     ]
     for row, actor in rows:
         row.send = ctx.send_rate(_sender(actor, n), n)
-    _measure_on_worker(ctx, rows[:2], guard=False, n=n)
-    _measure_on_worker(ctx, rows[2:], guard=True, n=n)
+    _measure_interleaved(ctx, [(row, actor, i >= 2) for i, (row, actor) in enumerate(rows)], n)
     os.environ.pop("BENCH_COST_GUARD", None)
     sized = (
-        f"N={n}, {PROCESSES}x{THREADS}, median of {ctx.repeats} after a warm-up; every actor does one INCR"
+        f"N={n}, {PROCESSES}x{THREADS}, median of {1 if ctx.quick else DRAIN_REPEATS} drains taking turns "
+        "with the other rows, after a warm-up; every actor does one INCR"
     )
     figures = []
     for row, _ in rows:
@@ -315,7 +325,8 @@ def cost(ctx: Context) -> list[Figure]:
       the actor and one after), on a broker with the guard installed but no option, and with
       each guard; send rate (N sends, no worker),
       drain rate on a real worker (2 processes x 8 threads; first send to last completion,
-      median of the repeats after a warm-up), the worker processes' CPU per message, and every
+      median of 5 drains after a warm-up; a plain and a guarded worker run side by side and the
+      rows take turns), the worker processes' CPU per message, and every
       Redis command per message during the drain. Ratios against the unguarded row.
     * scaling: one key with L holders and W parked waiters; a cycle releases a holder (its slot
       handed to the oldest waiter), confirms the hand-off and parks a new message, so L and W
