@@ -33,6 +33,10 @@ from typing import Any
 KeySpec = Callable[..., str] | tuple[str, ...] | None
 
 
+#: The encoder of :func:`canonical_json` (made once: json.dumps with options makes one per call).
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def canonical_json(value: Any) -> bytes:
     """Encode ``value`` as canonical JSON (see the module docstring).
 
@@ -40,13 +44,7 @@ def canonical_json(value: Any) -> bytes:
       TypeError: If ``value`` holds something JSON cannot encode.
       ValueError: If ``value`` holds a NaN or an infinity.
     """
-    return json.dumps(
-        value,
-        sort_keys=True,
-        separators=(",", ":"),
-        ensure_ascii=False,
-        allow_nan=False,
-    ).encode("utf-8")
+    return _CANONICAL.encode(value).encode("utf-8")
 
 
 def digest(value: Any) -> str:

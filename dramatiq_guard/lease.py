@@ -42,7 +42,7 @@ import time
 
 from dramatiq_guard.backends.base import GuardBackend, ReleaseResult
 from dramatiq_guard.errors import LeaseLost
-from dramatiq_guard.renewer import LeaseHandle, get_renewer, known_valid_until
+from dramatiq_guard.renewer import LeaseHandle, LostFlag, get_renewer, known_valid_until
 
 __all__ = ["Lease"]
 
@@ -106,7 +106,7 @@ class Lease:
         self.acquired_at = time.time()
         self.release_result: ReleaseResult | None = None
         self._released = False
-        self._lost = threading.Event()
+        self._lost = LostFlag()
         self._handle: LeaseHandle | None = None
         start = time.monotonic() if valid_from is None else valid_from
         # Past these (time.monotonic()) the lease is lost: the cap, and (when it

@@ -52,9 +52,52 @@ from collections.abc import Callable
 
 from dramatiq_guard.backends.base import GuardBackend
 
-__all__ = ["LeaseHandle", "LeaseRenewer", "get_renewer", "known_valid_until"]
+__all__ = ["LeaseHandle", "LeaseRenewer", "LostFlag", "get_renewer", "known_valid_until"]
 
 logger = logging.getLogger(__name__)
+
+_flag_lock = threading.Lock()
+
+
+class LostFlag:
+    """A flag that is set once, and that threads can wait for: what a lease's ``lost`` rests on.
+
+    It behaves as a :class:`threading.Event` that is never cleared, but makes
+    that Event only when a thread waits before the flag is set: a lease is
+    made and dropped per message, and nearly none is ever waited for.
+    """
+
+    __slots__ = ("_event", "_set")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._event: threading.Event | None = None
+
+    def is_set(self) -> bool:
+        """Whether :meth:`set` was called."""
+        return self._set
+
+    def set(self) -> None:
+        """Set the flag and wake the threads waiting for it."""
+        self._set = True
+        event = self._event
+        if event is None:
+            with _flag_lock:  # a waiter may be making it right now
+                event = self._event
+        if event is not None:
+            event.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the flag is set or ``timeout`` seconds pass; return whether it is set."""
+        if self._set:
+            return True
+        with _flag_lock:
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        # Set before the Event existed: set() found none to wake (it read it under the lock).
+        return self._set or event.wait(timeout)
+
 
 #: How soon a renewal that failed (backend unreachable) is tried again, at most.
 RETRY_S = 1.0
@@ -121,7 +164,7 @@ class LeaseHandle:
         self.on_lost: list[Callable[[LeaseHandle], None]] = []
         self._renewer = renewer
         self._marked = False  # lost; _lost is set once the on_lost callbacks ran
-        self._lost = threading.Event()
+        self._lost = LostFlag()
         self._marking = threading.Lock()
         # Set by register, cleared by unregister (under the renewer's lock): whether
         # the lease is judged by time (a lease unregistered to be released is not).

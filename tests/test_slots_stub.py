@@ -402,6 +402,29 @@ def test_capped_leases_released_early_never_end_and_do_not_pile_up(env: Env) -> 
     )
 
 
+def test_a_lost_flag_wakes_the_threads_waiting_for_it_and_answers_those_that_come_after() -> None:
+    """LostFlag (what Lease.lost and wait_lost rest on) makes its Event only for a waiter: one
+    that waits before it is set is woken by the set, one that comes after returns at once, and
+    one whose timeout passes first is told it is not set."""
+    from dramatiq_guard.renewer import LostFlag
+
+    flag = LostFlag()
+    assert not flag.wait(0.01)
+    woken: list[bool] = []
+    waiting = [threading.Thread(target=lambda: woken.append(flag.wait(30))) for _ in range(3)]
+    for thread in waiting:
+        thread.start()
+    wait_until(lambda: flag._event is not None, what="a waiter to make the flag's event")
+    flag.set()
+    for thread in waiting:
+        thread.join(30)
+    assert woken == [True, True, True]
+    assert flag.is_set() and flag.wait(0)
+    late = LostFlag()
+    late.set()
+    assert late.wait(0) and late._event is None  # set before anyone waited: no Event was made
+
+
 def test_a_standby_never_woken_parks_again_first_in_line_without_a_retry_or_a_result(env: Env) -> None:
     t = env.tracker
     started = threading.Event()

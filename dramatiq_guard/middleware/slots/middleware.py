@@ -142,7 +142,8 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
                 f"the {self.option} key of message {message.message_id} ({message.actor_name}) "
                 f"could not be computed: {e}"
             ) from e
-        self.keys.remember(key, guard.actor_name)
+        if callable(guard.resolve_key.spec):  # a digested key names its actor (KeyDirectory.guard_of)
+            self.keys.remember(key, guard.actor_name)
         return key
 
     def key_for(self, actor: dramatiq.Actor[Any, Any] | str, *args: Any, **kwargs: Any) -> str:
@@ -400,9 +401,10 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
                 lease,
                 result,
             )
-        self.deliver(broker, result.handoffs)
-        self.courier(broker).send_ahead(result.standbys)
-        events.lockwait_changed()
+        if result.handoffs or result.standbys:  # else nothing parked moved: no one to tell
+            self.deliver(broker, result.handoffs)
+            self.courier(broker).send_ahead(result.standbys)
+            events.lockwait_changed()
         return result
 
     # -- hand-offs ------------------------------------------------------------
