@@ -219,15 +219,22 @@ class Context:
     # measurements
 
     def send_rate(
-        self, send: Callable[[int], object], n: int, *, setup: Callable[[], object] | None = None
+        self,
+        send: Callable[[int], object],
+        n: int,
+        *,
+        setup: Callable[[], object] | None = None,
+        repeats: int | None = None,
     ) -> float:
-        """Messages per second for ``n`` calls of ``send(i)``: the median of :attr:`repeats` runs.
+        """Messages per second for ``n`` calls of ``send(i)``: the median of ``repeats`` runs.
+
+        ``repeats`` defaults to :attr:`repeats`.
 
         Redis is flushed before each run, then ``setup()`` is called (to put back
         state such as limits); no worker should be consuming.
         """
         rates = []
-        for _ in range(self.repeats):
+        for _ in range(self.repeats if repeats is None else repeats):
             self.flush()
             if setup is not None:
                 setup()
