@@ -55,7 +55,9 @@ def run_tour(*args: str, env: dict[str, str]) -> str:
         assert line in proc.stdout, f"{line!r} is missing from the tour's output:\n{output}"
     assert re.search(r"^Done in \d+\.\d s\.$", proc.stdout, re.M), output
     # The inspect view while 2 deliveries hold the key's slots and the rest wait.
-    assert re.search(r"^ +holders 2  limit actor default  waiters [1-8] ", proc.stdout, re.M), output
+    # The limit in force is the actor's default (2), as the sender recorded it with the waiters.
+    shown = r"^ +holders 2  limit 2 \(actor default, as recorded with its waiters\)  waiters [1-8] "
+    assert re.search(shown, proc.stdout, re.M), output
     return proc.stdout
 
 

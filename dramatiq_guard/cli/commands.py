@@ -106,8 +106,14 @@ def _redis_settings(backend: GuardBackend) -> RedisSettings | None:
 
 def _print_key(ctx: Context, view: dict[str, Any], now: int) -> None:
     waiters = view["waiters"]
-    limit = "actor default" if view["limit"] is None else str(view["limit"])
-    if view["limit"] == 0:
+    in_force = view["limit"] if view["limit"] is not None else view.get("limit_in_force")
+    if view["limit"] is not None:
+        limit = str(view["limit"])  # a run-time limit
+    elif in_force is not None:
+        limit = f"{in_force} (actor default, as recorded with its waiters)"
+    else:
+        limit = "actor default"
+    if in_force == 0:
         limit += " (halted)"
     summary = f"holders {len(view['holders'])}  limit {limit}  waiters {waiters['count']}"
     if waiters["count"]:
