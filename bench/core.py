@@ -194,10 +194,12 @@ class Context:
         processes: int = 2,
         threads: int = 8,
         env: dict[str, str] | None = None,
+        queues: Sequence[str] | None = None,
     ) -> DramatiqWorker:
         """Start a real ``dramatiq`` worker on the run's Redis and wait until it is ready.
 
-        Stopped by :meth:`stop_workers` (the runner calls it after each scenario).
+        ``queues``: the queues it consumes (default: every queue of its actors). Stopped by
+        :meth:`stop_workers` (the runner calls it after each scenario).
         """
         full_env = dict(os.environ)
         full_env[REDIS_URL_ENV] = self.redis_url
@@ -206,7 +208,9 @@ class Context:
             p for p in (str(ROOT), str(TESTS_DIR), full_env.get("PYTHONPATH", "")) if p
         )
         full_env.update(env or {})
-        worker = DramatiqWorker(modules, processes=processes, threads=threads, env=full_env, cwd=ROOT)
+        worker = DramatiqWorker(
+            modules, processes=processes, threads=threads, env=full_env, cwd=ROOT, queues=queues
+        )
         self._workers.append(worker)
         worker.start()
         worker.wait_ready(120)
