@@ -81,6 +81,15 @@ BUDGETS: tuple[Budget, ...] = (
 )  # fmt: skip
 
 
+#: Two identical measurements of one run (the unguarded row and its twin), whose ratio says how far
+#: the run's noise alone moves a ratio: (what, twin, first).
+NOISE: tuple[tuple[str, str, str], ...] = (
+    ("send rate", "cost/again_send_rate", "cost/plain_send_rate"),
+    ("drain rate", "cost/again_drain_rate", "cost/plain_drain_rate"),
+    ("worker CPU per message", "cost/again_cpu_ms", "cost/plain_cpu_ms"),
+)
+
+
 def _value(figures: Mapping[str, Figure], name: str, base: str | None) -> float | None:
     figure = figures.get(name)
     if figure is None:
@@ -130,4 +139,13 @@ def render_budgets(figures: Mapping[str, Figure]) -> list[str]:
             f"| {budget.what} | {_fmt(value, ratio)} | {_fmt(floor, ratio) if floor is not None else '-'} "
             f"| {share or '-'} | {verdict} |"
         )
+    twins = [(what, _value(figures, twin, first)) for what, twin, first in NOISE]
+    measured = [f"{what} {ratio:.2f}x" for what, ratio in twins if ratio is not None]
+    if measured:
+        out += [
+            "",
+            "Noise: the unguarded row measured twice in this run, taking turns with the others, "
+            f"compares to itself as {', '.join(measured)}; a verdict that close to its bound is not "
+            "the guard's doing.",
+        ]
     return out

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Literal
+from typing import Literal, TypeVar
 
 import redis
 from redis.connection import AbstractConnection
@@ -316,3 +316,18 @@ class Context:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
+
+
+T = TypeVar("T")
+
+
+def in_turns(items: Sequence[T], rounds: int) -> Iterator[T]:
+    """``items`` once per round for ``rounds`` rounds, each round starting one further along.
+
+    Measurements that take turns this way share the machine's drift, and none is always the
+    one that comes right after a given other (whose aftermath, such as Redis expiring the keys
+    it left, would otherwise fall on the same row every round).
+    """
+    for r in range(rounds):
+        for i in range(len(items)):
+            yield items[(r + i) % len(items)]

@@ -42,3 +42,19 @@ def test_a_budget_whose_figures_were_not_measured_says_so() -> None:
 def test_a_plain_figure_budget_is_judged_as_it_is() -> None:
     lines = render_budgets(_figures(dedup__lock_commands_per_send=6.0))
     assert _row(lines, "dedup: at most 6 Redis commands on the send path").endswith("| 6.00 | - | - | met |")
+
+
+def test_the_runs_noise_is_read_off_the_unguarded_row_and_its_twin() -> None:
+    lines = render_budgets(
+        _figures(cost__plain_drain_rate=1000.0, cost__again_drain_rate=970.0, cost__plain_cpu_ms=0.5)
+    )
+    [noise] = [line for line in lines if line.startswith("Noise:")]
+    assert "drain rate 0.97x" in noise and "CPU" not in noise  # the CPU twin was not measured
+    assert not [line for line in render_budgets({}) if line.startswith("Noise:")]
+
+
+def test_measurements_take_turns_each_round_starting_one_further_along() -> None:
+    from bench.core import in_turns
+
+    assert "".join(in_turns("abc", 3)) == "abcbcacab"
+    assert list(in_turns([1, 2], 0)) == []

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.core import Context, Figure, scenario
+from bench.core import Context, Figure, in_turns, scenario
 from dramatiq_guard.backends import GuardBackend, RedisBackend, ReleaseResult, Waiter, redis_watch
 from dramatiq_guard.middleware.sweep import Member, sweep_all
 
@@ -70,9 +70,10 @@ def _drain_once(
 def _measure_interleaved(ctx: Context, rows: list[tuple[_Row, Any, bool]], n: int) -> None:
     """Drain every row's actor on one of two workers running at once (plain Dramatiq, guard installed).
 
-    The rows take turns, one drain each per round, for :data:`DRAIN_REPEATS` rounds; each row
-    reports its median-rate drain. A slow spell of the machine (they come and go on a shared
-    one) then falls on every row alike instead of on whichever rows happened to run during it.
+    The rows take turns (:func:`~bench.core.in_turns`), one drain each per round, for
+    :data:`DRAIN_REPEATS` rounds; each row reports its median-rate drain. A slow spell of the
+    machine (they come and go on a shared one) then falls on every row alike instead of on
+    whichever rows happened to run during it.
     The idle worker costs next to nothing (its consumers block on Redis); the CPU counted is
     the draining worker's.
     """
@@ -85,9 +86,8 @@ def _measure_interleaved(ctx: Context, rows: list[tuple[_Row, Any, bool]], n: in
     for _, actor, guard in rows:
         _drain_once(ctx, pids[guard], actor, max(1, n // 10), warm_up=True)
     runs: dict[str, list[tuple[float, ...]]] = {row.name: [] for row, _, _ in rows}
-    for _ in range(1 if ctx.quick else DRAIN_REPEATS):
-        for row, actor, guard in rows:
-            runs[row.name].append(_drain_once(ctx, pids[guard], actor, n))
+    for row, actor, guard in in_turns(rows, 1 if ctx.quick else DRAIN_REPEATS):
+        runs[row.name].append(_drain_once(ctx, pids[guard], actor, n))
     for row, _, _ in rows:
         ordered = sorted(runs[row.name])
         row.drain, row.cpu_ms, row.commands = ordered[len(ordered) // 2]
@@ -108,19 +108,20 @@ def _per_guard(ctx: Context) -> list[Figure]:
     n = ctx.n(3000, 300)
     rows = [
         (_Row("plain", "unguarded (no guard installed)"), plain_tick),
+        (_Row("again", "unguarded again (the same actor, a row of its own: this run's noise)"), plain_tick),
         (_Row("floor", "floor: unguarded + 2 no-op script round trips"), module_floor),
         (_Row("installed", "guard installed, nobody opts in"), guarded.tick),
         (_Row("dedup", 'dedup="until_executed", a new key per message'), guarded.dedup_tick),
         (_Row("mutex", "mutex=True, a key per message, never busy"), guarded.mutex_tick),
         (_Row("wide", f"concurrency limit {guarded.WIDE_LIMIT} on one key"), guarded.wide_tick),
     ]
+    unguarded = {"plain", "again", "floor"}  # drained on the worker without the guard
     sends: dict[str, list[float]] = {row.name: [] for row, _ in rows}
-    for _ in range(1 if ctx.quick else DRAIN_REPEATS):  # the rows take turns here too
-        for row, actor in rows:
-            sends[row.name].append(ctx.send_rate(_sender(actor, n), n, repeats=1))
+    for row, actor in in_turns(rows, 1 if ctx.quick else DRAIN_REPEATS):  # the rows take turns here too
+        sends[row.name].append(ctx.send_rate(_sender(actor, n), n, repeats=1))
     for row, _ in rows:
         row.send = statistics.median(sends[row.name])
-    _measure_interleaved(ctx, [(row, actor, i >= 2) for i, (row, actor) in enumerate(rows)], n)
+    _measure_interleaved(ctx, [(row, actor, row.name not in unguarded) for row, actor in rows], n)
     os.environ.pop("BENCH_COST_GUARD", None)
     sized = (
         f"N={n}, {PROCESSES}x{THREADS}, median of {1 if ctx.quick else DRAIN_REPEATS} drains taking turns "
@@ -327,7 +328,8 @@ def cost(ctx: Context) -> list[Figure]:
 
     * per guard: the same actor (one INCR to count its completion) unguarded, unguarded with
       two no-op script round trips (the floor of a guard that waits for one round trip before
-      the actor and one after), on a broker with the guard installed but no option, and with
+      the actor and one after), the unguarded row again (its twin: how far the run's noise
+      alone moves a ratio), on a broker with the guard installed but no option, and with
       each guard; send rate (N sends, no worker),
       drain rate on a real worker (2 processes x 8 threads; first send to last completion,
       median of 5 drains after a warm-up; a plain and a guarded worker run side by side and the

@@ -11,7 +11,7 @@ import dramatiq
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.middleware import Retries
 
-from bench.core import Context, Figure, scenario
+from bench.core import Context, Figure, in_turns, scenario
 from dramatiq_guard.middleware.dedup import Deduplication
 
 #: Rounds of the send rates (each kind of send once per round).
@@ -65,9 +65,8 @@ def dedup(ctx: Context) -> list[Figure]:
     }
     rounds = 1 if ctx.quick else SEND_ROUNDS
     runs: dict[str, list[float]] = {name: [] for name in sends}
-    for _ in range(rounds):  # the kinds take turns: drift of the machine falls on all alike
-        for name, send in sends.items():
-            runs[name].append(ctx.send_rate(send, n_send, repeats=1))
+    for name, send in in_turns(list(sends.items()), rounds):  # drift falls on all alike
+        runs[name].append(ctx.send_rate(send, n_send, repeats=1))
     plain_rate, accepted_rate, duplicate_rate, floor_rate = (statistics.median(runs[name]) for name in sends)
     middleware.flush()
 

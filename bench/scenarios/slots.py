@@ -12,7 +12,7 @@ from typing import cast
 import redis
 
 from bench.actors import finish_key
-from bench.core import Context, Figure, scenario
+from bench.core import Context, Figure, in_turns, scenario
 
 PROCESSES, THREADS = 2, 8
 LIMIT, JOB_S = 8, 0.010
@@ -128,10 +128,11 @@ def slots(ctx: Context) -> list[Figure]:
     ctx.worker("bench.scenarios.slots_actors", processes=1, threads=LIMIT, env=env, queues=["bench_floor"])
     _warm_up(ctx, actors.slot_job, "slot_job", n)
     _warm_up(ctx, actors.floor_job, "floor_job", n)
-    slot_runs, floor_runs = [], []
-    for _ in range(ctx.repeats):
-        slot_runs.append(_drain_once(ctx, actors.slot_job, "slot_job", n))
-        floor_runs.append(_drain_once(ctx, actors.floor_job, "floor_job", n))
+    slot_runs: list[tuple[float, float, float]] = []
+    floor_runs: list[tuple[float, float, float]] = []
+    drains = [(actors.slot_job, "slot_job", slot_runs), (actors.floor_job, "floor_job", floor_runs)]
+    for actor, name, runs in in_turns(drains, ctx.repeats):
+        runs.append(_drain_once(ctx, actor, name, n))
     slot_ratio, slot_pickups, slot_scripts = _median(slot_runs)
     floor_ratio, _, floor_scripts = _median(floor_runs)
     crl_ratio, crl_pickups, _ = _drain(ctx, actors.crl_job, "crl_job", n)
