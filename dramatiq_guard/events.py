@@ -36,7 +36,8 @@ Counters
 
 Changes of the lockwait area
   :func:`lockwait_changed`
-    This process parked, handed off, released or swept a slot key. It feeds
+    This process parked a message, handed a slot on (a release or a sweep
+    that moved a waiter), sent standbys or swept a slot key. It feeds
     no metric: :func:`dramatiq_guard.testing.join` waits on
     :func:`lockwait_condition` instead of polling.
 
@@ -212,7 +213,7 @@ _lockwait = threading.Condition()
 
 
 def lockwait_changed() -> None:
-    """This process changed the lockwait area (parked, handed off, released or swept a slot key)."""
+    """This process changed the lockwait area (parked, handed a slot on, sent standbys, swept a key)."""
     with _lockwait:
         _lockwait.notify_all()
 

@@ -56,22 +56,22 @@ __all__ = ["LeaseHandle", "LeaseRenewer", "LostFlag", "get_renewer", "known_vali
 
 logger = logging.getLogger(__name__)
 
-_flag_lock = threading.Lock()
-
 
 class LostFlag:
     """A flag that is set once, and that threads can wait for: what a lease's ``lost`` rests on.
 
     It behaves as a :class:`threading.Event` that is never cleared, but makes
-    that Event only when a thread waits before the flag is set: a lease is
-    made and dropped per message, and nearly none is ever waited for.
+    that Event (a Condition and its lock) only when a thread waits before the
+    flag is set: a lease is made and dropped per message, and nearly none is
+    ever waited for.
     """
 
-    __slots__ = ("_event", "_set")
+    __slots__ = ("_event", "_lock", "_set")
 
     def __init__(self) -> None:
         self._set = False
         self._event: threading.Event | None = None
+        self._lock = threading.Lock()
 
     def is_set(self) -> bool:
         """Whether :meth:`set` was called."""
@@ -82,7 +82,7 @@ class LostFlag:
         self._set = True
         event = self._event
         if event is None:
-            with _flag_lock:  # a waiter may be making it right now
+            with self._lock:  # a waiter may be making it right now
                 event = self._event
         if event is not None:
             event.set()
@@ -91,7 +91,7 @@ class LostFlag:
         """Block until the flag is set or ``timeout`` seconds pass; return whether it is set."""
         if self._set:
             return True
-        with _flag_lock:
+        with self._lock:
             if self._event is None:
                 self._event = threading.Event()
             event = self._event

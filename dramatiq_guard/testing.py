@@ -72,7 +72,7 @@ def join(broker: Broker, queue_name: str, *, timeout: int | None = None, **join_
                 return
             if deadline is not None and time.monotonic() >= deadline:
                 raise QueueJoinTimeout(queue_name)  # type: ignore[no-untyped-call]
-            # Wake on the next release, park or hand-off in this process (the
+            # Wake on the next park or hand-off in this process (the
             # only places the lockwait area changes); the bound is a backstop.
             bound = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
             activity.wait(bound)
