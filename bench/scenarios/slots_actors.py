@@ -4,12 +4,15 @@ Inert unless ``BENCH_SLOTS`` is set (the scenario loader imports every module he
 middleware counts broker pickups (every message a worker takes, run or parked after pickup), and
 counts the slot drain's completions after the guard released the slot (its after hook runs last):
 the bench's own bookkeeping stays out of the slot, as it stays out of the ConcurrentRateLimiter's
-limited section in ``crl_job``.
+limited section in ``crl_job``. The hand-off actors' spans are written by that hook too, after the
+mutex was released: the gap measured from one holder's end to the next one's start holds the guard's
+release and hand-off, not the bench's own round trips.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -33,8 +36,19 @@ if os.environ.get("BENCH_SLOTS"):
         def after_process_message(
             self, broker: Any, message: Any, *, result: Any = None, exception: Any = None
         ) -> None:
-            if message.actor_name == "slot_job" and exception is None:
+            span = getattr(_spans, "span", None)
+            _spans.span = None
+            if exception is not None:
+                return
+            if message.actor_name == "slot_job":
                 cross_finish_line(broker.client, *message.args)
+            elif span is not None:  # a hand-off actor ran (and released its lock) on this thread
+                run_id, total = message.args
+                broker.client.rpush(f"bench:spans:{run_id}", f"{span[0]!r},{span[1]!r}")
+                cross_finish_line(broker.client, run_id, total)
+
+    #: The span (start, end) of the hand-off actor that last ran on this thread, for PickupCounter.
+    _spans = threading.local()
 
     broker = RedisBroker(url=redis_url())
     broker.add_middleware(PickupCounter(), before=AgeLimit)
@@ -70,8 +84,7 @@ if os.environ.get("BENCH_SLOTS"):
     def _timed(run_id: str, total: int) -> None:
         start = time.time()
         time.sleep(0.002)
-        broker.client.rpush(f"bench:spans:{run_id}", f"{start},{time.time()}")
-        cross_finish_line(broker.client, run_id, total)
+        _spans.span = (start, time.time())  # written by PickupCounter once the lock is released
 
     @dramatiq.actor(
         mutex={"key": lambda *a: "handoff", "on_busy": "wait", "wait": 600_000}, queue_name="bench_slots"
