@@ -40,7 +40,7 @@ from dramatiq_guard.backends import (
     Waiter,
     Woken,
 )
-from dramatiq_guard.backends.base import HOLDERS_SHOWN
+from dramatiq_guard.backends.base import HOLDERS_SHOWN, MIN_STANDBY_WINDOW
 from dramatiq_guard.backends.redis import RedisClient
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.lease import Lease
@@ -918,9 +918,9 @@ def test_standbys_are_sent_ahead_in_fifo_order_and_block_when_picked_up(env: Env
         assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired
     for waiter in ["p1", "p2", "p3", "p4"]:
         park(backend, waiter, limit=2)
-    handoffs, sent = backend.send_standbys(KEY, limit=2, count=8)  # at most one per slot
+    handoffs, sent = backend.send_standbys(KEY, limit=2, count=2)  # the first two (see the window's test)
     assert handoffs == () and sent == (Handoff(KEY, "p1", b"msg:p1"), Handoff(KEY, "p2", b"msg:p2"))
-    assert backend.send_standbys(KEY, limit=2, count=8) == ((), ())  # already sent
+    assert backend.send_standbys(KEY, limit=2, count=2) == ((), ())  # already sent
     for waiter in ["p1", "p2"]:
         assert backend.confirm_standby(KEY, waiter, f"msg:{waiter}".encode(), ttl_ms=60_000)
     state = backend.inspect(KEY)  # they keep their places; their payloads are on the broker now
@@ -1064,15 +1064,15 @@ def test_a_release_sends_the_next_waiters_ahead_in_the_same_step(env: Env) -> No
         assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired
     for waiter in ["p1", "p2", "p3", "p4"]:
         park(backend, waiter, limit=2)
-    # a's slot goes to p1 (re-enqueued by the caller); then p2 and p3 are sent ahead (at most the
-    # limit), exactly as a send_standbys() right after would have.
-    released = backend.release(KEY, "a", limit=2, send_ahead=8)
+    # a's slot goes to p1 (re-enqueued by the caller); then p2 and p3, the first two waiters, are
+    # sent ahead, exactly as a send_standbys() right after would have.
+    released = backend.release(KEY, "a", limit=2, send_ahead=2)
     assert released == ReleaseResult(
         True,
         (Handoff(KEY, "p1", b"msg:p1"),),
         (Handoff(KEY, "p2", b"msg:p2"), Handoff(KEY, "p3", b"msg:p3")),
     )
-    assert backend.send_standbys(KEY, limit=2, count=8) == ((), ())  # already sent
+    assert backend.send_standbys(KEY, limit=2, count=2) == ((), ())  # already sent
     assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000)
     for waiter in ["p2", "p3"]:
         assert backend.confirm_standby(KEY, waiter, f"msg:{waiter}".encode(), ttl_ms=60_000)
@@ -1083,18 +1083,42 @@ def test_a_release_sends_the_next_waiters_ahead_in_the_same_step(env: Env) -> No
     assert pick_up(backend, "p2", limit=2).acquired
     assert backend.acquire(KEY, "p1", limit=2, ttl_ms=60_000).acquired
     # p1's slot goes to the standby p3 by a push; p4, the last waiter, is sent ahead.
-    assert backend.release(KEY, "p1", limit=2, send_ahead=8) == ReleaseResult(
+    assert backend.release(KEY, "p1", limit=2, send_ahead=2) == ReleaseResult(
         True, (Handoff(KEY, "p3", None),), (Handoff(KEY, "p4", b"msg:p4"),)
     )
     assert backend.confirm_standby(KEY, "p4", b"msg:p4", ttl_ms=60_000)
     assert pick_up(backend, "p3", limit=2).acquired
-    assert backend.release(KEY, "p2", limit=2, send_ahead=8) == ReleaseResult(
+    assert backend.release(KEY, "p2", limit=2, send_ahead=2) == ReleaseResult(
         True, (Handoff(KEY, "p4", None),)
     )
     assert pick_up(backend, "p4", limit=2).acquired
     for holder in ["p3", "p4"]:
-        assert backend.release(KEY, holder, limit=2, send_ahead=8) == ReleaseResult(True)
+        assert backend.release(KEY, holder, limit=2, send_ahead=2) == ReleaseResult(True)
     assert_drained(env, backend)
+
+
+def test_the_standby_window_is_the_limit_in_force_and_at_least_min_standby_window(env: Env) -> None:
+    """A key with a small limit sends MIN_STANDBY_WINDOW standbys ahead, a larger one up to its limit."""
+    backend = env.backend()
+    wide = f"{KEY}-wide"
+    for key, limit in [(KEY, 1), (wide, MIN_STANDBY_WINDOW + 1)]:
+        for holder in range(limit):
+            assert backend.acquire(key, f"h{holder}", limit=limit, ttl_ms=60_000).acquired
+        waiters = [f"p{i}" for i in range(MIN_STANDBY_WINDOW + 3)]
+        for waiter in waiters:
+            park(backend, waiter, limit=limit, key=key)
+        window = max(limit, MIN_STANDBY_WINDOW)
+        _, sent = backend.send_standbys(key, limit=limit, count=100)
+        assert [s.waiter_id for s in sent] == waiters[:window]  # the first ones, in FIFO order
+        assert backend.send_standbys(key, limit=limit, count=100) == ((), ())  # already sent
+        # A release sends the waiter that enters the window as the first one is handed the slot.
+        released = backend.release(key, "h0", limit=limit, send_ahead=100)
+        assert [h.waiter_id for h in released.handoffs] == ["p0"]
+        assert [s.waiter_id for s in released.standbys] == [waiters[window]]
+    # The window is the limit in force: a run-time limit of 2 on the wide key makes it
+    # MIN_STANDBY_WINDOW again (its standbys already sent stay sent).
+    backend.set_limit(wide, 2)
+    assert backend.send_standbys(wide, limit=MIN_STANDBY_WINDOW + 1, count=100) == ((), ())
 
 
 def test_no_standby_is_sent_while_the_key_is_halted(env: Env) -> None:
@@ -1102,6 +1126,7 @@ def test_no_standby_is_sent_while_the_key_is_halted(env: Env) -> None:
     backend.set_limit(KEY, 0)
     park(backend, "p1")
     assert backend.send_standbys(KEY, limit=1, count=1) == ((), ())
+    assert backend.send_standbys(KEY, limit=1, count=8) == ((), ())  # not MIN_STANDBY_WINDOW either
     assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).parked is False
     assert backend.release(KEY, "a", limit=1, send_ahead=1) == ReleaseResult(False)
     assert [(w, parked) for w, _, parked in backend.inspect(KEY).waiters] == [("p1", True)]

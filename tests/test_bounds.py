@@ -28,7 +28,7 @@ from test_backend_contract import KEY, Env, _env, env, redis_cluster_url
 
 import dramatiq_guard
 from dramatiq_guard.backends import GuardBackend, MemoryBackend, RedisBackend, Waiter
-from dramatiq_guard.backends.base import HOLDERS_SHOWN
+from dramatiq_guard.backends.base import HOLDERS_SHOWN, MIN_STANDBY_WINDOW
 from dramatiq_guard.cli import main
 from dramatiq_guard.errors import GuardOptionError
 from dramatiq_guard.ledger import Ledger
@@ -307,6 +307,7 @@ def test_the_scripts_bounds_are_the_python_ones() -> None:
     assert f"local MAX_COUNT = {bounds.MAX_COUNT}\n" in shared
     prelude = (lua / "_prelude.lua").read_text()
     assert f"local HOLDERS_SHOWN = {HOLDERS_SHOWN}\n" in prelude  # how many holders a refusal names
+    assert f"local MIN_STANDBY_WINDOW = {MIN_STANDBY_WINDOW}\n" in prelude  # the smallest standby window
     for own in ("lock", "renew"):  # the scripts without the prelude
         script = (lua / f"{own}.lua").read_text()
         assert f"local MAX_DURATION_MS = {bounds.MAX_DURATION_MS}\n" in script

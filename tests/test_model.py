@@ -412,7 +412,7 @@ class GuardModel(RuleBasedStateMachine):
                 self.threads[mid] = Thread(key, mid, None)
 
     @precondition(lambda self: self.running)
-    @rule(data=st.data(), send_ahead=st.sampled_from([0, 0, 1, 2]), foreign=st.booleans())
+    @rule(data=st.data(), send_ahead=st.sampled_from([0, 0, 1, 2, 8]), foreign=st.booleans())
     def a_holder_releases(self, data: st.DataObject, send_ahead: int, foreign: bool) -> None:
         """A holder releases (maybe sending waiters ahead); ``foreign``: forced by another route's process."""
         with self.step():
@@ -481,7 +481,9 @@ class GuardModel(RuleBasedStateMachine):
         for _, backend in self.backends:
             assert backend.get_limit(key) == limit
 
-    @rule(key=st.sampled_from(KEYS), count=st.sampled_from([1, 2, 3]), route=st.sampled_from([MAIN, OTHER]))
+    @rule(
+        key=st.sampled_from(KEYS), count=st.sampled_from([1, 2, 3, 8]), route=st.sampled_from([MAIN, OTHER])
+    )
     def waiters_are_sent_ahead(self, key: str, count: int, route: str) -> None:
         """A process sends the oldest parked waiters ahead as standbys."""
         with self.step():

@@ -79,7 +79,9 @@ hand-off
 standbys
     So that a freed slot does not wait for the broker to deliver the next
     message, the oldest parked waiters can be sent to the broker *ahead*, as
-    standbys (:meth:`~GuardBackend.send_standbys`), at most one per slot. A
+    standbys (:meth:`~GuardBackend.send_standbys`), within the *standby
+    window*: the first waiters, as many as the limit in force, or
+    :data:`MIN_STANDBY_WINDOW` if the limit is smaller (none while it is 0). A
     standby keeps its place in the queue. Until its sender confirms the
     enqueue (:meth:`~GuardBackend.confirm_standby`) it keeps its payload too:
     if the sender dies, it becomes a parked waiter again after
@@ -155,6 +157,7 @@ from dramatiq_guard.backends.checks import (
 )
 from dramatiq_guard.backends.values import (
     HOLDERS_SHOWN,
+    MIN_STANDBY_WINDOW,
     AcquireResult,
     Handoff,
     KeyState,
@@ -169,6 +172,7 @@ from dramatiq_guard.errors import PayloadTooLarge
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "HOLDERS_SHOWN",
+    "MIN_STANDBY_WINDOW",
     "AcquireResult",
     "GuardBackend",
     "Handoff",
@@ -391,8 +395,10 @@ class GuardBackend(abc.ABC):
     ) -> tuple[tuple[Handoff, ...], tuple[Handoff, ...]]:
         """Send the oldest parked waiters ahead as standbys, up to ``count`` of them.
 
-        Makes the first ``min(count, limit in force)`` waiters of the queue
-        standbys (or other blocking waiters): each parked one among them is
+        Makes the first ``min(count, window)`` waiters of the queue
+        standbys (or other blocking waiters), the window being the limit in
+        force, or :data:`MIN_STANDBY_WINDOW` if it is smaller (none while it
+        is 0): each parked one among them is
         returned with its payload, which the caller must enqueue on the
         broker and then confirm with :meth:`confirm_standby`. It keeps its
         place and, until confirmed, its payload (see the module docstring).

@@ -32,6 +32,7 @@ from dramatiq_guard.backends.base import (
     check_key,
     check_ms,
 )
+from dramatiq_guard.backends.values import standby_window
 
 __all__ = ["MemoryBackend"]
 
@@ -372,7 +373,7 @@ class MemoryBackend(GuardBackend):
                 guard.reserved.pop(holder, None)
             in_force = self._in_force(key, guard, limit)
             handoffs = self._hand_off(key, guard, in_force, now)
-            standbys = self._send_ahead(key, guard, min(send_ahead, in_force), now)
+            standbys = self._send_ahead(key, guard, standby_window(send_ahead, in_force), now)
             self._end(key, guard)
             return ReleaseResult(released, tuple(handoffs), standbys)
 
@@ -412,7 +413,7 @@ class MemoryBackend(GuardBackend):
             guard, now = self._begin(key)
             in_force = self._in_force(key, guard, limit)
             handoffs = self._hand_off(key, guard, in_force, now)
-            sent = self._send_ahead(key, guard, min(count, in_force), now)
+            sent = self._send_ahead(key, guard, standby_window(count, in_force), now)
             self._end(key, guard)
             return tuple(handoffs), sent
 

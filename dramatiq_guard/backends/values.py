@@ -7,6 +7,7 @@ import time
 
 __all__ = [
     "HOLDERS_SHOWN",
+    "MIN_STANDBY_WINDOW",
     "AcquireResult",
     "Handoff",
     "KeyState",
@@ -15,11 +16,29 @@ __all__ = [
     "Waiter",
     "WaiterPeek",
     "Woken",
+    "standby_window",
 ]
 
 #: How many holders a refused acquire names (:attr:`AcquireResult.holders`); the
 #: Redis scripts' ``HOLDERS_SHOWN`` (``_prelude.lua``) is the same (a test keeps them equal).
 HOLDERS_SHOWN = 10
+
+#: How many of a key's first waiters may be standbys when its limit in force is smaller (and not
+#: 0: a halted key sends none); the Redis scripts' ``MIN_STANDBY_WINDOW`` (``_prelude.lua``) is the
+#: same (a test keeps them equal). One standby per slot is too few for a mutex (or a limit of 2 or
+#: 3) whose jobs are short: a standby sent when one job ends must be picked up before the next one
+#: ends, and Dramatiq's consumer, idle while everything is parked, polls with a back-off of 5 ms and
+#: more, so the slot would stand idle. The first waiter of four was sent three hand-offs earlier.
+MIN_STANDBY_WINDOW = 4
+
+
+def standby_window(count: int, limit: int) -> int:
+    """How many of a key's first waiters a send ahead of ``count`` covers, with ``limit`` in force.
+
+    ``count`` but at most the limit, or :data:`MIN_STANDBY_WINDOW` if the limit is smaller (none
+    for a halted key, limit 0).
+    """
+    return 0 if limit <= 0 else min(count, max(limit, MIN_STANDBY_WINDOW))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,6 +81,8 @@ local NOW = math.floor(NOW_US / 1000)
 
 -- How many holders a refused acquire names (AcquireResult.holders).
 local HOLDERS_SHOWN = 10
+-- How many of the first waiters may be standbys when the limit in force is smaller (values.py).
+local MIN_STANDBY_WINDOW = 4
 local HN = 0 -- how many members H has (kept by set_holders / drop_holders)
 local LATEST = nil -- the largest deadline in H while it is known (latest(); a write to H forgets it)
 local HMAX = 0 -- the largest deadline H had when loaded (its expiry is at least that)
@@ -510,7 +512,8 @@ local function handoff(limit, out)
   end
 end
 
--- Send the first `count` waiters of the FIFO ahead as standbys (see standby.lua): each parked
+-- Send the first `count` waiters of the FIFO ahead as standbys (see standby.lua), at most the
+-- standby window (MIN_STANDBY_WINDOW or the limit in force, whichever is larger): each parked
 -- one among them of the caller's route (a payload, not in S) gets a deadline in S and a new
 -- generation, and its waiter, payload, generation triple is appended to `out`; ready waiters,
 -- standbys already sent and other routes' waiters are left as they are.
@@ -518,6 +521,12 @@ local function send_ahead(count, out)
   if not (QUEUED and count > 0) then
     return
   end
+  -- At most the limit in force, or MIN_STANDBY_WINDOW if it is smaller; none for a halted key.
+  local limit = limit_in_force()
+  if limit <= 0 then
+    return
+  end
+  count = math.min(count, math.max(limit, MIN_STANDBY_WINDOW))
   for _, w in ipairs(redis.call('ZRANGE', W, 0, count - 1)) do
     if not redis.call('ZSCORE', S, w) then
       local payload = redis.call('HGET', P, w)

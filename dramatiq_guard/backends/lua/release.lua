@@ -1,6 +1,6 @@
 -- release(holder, send_ahead) -> {released, handoffs, standbys}
 --   With send_ahead > 0, then sends the first send_ahead waiters ahead as standbys, as
---   standby('send') would (at most the limit): the caller enqueues and confirms them.
+--   standby('send') would (within the standby window): the caller enqueues and confirms them.
 local refused = validate_args({ 'send_ahead', arg(2) or '0', 0, MAX_COUNT })
 if refused then
   return refused
@@ -26,6 +26,6 @@ end
 local handoffs, standbys = {}, {}
 local limit = limit_in_force()
 handoff(limit, handoffs)
-send_ahead(math.min(tonumber(arg(2) or '0'), limit), standbys)
+send_ahead(tonumber(arg(2) or '0'), standbys)
 finish()
 return { released, handoffs, standbys }

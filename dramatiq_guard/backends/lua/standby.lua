@@ -1,7 +1,7 @@
 -- standby('send', count) -> {handoffs, standbys}
 --   Sends the oldest parked waiters ahead as standbys, so that the first
---   min(count, limit) waiters of the FIFO are all standbys (or ready
---   waiters). A sent standby keeps its place and its payload, and gets a
+--   min(count, max(limit, MIN_STANDBY_WINDOW)) waiters of the FIFO (none if the
+--   limit is 0) are all standbys (or ready waiters). A sent standby keeps its place and its payload, and gets a
 --   deadline in S (a payload and a deadline in S together mark "sent, unconfirmed"):
 --   if it is not confirmed by then, reclaim makes it a parked waiter again; if
 --   a slot is handed to it meanwhile, handoff reserves the slot (in R, as for a
@@ -34,7 +34,7 @@ if arg(1) == 'send' then
   local handoffs, sent = {}, {}
   local limit = limit_in_force()
   handoff(limit, handoffs)
-  send_ahead(math.min(tonumber(arg(2)), limit), sent)
+  send_ahead(tonumber(arg(2)), sent)
   finish()
   return { handoffs, sent }
 end

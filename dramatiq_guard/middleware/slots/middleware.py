@@ -62,8 +62,10 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
       sweep_interval: How often each worker sweeps keys with waiters. Default 1 s.
       limit_cache: How long a process caches a per-actor default limit. Default 1 s.
       lookahead(int|None): How many parked waiters per key are sent to the
-        broker ahead of a free slot, as standbys: at most the key's limit.
-        None (the default): the limit; 0: none.
+        broker ahead of a free slot, as standbys: at most the key's limit,
+        or :data:`~dramatiq_guard.backends.base.MIN_STANDBY_WINDOW` (4) for a
+        smaller limit (a mutex's), so that a short job's next waiter has been
+        picked up by the time the slot frees. None (the default): that many; 0: none.
       standby_wait: How long a picked-up standby blocks its worker thread
         waiting for a slot before it parks again. Default 5 s.
       standby_threads(int|None): How many worker threads of a process may

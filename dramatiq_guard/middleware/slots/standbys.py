@@ -53,7 +53,7 @@ class Standbys:
 
     Parameters:
       lookahead(int|None): Waiters per key sent ahead (at most the key's
-        limit); None: the limit; 0: none.
+        limit, or ``MIN_STANDBY_WINDOW`` for a smaller one); None: that many; 0: none.
       seats(int): How many threads may block as standbys (``standby_threads``).
     """
 
