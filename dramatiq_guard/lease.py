@@ -68,7 +68,8 @@ class Lease:
         (:attr:`AcquireResult.reserved_ms
         <dramatiq_guard.backends.AcquireResult>`): the backend deadline is
         still the hand-off reservation, at least this long from
-        ``valid_from``, so the lease is renewed at once, whatever ``cap_ms``.
+        ``valid_from``, so the lease is renewed (a third of the way into
+        that), whatever ``cap_ms``.
       valid_from(float|None): :attr:`AcquireResult.valid_from
         <dramatiq_guard.backends.AcquireResult>`: when the lease surely
         started (``time.monotonic()`` before the acquire was sent, or when the

@@ -173,9 +173,12 @@ class LeaseHandle:
         start = now if valid_from is None else min(valid_from, now)
         # Guarded by the renewer's lock: when the next renewal is due, and the
         # known-valid time. A lease that starts with less than its ttl (a
-        # hand-off reservation) is renewed at once.
-        self.due = start + ttl_ms / 3000 if valid_for_ms is None else now
-        self.valid_until = known_valid_until(start, ttl_ms if valid_for_ms is None else valid_for_ms)
+        # hand-off reservation, seconds long) is renewed a third of the way
+        # into it, as any lease a third of the way into its ttl: a short job
+        # ends before, and costs no renewal (and does not wake the renewer).
+        valid_ms = ttl_ms if valid_for_ms is None else valid_for_ms
+        self.due = start + min(ttl_ms, valid_ms) / 3000
+        self.valid_until = known_valid_until(start, valid_ms)
 
     @property
     def lost(self) -> bool:

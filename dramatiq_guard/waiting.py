@@ -80,7 +80,7 @@ def wait_for_slot(
 
     Returns:
       AcquireResult: Acquired (from a wake: ``reserved_ms`` is set, and the
-      lease must be renewed at once), or the last refused result.
+      lease must be renewed within it), or the last refused result.
     """
     acquired = False
     try:

@@ -831,8 +831,8 @@ def test_a_waiter_that_misses_its_wake_still_finds_its_slot(env: Env) -> None:
     assert_drained(env, backend)
 
 
-def test_a_lease_taken_by_a_wake_is_renewed_from_its_reservation_at_once(env: Env) -> None:
-    backend = env.backend()
+def test_a_lease_taken_by_a_wake_is_renewed_from_its_reservation_before_it_ends(env: Env) -> None:
+    backend = env.backend(handoff_ttl_ms=3_000)  # a wake has 1.5 s of reservation left, at least
     assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
     assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
     backend.release(KEY, "a", limit=1)
@@ -841,7 +841,8 @@ def test_a_lease_taken_by_a_wake_is_renewed_from_its_reservation_at_once(env: En
     assert woken is not None
     lease = Lease(backend, KEY, "w", woken.token, limit=1, ttl_ms=60_000, reserved_ms=woken.reserved_ms)
     try:
-        # Not a third of the ttl later: the renewer takes the reservation up to a full lease now.
+        # A third of the way into the reservation (not of the 60 s ttl), the renewer takes it up to
+        # a full lease, and the lease was held all along.
         wait_until(
             lambda: deadline_of(backend, KEY, "w") > reserved_until + 30_000,
             timeout=MARGIN_S,

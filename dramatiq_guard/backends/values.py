@@ -85,8 +85,8 @@ class AcquireResult:
         (:meth:`Woken.result`): the slot was taken by the push that handed it
         over, not by an acquire, so the holder's deadline is still the
         hand-off reservation, which lasts at least this long from the wake.
-        The lease must be renewed at once (:class:`~dramatiq_guard.lease.Lease`
-        does it when given ``reserved_ms``).
+        The lease must be renewed within that (:class:`~dramatiq_guard.lease.Lease`
+        renews it a third of the way into it when given ``reserved_ms``).
       stale(bool): The caller is a stale copy of a handed-off message (see
         *generations*): nothing was done, and it must not run.
       valid_from(float|None): When the lease's ttl (or ``reserved_ms``)
