@@ -21,6 +21,7 @@ from dramatiq_guard.backends.memory import MemoryBackend
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.slots import Concurrency, Mutex, MutexWaitTimeout
+from dramatiq_guard.middleware.slots.standbys import DEFAULT_LOOKAHEAD
 from dramatiq_guard.testing import join, parked_count
 
 
@@ -552,3 +553,24 @@ def test_slots_fail_closed_when_the_backend_is_unreachable_unless_fail_open(
     finally:
         worker.stop()
     assert ran == ["opened"]  # and it ran unguarded
+
+
+def test_the_default_lookahead_sends_16_standbys_ahead_however_wide_the_limit(env: Env) -> None:
+    """Every release of a key with waiters reads as many waiters as it may send ahead, so the
+    default window stops at DEFAULT_LOOKAHEAD: the Redis time of a release stays flat in the limit."""
+    limit = 100
+
+    @dramatiq.actor(concurrency={"limit": limit, "key": lambda n: "wide"}, max_retries=0)
+    def job(n: int) -> None:
+        pass
+
+    messages = [job.send(n) for n in range(limit + 40)]  # the limit is reserved, 40 park
+    queue = env.broker.queues[job.queue_name]
+    assert queue.qsize() == limit
+    env.concurrency.standbys.seats.seats = 4  # as a started worker of 8 threads allows
+    env.concurrency.send_standbys(env.broker, "concurrency:wide", limit)
+    waiters = env.backend.inspect("concurrency:wide").waiters
+    assert [(w, parked) for w, _, parked in waiters] == [
+        (m.message_id, i >= DEFAULT_LOOKAHEAD) for i, m in enumerate(messages[limit:])
+    ]
+    assert queue.qsize() == limit + DEFAULT_LOOKAHEAD

@@ -12,6 +12,7 @@ from typing import Any
 
 from bench.core import Context, Figure, in_turns, scenario
 from dramatiq_guard.backends import GuardBackend, RedisBackend, ReleaseResult, Waiter, redis_watch
+from dramatiq_guard.middleware.slots.standbys import DEFAULT_LOOKAHEAD
 from dramatiq_guard.middleware.sweep import Member, sweep_all
 
 PROCESSES, THREADS = 2, 8
@@ -169,11 +170,16 @@ def _per_guard(ctx: Context) -> list[Figure]:
     return figures
 
 
-def _op_us(ctx: Context, limit: int, waiters: int, cycles: int) -> tuple[float, float]:
+def _op_us(
+    ctx: Context, limit: int, waiters: int, cycles: int, *, send_ahead: int = 0
+) -> tuple[float, float]:
     """(server µs per script call, client µs per operation): ``limit`` holders, ``waiters`` parked.
 
     One cycle: a holder releases (the oldest waiter is handed its slot), the hand-off is
     confirmed, and a new message parks at the back: the holders and the waiters stay as many.
+    With ``send_ahead`` (as an ``on_busy="park"`` worker releases, standbys on): the first
+    waiters are confirmed standbys, the release hands the slot to the oldest by a push and sends
+    the waiter that enters the window ahead, whose send is confirmed.
     """
     ctx.flush()
     backend = RedisBackend.from_url(ctx.redis_url, handoff_ttl_ms=600_000)
@@ -183,13 +189,25 @@ def _op_us(ctx: Context, limit: int, waiters: int, cycles: int) -> tuple[float, 
             assert backend.acquire(key, f"h{h}", limit=limit, ttl_ms=ttl).acquired
         for w in range(waiters):
             backend.acquire(key, f"w{w}", limit=limit, ttl_ms=ttl, wait=Waiter(payload=payload))
+        if send_ahead:
+            for standby in backend.send_standbys(key, limit=limit, count=send_ahead)[1]:
+                assert standby.payload is not None
+                backend.confirm_standby(key, standby.waiter_id, standby.payload, ttl_ms=ttl)
         holders = [f"h{h}" for h in range(limit)]
         calls, usec = _script_usec(ctx)
         start = time.perf_counter()
         for i in range(cycles):
-            released = backend.release(key, holders[i % limit], limit=limit)
+            released = backend.release(key, holders[i % limit], limit=limit, send_ahead=send_ahead)
             [handoff] = released.handoffs
-            assert backend.confirm_handoff(key, handoff.waiter_id, ttl_ms=ttl, generation=handoff.generation)
+            if send_ahead:
+                assert handoff.payload is None  # a standby, woken by a push
+                [standby] = released.standbys
+                assert standby.payload is not None
+                backend.confirm_standby(key, standby.waiter_id, standby.payload, ttl_ms=ttl)
+            else:
+                assert backend.confirm_handoff(
+                    key, handoff.waiter_id, ttl_ms=ttl, generation=handoff.generation
+                )
             holders[i % limit] = handoff.waiter_id
             backend.acquire(key, f"n{i}", limit=limit, ttl_ms=ttl, wait=Waiter(payload=payload))
         elapsed = time.perf_counter() - start
@@ -243,6 +261,17 @@ def _curves(ctx: Context) -> list[Figure]:
         measured = _op_us(ctx, 8, waiters, cycles)
         figures += _curve_figures(
             f"waiters_{waiters}", f"limit 8, {waiters:,} waiters", measured, cycles, first
+        )
+    # As an on_busy="park" worker releases: with the default lookahead, standbys sent ahead.
+    for limit in limits:
+        first = None if limit == limits[0] else f"park_limit_{limits[0]}"
+        measured = _op_us(ctx, limit, 1000, cycles, send_ahead=DEFAULT_LOOKAHEAD)
+        figures += _curve_figures(
+            f"park_limit_{limit}",
+            f"limit {limit:,}, 1,000 waiters, releases sending standbys (lookahead {DEFAULT_LOOKAHEAD})",
+            measured,
+            cycles,
+            first,
         )
     return figures
 

@@ -65,7 +65,9 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         broker ahead of a free slot, as standbys: at most the key's limit,
         or :data:`~dramatiq_guard.backends.base.MIN_STANDBY_WINDOW` (4) for a
         smaller limit (a mutex's), so that a short job's next waiter has been
-        picked up by the time the slot frees. None (the default): that many; 0: none.
+        picked up by the time the slot frees. None (the default): 16
+        (:data:`~dramatiq_guard.middleware.slots.standbys.DEFAULT_LOOKAHEAD`;
+        every release of a key with waiters reads that many); 0: none.
       standby_wait: How long a picked-up standby blocks its worker thread
         waiting for a slot before it parks again. Default 5 s.
       standby_threads(int|None): How many worker threads of a process may
