@@ -302,9 +302,11 @@ class Context:
     def wait_finish(self, run_id: str, timeout: float = 600.0) -> float:
         """Wait (BLPOP) until run ``run_id`` crossed its finish line; return the time.time() it did.
 
-        See :func:`bench.actors.cross_finish_line`.
+        See :func:`bench.actors.cross_finish_line`. On a client of its own without a socket
+        timeout: redis-py 8's default 5 s would end a BLPOP of a drain that takes longer.
         """
-        item = self.client.blpop([finish_key(run_id)], timeout=timeout)
+        with redis.Redis.from_url(self.redis_url, socket_timeout=None) as client:
+            item = client.blpop([finish_key(run_id)], timeout=timeout)
         if item is None:
             raise TimeoutError(f"bench run {run_id} did not finish within {timeout:g}s")
         return float(item[1])

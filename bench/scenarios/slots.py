@@ -9,22 +9,10 @@ import statistics
 import time
 from typing import cast
 
-import redis
-
-from bench.actors import finish_key
 from bench.core import Context, Figure, in_turns, scenario
 
 PROCESSES, THREADS = 2, 8
 LIMIT, JOB_S = 8, 0.010
-
-
-def _wait_finish(ctx: Context, run_id: str) -> float:
-    """Like ``ctx.wait_finish``, on a client without redis-py 8's default 5 s socket timeout."""
-    with redis.Redis.from_url(ctx.redis_url, socket_timeout=None) as client:
-        item = client.blpop([finish_key(run_id)], timeout=600)
-    if item is None:
-        raise TimeoutError(f"bench run {run_id} did not finish")
-    return float(item[1])
 
 
 def _scripts(ctx: Context) -> int:
@@ -67,7 +55,7 @@ def _drain_once(ctx: Context, actor: object, name: str, n: int) -> tuple[float, 
     start = time.time()
     for _ in range(n):
         actor.send(run_id, n)  # type: ignore[attr-defined]
-    makespan = _wait_finish(ctx, run_id) - start
+    makespan = ctx.wait_finish(run_id) - start
     scripts = _scripts(ctx) - scripts
     ideal = n * JOB_S / LIMIT
     pickups = int(ctx.client.get(f"bench:pickups:{name}") or 0) / n
@@ -79,7 +67,7 @@ def _handoff_ms(ctx: Context, actor: object, n: int) -> float:
     run_id = ctx.new_run_id()
     for _ in range(n):
         actor.send(run_id, n)  # type: ignore[attr-defined]
-    _wait_finish(ctx, run_id)
+    ctx.wait_finish(run_id)
     spans = sorted(
         tuple(map(float, cast(bytes, raw).decode().split(",")))
         for raw in ctx.client.lrange(f"bench:spans:{run_id}", 0, -1)
