@@ -1116,10 +1116,11 @@ def test_the_standby_window_is_the_limit_in_force_and_at_least_min_standby_windo
         released = backend.release(key, "h0", limit=limit, send_ahead=100)
         assert [h.waiter_id for h in released.handoffs] == ["p0"]
         assert [s.waiter_id for s in released.standbys] == [waiters[window]]
-    # The window is the limit in force: a run-time limit of 2 on the wide key makes it
-    # MIN_STANDBY_WINDOW again (its standbys already sent stay sent).
-    backend.set_limit(wide, 2)
-    assert backend.send_standbys(wide, limit=MIN_STANDBY_WINDOW + 1, count=100) == ((), ())
+    # The window is the limit in force: raised at run time by one, it reaches the last waiter (the
+    # new slot goes to the oldest waiter, p1).
+    assert [h.waiter_id for h in backend.set_limit(wide, MIN_STANDBY_WINDOW + 2).handoffs] == ["p1"]
+    _, sent = backend.send_standbys(wide, limit=MIN_STANDBY_WINDOW + 1, count=100)
+    assert [s.waiter_id for s in sent] == [waiters[-1]]
 
 
 def test_no_standby_is_sent_while_the_key_is_halted(env: Env) -> None:
