@@ -320,6 +320,17 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
+R = TypeVar("R", bound=tuple[float, ...])
+
+
+def median_run(runs: Sequence[R]) -> R:
+    """The median run by its first figure, with that run's other figures.
+
+    Of an even count, the upper one: a run that happened, not an average of two.
+    """
+    return sorted(runs)[len(runs) // 2]
+
+
 T = TypeVar("T")
 
 

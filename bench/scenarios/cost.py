@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.core import Context, Figure, in_turns, scenario
+from bench.core import Context, Figure, in_turns, median_run, scenario
 from dramatiq_guard.backends import GuardBackend, RedisBackend, ReleaseResult, Waiter, redis_watch
 from dramatiq_guard.middleware.slots.standbys import DEFAULT_LOOKAHEAD
 from dramatiq_guard.middleware.sweep import Member, sweep_all
@@ -90,8 +90,7 @@ def _measure_interleaved(ctx: Context, rows: list[tuple[_Row, Any, bool]], n: in
     for row, actor, guard in in_turns(rows, 1 if ctx.quick else DRAIN_REPEATS):
         runs[row.name].append(_drain_once(ctx, pids[guard], actor, n))
     for row, _, _ in rows:
-        ordered = sorted(runs[row.name])
-        row.drain, row.cpu_ms, row.commands = ordered[len(ordered) // 2]
+        row.drain, row.cpu_ms, row.commands = median_run(runs[row.name])
     ctx.stop_workers()
 
 

@@ -9,7 +9,7 @@ import statistics
 import time
 from typing import cast
 
-from bench.core import Context, Figure, in_turns, scenario
+from bench.core import Context, Figure, in_turns, median_run, scenario
 
 PROCESSES, THREADS = 2, 8
 LIMIT, JOB_S = 8, 0.010
@@ -26,12 +26,7 @@ def _drain(ctx: Context, actor: object, name: str, n: int) -> tuple[float, float
 
     One drain's makespan moves by a tenth of the ideal from run to run on a two-core machine.
     """
-    return _median([_drain_once(ctx, actor, name, n) for _ in range(ctx.repeats)])
-
-
-def _median(runs: list[tuple[float, float, float]]) -> tuple[float, float, float]:
-    """The median run by makespan."""
-    return sorted(runs)[len(runs) // 2]
+    return median_run([_drain_once(ctx, actor, name, n) for _ in range(ctx.repeats)])
 
 
 def _warm_up(ctx: Context, actor: object, name: str, n: int) -> None:
@@ -121,8 +116,8 @@ def slots(ctx: Context) -> list[Figure]:
     drains = [(actors.slot_job, "slot_job", slot_runs), (actors.floor_job, "floor_job", floor_runs)]
     for actor, name, runs in in_turns(drains, ctx.repeats):
         runs.append(_drain_once(ctx, actor, name, n))
-    slot_ratio, slot_pickups, slot_scripts = _median(slot_runs)
-    floor_ratio, _, floor_scripts = _median(floor_runs)
+    slot_ratio, slot_pickups, slot_scripts = median_run(slot_runs)
+    floor_ratio, _, floor_scripts = median_run(floor_runs)
     crl_ratio, crl_pickups, _ = _drain(ctx, actors.crl_job, "crl_job", n)
     wait_ms = _handoff_ms(ctx, actors.handoff_wait, m)
     park_ms = _handoff_ms(ctx, actors.handoff_park, m)

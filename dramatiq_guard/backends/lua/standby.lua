@@ -1,12 +1,11 @@
 -- standby('send', count) -> {handoffs, standbys}
---   Sends the oldest parked waiters ahead as standbys, so that the first
---   min(count, max(limit, MIN_STANDBY_WINDOW)) waiters of the FIFO (none if the
---   limit is 0) are all standbys (or ready waiters). A sent standby keeps its
---   place and its payload, and gets a deadline in S (a payload and a deadline in S together mark "sent, unconfirmed"):
---   if it is not confirmed by then, reclaim makes it a parked waiter again; if
---   a slot is handed to it meanwhile, handoff reserves the slot (in R, as for a
---   parked waiter) without returning its payload (its sender enqueues it).
---   Returns the hand-offs of this operation and the waiter, payload pairs sent.
+--   Sends the oldest parked waiters ahead as standbys, so that the first min(count, max(limit,
+--   MIN_STANDBY_WINDOW)) waiters of the FIFO (none if the limit is 0) are all standbys (or ready
+--   waiters). A sent standby keeps its place and its payload, and gets a deadline in S (a payload
+--   and a deadline in S together mark "sent, unconfirmed"): if it is not confirmed by then, reclaim
+--   makes it a parked waiter again; if a slot is handed to it meanwhile, handoff reserves the slot
+--   (in R, as for a parked waiter) without returning its payload (its sender enqueues it). Returns
+--   the hand-offs of this operation and the waiter, payload pairs sent.
 -- standby('confirm', waiter, ttl_ms, payload, generation) -> 1 if the standby (or its slot) holds
 --   (generation: the one the sent copy carries; a confirmation of an older one changes nothing)
 --   Its copy is on the broker now. If the stored payload is still the one sent
