@@ -1517,11 +1517,12 @@ def test_a_process_that_does_not_know_a_keys_limit_uses_the_one_recorded_with_it
     """Invariant: a sweep by a process that cannot tell a key's actor never admits more than the
     key's own application declared (it does not guess a limit from its own actors)."""
     backend = env.backend()
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=200).acquired
+    stranger = env.another_client(backend)  # before the lease starts: a cluster client is slow
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=500).acquired
+    deadline = deadline_of(backend, KEY, "a")
     for waiter in ["p1", "p2", "p3"]:
-        park(backend, waiter)
-    stranger = env.another_client(backend)
-    env.wait_past(deadline_of(backend, KEY, "a"))
+        park(backend, waiter)  # parked while "a" holds, its lease not yet lapsed
+    env.wait_past(deadline)
     assert stranger.sweep(KEY, limit=None).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
     assert backend.set_limit(KEY, 2, default=None).handoffs == (Handoff(KEY, "p2", b"msg:p2"),)
     assert backend.set_limit(KEY, None, default=None).handoffs == ()  # back to the recorded 1
