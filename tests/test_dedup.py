@@ -471,6 +471,52 @@ def test_a_thousand_sends_on_a_redis_broker_leave_one_message(
     assert deduplicated_by(refresh.send(42)) is None
 
 
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_a_holder_whose_lock_lapsed_and_was_taken_runs_without_it_and_leaves_the_new_holders_lock(
+    backend: str, request: pytest.FixtureRequest, restore_global_broker: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A holder starts by extending the lock its send took; lapsed and taken by a later send, the
+    lock stays the later message's: the first runs without it (with a warning), and neither its
+    start nor its end takes or frees the new holder's lock."""
+    if backend == "memory":
+        guard_backend: Any = MemoryBackend()
+    else:
+        url = request.getfixturevalue("redis_server_url")
+        guard_backend = RedisBackend.from_url(url, namespace=f"lapsed-{time.time_ns()}")
+    broker = StubBroker()
+    broker.add_middleware(Deduplication(redis=guard_backend, pending_ttl=1_000), before=Retries)
+    broker.emit_after("process_boot")
+    dramatiq.set_broker(broker)
+    hold = Hold()
+
+    @dramatiq.actor(dedup={"strategy": "until_executed", "ttl": 1_000})
+    def job(n: int) -> None:
+        hold.run(n)
+
+    first = job.send(1)
+    key = lock_of(first)
+    dedup_of(broker).flush()
+    wait_until(lambda: holders(broker, key) == [], timeout=WAIT)  # lapsed while queued
+    second = job.send(1)
+    assert deduplicated_by(second) is None
+    dedup_of(broker).flush()
+    worker = dramatiq.Worker(broker, worker_timeout=50, worker_threads=2)
+    worker.start()
+    try:
+        hold.wait_started()
+        hold.wait_started()
+        assert [h for h, _ in guard_backend.inspect(key).holders] == [second.message_id]
+        assert f"{first.message_id} starts without its dedup lock" in caplog.text
+        hold.go.set()
+        broker.join("default")
+        assert sorted(hold.runs) == [1, 1]
+        wait_until(lambda: guard_backend.inspect(key).holders == (), timeout=WAIT)
+    finally:
+        worker.stop()
+        broker.close()
+        guard_backend.close()
+
+
 # --- with the slots middlewares ---------------------------------------------------------------
 
 

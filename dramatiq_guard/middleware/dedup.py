@@ -319,6 +319,16 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         """
         holder = message.message_id
         generation = generation_of(message, key)
+        # The common case: the lock taken at send is still this message's. Extending it is a
+        # renewal (renew.lua: 6 Redis commands, 3 keys), where a re-entrant acquire runs the
+        # acquire script (14 commands, 12 keys and 15 arguments). Lapsed, or taken by another:
+        # the acquire below says what happens (it reclaims and hands on).
+        if (
+            generation is None
+            and policy.on_duplicate != "reschedule_once"
+            and backend.renew(key, holder, ttl_ms=policy.ttl_ms)
+        ):
+            return True
         if policy.on_duplicate != "reschedule_once" or generation is not None:
             result = backend.acquire(
                 key,
