@@ -471,9 +471,14 @@ def test_a_thousand_sends_on_a_redis_broker_leave_one_message(
     assert deduplicated_by(refresh.send(42)) is None
 
 
+@pytest.mark.parametrize("on_duplicate", ["drop", "reschedule_once"])
 @pytest.mark.parametrize("backend", ["memory", "redis"])
 def test_a_holder_whose_lock_lapsed_and_was_taken_runs_without_it_and_leaves_the_new_holders_lock(
-    backend: str, request: pytest.FixtureRequest, restore_global_broker: None, caplog: pytest.LogCaptureFixture
+    backend: str,
+    on_duplicate: str,
+    request: pytest.FixtureRequest,
+    restore_global_broker: None,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A holder starts by extending the lock its send took; lapsed and taken by a later send, the
     lock stays the later message's: the first runs without it (with a warning), and neither its
@@ -489,7 +494,7 @@ def test_a_holder_whose_lock_lapsed_and_was_taken_runs_without_it_and_leaves_the
     dramatiq.set_broker(broker)
     hold = Hold()
 
-    @dramatiq.actor(dedup={"strategy": "until_executed", "ttl": 1_000})
+    @dramatiq.actor(dedup={"strategy": "until_executed", "ttl": 1_000, "on_duplicate": on_duplicate})
     def job(n: int) -> None:
         hold.run(n)
 
@@ -511,6 +516,51 @@ def test_a_holder_whose_lock_lapsed_and_was_taken_runs_without_it_and_leaves_the
         broker.join("default")
         assert sorted(hold.runs) == [1, 1]
         wait_until(lambda: guard_backend.inspect(key).holders == (), timeout=WAIT)
+    finally:
+        worker.stop()
+        broker.close()
+        guard_backend.close()
+
+
+@pytest.mark.parametrize("on_duplicate", ["drop", "reschedule_once"])
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_a_holders_start_counts_its_locks_ttl_from_then(
+    backend: str, on_duplicate: str, request: pytest.FixtureRequest, restore_global_broker: None
+) -> None:
+    """Invariant: an ``until_executed`` lock lasts ``ttl`` from its holder's start, whatever the
+    holder waited in its queue (the renewer, told so, renews it a third of a ttl after the start).
+    A ``reschedule_once`` holder's start left its lock at its confirmation's deadline: one that
+    waited in its queue more than two thirds of ``ttl`` lost it under the running job."""
+    if backend == "memory":
+        guard_backend: Any = MemoryBackend()
+    else:
+        url = request.getfixturevalue("redis_server_url")
+        guard_backend = RedisBackend.from_url(url, namespace=f"start-{time.time_ns()}")
+    broker = StubBroker()
+    broker.add_middleware(Deduplication(redis=guard_backend), before=Retries)
+    broker.emit_after("process_boot")
+    dramatiq.set_broker(broker)
+    hold = Hold()
+
+    @dramatiq.actor(dedup={"strategy": "until_executed", "ttl": 3_000, "on_duplicate": on_duplicate})
+    def job(n: int) -> None:
+        hold.run(n)
+
+    message = job.send(1)
+    key = lock_of(message)
+    dedup_of(broker).flush()
+    ((_, confirmed_deadline),) = guard_backend.inspect(key).holders
+    # Queued for a third of its ttl: the clock moves past the confirmation + 1 s.
+    wait_until(lambda: time.time() * 1000 > confirmed_deadline - 2_000, timeout=WAIT)
+    worker = dramatiq.Worker(broker, worker_timeout=50, worker_threads=1)
+    worker.start()
+    try:
+        hold.wait_started()
+        ((_, deadline),) = guard_backend.inspect(key).holders  # before its first renewal, 1 s on
+        assert deadline > confirmed_deadline
+        hold.go.set()
+        broker.join("default")
+        assert guard_backend.inspect(key).holders == ()
     finally:
         worker.stop()
         broker.close()

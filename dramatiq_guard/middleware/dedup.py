@@ -296,9 +296,12 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
                 self._deliver(broker, released.handoffs)
                 return
             policy = guard.policy
-            if not self._take_lock(broker, backend, message, key, policy):
+            held, valid_from = self._take_lock(broker, backend, message, key, policy)
+            if not held:
                 return
-            lease: LeaseHandle = get_renewer().register(backend, key, holder, policy.ttl_ms)
+            lease: LeaseHandle = get_renewer().register(
+                backend, key, holder, policy.ttl_ms, valid_from=valid_from
+            )
             execution_state(message).data[self.option] = lease
         except BackendUnavailable as e:
             if guard is None:
@@ -307,58 +310,66 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
 
     def _take_lock(
         self, broker: Broker, backend: GuardBackend, message: MessageProxy, key: str, policy: DedupPolicy
-    ) -> bool:
-        """Make the holder's lock its lease as it starts; False if it starts without it.
+    ) -> tuple[bool, float | None]:
+        """Make the holder's lock its lease as it starts, counting its ``ttl`` from now.
 
-        A ``reschedule_once`` holder cancels the rerun asked for before it
-        started (its run covers them). A copy re-enqueued by a hand-off (a
-        rerun) that is stale (a newer hand-off of it exists) is skipped.
+        A first run (no generation) renews the lock its send took: 6 Redis
+        commands (``renew.lua``) where a re-entrant acquire runs 14; a lock
+        that lapsed while the message was queued is then the acquire's to
+        reclaim and hand on. A ``reschedule_once`` holder cancels the rerun
+        asked for before it started (its run covers them). A copy
+        re-enqueued by a hand-off (a rerun) is acquired, checking its
+        generation: a stale one (a newer hand-off of it exists) is skipped.
+
+        Returns:
+          (held, valid_from): whether it holds the lock (False: it starts
+          without it), and ``time.monotonic()`` just before the request that
+          extended it was sent (the lease's start for the renewer).
 
         Raises:
           SkipMessage: The message is a stale copy of a rerun.
         """
         holder = message.message_id
         generation = generation_of(message, key)
-        # The common case: the lock taken at send is still this message's. Extending it is a
-        # renewal (renew.lua: 6 Redis commands, 3 keys), where a re-entrant acquire runs the
-        # acquire script (14 commands, 12 keys and 15 arguments). Lapsed, or taken by another:
-        # the acquire below says what happens (it reclaims and hands on).
-        if (
-            generation is None
-            and policy.on_duplicate != "reschedule_once"
-            and backend.renew(key, holder, ttl_ms=policy.ttl_ms)
-        ):
-            return True
-        if policy.on_duplicate != "reschedule_once" or generation is not None:
-            result = backend.acquire(
-                key,
-                holder,
-                limit=1,
-                ttl_ms=policy.ttl_ms,
-                info=message.actor_name,
-                generation=generation,
-                fenced=False,  # a dedup lock fences nothing: no token kept per key
-            )
-            self._deliver(broker, result.handoffs)
-            if result.stale:
-                execution_state(message).parked = True  # not a terminal event: the newer copy runs
-                message.options["store_results"] = False
-                logger.info("Skipped %s: a stale copy (a newer hand-off of %r runs instead).", message, key)
-                raise SkipMessage(f"stale copy of a hand-off of {key!r}")
-            if not result.acquired:
-                holders = ", ".join(result.holders) or "nobody"
-                logger.warning(
-                    "Message %s starts without its dedup lock %r: it lapsed and %s holds it now.",
-                    holder,
-                    key,
-                    holders,
-                )
-                return False
+        if generation is None:
+            sent = time.monotonic()
+            if backend.renew(key, holder, ttl_ms=policy.ttl_ms):
+                self._cancel_covered_rerun(broker, backend, key, holder, policy)
+                return True, sent
+            if policy.on_duplicate == "reschedule_once":
+                # Its rerun stays queued behind the lapsed lock (a sweep hands it on): this
+                # run covers it all the same.
+                self._cancel_covered_rerun(broker, backend, key, holder, policy)
+                _started_without_lock(holder, key, None)
+                return False, None
+        result = backend.acquire(
+            key,
+            holder,
+            limit=1,
+            ttl_ms=policy.ttl_ms,
+            info=message.actor_name,
+            generation=generation,
+            fenced=False,  # a dedup lock fences nothing: no token kept per key
+        )
+        self._deliver(broker, result.handoffs)
+        if result.stale:
+            execution_state(message).parked = True  # not a terminal event: the newer copy runs
+            message.options["store_results"] = False
+            logger.info("Skipped %s: a stale copy (a newer hand-off of %r runs instead).", message, key)
+            raise SkipMessage(f"stale copy of a hand-off of {key!r}")
+        if not result.acquired:
+            _started_without_lock(holder, key, result.holders)
+            return False, None
+        self._cancel_covered_rerun(broker, backend, key, holder, policy)
+        return True, result.valid_from
+
+    def _cancel_covered_rerun(
+        self, broker: Broker, backend: GuardBackend, key: str, holder: str, policy: DedupPolicy
+    ) -> None:
+        """Of a ``reschedule_once`` holder: duplicates sent before its start are covered by its run."""
         if policy.on_duplicate == "reschedule_once":
-            # Duplicates that arrived before this start are covered by this run.
             cancelled = backend.cancel_wait(key, rerun_id(holder), limit=1)
             self._deliver(broker, cancelled.handoffs)
-        return True
 
     def after_process_message(
         self,
@@ -468,3 +479,9 @@ class _LockTicket:
         self.message.options.pop(LOCK_OPTION, None)
         released = self.backend.release(self.key, self.message.message_id, limit=1)
         self.middleware._deliver(self.broker, released.handoffs)
+
+
+def _started_without_lock(holder: str, key: str, holders: Sequence[str] | None) -> None:
+    """Log that ``holder`` runs without its lock (``holders``: who holds it now, None: not asked)."""
+    now = "" if holders is None else f" and {', '.join(holders) or 'nobody'} holds it now"
+    logger.warning("Message %s starts without its dedup lock %r: it lapsed%s.", holder, key, now)
