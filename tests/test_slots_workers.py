@@ -216,7 +216,12 @@ from harness import Gate, Recorder, WaitTimeout, broker_from_env
 from dramatiq_guard.middleware.slots import Concurrency
 
 broker = broker_from_env()
-concurrency = Concurrency(lease_ttl=2_000, sweep_interval=200, standby_wait=60_000, standby_threads=2)
+# lookahead=2: the key's standby window is the two waiters the test sends (a limit below 4 would
+# otherwise keep 4 on the broker: a sweep could send waiters 2 and 3 ahead before 0 and 1 are
+# picked up, and take the two seats the test counts on).
+concurrency = Concurrency(
+    lease_ttl=2_000, sweep_interval=200, standby_wait=60_000, standby_threads=2, lookahead=2
+)
 broker.add_middleware(concurrency, before=Retries)
 rec = Recorder.from_env()
 
