@@ -64,6 +64,25 @@ def lock_of(message: dramatiq.Message[Any]) -> str:
     return key
 
 
+def guard_backend_of(kind: str, request: pytest.FixtureRequest, **options: Any) -> Any:
+    """The memory backend, or a Redis one in a namespace of its own (``kind``: "memory", "redis")."""
+    if kind == "memory":
+        return MemoryBackend(**options)
+    url = request.getfixturevalue("redis_server_url")
+    return RedisBackend.from_url(url, namespace=f"dedup-{time.time_ns()}", **options)
+
+
+def stub_broker_on(guard_backend: Any, *first: dramatiq.Middleware, **options: Any) -> StubBroker:
+    """A StubBroker (the global one) with ``first``, then Deduplication on ``guard_backend``."""
+    broker = StubBroker()
+    for middleware in first:
+        broker.add_middleware(middleware)
+    broker.add_middleware(Deduplication(redis=guard_backend, **options), before=Retries)
+    broker.emit_after("process_boot")
+    dramatiq.set_broker(broker)
+    return broker
+
+
 @pytest.fixture
 def start_worker(broker: StubBroker) -> Iterator[Callable[[], dramatiq.Worker]]:
     workers: list[dramatiq.Worker] = []
@@ -483,15 +502,8 @@ def test_a_holder_whose_lock_lapsed_and_was_taken_runs_without_it_and_leaves_the
     """A holder starts by extending the lock its send took; lapsed and taken by a later send, the
     lock stays the later message's: the first runs without it (with a warning), and neither its
     start nor its end takes or frees the new holder's lock."""
-    if backend == "memory":
-        guard_backend: Any = MemoryBackend()
-    else:
-        url = request.getfixturevalue("redis_server_url")
-        guard_backend = RedisBackend.from_url(url, namespace=f"lapsed-{time.time_ns()}")
-    broker = StubBroker()
-    broker.add_middleware(Deduplication(redis=guard_backend, pending_ttl=1_000), before=Retries)
-    broker.emit_after("process_boot")
-    dramatiq.set_broker(broker)
+    guard_backend = guard_backend_of(backend, request)
+    broker = stub_broker_on(guard_backend, pending_ttl=1_000)
     hold = Hold()
 
     @dramatiq.actor(dedup={"strategy": "until_executed", "ttl": 1_000, "on_duplicate": on_duplicate})
@@ -531,15 +543,8 @@ def test_a_holders_start_counts_its_locks_ttl_from_then(
     holder waited in its queue (the renewer, told so, renews it a third of a ttl after the start).
     A ``reschedule_once`` holder's start left its lock at its confirmation's deadline: one that
     waited in its queue more than two thirds of ``ttl`` lost it under the running job."""
-    if backend == "memory":
-        guard_backend: Any = MemoryBackend()
-    else:
-        url = request.getfixturevalue("redis_server_url")
-        guard_backend = RedisBackend.from_url(url, namespace=f"start-{time.time_ns()}")
-    broker = StubBroker()
-    broker.add_middleware(Deduplication(redis=guard_backend), before=Retries)
-    broker.emit_after("process_boot")
-    dramatiq.set_broker(broker)
+    guard_backend = guard_backend_of(backend, request)
+    broker = stub_broker_on(guard_backend)
     hold = Hold()
 
     @dramatiq.actor(dedup={"strategy": "until_executed", "ttl": 3_000, "on_duplicate": on_duplicate})
@@ -633,17 +638,9 @@ def test_a_rerun_whose_push_failed_is_handed_on_by_the_sweep(
     Invariant: a rerun waiting in the lock's queue is never stranded; the workers' sweep covers
     dedup keys and hands the lock to it again once the failed hand-off's reservation lapsed.
     """
-    if backend == "memory":
-        guard_backend: Any = MemoryBackend(handoff_ttl_ms=300)
-    else:
-        url = request.getfixturevalue("redis_server_url")
-        guard_backend = RedisBackend.from_url(url, namespace=f"rerun-{time.time_ns()}", handoff_ttl_ms=300)
+    guard_backend = guard_backend_of(backend, request, handoff_ttl_ms=300)
     failing = FailFirstPushOf()
-    broker = StubBroker()
-    broker.add_middleware(failing)
-    broker.add_middleware(Deduplication(redis=guard_backend, sweep_interval=100), before=Retries)
-    broker.emit_after("process_boot")
-    dramatiq.set_broker(broker)
+    broker = stub_broker_on(guard_backend, failing, sweep_interval=100)
     hold = Hold()
 
     @dramatiq.actor(dedup={"strategy": "until_executed", "on_duplicate": "reschedule_once"})
