@@ -234,10 +234,14 @@ class MemoryBackend(GuardBackend):
             handed.append(Handoff(key, waiter, payload, generation))
         return handed
 
-    def _send_ahead(self, key: str, guard: _Guard, count: int, now: int) -> tuple[Handoff, ...]:
-        """Mark the parked waiters of this route among the first ``count`` as standbys being sent."""
+    def _send_ahead(self, key: str, guard: _Guard, count: int, limit: int, now: int) -> tuple[Handoff, ...]:
+        """Mark the parked waiters of this route among the first ``count`` as standbys being sent.
+
+        At most the standby window of ``limit``, the limit in force (:func:`standby_window`).
+        """
         sent = []
-        for waiter, entry in sorted(guard.queue.items(), key=lambda item: item[1].place)[: max(0, count)]:
+        window = standby_window(count, limit)
+        for waiter, entry in sorted(guard.queue.items(), key=lambda item: item[1].place)[: max(0, window)]:
             if entry.payload is not None and not entry.on_broker and guard.deliverable(entry, self.route):
                 entry.drop_at_ms = now + self.handoff_ttl_ms
                 entry.on_broker = True
@@ -373,7 +377,7 @@ class MemoryBackend(GuardBackend):
                 guard.reserved.pop(holder, None)
             in_force = self._in_force(key, guard, limit)
             handoffs = self._hand_off(key, guard, in_force, now)
-            standbys = self._send_ahead(key, guard, standby_window(send_ahead, in_force), now)
+            standbys = self._send_ahead(key, guard, send_ahead, in_force, now)
             self._end(key, guard)
             return ReleaseResult(released, tuple(handoffs), standbys)
 
@@ -413,7 +417,7 @@ class MemoryBackend(GuardBackend):
             guard, now = self._begin(key)
             in_force = self._in_force(key, guard, limit)
             handoffs = self._hand_off(key, guard, in_force, now)
-            sent = self._send_ahead(key, guard, standby_window(count, in_force), now)
+            sent = self._send_ahead(key, guard, count, in_force, now)
             self._end(key, guard)
             return tuple(handoffs), sent
 
