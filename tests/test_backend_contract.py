@@ -1631,6 +1631,60 @@ def test_a_refused_acquire_names_the_first_holders_and_an_acquired_one_nobody(en
     assert_drained(env, backend)
 
 
+def block(backend: GuardBackend, waiter: str, *, limit: int) -> None:
+    """Queue ``waiter`` as a ready waiter (a thread blocking for a slot)."""
+    assert backend.acquire(KEY, waiter, limit=limit, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+
+
+def test_with_more_ready_waiters_than_the_window_a_slot_goes_to_the_first_ready_one_in_it(env: Env) -> None:
+    """A freed slot goes to the oldest ready waiter within the window (the first `limit` waiters),
+    else to the oldest waiter; ready waiters behind the window wait their turn, however many."""
+    backend = env.backend()
+    for holder in ("h1", "h2", "h3"):
+        assert backend.acquire(KEY, holder, limit=3, ttl_ms=60_000).acquired
+    park(backend, "p1", limit=3)
+    park(backend, "p2", limit=3)
+    for n in range(4):
+        block(backend, f"b{n}", limit=3)
+    # The window is p1, p2, b0: b0 is the ready one in it.
+    assert backend.release(KEY, "h1", limit=3).handoffs == (Handoff(KEY, "b0", None),)
+    # Now p1, p2, b1.
+    assert backend.release(KEY, "h2", limit=3).handoffs == (Handoff(KEY, "b1", None),)
+    [handed] = backend.release(KEY, "h3", limit=3).handoffs
+    assert handed.waiter_id == "b2"
+    assert waiter_ids(backend.inspect(KEY)) == ["p1", "p2", "b3"]
+    # With no ready waiter in the window (limit 2: p1, p2), the oldest is handed the slot.
+    assert backend.set_limit(KEY, 2).handoffs == ()
+    assert backend.release(KEY, "b0", limit=2).handoffs == ()  # b1 and b2 hold the 2 slots
+    [handed] = backend.release(KEY, "b1", limit=2).handoffs
+    assert (handed.waiter_id, handed.payload) == ("p1", b"msg:p1")
+
+
+def test_a_hand_off_costs_the_same_whatever_the_number_of_ready_waiters(redis_env: Env) -> None:
+    """A release that hands its slot to a ready waiter (a thread blocking for it) runs as many
+    Redis commands with 10 of them queued as with 300 (it read each one's place in the queue)."""
+    assert redis_env.client is not None
+    client = redis_env.client
+    backend = redis_env.backend()
+
+    def commands() -> int:
+        return sum(int(v["calls"]) for k, v in client.info("commandstats").items() if k != "cmdstat_info")
+
+    def release_cost(ready: int, limit: int = 4) -> int:
+        key = f"cost:{ready}"
+        for h in range(limit):
+            assert backend.acquire(key, f"h{h}", limit=limit, ttl_ms=60_000).acquired
+        for n in range(ready):
+            waited = backend.acquire(key, f"b{n}", limit=limit, ttl_ms=60_000, wait=Waiter(wait_ms=60_000))
+            assert waited.parked
+        before = commands()
+        assert backend.release(key, "h0", limit=limit).handoffs == (Handoff(key, "b0", None),)
+        return commands() - before
+
+    release_cost(1)  # loads the script (NOSCRIPT, SCRIPT LOAD): not a hand-off's cost
+    assert release_cost(300) == release_cost(10)
+
+
 def test_inspect_lists_at_most_the_first_waiters_asked_for(env: Env) -> None:
     """inspect(waiters=N) reads the head of a queue only (a queue may be 100,000 long)."""
     backend = env.backend()

@@ -375,23 +375,48 @@ end
 -- first, then the oldest others. A ready waiter starts on a push; any other needs a worker
 -- to fetch its message first, and a slot handed to it stands idle until then. So the FIFO
 -- order is relaxed within a window of the limit's size only (not at all for a mutex).
--- Cost: O(log n) per ready waiter (their ranks in W) and per waiter chosen; the window itself
--- is never read (it may hold thousands).
+-- Cost: O(log n) per waiter looked at, and it looks at the fewer of the ready waiters (their
+-- ranks in W) and the window (read from its head, up to the `free`-th ready waiter in it): a few
+-- standbys of a wide key cost their count, thousands of threads blocked on a narrow key cost the
+-- window; never the whole queue (it may hold thousands).
+local READ_CHUNK = 32
 local function choose(free, limit)
-  if free >= limit or redis.call('EXISTS', D) == 0 then
+  if free >= limit then
+    return redis.call('ZRANGE', W, 0, free - 1, 'WITHSCORES')
+  end
+  local ready_count = redis.call('ZCARD', D)
+  if ready_count == 0 then
     return redis.call('ZRANGE', W, 0, free - 1, 'WITHSCORES')
   end
   -- The ready waiters within the window, by their places.
   local ready = {}
-  for _, w in ipairs(redis.call('ZRANGE', D, 0, -1)) do
-    local rank = redis.call('ZRANK', W, w)
-    if rank and rank < limit then
-      ready[#ready + 1] = { rank, w }
+  if ready_count < limit then
+    for _, w in ipairs(redis.call('ZRANGE', D, 0, -1)) do
+      local rank = redis.call('ZRANK', W, w)
+      if rank and rank < limit then
+        ready[#ready + 1] = { rank, w }
+      end
+    end
+    table.sort(ready, function(a, b)
+      return a[1] < b[1]
+    end)
+  else
+    -- As many ready waiters as the window holds, or more: read the window in place order, and
+    -- stop at the `free`-th ready one.
+    local rank = 0
+    while rank < limit and #ready < free do
+      local chunk = redis.call('ZRANGE', W, rank, math.min(rank + READ_CHUNK, limit) - 1)
+      for i, w in ipairs(chunk) do
+        if #ready < free and redis.call('ZSCORE', D, w) then
+          ready[#ready + 1] = { rank + i - 1, w }
+        end
+      end
+      if #chunk < READ_CHUNK then
+        break
+      end
+      rank = rank + READ_CHUNK
     end
   end
-  table.sort(ready, function(a, b)
-    return a[1] < b[1]
-  end)
   local picked = {}
   for i = 1, math.min(free, #ready) do
     picked[ready[i][2]] = true
