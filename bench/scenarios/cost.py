@@ -170,7 +170,7 @@ def _per_guard(ctx: Context) -> list[Figure]:
 
 
 def _op_us(
-    ctx: Context, limit: int, waiters: int, cycles: int, *, send_ahead: int = 0
+    ctx: Context, limit: int, waiters: int, cycles: int, *, send_ahead: int = 0, ready: bool = False
 ) -> tuple[float, float]:
     """(server µs per script call, client µs per operation): ``limit`` holders, ``waiters`` parked.
 
@@ -178,7 +178,9 @@ def _op_us(
     confirmed, and a new message parks at the back: the holders and the waiters stay as many.
     With ``send_ahead`` (as an ``on_busy="park"`` worker releases, standbys on): the first
     waiters are confirmed standbys, the release hands the slot to the oldest by a push and sends
-    the waiter that enters the window ahead, whose send is confirmed.
+    the waiter that enters the window ahead, whose send is confirmed. With ``ready``, the waiters
+    are ready ones (threads blocking for a slot, as ``on_busy="wait"``): the release hands the
+    slot to the oldest by a push, nothing is confirmed, and a new ready waiter queues at the back.
     """
     ctx.flush()
     backend = RedisBackend.from_url(ctx.redis_url, handoff_ttl_ms=600_000)
@@ -186,8 +188,9 @@ def _op_us(
     try:
         for h in range(limit):
             assert backend.acquire(key, f"h{h}", limit=limit, ttl_ms=ttl).acquired
+        wait = Waiter(wait_ms=ttl) if ready else Waiter(payload=payload)
         for w in range(waiters):
-            backend.acquire(key, f"w{w}", limit=limit, ttl_ms=ttl, wait=Waiter(payload=payload))
+            backend.acquire(key, f"w{w}", limit=limit, ttl_ms=ttl, wait=wait)
         if send_ahead:
             for standby in backend.send_standbys(key, limit=limit, count=send_ahead)[1]:
                 assert standby.payload is not None
@@ -198,7 +201,9 @@ def _op_us(
         for i in range(cycles):
             released = backend.release(key, holders[i % limit], limit=limit, send_ahead=send_ahead)
             [handoff] = released.handoffs
-            if send_ahead:
+            if ready:
+                assert handoff.payload is None  # woken by a push
+            elif send_ahead:
                 assert handoff.payload is None  # a standby, woken by a push
                 [standby] = released.standbys
                 assert standby.payload is not None
@@ -208,23 +213,26 @@ def _op_us(
                     key, handoff.waiter_id, ttl_ms=ttl, generation=handoff.generation
                 )
             holders[i % limit] = handoff.waiter_id
-            backend.acquire(key, f"n{i}", limit=limit, ttl_ms=ttl, wait=Waiter(payload=payload))
+            backend.acquire(key, f"n{i}", limit=limit, ttl_ms=ttl, wait=wait)
         elapsed = time.perf_counter() - start
         calls_after, usec_after = _script_usec(ctx)
-        return (usec_after - usec) / (calls_after - calls), elapsed * 1e6 / (3 * cycles)
+        return (usec_after - usec) / (calls_after - calls), elapsed * 1e6 / ((2 if ready else 3) * cycles)
     finally:
         backend.close()
         ctx.flush()
 
 
 def _curve_figures(
-    name: str, what: str, measured: tuple[float, float], cycles: int, first: str | None
+    name: str,
+    what: str,
+    measured: tuple[float, float],
+    cycles: int,
+    first: str | None,
+    cycle: str = "release (hand-off) + confirm + park",
 ) -> list[Figure]:
     """The Redis time and round trip of one point of a scaling curve (``first``: its first point)."""
     server, client = measured
-    detail = (
-        f"{cycles} cycles of release (hand-off) + confirm + park; EVALSHA usec / calls (INFO commandstats)"
-    )
+    detail = f"{cycles} cycles of {cycle}; EVALSHA usec / calls (INFO commandstats)"
     return [
         Figure(
             f"op_server_us_{name}",
@@ -260,6 +268,18 @@ def _curves(ctx: Context) -> list[Figure]:
         measured = _op_us(ctx, 8, waiters, cycles)
         figures += _curve_figures(
             f"waiters_{waiters}", f"limit 8, {waiters:,} waiters", measured, cycles, first
+        )
+    # Threads blocking for a slot (on_busy="wait"): a hand-off looks for a ready one in the window.
+    for waiters in waiter_counts:
+        first = None if waiters == waiter_counts[0] else f"ready_{waiter_counts[0]}"
+        measured = _op_us(ctx, 8, waiters, cycles, ready=True)
+        figures += _curve_figures(
+            f"ready_{waiters}",
+            f"limit 8, {waiters:,} ready waiters (threads blocking)",
+            measured,
+            cycles,
+            first,
+            cycle="release (hand-off by a push) + a new ready waiter",
         )
     # As an on_busy="park" worker releases: with the default lookahead, standbys sent ahead.
     for limit in limits:
@@ -367,7 +387,10 @@ def cost(ctx: Context) -> list[Figure]:
       handed to the oldest waiter), confirms the hand-off and parks a new message, so L and W
       stay put. The Redis time per script call (INFO commandstats) and the round trip per
       operation, for L = 8 / 100 / 1,000 / 10,000 (W = 10) and W = 10 / 1,000 / 100,000 (L = 8).
-      Flat means O(log n): a ratio near 1 against the smallest.
+      The same W with ready waiters instead (threads blocking for a slot, as
+      ``on_busy="wait"``): a release hands its slot to the oldest by a push and a new one
+      queues. And L again with 1,000 waiters, the release sending standbys ahead as an
+      ``on_busy="park"`` worker's does. Flat means O(log n): a ratio near 1 against the smallest.
     * idle sweep: 10,000 keys, each with a live holder and a parked waiter; 10 processes' sweep
       passes (and their state watch), the commands per process per pass (one pass a second),
       side by side with the sweep as it was (every waiting key at every pass, 2 processes).
