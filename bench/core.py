@@ -7,6 +7,7 @@ import dataclasses
 import importlib
 import inspect
 import os
+import random
 import statistics
 import sys
 import threading
@@ -299,6 +300,19 @@ class Context:
     def new_run_id(self) -> str:
         return uuid.uuid4().hex
 
+    def wake_up(self, send: Callable[[str, int], object], count: int) -> None:
+        """Drain ``count`` messages (``send(run_id, count)`` each) and wait for them, outside any figure.
+
+        A Dramatiq consumer that found its queue empty backs off, up to the worker's timeout (a
+        second), before it looks again. A drain measured on a worker that sat idle (while another
+        worker had its turn) would wait up to that long for its first messages: call this first,
+        with one message per worker thread, so the consumers are polling when the clock starts.
+        """
+        run_id = self.new_run_id()
+        for _ in range(count):
+            send(run_id, count)
+        self.wait_finish(run_id)
+
     def wait_finish(self, run_id: str, timeout: float = 600.0) -> float:
         """Wait (BLPOP) until run ``run_id`` crossed its finish line; return the time.time() it did.
 
@@ -335,12 +349,15 @@ T = TypeVar("T")
 
 
 def in_turns(items: Sequence[T], rounds: int) -> Iterator[T]:
-    """``items`` once per round for ``rounds`` rounds, each round starting one further along.
+    """``items`` once per round for ``rounds`` rounds, in a new order each round (the same every run).
 
     Measurements that take turns this way share the machine's drift, and none is always the
     one that comes right after a given other (whose aftermath, such as Redis expiring the keys
-    it left, would otherwise fall on the same row every round).
+    it left, would otherwise fall on the same row every round). A rotation would not do: each
+    item would still always follow the same one.
     """
     for r in range(rounds):
-        for i in range(len(items)):
-            yield items[(r + i) % len(items)]
+        order = list(range(len(items)))
+        random.Random(r).shuffle(order)
+        for i in order:
+            yield items[i]

@@ -53,8 +53,15 @@ def test_the_runs_noise_is_read_off_the_unguarded_row_and_its_twin() -> None:
     assert not [line for line in render_budgets({}) if line.startswith("Noise:")]
 
 
-def test_measurements_take_turns_each_round_starting_one_further_along() -> None:
+def test_measurements_take_turns_and_none_always_follows_the_same_one() -> None:
     from bench.core import in_turns
 
-    assert "".join(in_turns("abc", 3)) == "abcbcacab"
+    items = "abcdefg"
+    turns = "".join(in_turns(items, 5))
+    rounds = [turns[i : i + len(items)] for i in range(0, len(turns), len(items))]
+    assert all(sorted(r) == sorted(items) for r in rounds) and len(rounds) == 5
+    assert turns == "".join(in_turns(items, 5))  # the same order every run
+    for item in items:
+        followers = {r[r.index(item) + 1] for r in rounds if not r.endswith(item)}
+        assert len(followers) > 1, f"{item} is always followed by {followers}"
     assert list(in_turns([1, 2], 0)) == []

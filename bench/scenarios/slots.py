@@ -44,6 +44,7 @@ def _drain_once(ctx: Context, actor: object, name: str, n: int) -> tuple[float, 
     Script calls count the broker's (enqueue, fetch, ack) and the guard's, from the sender
     and the workers alike.
     """
+    ctx.wake_up(actor.send, PROCESSES * THREADS)  # type: ignore[attr-defined]
     ctx.client.delete(f"bench:pickups:{name}")
     run_id = ctx.new_run_id()
     scripts = _scripts(ctx)
@@ -84,7 +85,9 @@ def slots(ctx: Context) -> list[Figure]:
       100 ms - 2 s backoff). The floor: the same jobs unguarded on a worker of exactly 8
       threads (1 x 8), the makespan Dramatiq itself reaches with 8 at a time on this machine;
       its worker runs beside the guarded one (each on a queue of its own) and the two drains
-      take turns, one each per repeat.
+      take turns, one each per repeat. Each drain is preceded by 16 messages that wake the
+      worker's consumers (an idle Dramatiq consumer polls less and less often, up to once a
+      second), outside the figures.
     * hand-off: M messages on one mutex key, each 2 ms; the median gap from one holder's end
       to the next one's start, for ``on_busy="wait"``, ``"park"`` (with a standby, and
       without) and redis-py's ``Lock`` (which polls every 0.1 s).
