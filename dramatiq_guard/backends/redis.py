@@ -94,7 +94,8 @@ def _key_names(namespace: str, key: str) -> _KeyNames:
       ValueError: If ``key`` is not allowed (never cached).
     """
     check_key(key)
-    return _KeyNames(*(f"{namespace}:{{{key}}}:{suffix}" for suffix in _KeyNames._fields))
+    prefix = f"{namespace}:{{{key}}}:"
+    return _KeyNames._make([prefix + suffix for suffix in _KeyNames._fields])
 
 
 #: Scripts with a common path run before the prelude (``lua/<name>_fast.lua``): see docs/redis.md.
@@ -275,10 +276,8 @@ class RedisBackend(GuardBackend):
 
     def _keys(self, key: str) -> list[str]:
         """The KEYS of a per-key script: the key's names, then the waiting-keys index (standalone only)."""
-        keys = list(self._names(key))
-        if not self._in_cluster():
-            keys.append(self._index)
-        return keys
+        names = _key_names(self.namespace, key)
+        return list(names) if self._in_cluster() else [*names, self._index]
 
     def _wake_prefix(self, key: str) -> str:
         return f"{self.namespace}:{{{key}}}:wake:"
@@ -330,6 +329,8 @@ class RedisBackend(GuardBackend):
 
     def _handoffs(self, key: str, flat: list[Any]) -> tuple[Handoff, ...]:
         """Decode ``waiter, payload-or-nil, generation-or-nil`` triples (no payload: a woken waiter)."""
+        if not flat:
+            return ()
         return tuple(
             Handoff(
                 key,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from importlib import resources
 from typing import Any, NamedTuple, TypeAlias, cast
 
@@ -130,13 +130,26 @@ def data(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else value.encode("utf-8")
 
 
-@contextlib.contextmanager
-def reachable() -> Iterator[None]:
-    """Turn redis-py's connection-level errors into :class:`BackendUnavailable`."""
-    try:
-        yield
-    except _UNAVAILABLE as exc:
-        raise BackendUnavailable(f"the guard's Redis backend is unavailable: {exc}") from exc
+class _Reachable:
+    """Turn redis-py's connection-level errors into :class:`BackendUnavailable` (see :func:`reachable`).
+
+    A class, not a generator-based context manager: it wraps every call, several per message.
+    """
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None and isinstance(exc, _UNAVAILABLE):
+            raise BackendUnavailable(f"the guard's Redis backend is unavailable: {exc}") from exc
+
+
+_REACHABLE = _Reachable()
+
+
+def reachable() -> _Reachable:
+    """Turn redis-py's connection-level errors into :class:`BackendUnavailable`: ``with reachable(): ...``."""
+    return _REACHABLE
 
 
 def slow_call_warning(client: RedisClient, timeouts: Timeouts, shortest_lease_ms: int) -> str | None:
