@@ -1662,7 +1662,8 @@ def test_with_more_ready_waiters_than_the_window_a_slot_goes_to_the_first_ready_
 
 def test_a_hand_off_costs_the_same_whatever_the_number_of_ready_waiters(redis_env: Env) -> None:
     """A release that hands its slot to a ready waiter (a thread blocking for it) runs as many
-    Redis commands with 10 of them queued as with 300 (it read each one's place in the queue)."""
+    Redis commands with 10 of them queued as with 300 (it read each one's place in the queue), on
+    a key with a small limit and on one whose window holds them all."""
     assert redis_env.client is not None
     client = redis_env.client
     backend = redis_env.backend()
@@ -1671,7 +1672,7 @@ def test_a_hand_off_costs_the_same_whatever_the_number_of_ready_waiters(redis_en
         return sum(int(v["calls"]) for k, v in client.info("commandstats").items() if k != "cmdstat_info")
 
     def release_cost(ready: int, limit: int = 4) -> int:
-        key = f"cost:{ready}"
+        key = f"cost:{ready}:{limit}"
         for h in range(limit):
             assert backend.acquire(key, f"h{h}", limit=limit, ttl_ms=60_000).acquired
         for n in range(ready):
@@ -1683,6 +1684,7 @@ def test_a_hand_off_costs_the_same_whatever_the_number_of_ready_waiters(redis_en
 
     release_cost(1)  # loads the script (NOSCRIPT, SCRIPT LOAD): not a hand-off's cost
     assert release_cost(300) == release_cost(10)
+    assert release_cost(300, limit=500) == release_cost(10, limit=500)
 
 
 def test_inspect_lists_at_most_the_first_waiters_asked_for(env: Env) -> None:

@@ -96,7 +96,7 @@ LEAPS = (TICK_MS, HANDOFF_MS // 2, HANDOFF_MS, BLOCK_MS, LEASE_MS, DAY_MS)
 START_MS = 1_893_456_000_000  # 2030-01-01T00:00:00Z
 #: Keys of a guard key that may not expire, but exist only while something of it is queued
 #: (``info`` holds a ready waiter's too: without a holder, it has no deadline to expire with).
-QUEUED_STATE = {"waiters", "payloads", "reserved", "meta", "deadlines", "standbys", "info"}
+QUEUED_STATE = {"waiters", "payloads", "reserved", "meta", "deadlines", "ready", "standbys", "info"}
 
 T = TypeVar("T")
 
@@ -641,6 +641,18 @@ class GuardModel(RuleBasedStateMachine):
                     if suffix in QUEUED_STATE and key in queued:
                         continue
                     assert client.pttl(name) >= 0, f"{name} never expires"  # -1: no expiry
+
+    @invariant()
+    def the_ready_waiters_are_indexed_by_their_places(self) -> None:
+        """On Redis, `ready` holds exactly the ready waiters (`deadlines`), each by its place in `waiters`."""
+        with self.step():
+            for client in (self.redis_client, self.cluster_client):
+                for key in KEYS:
+                    prefix = f"{NAMESPACE}:{{{key}}}:"
+                    ready: Any = client.zrange(prefix + "ready", 0, -1, withscores=True)
+                    deadlines: Any = client.zrange(prefix + "deadlines", 0, -1)
+                    places = {w: client.zscore(prefix + "waiters", w) for w in deadlines}
+                    assert dict(ready) == places, key
 
     @invariant()
     def a_waiting_key_is_due_no_later_than_its_earliest_deadline(self) -> None:

@@ -71,7 +71,7 @@ def replica_waits_of(count: int, timeout_ms: int) -> ReplicaWaits | None:
 
 
 class _KeyNames(NamedTuple):
-    """The Redis keys of one guard key, in the order the scripts get them (KEYS[1..9], _prelude.lua)."""
+    """The Redis keys of one guard key, in the order the scripts get them (KEYS[1..12], _prelude.lua)."""
 
     holders: str
     waiters: str
@@ -84,6 +84,7 @@ class _KeyNames(NamedTuple):
     standbys: str
     meta: str
     gens: str
+    ready: str
 
 
 @functools.lru_cache(maxsize=4096)

@@ -28,7 +28,9 @@
 --                    whose hand-off or standby send lapsed unconfirmed (an older copy may still
 --                    be on the broker); outlives the key's other state, expiring STALE_TTL after
 --                    its last write
---   KEYS[12] X zset  the waiting-keys index (guard key -> when it is next due for a sweep, see
+--   KEYS[12] Q zset  ready waiter -> its place in W (the same members as D, by place: the ready
+--                    waiters at the head of the queue, for choose)
+--   KEYS[13] X zset  the waiting-keys index (guard key -> when it is next due for a sweep, see
 --                    next_due), given on a standalone Redis only: it is in another Cluster
 --                    slot. With it, the index is kept here, atomically: K is in it exactly
 --                    while W or R is not empty, and its score is never later than the key's
@@ -45,7 +47,8 @@
 -- Times come from the server's clock only.
 --
 -- Invariants the scripts keep, which let the common paths skip work:
---   * D's and S's members are in W (never in both), R's members are in H (after reclaim) and
+--   * D's and S's members are in W (never in both), Q's are D's (each scored by its place in W,
+--     which never changes while it is queued: W is only ever added to with NX), R's members are in H (after reclaim) and
 --     have a payload in P, and P's members are in W or R: with W, P, R, D and S all absent
 --     nothing is queued. A member of both P and S is a standby being sent (standby.lua).
 --   * H, T and I, when they exist, expire no earlier than the largest deadline in H,
@@ -60,8 +63,8 @@
 -- set_holders / drop_holders (or to keep HN, RAISED right itself); finish() re-counts H for a
 -- script that does not.
 local H, W, P, R, D, T, L, I = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local S, M, G = KEYS[9], KEYS[10], KEYS[11]
-local X = KEYS[12]
+local S, M, G, Q = KEYS[9], KEYS[10], KEYS[11], KEYS[12]
+local X = KEYS[13]
 local WAKE = ARGV[1]
 local HANDOFF_TTL = tonumber(ARGV[2])
 local WAKE_TTL = tonumber(ARGV[3])
@@ -151,6 +154,19 @@ end
 local function add_deadline(z, at, member)
   redis.call('ZADD', z, at, member)
   note_due(at)
+end
+
+-- Make w, queued in W, a ready waiter (a thread blocks on it) until `at`: in D by that deadline,
+-- in Q by its place.
+local function set_ready(w, at)
+  add_deadline(D, at, w)
+  redis.call('ZADD', Q, redis.call('ZSCORE', W, w), w)
+end
+
+-- The waiters of `list` are no longer ready waiters (if they were).
+local function unset_ready(list)
+  call_many('ZREM', D, list)
+  call_many('ZREM', Q, list)
 end
 
 -- Whether h holds a slot (after reclaim: a live holder).
@@ -341,7 +357,7 @@ local function reclaim()
     -- A ready waiter whose thread stopped waiting (it died, or gave up without a word) is dropped.
     local dropped = redis.call('ZRANGEBYSCORE', D, '-inf', NOW)
     if #dropped > 0 then
-      call_many('ZREM', D, dropped)
+      unset_ready(dropped)
       call_many('ZREM', W, dropped)
       call_many('HDEL', I, dropped)
     end
@@ -375,46 +391,24 @@ end
 -- first, then the oldest others. A ready waiter starts on a push; any other needs a worker
 -- to fetch its message first, and a slot handed to it stands idle until then. So the FIFO
 -- order is relaxed within a window of the limit's size only (not at all for a mutex).
--- Cost: O(log n) per waiter looked at, and it looks at the fewer of the ready waiters (their
--- ranks in W) and the window (read from its head, up to the `free`-th ready waiter in it): a few
--- standbys of a wide key cost their count, thousands of threads blocked on a narrow key cost the
--- window; never the whole queue (it may hold thousands).
-local READ_CHUNK = 32
+-- Cost: O(log n) plus the waiters chosen: the first ready waiters within the window are read
+-- from Q, bounded by the place of the window's last waiter; the window itself is never read (it
+-- may hold thousands), nor are the ready waiters behind it.
 local function choose(free, limit)
-  if free >= limit then
+  if free >= limit or redis.call('EXISTS', Q) == 0 then
     return redis.call('ZRANGE', W, 0, free - 1, 'WITHSCORES')
   end
-  local ready_count = redis.call('ZCARD', D)
-  if ready_count == 0 then
-    return redis.call('ZRANGE', W, 0, free - 1, 'WITHSCORES')
-  end
-  -- The ready waiters within the window, by their places.
+  -- The first ready waiters within the window, by their places.
+  local last = redis.call('ZRANGE', W, limit - 1, limit - 1, 'WITHSCORES')
+  local bound = #last > 0 and last[2] or '+inf'
+  local flat = redis.call('ZRANGEBYSCORE', Q, '-inf', bound, 'WITHSCORES', 'LIMIT', 0, free)
   local ready = {}
-  if ready_count < limit then
-    for _, w in ipairs(redis.call('ZRANGE', D, 0, -1)) do
-      local rank = redis.call('ZRANK', W, w)
-      if rank and rank < limit then
-        ready[#ready + 1] = { rank, w }
-      end
-    end
-    table.sort(ready, function(a, b)
-      return a[1] < b[1]
-    end)
-  else
-    -- As many ready waiters as the window holds, or more: read the window in place order, and
-    -- stop at the `free`-th ready one.
-    local rank = 0
-    while rank < limit and #ready < free do
-      local chunk = redis.call('ZRANGE', W, rank, math.min(rank + READ_CHUNK, limit) - 1)
-      for i, w in ipairs(chunk) do
-        if #ready < free and redis.call('ZSCORE', D, w) then
-          ready[#ready + 1] = { rank + i - 1, w }
-        end
-      end
-      if #chunk < READ_CHUNK then
-        break
-      end
-      rank = rank + READ_CHUNK
+  for i = 1, #flat, 2 do
+    if redis.call('ZSCORE', D, flat[i]) then
+      ready[#ready + 1] = { flat[i + 1], flat[i] }
+    else
+      -- Left by a script of a release before Q (a rolling upgrade): not a ready waiter.
+      redis.call('ZREM', Q, flat[i])
     end
   end
   local picked = {}
@@ -442,7 +436,7 @@ local function choose(free, limit)
     local w = ready[i][2]
     if picked[w] then
       chosen[#chosen + 1] = w
-      chosen[#chosen + 1] = redis.call('ZSCORE', W, w)
+      chosen[#chosen + 1] = ready[i][1]
     end
   end
   return chosen
@@ -529,7 +523,7 @@ local function handoff(limit, out)
     call_many('HSET', R, reserve)
   end
   if #woken > 0 then
-    call_many('ZREM', D, woken)
+    unset_ready(woken)
     call_many('ZREM', S, woken)
   end
   if TOKEN ~= nil then
@@ -640,7 +634,7 @@ local function finish()
   end
   if HN == 0 and not queued then
     if EXISTED or PARKED or not OWNED then
-      redis.call('DEL', H, W, P, R, D, S, I, M)
+      redis.call('DEL', H, W, P, R, D, S, I, M, Q)
     end
     return
   end

@@ -68,7 +68,7 @@ if acquired then
   end
   if QUEUED then
     if redis.call('ZREM', W, holder) == 1 then
-      redis.call('ZREM', D, holder)
+      unset_ready({ holder })
       redis.call('ZREM', S, holder)
     end
     redis.call('HDEL', P, holder)
@@ -91,13 +91,13 @@ elseif mode ~= '' then
   local standby = mode == 'park' and tonumber(arg(5)) > 0 and not added
     and (sent or redis.call('ZSCORE', D, holder))
   if standby then
-    add_deadline(D, NOW + tonumber(arg(5)), holder)
+    set_ready(holder, NOW + tonumber(arg(5)))
     redis.call('HDEL', P, holder)
   elseif mode == 'park' then
     redis.call('HSET', P, holder, arg(4))
     redis.call('HSET', M, 'r:' .. holder, ROUTE)
     if not added then
-      redis.call('ZREM', D, holder)
+      unset_ready({ holder })
       redis.call('HDEL', I, holder)
     end
     if generation ~= '' and redis.call('HEXISTS', G, holder) == 1 then
@@ -108,7 +108,7 @@ elseif mode ~= '' then
       redis.call('PEXPIRE', G, STALE_TTL)
     end
   else
-    add_deadline(D, NOW + tonumber(arg(5)), holder)
+    set_ready(holder, NOW + tonumber(arg(5)))
     if not added then
       redis.call('HDEL', P, holder)
     end

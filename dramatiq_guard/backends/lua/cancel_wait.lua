@@ -13,7 +13,7 @@ if holds(waiter) then
 end
 if QUEUED then
   redis.call('ZREM', W, waiter)
-  redis.call('ZREM', D, waiter)
+  unset_ready({ waiter })
   redis.call('ZREM', S, waiter)
   redis.call('HDEL', P, waiter)
   redis.call('HDEL', R, waiter)

@@ -34,7 +34,7 @@ elseif QUEUED and redis.call('ZSCORE', W, waiter) and copy_wins(redis.call('HGET
   -- hand-off: the re-enqueued copy wins (unless it was picked up already and parked in its
   -- place, acquire.lua: then the entry is that copy).
   redis.call('ZREM', W, waiter)
-  redis.call('ZREM', D, waiter)
+  unset_ready({ waiter })
   redis.call('ZREM', S, waiter)
   redis.call('HDEL', P, waiter)
   forget(waiter)

@@ -1,5 +1,5 @@
 -- set_limit(limit or '' to clear) -> {0, handoffs}
--- With the limits index (KEYS[13], standalone Redis only), the guard key is
+-- With the limits index (KEYS[14], standalone Redis only), the guard key is
 -- added to it or removed from it in the same step.
 local refused
 if arg(1) == '' then
@@ -12,7 +12,7 @@ if refused then
 end
 OWNED = true
 reclaim()
-local LIMITS = KEYS[13]
+local LIMITS = KEYS[14]
 if arg(1) == '' then
   redis.call('DEL', L)
   LIMIT = default_limit()
