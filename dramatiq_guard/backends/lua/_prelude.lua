@@ -47,10 +47,11 @@
 -- Times come from the server's clock only.
 --
 -- Invariants the scripts keep, which let the common paths skip work:
---   * D's and S's members are in W (never in both), Q's are D's (each scored by its place in W,
---     which never changes while it is queued: W is only ever added to with NX), R's members are in H (after reclaim) and
+--   * D's and S's members are in W (never in both), R's members are in H (after reclaim) and
 --     have a payload in P, and P's members are in W or R: with W, P, R, D and S all absent
 --     nothing is queued. A member of both P and S is a standby being sent (standby.lua).
+--   * Q's members are D's, each scored by its place in W (a queued waiter keeps its place:
+--     enqueue adds with NX, and reclaim puts back in W only reserved waiters, never queued ones).
 --   * H, T and I, when they exist, expire no earlier than the largest deadline in H,
 --     so a key whose holders all died vanishes by itself (T, and G, later still).
 --
