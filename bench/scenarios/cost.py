@@ -213,14 +213,13 @@ def _op_us(
         for i in range(cycles):
             released = backend.release(key, holders[i % limit], limit=limit, send_ahead=send_ahead)
             [handoff] = released.handoffs
-            if ready:
-                assert handoff.payload is None  # woken by a push
-            elif send_ahead:
-                assert handoff.payload is None  # a standby, woken by a push
+            if ready or send_ahead:
+                assert handoff.payload is None  # a ready waiter or a standby, woken by a push
+            if send_ahead:
                 [standby] = released.standbys
                 assert standby.payload is not None
                 backend.confirm_standby(key, standby.waiter_id, standby.payload, ttl_ms=ttl)
-            else:
+            elif not ready:
                 assert backend.confirm_handoff(
                     key, handoff.waiter_id, ttl_ms=ttl, generation=handoff.generation
                 )
