@@ -31,8 +31,8 @@ against its limit, dedup keys admitted twice while a holder was outstanding, the
 and the guard keys left in Redis. The figures are printed as Markdown and written, with the
 records, the kills and every worker's log, to ``--out`` (a temporary directory by default). The
 exit status is 1 if a message was lost, ran again without a kill to explain it, a limit was
-exceeded, a dedup key admitted a second message, or a guard key other than a limit, a ``:gens``
-key or a last fencing token (``:token``, with an expiry) was left.
+exceeded, a dedup key admitted a second message, or a guard key other than a limit, a ``:gens:<waiter>``
+record or a last fencing token (``:token``, with an expiry) was left.
 
 With ``--guard cluster`` the guard's Redis is a Redis Cluster of 3 primaries with 1 replica each
 (:class:`harness.topology.RedisCluster3x1`), both applications are on RabbitMQ (the RedisBroker is
@@ -497,7 +497,8 @@ def wait_for(predicate: Any, timeout: float, pause: float = 0.2) -> float | None
 
 
 def guard_keys(client: Any) -> dict[str, list[tuple[str, str, int]]]:
-    """The guard's keys by kind: ``kept`` (limits, the waiting index), ``gens``, ``tokens`` (a
+    """The guard's keys by kind: ``kept`` (limits, the waiting index), ``gens`` (a waiter's
+    generation record, expiring a day after its last write), ``tokens`` (a
     key's last fencing token, expiring a day after it was issued), ``other``; each as (key, type,
     ttl in ms, -1 for none). ``client``: a Redis or RedisCluster client."""
     found: dict[str, list[tuple[str, str, int]]] = {"kept": [], "gens": [], "tokens": [], "other": []}
@@ -506,7 +507,7 @@ def guard_keys(client: Any) -> dict[str, list[tuple[str, str, int]]]:
         kind = "other"
         if key.endswith(":limit") or key in {f"{GUARD_NS}:limits", f"{GUARD_NS}:waiting"}:
             kind = "kept"
-        elif key.endswith(":gens"):
+        elif "}:gens:" in key and int(client.pttl(raw)) >= 0:
             kind = "gens"
         elif key.endswith(":token") and int(client.pttl(raw)) >= 0:
             kind = "tokens"
@@ -942,7 +943,7 @@ def render(result: dict[str, Any], command: str, b_broker: str) -> str:
         "Drain: every message completed "
         f"{seconds(result['last_send_to_all_ended_s'], 'NOT within the timeout')} after the last send, "
         f"{seconds(result['drain_s'], 'NOT within the timeout')} after the kills stopped; the guard's Redis "
-        "held nothing but limits and `:gens` keys "
+        "held nothing but limits and `:gens:` records "
         f"{seconds(result['guard_clean_after_kills_s'], 'NOT within 60 s more')} after the kills stopped.",
         "",
         f"Guard keys left after the drain, but limits ({kept})"

@@ -25,10 +25,10 @@ from typing import Any
 from dramatiq import Broker, Message
 
 from dramatiq_guard import events
-from dramatiq_guard.backends.base import GuardBackend, Handoff
+from dramatiq_guard.backends.base import ORIGINAL_GENERATION, GuardBackend, Handoff
 from dramatiq_guard.gate import Outcome, gate_for
 
-__all__ = ["GENERATIONS_OPTION", "Courier", "courier_for", "generation_of"]
+__all__ = ["GENERATIONS_OPTION", "Courier", "copy_generation", "courier_for", "generation_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,17 @@ def generation_of(message: Message[Any] | Any, key: str) -> int | None:
     generations = message.options.get(GENERATIONS_OPTION)
     value = generations.get(key) if isinstance(generations, dict) else None
     return value if isinstance(value, int) else None
+
+
+def copy_generation(message: Message[Any] | Any, key: str) -> int:
+    """The generation a worker acquires ``key`` with for the copy ``message`` it picked up.
+
+    Its hand-off's (or standby send's), or :data:`~dramatiq_guard.backends.base.ORIGINAL_GENERATION`
+    for the message as sent: never None, so a copy that parks after pickup cannot start again if
+    the broker delivers it again (backend contract, *generations*).
+    """
+    generation = generation_of(message, key)
+    return ORIGINAL_GENERATION if generation is None else generation
 
 
 class Courier:

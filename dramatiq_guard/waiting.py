@@ -53,6 +53,7 @@ def wait_for_slot(
     deliver: Callable[[Sequence[Handoff]], None],
     payload: bytes | None = None,
     info: str | None = None,
+    generation: int | None = None,
 ) -> AcquireResult:
     """Block as the ready waiter ``holder`` of ``key`` (already queued) until it holds a slot.
 
@@ -77,6 +78,9 @@ def wait_for_slot(
         (the caller re-enqueues the parked ones).
       payload(bytes|None): A standby's encoded message; None for a blocking waiter.
       info(str|None): The holder's description for ``inspect`` (its actor).
+      generation(int|None): A standby's: the generation of the copy the worker
+        holds (see :meth:`~GuardBackend.acquire`), so the copy is stale once
+        it has parked again.
 
     Returns:
       AcquireResult: Acquired (from a wake: ``reserved_ms`` is set, and the
@@ -96,7 +100,9 @@ def wait_for_slot(
                 wait = Waiter(wait_ms=entry_ms(left)) if left > 0 else None
             else:
                 wait = Waiter(payload=payload, wait_ms=entry_ms(left) if left > 0 else 0)
-            result = backend.acquire(key, holder, limit=limit, ttl_ms=ttl_ms, wait=wait, info=info)
+            result = backend.acquire(
+                key, holder, limit=limit, ttl_ms=ttl_ms, wait=wait, info=info, generation=generation
+            )
             deliver(result.handoffs)
             if result.acquired:
                 acquired = True

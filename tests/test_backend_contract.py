@@ -40,7 +40,7 @@ from dramatiq_guard.backends import (
     Waiter,
     Woken,
 )
-from dramatiq_guard.backends.base import HOLDERS_SHOWN, MIN_STANDBY_WINDOW
+from dramatiq_guard.backends.base import HOLDERS_SHOWN, MIN_STANDBY_WINDOW, ORIGINAL_GENERATION
 from dramatiq_guard.backends.redis import RedisClient
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.lease import Lease
@@ -247,14 +247,15 @@ def park(backend: GuardBackend, waiter: str, *, limit: int = 1, key: str = KEY) 
 
 
 def assert_drained(
-    env: Env, backend: GuardBackend, *, key: str = KEY, limit: int | None = None, lapsed: bool = False
+    env: Env, backend: GuardBackend, *, key: str = KEY, limit: int | None = None, lapsed: Sequence[str] = ()
 ) -> None:
     """Nothing of ``key`` is left but its run-time limit (and its entry in the limits index), and
     its last fencing token if it issued one, expiring within ``stale_ttl_ms`` (so a token issued
     later, by a promoted replica whose clock is behind, is still above it).
 
-    ``lapsed``: a hand-off lapsed unconfirmed, so the generation that may start is remembered too,
-    expiring within ``stale_ttl_ms`` (a stale copy may still be on the broker).
+    ``lapsed``: waiters of which a stale copy may still be on the broker (a hand-off lapsed
+    unconfirmed, or a copy parked after pickup), so the generation that may start is remembered
+    too, one record per waiter, each expiring within ``stale_ttl_ms``.
     """
     state = backend.inspect(key)
     assert dataclasses.replace(state, token=None) == KeyState((), (), (), limit, None)
@@ -264,8 +265,8 @@ def assert_drained(
         expected = (
             {f"{env.namespace}:{{{key}}}:limit", f"{env.namespace}:limits"} if limit is not None else set()
         )
-        if lapsed:
-            gens = f"{env.namespace}:{{{key}}}:gens"
+        for waiter in lapsed:
+            gens = f"{env.namespace}:{{{key}}}:gens:{waiter}"
             expected.add(gens)
             assert 0 < env.client.pttl(gens) <= backend.stale_ttl_ms
         token = f"{env.namespace}:{{{key}}}:token"
@@ -738,7 +739,7 @@ def test_confirm_after_the_reservation_lapsed_removes_the_reparked_copy(env: Env
     assert backend.confirm_handoff(KEY, "p2", ttl_ms=60_000)
     assert backend.release(KEY, "p2", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
     assert backend.cancel_wait(KEY, "p1", limit=1).released
-    assert_drained(env, backend, lapsed=True)
+    assert_drained(env, backend, lapsed=("p1",))
 
 
 def test_a_late_confirm_leaves_the_entry_its_own_copy_parked_again(env: Env) -> None:
@@ -766,7 +767,7 @@ def test_a_late_confirm_leaves_the_entry_its_own_copy_parked_again(env: Env) -> 
     assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000, generation=again.generation)
     assert backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=again.generation).acquired
     assert backend.release(KEY, "p1", limit=1).released
-    assert_drained(env, backend, lapsed=True)
+    assert_drained(env, backend, lapsed=("p1",))
 
 
 # --- Blocking waiters ---------------------------------------------------------------------------
@@ -1025,7 +1026,7 @@ def test_a_standby_handed_a_slot_before_it_is_confirmed_keeps_its_payload_until_
     assert state.reserved == () and state.holders[0][0] == "p2" and state.waiters == ()
     assert pick_up(backend, "p2").acquired
     assert backend.release(KEY, "p2", limit=1).released
-    assert_drained(env, backend, lapsed=True)
+    assert_drained(env, backend, lapsed=("p1",))
 
 
 def test_a_standby_that_parks_again_keeps_its_place_and_a_late_confirm_leaves_it(env: Env) -> None:
@@ -1737,7 +1738,7 @@ def test_a_stale_copy_of_a_handed_off_message_never_starts(env: Env) -> None:
     assert not redelivered.stale  # refused only because p2 holds the slot
     assert backend.confirm_handoff(KEY, "p2", ttl_ms=60_000)
     backend.release(KEY, "p2", limit=1)
-    assert_drained(env, backend, lapsed=True)
+    assert_drained(env, backend, lapsed=("p1",))
 
 
 def test_a_standby_confirmed_too_late_cannot_start_beside_its_newer_copy(env: Env) -> None:
@@ -1761,7 +1762,62 @@ def test_a_standby_confirmed_too_late_cannot_start_beside_its_newer_copy(env: En
     started = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=second.generation)
     assert started.acquired
     backend.release(KEY, "p1", limit=1)
-    assert_drained(env, backend, lapsed=True)
+    assert_drained(env, backend, lapsed=("p1",))
+
+
+@pytest.mark.parametrize("first", ["redelivered copy", "hand-off"])
+@pytest.mark.parametrize("picked_up", ["original", "standby"])
+def test_a_copy_that_parked_after_pickup_and_is_delivered_again_never_runs_beside_its_hand_off(
+    env: Env, picked_up: str, first: str
+) -> None:
+    """Invariant: at most one copy of a message runs, whatever the broker delivers again.
+
+    A worker picks p1 up (the message as sent, generation ORIGINAL_GENERATION, or a standby sent
+    ahead, with its send's generation), finds the key full and parks it, and dies before the
+    broker's ack: the broker delivers that copy again. The slot frees and the stored copy is
+    handed off. Whichever comes first, only the hand-off's copy starts: the copy delivered again
+    is stale, before and after it ran (it shares the hand-off's holder id, so taking the slot
+    would be two runs on one lease).
+    """
+    backend = env.backend()
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    if picked_up == "original":
+        generation = ORIGINAL_GENERATION
+    else:
+        park(backend, "p1")
+        _, [sent] = backend.send_standbys(KEY, limit=1, count=1)
+        assert backend.confirm_standby(KEY, "p1", b"msg:p1", ttl_ms=60_000)
+        assert sent.generation is not None
+        generation = sent.generation
+    again = Waiter(payload=b"msg:p1")
+    parked = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, wait=again, generation=generation)
+    assert parked.parked and not parked.acquired
+    [handoff] = backend.release(KEY, "a", limit=1).handoffs
+    assert handoff.waiter_id == "p1" and handoff.payload == b"msg:p1" and handoff.generation is not None
+    assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000, generation=handoff.generation)
+    if first == "redelivered copy":
+        redelivered = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, wait=again, generation=generation)
+        assert redelivered.stale and not redelivered.acquired
+    live = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, wait=again, generation=handoff.generation)
+    assert live.acquired and not live.stale
+    redelivered = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, wait=again, generation=generation)
+    assert redelivered.stale and not redelivered.acquired
+    assert backend.release(KEY, "p1", limit=1).released
+    assert backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=generation).stale
+    assert_drained(env, backend, lapsed=("p1",))
+
+
+def test_a_message_picked_up_with_room_costs_no_generation_record(env: Env) -> None:
+    """The common case stays as cheap as before: the original copy of a message that never parked
+    acquires and releases, and leaves nothing behind (no record of which copy may start)."""
+    backend = env.backend()
+    for _ in range(2):
+        started = backend.acquire(
+            KEY, "m1", limit=1, ttl_ms=60_000, wait=Waiter(payload=b"msg:m1"), generation=ORIGINAL_GENERATION
+        )
+        assert started.acquired and not started.stale
+        assert backend.release(KEY, "m1", limit=1).released
+    assert_drained(env, backend)
 
 
 def test_a_free_slot_kept_for_another_routes_waiter_is_not_taken_by_a_newcomer(env: Env) -> None:

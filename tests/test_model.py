@@ -75,6 +75,7 @@ from dramatiq_guard.backends import (
     Waiter,
     Woken,
 )
+from dramatiq_guard.backends.base import ORIGINAL_GENERATION
 
 EXAMPLES = int(os.environ.get("DRAMATIQ_GUARD_MODEL_EXAMPLES", "60"))
 STEPS = int(os.environ.get("DRAMATIQ_GUARD_MODEL_STEPS", "30"))
@@ -535,23 +536,36 @@ class GuardModel(RuleBasedStateMachine):
                 route=copy.route,
             )
 
+    @rule(key=st.sampled_from(KEYS), route=st.sampled_from([MAIN, MAIN, OTHER]))
+    def a_message_goes_to_the_broker_as_sent(self, key: str, route: str) -> None:
+        """A message reaches the broker without a reservation (a delayed one, say): its copy is the
+        original (:data:`ORIGINAL_GENERATION`); a worker decides it at pickup."""
+        mid = next(self.ids)
+        self.broker.append(Copy(key, mid, f"msg:{mid}".encode(), ORIGINAL_GENERATION, route, standby=False))
+
     @precondition(lambda self: self.broker)
-    @rule(data=st.data(), block=st.booleans())
-    def a_worker_picks_up_a_copy(self, data: st.DataObject, block: bool) -> None:
+    @rule(data=st.data(), block=st.booleans(), dies=st.booleans())
+    def a_worker_picks_up_a_copy(self, data: st.DataObject, block: bool, dies: bool) -> None:
         """A worker of the copy's route gets it and acquires with its generation, parking if refused.
 
         ``block``: with a wait, so a standby blocks in its place instead of parking again.
+        ``dies``: a worker whose copy parked dies before the broker's ack: the broker delivers
+        the same copy again (it must not start beside the stored one's hand-off).
         """
         with self.step():
             copy = data.draw(st.sampled_from(self.broker))
             self.broker.remove(copy)
-            self.pick_up(copy, BLOCK_MS if block else 0)
+            self.pick_up(copy, BLOCK_MS if block else 0, dies=dies)
 
-    def pick_up(self, copy: Copy, wait_ms: int) -> None:
+    def pick_up(self, copy: Copy, wait_ms: int, *, dies: bool = False) -> None:
         wait = Waiter(payload=copy.payload, wait_ms=wait_ms)
         result = self.acquire(copy.key, copy.mid, wait=wait, route=copy.route, generation=copy.generation)
         if result.standby:
             self.threads[copy.mid] = Thread(copy.key, copy.mid, copy)
+        elif result.parked:
+            self.parked.setdefault(copy.mid, copy.key)  # an original that parked after pickup
+            if dies:
+                self.broker.append(copy)
 
     # --- rules: blocked threads ------------------------------------------------------------------
 
@@ -705,7 +719,8 @@ class GuardModel(RuleBasedStateMachine):
     def drain(self) -> None:
         for key in KEYS:
             self.set_limit(key, None, DEFAULTS[key])
-        for _ in range(20):
+        # Each round starts at least one waiter of a key: enough rounds for every message there is.
+        for _ in range(20 + len(self.parked) + len(self.broker) + len(self.pending)):
             self.deliver_everything()
             if not (self.pending or self.broker or self.memory.waiting_keys()):
                 break

@@ -288,3 +288,95 @@ def test_a_sigkilled_standby_loses_nothing_and_runs_once(
     assert runs() == Counter(range(5))  # each exactly once: the killed standbys never ran
     assert recorder.max_concurrency("shared") <= 2
     wait_until(lambda: not guard_leftovers(redisdb), what="no guard state left", redis=redisdb)
+
+
+PARK_KILL_SOURCE = """
+import os
+import signal
+
+import dramatiq
+from dramatiq.middleware import Retries
+from harness import Gate, Recorder, broker_from_env
+
+from dramatiq_guard.middleware.slots import Concurrency
+
+broker = broker_from_env()
+concurrency = Concurrency(lease_ttl=10_000, sweep_interval=200)
+broker.add_middleware(concurrency, before=Retries)
+rec = Recorder.from_env()
+
+
+class SkippedThenDie(dramatiq.Middleware):
+    # Records every skip; in a worker told to, then dies at once: after the park, before the ack.
+    def after_skip_message(self, broker, message):
+        rec.record(phase="skipped", n=message.args[0], pid=os.getpid())
+        if os.environ.get("DIE_AFTER_PARK") == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+broker.add_middleware(SkippedThenDie())
+dramatiq.set_broker(broker)
+
+
+@dramatiq.actor(concurrency={"limit": 1, "key": lambda n: "one"}, max_retries=0, queue_name=QUEUE + "_hold")
+def hold(n):
+    rec.record(phase="holding", n=n)
+    Gate.from_env(QUEUE).wait(timeout=60)
+
+
+@dramatiq.actor(concurrency={"limit": 1, "key": lambda n: "one"}, max_retries=0, queue_name=QUEUE)
+def job(n):
+    rec.record(phase="ran", n=n, pid=os.getpid())
+"""
+
+
+def test_a_worker_killed_after_a_park_before_the_ack_runs_the_message_once(
+    actor_module: Callable[..., ModuleType],
+    dramatiq_worker: Start,
+    recorder: Recorder,
+    redisdb: Any,
+    rabbitmq_url: str,
+    rabbitmq_broker: Any,
+    unique_name: str,
+) -> None:
+    """Invariant: a message runs once, however many copies of it the broker and the lockwait hold.
+
+    A worker picks up ``job(1)`` (sent without a reservation, as by a process without the guard),
+    finds the key held, parks it and is SIGKILLed before the broker's ack: RabbitMQ delivers
+    that copy again, and the holder's release hands the stored copy off. Both copies reach the
+    next worker; the one delivered again is stale (skipped), the handed-off one runs, once.
+    """
+    queue = f"{unique_name}_q"
+    module = actor_module(f"QUEUE = {queue!r}\n" + PARK_KILL_SOURCE, broker_url=rabbitmq_url)
+    backend = module.concurrency.backend(module.broker)
+    dramatiq_worker("actors", threads=2, broker_url=rabbitmq_url, queues=[f"{queue}_hold"])
+    module.hold.send(0)
+    wait_until(lambda: any(r["phase"] == "holding" for r in _records(recorder)), what="the key to be held")
+    doomed = dramatiq_worker(
+        "actors", threads=1, broker_url=rabbitmq_url, queues=[queue], env={"DIE_AFTER_PARK": "1"}
+    )
+    message = module.job.message(1)
+    rabbitmq_broker.declare_queue(queue)
+    rabbitmq_broker.enqueue(message)  # no reservation: decided at pickup
+    wait_until(lambda: not pid_alive(doomed.worker_pids[0]), what="the worker to die after the park")
+    assert [w for w, _, _ in backend.inspect("concurrency:one").waiters] == [message.message_id]
+    Gate(redisdb, queue).open()  # the holder ends: its slot goes to the stored copy, re-enqueued
+
+    def handed_off() -> bool:
+        state = backend.inspect("concurrency:one")
+        return (
+            not state.waiters and not state.reserved and [h for h, _ in state.holders] == [message.message_id]
+        )
+
+    wait_until(handed_off, what="the stored copy to be handed the slot and re-enqueued")
+    dramatiq_worker("actors", threads=4, broker_url=rabbitmq_url, queues=[queue])
+
+    def outcomes() -> list[str]:
+        return [
+            r["phase"] for r in _records(recorder) if r.get("n") == 1 and r["phase"] in ("ran", "skipped")
+        ]
+
+    # The doomed worker's skip, then one outcome per copy on the next worker.
+    wait_until(lambda: len(outcomes()) >= 3, timeout=60, what="both copies to be picked up")
+    assert sorted(outcomes()) == ["ran", "skipped", "skipped"]
+    wait_until(lambda: not guard_leftovers(redisdb), what="no guard state left", redis=redisdb)

@@ -121,9 +121,21 @@ generations
     generation of the waiter may start (for ``stale_ttl_ms`` after the last
     change), and a copy of any other generation is *stale*:
     :meth:`~GuardBackend.acquire` refuses it (``AcquireResult.stale``), and
-    its confirmation changes nothing. So at most one copy of a parked message
-    ever starts; a copy that started may start again only as a redelivery of
-    itself (Dramatiq's own at-least-once).
+    its confirmation changes nothing.
+
+    A copy picked up from the broker that parks (the key was full) may be
+    delivered *again* by the broker: its worker died after the park and before
+    the broker's ack. So a worker acquires with the generation of the copy it
+    holds: the hand-off's or send's it carries, else
+    :data:`ORIGINAL_GENERATION` (the message as sent), never None (which is
+    for a message not on any broker yet: at enqueue, or a blocking lock). A
+    copy with a generation that parks makes the stored payload the only copy
+    that may start: every copy then on the broker is stale (so is the one
+    that parked), and the next hand-off's generation is the one that may start.
+    So at most one copy of a parked message ever starts; a copy that started
+    may start again only as a redelivery of itself (Dramatiq's own
+    at-least-once). The record of which generation may start is kept per
+    waiter, for ``stale_ttl_ms`` after its last change.
 
 Durations are integer milliseconds. Deadlines are absolute milliseconds on
 the backend's clock (Redis ``TIME`` for Redis, the wall clock in memory, or the
@@ -158,6 +170,7 @@ from dramatiq_guard.backends.checks import (
 from dramatiq_guard.backends.values import (
     HOLDERS_SHOWN,
     MIN_STANDBY_WINDOW,
+    ORIGINAL_GENERATION,
     AcquireResult,
     Handoff,
     KeyState,
@@ -173,6 +186,7 @@ __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "HOLDERS_SHOWN",
     "MIN_STANDBY_WINDOW",
+    "ORIGINAL_GENERATION",
     "AcquireResult",
     "GuardBackend",
     "Handoff",
@@ -213,7 +227,7 @@ class GuardBackend(abc.ABC):
         is refused with :class:`~dramatiq_guard.errors.PayloadTooLarge`
         before anything is written (:meth:`check_payload`).
       stale_ttl_ms(int): How long the backend remembers which generation of a
-        lapsed hand-off's message may start (see *generations*): a stale copy
+        waiter's message may start (see *generations*): a stale copy
         that waits on the broker longer than this could start; and how long a
         key's last fencing token outlives its other state (see *fencing
         token*). Default one day.
@@ -300,8 +314,11 @@ class GuardBackend(abc.ABC):
           info(str|None): A short description of the holder (e.g. its actor's
             name), kept with the time it first acquired while it holds the
             key, for :meth:`inspect` (``KeyState.holder_info``).
-          generation(int|None): The generation a handed-off copy carries (see
-            *generations*): a stale one is refused (``stale``) with nothing done.
+          generation(int|None): The generation of the copy acquiring (see
+            *generations*): a handed-off copy's, :data:`ORIGINAL_GENERATION`
+            for a message as sent and picked up from the broker, None for one
+            not on a broker (enqueue time). A stale one is refused (``stale``)
+            with nothing done.
           fenced(bool): False for a lock that fences no writes (a dedup lock, as
             :meth:`try_lock`): no token is issued (``token`` is None) and none is
             kept for the key, so a key per message leaves nothing behind.

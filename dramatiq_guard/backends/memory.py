@@ -36,8 +36,9 @@ from dramatiq_guard.backends.values import standby_window
 
 __all__ = ["MemoryBackend"]
 
-#: The live generation of a waiter whose lapsed hand-off's copy parked again in its place: no
-#: copy carries it (generations are tokens, above 0), so every copy of the waiter is stale.
+#: The live generation of a waiter whose copy from the broker parked in its place: no copy
+#: carries it (generations are tokens, above ORIGINAL_GENERATION), so every copy of the waiter
+#: on the broker is stale; the next hand-off's generation replaces it.
 _REPARKED = -1
 
 
@@ -154,8 +155,9 @@ class MemoryBackend(GuardBackend):
       handoff_ttl_ms(int): How long a slot handed to a waiter stays reserved.
       max_payload_bytes(int): The largest parked message stored (see
         :class:`~dramatiq_guard.backends.GuardBackend`).
-      stale_ttl_ms(int): How long a lapsed hand-off's live generation is
-        remembered (see :class:`~dramatiq_guard.backends.GuardBackend`).
+      stale_ttl_ms(int): How long a waiter's live generation (after its
+        hand-off lapsed, or a copy of it picked up parked) is remembered
+        (see :class:`~dramatiq_guard.backends.GuardBackend`).
       clock(Callable[[], int]): The backend's clock: the time in nanoseconds
         since the epoch, as :func:`time.time_ns` returns it. A test passes
         one it controls, so leases and reservations lapse without sleeping
@@ -341,9 +343,10 @@ class MemoryBackend(GuardBackend):
                     entry.drop_at_ms = None if wait.payload is not None else now + wait.wait_ms
                     if wait.payload is not None:
                         entry.route = self.route
-                        if generation is not None and holder in guard.live:
-                            # The copy of a lapsed hand-off parked in its place: it is the entry now
-                            # (no copy may start, and a late confirmation does not take it out).
+                        if generation is not None:
+                            # A copy from the broker parked in its place: it is the entry now (no
+                            # copy on the broker may start, this one included if delivered again,
+                            # and a late confirmation does not take the entry out).
                             guard.live[holder] = (_REPARKED, now + self.stale_ttl_ms)
                 entry.info = (info or None) if entry.ready else None
                 parked = True

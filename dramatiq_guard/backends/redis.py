@@ -83,7 +83,7 @@ class _KeyNames(NamedTuple):
     info: str
     standbys: str
     meta: str
-    gens: str
+    gens: str  # the prefix of the per-waiter generation records (gens:<waiter>)
     ready: str
 
 
@@ -142,8 +142,9 @@ class RedisBackend(GuardBackend):
         clients plus the longest a park can be in flight.
       max_payload_bytes(int): The largest parked message stored (see
         :class:`~dramatiq_guard.backends.GuardBackend`).
-      stale_ttl_ms(int): How long a lapsed hand-off's live generation, and a
-        key's last fencing token, are remembered (see
+      stale_ttl_ms(int): How long a waiter's live generation (after its
+        hand-off lapsed, or a copy of it picked up parked), and a key's last
+        fencing token, are remembered (see
         :class:`~dramatiq_guard.backends.GuardBackend`).
       replica_waits(int): How many replicas must acknowledge every decision
         (acquire, park, renew, release, hand-off, limit) before it stands:

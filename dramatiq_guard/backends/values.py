@@ -8,6 +8,7 @@ import time
 __all__ = [
     "HOLDERS_SHOWN",
     "MIN_STANDBY_WINDOW",
+    "ORIGINAL_GENERATION",
     "AcquireResult",
     "Handoff",
     "KeyState",
@@ -22,6 +23,12 @@ __all__ = [
 #: How many holders a refused acquire names (:attr:`AcquireResult.holders`); the
 #: Redis scripts' ``HOLDERS_SHOWN`` (``_prelude.lua``) is the same (a test keeps them equal).
 HOLDERS_SHOWN = 10
+
+#: The generation of a message's copy that no hand-off or standby send of the key made: the
+#: message as sent. A worker acquires with it (not None) so that, once the copy has parked after
+#: pickup, a delivery of it again (its worker died before the broker's ack) is stale (contract,
+#: *generations*). Hand-off generations are fencing tokens, above it.
+ORIGINAL_GENERATION = 0
 
 #: How many of a key's first waiters may be standbys when its limit in force is smaller (and not
 #: 0: a halted key sends none); the Redis scripts' ``MIN_STANDBY_WINDOW`` (``_prelude.lua``) is the

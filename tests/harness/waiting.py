@@ -109,13 +109,16 @@ def redis_broker_pending(
 def guard_leftovers(
     client: redis_lib.Redis, *, keep_limits_index: bool = False, namespace: str = "dramatiq-guard"
 ) -> list[bytes]:
-    """The guard's keys left in Redis (sorted), but for run-time limits, tokens and the waiting-keys index.
+    """The guard's keys left in Redis (sorted), but for run-time limits, tokens, generation records
+    and the waiting-keys index.
 
     Per-key run-time limits (``<namespace>:{K}:limit``), last fencing tokens
-    (``<namespace>:{K}:token``, which expire ``stale_ttl_ms`` after their last
-    write: left out only while they have an expiry) and ``<namespace>:waiting``
-    are left out; ``<namespace>:limits`` too with ``keep_limits_index``, for a test
-    that set limits. Once the work drained, anything else is guard state left behind.
+    (``<namespace>:{K}:token``) and waiters' generation records
+    (``<namespace>:{K}:gens:<waiter>``, written when a copy parked after pickup),
+    which expire ``stale_ttl_ms`` after their last write (left out only while
+    they have an expiry), and ``<namespace>:waiting`` are left out;
+    ``<namespace>:limits`` too with ``keep_limits_index``, for a test that set
+    limits. Once the work drained, anything else is guard state left behind.
     """
     kept = {f"{namespace}:waiting".encode()}
     if keep_limits_index:
@@ -125,7 +128,7 @@ def guard_leftovers(
         for k in client.scan_iter(f"{namespace}:*".encode())
         if not k.endswith(b":limit")
         and k not in kept
-        and not (k.endswith(b":token") and int(client.pttl(k)) >= 0)
+        and not ((k.endswith(b":token") or b"}:gens:" in k) and int(client.pttl(k)) >= 0)
     )
 
 

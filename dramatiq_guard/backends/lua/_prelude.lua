@@ -24,10 +24,13 @@
 --                    another application, uses it); 'r:<w>' -> the route (the broker) of parked
 --                    waiter w, which only a process of that route delivers; 'g:<w>' -> the
 --                    generation of w's hand-off or standby send that is not confirmed yet
---   KEYS[11] G hash  waiter -> the one generation of its message that may start, for waiters
---                    whose hand-off or standby send lapsed unconfirmed (an older copy may still
---                    be on the broker); outlives the key's other state, expiring STALE_TTL after
---                    its last write
+--   KEYS[11] G  the prefix of the per-waiter generation records: G .. ':' .. w, a string, the
+--                    one generation of w's message that may start, for waiters of which a copy
+--                    that must not start may be on the broker (w's hand-off or standby send
+--                    lapsed unconfirmed, or a copy from the broker parked, and may be delivered
+--                    again); 'parked' when no copy on the broker may start. Each outlives the key's
+--                    other state, expiring STALE_TTL after its own last write (so a key that keeps
+--                    parking keeps no more than a STALE_TTL's worth)
 --   KEYS[12] Q zset  ready waiter -> its place in W (the same members as D, by place: the ready
 --                    waiters at the head of the queue, for choose)
 --   KEYS[13] X zset  the waiting-keys index (guard key -> when it is next due for a sweep, see
@@ -212,21 +215,29 @@ local function prefixed(prefix, list)
   return out
 end
 
+-- The generation of w's message that may start (its record in G), or nil if any may.
+local function live_generation(w)
+  return redis.call('GET', G .. ':' .. w)
+end
+
+-- From now on only `gen` of w's message may start ('parked': no copy on the broker), for STALE_TTL.
+local function set_live_generation(w, gen)
+  redis.call('SET', G .. ':' .. w, gen, 'PX', STALE_TTL)
+end
+
 -- These waiters' hand-offs or standby sends lapsed unconfirmed: their copy (of the generation in
 -- M) may still be on the broker, and is now the only one that may start (G), until a newer
 -- hand-off or send replaces it.
 local function mark_lapsed(list)
   local gens = call_many('HMGET', M, prefixed('g:', list))
-  local marks = {}
+  local marked = false
   for i, w in ipairs(list) do
     if gens[i] then
-      marks[#marks + 1] = w
-      marks[#marks + 1] = gens[i]
+      set_live_generation(w, gens[i])
+      marked = true
     end
   end
-  if #marks > 0 then
-    call_many('HSET', G, marks)
-    redis.call('PEXPIRE', G, STALE_TTL)
+  if marked then
     call_many('HDEL', M, prefixed('g:', list))
   end
 end
@@ -241,9 +252,8 @@ end
 local function new_generation(w)
   local gen = fmt(next_token())
   redis.call('HSET', M, 'g:' .. w, gen)
-  if redis.call('HEXISTS', G, w) == 1 then
-    redis.call('HSET', G, w, gen)
-    redis.call('PEXPIRE', G, STALE_TTL)
+  if live_generation(w) then
+    set_live_generation(w, gen)
   end
   return gen
 end

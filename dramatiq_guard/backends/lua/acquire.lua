@@ -1,6 +1,9 @@
 -- acquire(holder, ttl_ms, mode, payload, wait_ms, info, generation[, fenced]); mode: '' (no wait),
 -- 'park', 'block'; generation: the one a handed-off copy carries, or ''; fenced: '0' for a lock
 -- that fences nothing (GuardBackend.try_lock: no token is issued, T is not written), else a token.
+-- generation '0' is the message as sent (ORIGINAL_GENERATION), picked up from the broker: like a
+-- hand-off's, a copy with a generation that parks makes the stored payload the only copy that may
+-- start (G: 'parked'), since the broker may deliver the copy again (its worker died before the ack).
 -- Returns {acquired, token|nil, limit, queued, holders, handoffs} (RedisBackend._acquire_reply);
 -- holders: when refused, the first HOLDERS_SHOWN live holders (earliest deadline first), else none;
 -- queued is '' (not waiting), 'queued', 'standby' for a standby (sent ahead, see
@@ -24,7 +27,7 @@ OWNED = true
 reclaim()
 local generation = arg(7)
 if generation ~= '' then
-  local live = redis.call('HGET', G, holder)
+  local live = live_generation(holder)
   if live and live ~= generation then
     finish()
     return { 0, false, limit_in_force(), 'stale', {}, {} }
@@ -75,9 +78,9 @@ if acquired then
     redis.call('HDEL', R, holder)
     forget(holder)
   end
-  if generation ~= '' and redis.call('HEXISTS', G, holder) == 1 then
+  if generation ~= '' and live_generation(holder) then
     -- This copy started: it is the one that may start again (a redelivery), no older one.
-    redis.call('HSET', G, holder, generation)
+    set_live_generation(holder, generation)
   end
   if fenced then
     token = next_token()
@@ -100,12 +103,12 @@ elseif mode ~= '' then
       unset_ready({ holder })
       redis.call('HDEL', I, holder)
     end
-    if generation ~= '' and redis.call('HEXISTS', G, holder) == 1 then
-      -- The copy of a lapsed hand-off parked in its place: it is the queue entry now. No copy
-      -- of an earlier hand-off may start any more, and a late confirmation of its own
-      -- generation must not take the entry out (confirm_handoff.lua): that copy is gone.
-      redis.call('HSET', G, holder, 'parked')
-      redis.call('PEXPIRE', G, STALE_TTL)
+    if generation ~= '' then
+      -- A copy from the broker parked in its place: it is the queue entry now. No copy on the
+      -- broker may start any more (this one included, if the broker delivers it again: its
+      -- worker may die before the ack), and a late confirmation of its own generation must not
+      -- take the entry out (confirm_handoff.lua): that copy is gone.
+      set_live_generation(holder, 'parked')
     end
   else
     set_ready(holder, NOW + tonumber(arg(5)))

@@ -1,5 +1,6 @@
 -- The room-and-nobody-waiting path of acquire.lua, run before _prelude.lua is even set up (so it
--- costs neither the prelude's setup nor its general reads): an acquire with no generation, of a
+-- costs neither the prelude's setup nor its general reads): an acquire with no generation (or
+-- the original's, '0', of a message with no generation record: none of its copies parked), of a
 -- key with nothing queued (no waiter, payload, reservation, ready waiter or standby) and no
 -- lapsed holder, that the caller takes (a free slot under the limit in force: the run-time
 -- limit, else the caller's default) or already holds (a re-entrant acquire, or a reservation
@@ -20,7 +21,7 @@ do
   if ttl and stale and whole_number(ARGV[2], 1, MAX_DURATION_MS)
     and whole_number(ARGV[3], 1, MAX_DURATION_MS) and whole_number(ARGV[12], 0, MAX_DURATION_MS)
     and (ARGV[5] == '' or whole_number(ARGV[5], 0, MAX_COUNT))
-    and ARGV[14] == ''
+    and (ARGV[14] == '' or ARGV[14] == '0' and redis.call('EXISTS', KEYS[11] .. ':' .. ARGV[8]) == 0)
     and redis.call('EXISTS', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[9]) == 0 then
     local H, T, L, I, holder = KEYS[1], KEYS[6], KEYS[7], KEYS[8], ARGV[8]
     local clock = redis.call('TIME')

@@ -29,7 +29,7 @@ if QUEUED and (generation == '' or not in_flight or in_flight == generation)
 elseif holds(waiter) and not (QUEUED and redis.call('HEXISTS', R, waiter) == 1) then
   -- Already started (its acquire turned the reservation into a lease).
   held = 1
-elseif QUEUED and redis.call('ZSCORE', W, waiter) and copy_wins(redis.call('HGET', G, waiter)) then
+elseif QUEUED and redis.call('ZSCORE', W, waiter) and copy_wins(live_generation(waiter)) then
   -- The reservation lapsed and reclaim put the waiter back in the queue before any newer
   -- hand-off: the re-enqueued copy wins (unless it was picked up already and parked in its
   -- place, acquire.lua: then the entry is that copy).

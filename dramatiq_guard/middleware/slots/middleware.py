@@ -21,7 +21,7 @@ from dramatiq.broker import MessageProxy
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Waiter
-from dramatiq_guard.delivery import Courier, generation_of
+from dramatiq_guard.delivery import Courier, copy_generation
 from dramatiq_guard.errors import BackendUnavailable, GuardError, MutexWaitTimeout
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.base import (
@@ -270,6 +270,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         elif on_busy == "wait":
             wait = Waiter(wait_ms=entry_ms(self.wait_ms(guard.policy)))
         ttl_ms = self._lease_ttl(guard)
+        generation = copy_generation(message, key)
         try:
             result = backend.acquire(
                 key,
@@ -278,7 +279,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
                 ttl_ms=ttl_ms,
                 wait=wait,
                 info=message.actor_name,
-                generation=generation_of(message, key),
+                generation=generation,
             )
         except BackendUnavailable as e:
             fail_open(guard.policy.fail_open, e, f"{message} runs unguarded")
@@ -293,7 +294,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             wait_ms = self.standby_wait_ms
             return wait_as_standby(
                 broker, backend, message, key, wait.payload, self.standbys.seats,
-                limit=limit, ttl_ms=ttl_ms, wait_ms=wait_ms, deliver=deliver,
+                limit=limit, ttl_ms=ttl_ms, wait_ms=wait_ms, deliver=deliver, generation=generation,
             )  # fmt: skip
         if not result.acquired and on_busy == "wait" and result.parked:
             wait_ms = self.wait_ms(guard.policy)

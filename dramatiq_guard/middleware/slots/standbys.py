@@ -112,8 +112,12 @@ def wait_as_standby(
     ttl_ms: int,
     wait_ms: int,
     deliver: Callable[[Sequence[Handoff]], None],
+    generation: int,
 ) -> AcquireResult:
     """Block as a standby until a slot is handed to the message, up to ``wait_ms``.
+
+    ``generation``: of the copy the worker holds (every acquire passes it, so
+    the copy is stale once it has parked again).
 
     Returns the acquired result, or a parked one: the standby parks again in
     its place when ``wait_ms`` passes, when its entry lapsed meanwhile (it
@@ -121,7 +125,9 @@ def wait_as_standby(
     """
     holder = message.message_id
     if not seats.take():
-        result = backend.acquire(key, holder, limit=limit, ttl_ms=ttl_ms, wait=Waiter(payload=payload))
+        result = backend.acquire(
+            key, holder, limit=limit, ttl_ms=ttl_ms, wait=Waiter(payload=payload), generation=generation
+        )
         deliver(result.handoffs)
         return result
     try:
@@ -136,6 +142,7 @@ def wait_as_standby(
                 deliver=deliver,
                 payload=payload,
                 info=message.actor_name,
+                generation=generation,
             )
             if result.acquired:
                 rearm()
