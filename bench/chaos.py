@@ -946,13 +946,12 @@ def render(result: dict[str, Any], command: str, b_broker: str) -> str:
         "held nothing but limits and `:gens:` records "
         f"{seconds(result['guard_clean_after_kills_s'], 'NOT within 60 s more')} after the kills stopped.",
         "",
-        f"Guard keys left after the drain, but limits ({kept})"
-        f" and {len(left['tokens'])} keys' last fencing tokens (expiring a day after their last token):",
+        f"Guard keys left after the drain, but limits ({kept}), {len(left['tokens'])} keys' last fencing "
+        f"tokens (expiring a day after their last token) and {len(left['gens'])} `:gens:<waiter>` records "
+        "(one per message a worker parked after pickup, or whose hand-off lapsed; each expiring a day "
+        "after its last write):",
         "",
-        *(
-            [f"- `{k}` ({kind}, ttl {ttl / 1000:.0f} s)" for k, kind, ttl in left["gens"] + left["other"]]
-            or ["- none"]
-        ),
+        *([f"- `{k}` ({kind}, ttl {ttl / 1000:.0f} s)" for k, kind, ttl in left["other"]] or ["- none"]),
         "",
         f"Brokers after the drain: {result['broker_left']}; workers' exit status: "
         f"{result['worker_exit_status']}.",
