@@ -592,12 +592,13 @@ class GuardModel(RuleBasedStateMachine):
         self.started_now(key, mid)
 
     @precondition(lambda self: self.threads)
-    @rule(data=st.data(), dies=st.booleans())
-    def a_thread_gives_up(self, data: st.DataObject, dies: bool) -> None:
+    @rule(data=st.data(), dies=st.booleans(), dies_after_park=st.booleans())
+    def a_thread_gives_up(self, data: st.DataObject, dies: bool, dies_after_park: bool) -> None:
         """A blocked thread gives up: it parks its message again (or cancels its wait), or it dies.
 
         A thread that dies holding a message it picked up leaves it unacknowledged: the broker
-        delivers the same copy again.
+        delivers the same copy again; so does one that dies after parking it again, before the ack
+        (``dies_after_park``).
         """
         with self.step():
             thread = self.threads.pop(data.draw(st.sampled_from(sorted(self.threads))))
@@ -605,7 +606,7 @@ class GuardModel(RuleBasedStateMachine):
                 if thread.copy is not None:
                     self.broker.append(thread.copy)
             elif thread.copy is not None:
-                self.pick_up(thread.copy, 0)
+                self.pick_up(thread.copy, 0, dies=dies_after_park)
             else:
                 key, mid = thread.key, thread.mid
                 results = self.call(key, lambda b: b.cancel_wait(key, mid, limit=DEFAULTS[key]))

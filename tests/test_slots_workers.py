@@ -189,6 +189,7 @@ def max_overlap(records: list[dict[str, Any]], key: str, dead_pid: int, killed_a
         if r["key"] != key:
             continue
         if r["phase"] == "start":
+            assert (r["pid"], r["n"]) not in starts, f"{key} {r['n']} started twice at once in {r['pid']}"
             starts[(r["pid"], r["n"])] = r["ts"]
         elif r["phase"] == "end":
             events += [(starts.pop((r["pid"], r["n"])), 1), (r["ts"], -1)]
