@@ -6,8 +6,10 @@ the same arguments: a :class:`~dramatiq_guard.backends.MemoryBackend`, a
 :class:`~dramatiq_guard.backends.RedisBackend` on a private ``redis-server``, and one on a private
 one-node Redis Cluster. It plays the processes around them too: workers whose holders release,
 renew or die, callers that push a handed-off message and confirm it (in time, late, or never), a
-broker that delivers every pushed copy, threads that block on a wake and take it (or die), and
-processes of another route or that do not know a key's limit (``limit=None``).
+broker that delivers every pushed copy and messages as sent (without a reservation), workers that
+die after parking a copy they picked up (the broker delivers it again), threads that block on a
+wake and take it (or die), and processes of another route or that do not know a key's limit
+(``limit=None``).
 
 Time is the test's (:class:`harness.FakeClock`): both servers run under libfaketime on a frozen
 clock that the test moves, and the memory backend is given the same clock, so a lease or a
