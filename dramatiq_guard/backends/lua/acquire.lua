@@ -26,12 +26,12 @@ OWNED = true
 
 reclaim()
 local generation = arg(7)
-if generation ~= '' then
-  local live = live_generation(holder)
-  if live and live ~= generation then
-    finish()
-    return { 0, false, limit_in_force(), 'stale', {}, {} }
-  end
+-- The holder's generation record, read once: whether it exists cannot change below (a hand-off
+-- to the holder rewrites an existing one only, new_generation).
+local live = generation ~= '' and live_generation(holder)
+if live and live ~= generation then
+  finish()
+  return { 0, false, limit_in_force(), 'stale', {}, {} }
 end
 local was_holder = holds(holder)
 -- The limit and the last token in one read.
@@ -78,7 +78,7 @@ if acquired then
     redis.call('HDEL', R, holder)
     forget(holder)
   end
-  if generation ~= '' and live_generation(holder) then
+  if live then
     -- This copy started: it is the one that may start again (a redelivery), no older one.
     set_live_generation(holder, generation)
   end
