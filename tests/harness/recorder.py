@@ -119,7 +119,7 @@ class Recorder:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            item = self.client.blpop([self.key], timeout=max(remaining, 0.01))
+            item = blpop(self.client, self.key, remaining)
             if item is None:
                 break
             got.append(json.loads(item[1]))
@@ -140,7 +140,7 @@ class Recorder:
         For negative checks only ("the duplicate never ran"). Prefer a positive
         event when there is one, e.g. wait for the broker to drain first.
         """
-        item = self.client.blpop([self.key], timeout=max(within, 0.01))
+        item = blpop(self.client, self.key, within)
         if item is not None:
             record = json.loads(item[1])
             self.seen.append(record)
@@ -167,6 +167,24 @@ class Recorder:
         return f"{base}:cur", f"{base}:max"
 
 
+#: The longest single BLPOP: redis-py 8 clients time a read out after 5 s by default (a
+#: client made from a URL lists no socket_timeout, yet has one), so a longer wait is chunked.
+BLPOP_CHUNK_S = 1.0
+
+
+def blpop(client: redis.Redis, key: str, timeout: float) -> Any:
+    """BLPOP ``key`` for up to ``timeout`` seconds, in chunks the client's read timeout allows.
+
+    Returns the popped ``(key, value)`` pair, or None when nothing came in time.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        item = client.blpop([key], timeout=min(max(remaining, 0.01), BLPOP_CHUNK_S))
+        if item is not None or remaining <= BLPOP_CHUNK_S:
+            return item
+
+
 class Gate:
     """A counting gate: :meth:`wait` blocks (BLPOP) until :meth:`open` pushes a token.
 
@@ -188,7 +206,7 @@ class Gate:
         Raises:
           WaitTimeout: No token within ``timeout`` seconds.
         """
-        if self.client.blpop([self.key], timeout=max(timeout, 0.01)) is None:
+        if blpop(self.client, self.key, timeout) is None:
             raise WaitTimeout(f"gate {self.name!r} was not opened within {timeout:g}s")
 
     def open(self, n: int = 1) -> None:
