@@ -28,7 +28,14 @@ from dramatiq_guard import events
 from dramatiq_guard.backends.base import ORIGINAL_GENERATION, GuardBackend, Handoff
 from dramatiq_guard.gate import Outcome, gate_for
 
-__all__ = ["GENERATIONS_OPTION", "Courier", "copy_generation", "courier_for", "generation_of"]
+__all__ = [
+    "GENERATIONS_OPTION",
+    "Courier",
+    "carry_generation",
+    "copy_generation",
+    "courier_for",
+    "generation_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +49,13 @@ def generation_of(message: Message[Any] | Any, key: str) -> int | None:
     generations = message.options.get(GENERATIONS_OPTION)
     value = generations.get(key) if isinstance(generations, dict) else None
     return value if isinstance(value, int) else None
+
+
+def carry_generation(message: Message[Any], key: str, generation: int) -> None:
+    """Write into ``message`` the generation of ``key``'s hand-off it is a copy of."""
+    generations = dict(message.options.get(GENERATIONS_OPTION) or {})
+    generations[key] = generation
+    message.options[GENERATIONS_OPTION] = generations
 
 
 def copy_generation(message: Message[Any] | Any, key: str) -> int:
@@ -126,9 +140,7 @@ class Courier:
         assert handoff.payload is not None
         message = Message.decode(handoff.payload)
         if handoff.generation is not None:
-            generations = dict(message.options.get(GENERATIONS_OPTION) or {})
-            generations[handoff.key] = handoff.generation
-            message.options[GENERATIONS_OPTION] = generations
+            carry_generation(message, handoff.key, handoff.generation)
         admission = gate_for(self.broker).admit(message, holds=handoff.key)
         return message, admission.outcome
 
@@ -148,9 +160,14 @@ class Courier:
                     handoff.waiter_id,
                 )
             return
-        # Another guard parked it on the way (or dropped it): it does not keep this slot.
+        # Another guard parked it on the way (or dropped it): it does not keep this slot. Only this
+        # hand-off is withdrawn: from where it parked, the message may already have come back here
+        # (parked again, or holding the slot), and that entry is its only place now.
         limit = self.default_limit(handoff.key)
-        self.deliver(self.backend.release(handoff.key, handoff.waiter_id, limit=limit).handoffs)
+        withdrawn = self.backend.cancel_wait(
+            handoff.key, handoff.waiter_id, limit=limit, generation=handoff.generation
+        )
+        self.deliver(withdrawn.handoffs)
 
     def _send_one(self, standby: Handoff) -> None:
         """Send one standby (and deliver the hand-offs that leaving its place makes)."""
@@ -164,9 +181,13 @@ class Courier:
             if not confirmed:
                 logger.debug("Standby %s of %r parked again before it was confirmed.", message, standby.key)
             return
-        # Another guard parked it on the way: it waits there, not here.
+        # Another guard parked it on the way: it waits there, not here. Only this send is withdrawn
+        # (as for a hand-off above: the message may already be back in its place here).
         limit = self.default_limit(standby.key)
-        self.deliver(self.backend.cancel_wait(standby.key, standby.waiter_id, limit=limit).handoffs)
+        withdrawn = self.backend.cancel_wait(
+            standby.key, standby.waiter_id, limit=limit, generation=standby.generation
+        )
+        self.deliver(withdrawn.handoffs)
 
 
 def courier_for(broker: Broker, backend: GuardBackend, key: str) -> Courier:

@@ -31,6 +31,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from dramatiq_guard.backends import (
+    AcquireResult,
     GuardBackend,
     Handoff,
     KeyState,
@@ -1804,6 +1805,104 @@ def test_a_copy_that_parked_after_pickup_and_is_delivered_again_never_runs_besid
     assert redelivered.stale and not redelivered.acquired
     assert backend.release(KEY, "p1", limit=1).released
     assert backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=generation).stale
+    assert_drained(env, backend, lapsed=("p1",))
+
+
+@pytest.mark.parametrize("came_back", [False, True], ids=["still away", "came back"])
+@pytest.mark.parametrize("what", ["hand-off", "standby send", "standby handed a slot"])
+def test_withdrawing_a_message_parked_elsewhere_never_takes_out_its_entry_after_it_came_back(
+    env: Env, what: str, came_back: bool
+) -> None:
+    """Invariant: a parked message is never lost between two guard keys.
+
+    A hand-off or standby send of p1 is pushed through the enqueue gate, and another guard
+    parks it there: its caller withdraws it from KEY (``cancel_wait`` with that generation). From
+    the other key the message may already have come back to KEY first (parked again by its
+    enqueue, or taking up the reservation): then that entry is its only place, and the withdrawal
+    leaves it. Without the generation the withdrawal took it out: the message was in no key at all
+    (found by tests/test_combinations.py with real workers, about 1 run in 50 on a loaded machine).
+    """
+    backend = env.backend()
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    park(backend, "p1")
+    if what == "hand-off":
+        [sent] = backend.release(KEY, "a", limit=1).handoffs
+        assert sent.payload == b"msg:p1" and backend.inspect(KEY).reserved == ("p1",)
+    else:
+        _, [sent] = backend.send_standbys(KEY, limit=1, count=1)
+        if what == "standby handed a slot":
+            assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "p1", None),)
+    assert sent.generation is not None
+    back = Waiter(payload=b"msg:p1 from elsewhere")
+    if came_back:  # the other key handed it on at once, and its enqueue reached KEY's gate first
+        again = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, wait=back)
+        assert again.acquired is (what != "standby send")
+    withdrawn = backend.cancel_wait(KEY, "p1", limit=1, generation=sent.generation)
+    state = backend.inspect(KEY)
+    if not came_back:
+        assert withdrawn.released is (what != "standby send")
+        assert "p1" not in [w for w, _, _ in state.waiters] + [h for h, _ in state.holders]
+    elif what == "standby send":
+        assert not withdrawn.released and [(w, p) for w, _, p in state.waiters] == [("p1", True)]
+        assert backend.release(KEY, "a", limit=1).handoffs[0].payload == b"msg:p1 from elsewhere"
+    else:  # it took the reservation up: it holds the slot, as its enqueue was told
+        assert not withdrawn.released and [h for h, _ in state.holders] == ["p1"] and state.reserved == ()
+    # A withdrawal of the same generation again changes nothing either way.
+    assert not backend.cancel_wait(KEY, "p1", limit=1, generation=sent.generation).released
+    for holder in ("a", "p1"):
+        backend.release(KEY, holder, limit=1)
+    backend.cancel_wait(KEY, "p1", limit=1)
+    assert_drained(env, backend)
+
+
+@pytest.mark.parametrize("meanwhile", ["nothing", "handed off again", "handed off again and started"])
+def test_a_copy_back_at_the_gate_from_another_guard_is_judged_by_the_generation_it_carries(
+    env: Env, meanwhile: str
+) -> None:
+    """Invariant: a parked message starts once, and is never lost as a stale copy of itself.
+
+    p1's hand-off went to the gate, another guard parked it there, and its caller was slow: the
+    reservation lapsed and p1 is back in the queue (a copy of that generation may start). Then the
+    copy comes back to this key's gate from the other guard, with the key free; the gate acquires
+    with the generation it carries, at enqueue as a worker does at pickup:
+
+    * nothing changed meanwhile: it takes the slot (even through a hand-off to itself in the same
+      call, which issues a newer generation) and its copy starts;
+    * p1 was handed off again meanwhile (its newer copy on the broker, or already running): the
+      copy back from the other guard is stale and dropped; the newer one starts, once.
+
+    Found by tests/test_model.py: without the generation the first case's copy was stale when
+    picked up (lost), and the last case's took the running holder's slot again (started twice).
+    """
+    backend = env.backend(handoff_ttl_ms=TTL)
+
+    def copy_acquires(generation: int | None) -> AcquireResult:  # at the gate, or picked up
+        return backend.acquire(
+            KEY, "p1", limit=1, ttl_ms=60_000, wait=Waiter(payload=b"msg:p1"), generation=generation
+        )
+
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    park(backend, "p1")
+    [first] = backend.release(KEY, "a", limit=1).handoffs
+    assert first.generation is not None
+    env.wait_past(deadline_of(backend, KEY, "p1"))
+    newer = None
+    if meanwhile != "nothing":
+        [newer] = backend.sweep(KEY, limit=1).handoffs
+        assert newer.generation is not None and newer.generation != first.generation
+        assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000, generation=newer.generation)
+    if meanwhile == "handed off again and started":
+        assert newer is not None and copy_acquires(newer.generation).acquired
+    back = copy_acquires(first.generation)
+    if meanwhile == "nothing":
+        assert back.acquired and not back.stale
+        assert copy_acquires(first.generation).acquired
+    else:
+        assert back.stale and not back.acquired
+        assert newer is not None
+        if meanwhile == "handed off again":
+            assert copy_acquires(newer.generation).acquired
+    assert backend.release(KEY, "p1", limit=1).released
     assert_drained(env, backend, lapsed=("p1",))
 
 

@@ -5,11 +5,12 @@ the guard backend contract (``dramatiq_guard/backends/base.py``) to three backen
 the same arguments: a :class:`~dramatiq_guard.backends.MemoryBackend`, a
 :class:`~dramatiq_guard.backends.RedisBackend` on a private ``redis-server``, and one on a private
 one-node Redis Cluster. It plays the processes around them too: workers whose holders release,
-renew or die, callers that push a handed-off message and confirm it (in time, late, or never), a
-broker that delivers every pushed copy and messages as sent (without a reservation), workers that
-die after parking a copy they picked up (the broker delivers it again), threads that block on a
-wake and take it (or die), and processes of another route or that do not know a key's limit
-(``limit=None``).
+renew or die, callers that push a handed-off message and confirm it (in time, late, or never), or
+find it parked by another guard on its way and withdraw it (while it may come back to its key's
+gate from there, before or after the withdrawal), a broker that delivers every pushed copy and
+messages as sent (without a reservation), workers that die after parking a copy they picked up
+(the broker delivers it again), threads that block on a wake and take it (or die), and processes
+of another route or that do not know a key's limit (``limit=None``).
 
 Time is the test's (:class:`harness.FakeClock`): both servers run under libfaketime on a frozen
 clock that the test moves, and the memory backend is given the same clock, so a lease or a
@@ -265,6 +266,8 @@ class GuardModel(RuleBasedStateMachine):
         self.pending: list[Copy] = []  # handed to a caller, not pushed yet
         self.owed: list[Copy] = []  # pushed, confirmation not sent yet
         self.broker: list[Copy] = []  # pushed, not picked up yet
+        self.away: list[Copy] = []  # parked by another guard on the way, not back at its key's gate yet
+        self.withdrawals: list[Copy] = []  # parked by another guard, not withdrawn from its key yet
         self.parked: dict[str, str] = {}  # every message that parked -> its key
         self.started: Counter[str] = Counter()
         self.top: dict[tuple[str, str], int] = {}  # (backend, key) -> the highest token seen
@@ -538,6 +541,53 @@ class GuardModel(RuleBasedStateMachine):
                 route=copy.route,
             )
 
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def another_guard_parks_a_copy(self, data: st.DataObject) -> None:
+        """A caller pushes a copy through the enqueue gate, and another guard of the actor parks it
+        there (in that guard's lockwait area, outside these keys): the caller owes its key a
+        withdrawal of that hand-off or send (``cancel_wait`` with its generation)."""
+        copy = data.draw(st.sampled_from(self.pending))
+        self.pending.remove(copy)
+        self.away.append(copy)
+        self.withdrawals.append(copy)
+
+    @precondition(lambda self: self.withdrawals)
+    @rule(data=st.data())
+    def a_caller_withdraws_a_copy_parked_elsewhere(self, data: st.DataObject) -> None:
+        with self.step():
+            copy = data.draw(st.sampled_from(self.withdrawals))
+            self.withdrawals.remove(copy)
+            self.withdraw(copy)
+
+    def withdraw(self, copy: Copy) -> None:
+        key, mid, generation = copy.key, copy.mid, copy.generation
+        results = self.call(
+            key,
+            lambda b: b.cancel_wait(key, mid, limit=DEFAULTS[key], generation=generation),
+            route=copy.route,
+        )
+        self.absorb(key, results, copy.route)
+
+    @precondition(lambda self: self.away)
+    @rule(data=st.data())
+    def a_copy_comes_back_from_the_other_guard(self, data: st.DataObject) -> None:
+        """The other guard hands the message on: its enqueue reaches this key's gate again, before
+        or after the withdrawal. It reserves a slot and goes to the broker, or parks in its place."""
+        with self.step():
+            copy = data.draw(st.sampled_from(self.away))
+            self.away.remove(copy)
+            self.come_back(copy)
+
+    def come_back(self, copy: Copy) -> None:
+        """At the gate, the copy acquires with the generation it carries: stale, it is dropped."""
+        wait = Waiter(payload=copy.payload)
+        result = self.acquire(
+            copy.key, copy.mid, wait=wait, route=copy.route, generation=copy.generation, starts=False
+        )
+        if result.acquired:
+            self.broker.append(dataclasses.replace(copy, standby=False))
+
     @rule(key=st.sampled_from(KEYS), route=st.sampled_from([MAIN, MAIN, OTHER]))
     def a_message_goes_to_the_broker_as_sent(self, key: str, route: str) -> None:
         """A message reaches the broker without a reservation (a delayed one, say): its copy is the
@@ -634,7 +684,7 @@ class GuardModel(RuleBasedStateMachine):
     def every_parked_message_is_somewhere_and_started_at_most_once(self) -> None:
         with self.step():
             assert all(count == 1 for count in self.started.values()), self.started
-            carried = {copy.mid for copy in itertools.chain(self.pending, self.broker)}
+            carried = {copy.mid for copy in itertools.chain(self.pending, self.broker, self.away)}
             carried |= {thread.mid for thread in self.threads.values() if thread.copy is not None}
             queued = set()
             for key in KEYS:
@@ -692,7 +742,14 @@ class GuardModel(RuleBasedStateMachine):
     # --- the end: everything drains -------------------------------------------------------------
 
     def deliver_everything(self) -> None:
-        """Threads take their wakes (or die), copies are pushed, confirmed and picked up, holders release."""
+        """Threads take their wakes (or die), copies parked elsewhere are withdrawn and come back,
+        copies are pushed, confirmed and picked up, holders release."""
+        for copy in self.withdrawals:
+            self.withdraw(copy)
+        self.withdrawals.clear()
+        for copy in self.away:
+            self.come_back(copy)
+        self.away.clear()
         for thread in list(self.threads.values()):
             self.take_wake(thread)
         for thread in self.threads.values():  # the others die: their copies are delivered again
@@ -723,7 +780,7 @@ class GuardModel(RuleBasedStateMachine):
         for key in KEYS:
             self.set_limit(key, None, DEFAULTS[key])
         # Each round starts at least one waiter of a key: enough rounds for every message there is.
-        for _ in range(20 + len(self.parked) + len(self.broker) + len(self.pending)):
+        for _ in range(20 + len(self.parked) + len(self.broker) + len(self.pending) + len(self.away)):
             self.deliver_everything()
             if not (self.pending or self.broker or self.memory.waiting_keys()):
                 break

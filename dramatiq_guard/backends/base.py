@@ -137,6 +137,12 @@ generations
     at-least-once). The record of which generation may start is kept per
     waiter, for ``stale_ttl_ms`` after its last change.
 
+    A copy of a hand-off or send may also come back to the key's enqueue
+    gate (another guard of its actor parked it on its way, and handed it on
+    later): the gate acquires with the generation it carries, as a worker
+    does, so a stale one is dropped there, and one that parks is the queue
+    entry from then on. Any other message acquires with None at enqueue.
+
 Durations are integer milliseconds. Deadlines are absolute milliseconds on
 the backend's clock (Redis ``TIME`` for Redis, the wall clock in memory, or the
 clock it is given: ``MemoryBackend(clock=...)``).
@@ -462,11 +468,23 @@ class GuardBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def cancel_wait(self, key: str, waiter_id: str, *, limit: int | None) -> ReleaseResult:
-        """Leave the waiters of ``key``: a blocking waiter that gave up.
+    def cancel_wait(
+        self, key: str, waiter_id: str, *, limit: int | None, generation: int | None = None
+    ) -> ReleaseResult:
+        """Leave the waiters of ``key``: a blocking waiter that gave up, or a message parked elsewhere.
 
         If a slot was handed to it meanwhile, the slot is released and handed
         on. ``released`` tells whether it was holding a reservation.
+
+        With ``generation`` (a :attr:`Handoff.generation`), only that hand-off
+        or standby send is withdrawn, and only while it is unconfirmed and
+        current: the waiter still reserved by it, or still being sent. It is
+        what the caller of a hand-off or send does when another guard parked
+        the message on its way: the message may come back to ``key`` from
+        there before this call (parked again by its enqueue, or taking up the
+        reservation), and then its entry is its only place and is left as it
+        is (``released`` False). Without it the waiter leaves whatever it is
+        doing.
         """
 
     @abc.abstractmethod

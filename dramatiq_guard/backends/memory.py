@@ -145,6 +145,16 @@ class _Guard:
         return sorted(ready + others, key=lambda w: self.queue[w].place)
 
 
+def _in_flight(guard: _Guard, waiter: str, generation: int) -> bool:
+    """Whether ``waiter``'s hand-off or standby send of ``generation`` is unconfirmed and current."""
+    reserved = guard.reserved.get(waiter)
+    if reserved is not None:
+        return reserved.generation == generation
+    entry = guard.queue.get(waiter)
+    sent = entry is not None and entry.on_broker and entry.payload is not None
+    return sent and entry is not None and entry.generation == generation
+
+
 class MemoryBackend(GuardBackend):
     """The guard backend in this process's memory, with the contract's semantics.
 
@@ -468,11 +478,18 @@ class MemoryBackend(GuardBackend):
                     return None
                 self._changed.wait(remaining)
 
-    def cancel_wait(self, key: str, waiter_id: str, *, limit: int | None) -> ReleaseResult:
+    def cancel_wait(
+        self, key: str, waiter_id: str, *, limit: int | None, generation: int | None = None
+    ) -> ReleaseResult:
         """Leave the waiters of ``key``; see :meth:`GuardBackend.cancel_wait`."""
         check_count(limit, "limit")
         with self._changed:
             guard, now = self._begin(key)
+            if generation is not None and not _in_flight(guard, waiter_id, generation):
+                # The message came back to the key after that hand-off or send: its entry stays.
+                handoffs = self._hand_off(key, guard, self._in_force(key, guard, limit), now)
+                self._end(key, guard)
+                return ReleaseResult(False, tuple(handoffs))
             guard.queue.pop(waiter_id, None)
             guard.woken.pop(waiter_id, None)
             guard.reserved.pop(waiter_id, None)

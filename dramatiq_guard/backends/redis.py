@@ -570,11 +570,14 @@ class RedisBackend(GuardBackend):
             return None
         return max(socket_timeout - 1.0, socket_timeout / 2)
 
-    def cancel_wait(self, key: str, waiter_id: str, *, limit: int | None) -> ReleaseResult:
+    def cancel_wait(
+        self, key: str, waiter_id: str, *, limit: int | None, generation: int | None = None
+    ) -> ReleaseResult:
         """Leave the waiters of ``key``; see :meth:`GuardBackend.cancel_wait`."""
         self._check_waiter(waiter_id)
         check_count(limit, "limit")
-        return self._release_reply(key, self._run("cancel_wait", key, limit, waiter_id))
+        gen = "" if generation is None else generation
+        return self._release_reply(key, self._run("cancel_wait", key, limit, waiter_id, gen))
 
     def sweep(self, key: str, *, limit: int | None) -> ReleaseResult:
         """Reclaim lapsed holders and hand free slots on; see :meth:`GuardBackend.sweep`.

@@ -15,6 +15,7 @@ from dramatiq import Broker, Message
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import Waiter
+from dramatiq_guard.delivery import generation_of
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.gate import Diverted, Outcome
 from dramatiq_guard.middleware.base import fail_open
@@ -58,7 +59,8 @@ def reserve_or_park(
     """Reserve a slot of ``message``'s key for it, or park it if the key is full.
 
     Raises:
-      Diverted: The message was parked (``Outcome.PARKED``): ``send()`` returns it.
+      Diverted: The message was parked (``Outcome.PARKED``): ``send()`` returns it; or it is a
+        stale copy of a hand-off of this key (``Outcome.DROPPED``): a newer copy runs instead.
       GuardError: The key could not be computed, or the backend is
         unavailable (unless ``fail_open``).
     """
@@ -73,11 +75,19 @@ def reserve_or_park(
             ttl_ms=middleware.pickup_ttl_ms,
             wait=Waiter(payload=message.encode()),
             info=message.actor_name,
+            # A copy of a hand-off of this key (back from another guard that parked it on its way)
+            # is judged as a worker's copy is: a stale one never starts (contract, *generations*).
+            generation=generation_of(message, key),
         )
     except BackendUnavailable as e:
         fail_open(guard.policy.fail_open, e, f"{message} is enqueued unguarded")
         return None
     middleware.deliver(broker, result.handoffs)
+    if result.stale:
+        logger.info(
+            "Dropped %s at enqueue: a stale copy (a newer hand-off of %r runs instead).", message, key
+        )
+        raise Diverted(message, Outcome.DROPPED)
     if result.acquired:
         return ReservationTicket(middleware, broker, key, message.message_id, limit)
     if result.parked:
