@@ -201,6 +201,16 @@ def test_mutex_and_concurrency_on_one_actor_hold_both_limits(
     drained(redisdb, recorder)
 
 
+def run_until_drained(broker: dramatiq.Broker, queue_name: str) -> None:
+    """Run a one-thread worker on ``broker`` until the queue and the slot keys hold nothing."""
+    worker = dramatiq.Worker(broker, worker_threads=1)
+    worker.start()
+    try:
+        join(broker, queue_name, timeout=20_000)
+    finally:
+        worker.stop()
+
+
 def test_a_standby_parked_by_the_other_guard_is_never_lost_when_it_comes_back_first(
     stub_broker: Any, redisdb: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -249,12 +259,7 @@ def test_a_standby_parked_by_the_other_guard_is_never_lost_when_it_comes_back_fi
     assert backend.inspect("concurrency:pool").waiters == ()
 
     mutex.deliver(stub_broker, backend.release("mutex:u", "holder", limit=1).handoffs)
-    worker = dramatiq.Worker(stub_broker, worker_threads=1)
-    worker.start()
-    try:
-        join(stub_broker, both.queue_name, timeout=20_000)
-    finally:
-        worker.stop()
+    run_until_drained(stub_broker, both.queue_name)
     assert done == ["u"]
 
 
@@ -298,10 +303,5 @@ def test_a_hand_off_back_from_another_guard_after_its_reservation_lapsed_runs_on
     carry_generation(copy, "mutex:u", handoff.generation)
     admission = gate_for(stub_broker).admit(copy, holds="elsewhere:pool")  # back from the other guard
     assert admission.outcome is Outcome.PUSHED
-    worker = dramatiq.Worker(stub_broker, worker_threads=1)
-    worker.start()
-    try:
-        join(stub_broker, job.queue_name, timeout=20_000)
-    finally:
-        worker.stop()
+    run_until_drained(stub_broker, job.queue_name)
     assert done == ["u"]
