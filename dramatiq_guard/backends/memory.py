@@ -151,8 +151,9 @@ def _in_flight(guard: _Guard, waiter: str, generation: int) -> bool:
     if reserved is not None:
         return reserved.generation == generation
     entry = guard.queue.get(waiter)
-    sent = entry is not None and entry.on_broker and entry.payload is not None
-    return sent and entry is not None and entry.generation == generation
+    if entry is None or not entry.on_broker or entry.payload is None:
+        return False  # not being sent (confirmed, parked again, or gone)
+    return entry.generation == generation
 
 
 class MemoryBackend(GuardBackend):
