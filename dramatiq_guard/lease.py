@@ -39,12 +39,14 @@ import math
 import os
 import threading
 import time
+from collections.abc import Sequence
+from typing import cast
 
 from dramatiq_guard.backends.base import GuardBackend, ReleaseResult
 from dramatiq_guard.errors import LeaseLost
 from dramatiq_guard.renewer import LeaseHandle, LostFlag, get_renewer, known_valid_until
 
-__all__ = ["Lease"]
+__all__ = ["Lease", "release_leases"]
 
 logger = logging.getLogger(__name__)
 
@@ -216,12 +218,20 @@ class Lease:
         """
         if self.release_result is not None:
             return self.release_result
+        self._stop()
+        return self._released_as(
+            self.backend.release(self.key, self.holder, limit=self.limit, send_ahead=send_ahead)
+        )
+
+    def _stop(self) -> None:
+        """Decide whether it was lost (before the release), and stop renewing and capping it."""
         _ = self.lost  # past its known-valid time: lost is decided now, before the release
         self._released = True
         if self._handle is not None:
             self._handle.unregister()
         _expirer.cancel(self)
-        result = self.backend.release(self.key, self.holder, limit=self.limit, send_ahead=send_ahead)
+
+    def _released_as(self, result: ReleaseResult) -> ReleaseResult:
         if not result.released:
             self._lost.set()
         self.release_result = result
@@ -260,6 +270,27 @@ class Lease:
     def __repr__(self) -> str:
         state = "released" if self._released else "lost" if self.lost else "held"
         return f"Lease(key={self.key!r}, holder={self.holder!r}, token={self.token}, {state})"
+
+
+def release_leases(backend: GuardBackend, releases: Sequence[tuple[Lease, int]]) -> list[ReleaseResult]:
+    """:meth:`Lease.release` for several ``(lease, send_ahead)`` of ``backend``, in one backend call.
+
+    One pipelined round trip on Redis (:meth:`GuardBackend.release_many
+    <dramatiq_guard.backends.GuardBackend.release_many>`). A lease released
+    before keeps its first result.
+
+    Raises:
+      BackendUnavailable: The backend could not be reached; none of them is
+        renewed any more, and each lapses within one lease duration.
+    """
+    pending = [(lease, send_ahead) for lease, send_ahead in releases if lease.release_result is None]
+    for lease, _ in pending:
+        lease._stop()
+    results = backend.release_many([(lease.key, lease.holder, lease.limit, n) for lease, n in pending])
+    fresh = {
+        id(lease): lease._released_as(result) for (lease, _), result in zip(pending, results, strict=True)
+    }
+    return [fresh.get(id(lease)) or cast(ReleaseResult, lease.release_result) for lease, _ in releases]
 
 
 class _Expirer:

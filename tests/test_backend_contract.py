@@ -421,6 +421,47 @@ def test_release_by_a_non_holder_is_refused(env: Env) -> None:
     assert_drained(env, backend)
 
 
+def test_release_many_is_each_release_in_order(env: Env) -> None:
+    backend = env.backend()
+    other = f"{KEY}:other"
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    park(backend, "p")
+    assert backend.acquire(other, "b", limit=2, ttl_ms=60_000).acquired
+    handed, freed, refused, empty = backend.release_many(
+        [(KEY, "a", 1, 0), (other, "b", 2, 0), (other, "intruder", 2, 0), (f"{KEY}:none", "c", 1, 0)]
+    )
+    assert handed.released and [h.waiter_id for h in handed.handoffs] == ["p"]  # the waiter gets the slot
+    assert handed.handoffs[0].payload == b"msg:p"
+    assert freed == ReleaseResult(True, (), ())
+    assert refused.released is False and empty.released is False  # a non-holder changes nothing
+    assert backend.inspect(other).holders == ()
+    assert backend.release_many([]) == []
+
+
+def test_leases_released_together_report_as_each_would_alone(env: Env) -> None:
+    from dramatiq_guard.lease import release_leases
+
+    backend = env.backend()
+    held = backend.acquire(KEY, "a", limit=1, ttl_ms=60_000)
+    early = backend.acquire(f"{KEY}:2", "b", limit=1, ttl_ms=60_000)
+    short = backend.acquire(f"{KEY}:3", "c", limit=1, ttl_ms=200)
+    assert held.token is not None and early.token is not None and short.token is not None
+    leases = [
+        Lease(backend, KEY, "a", held.token, limit=1, ttl_ms=60_000),
+        Lease(backend, f"{KEY}:2", "b", early.token, limit=1, ttl_ms=60_000),
+        Lease(backend, f"{KEY}:3", "c", short.token, limit=1, ttl_ms=200, cap_ms=200),
+    ]
+    first = leases[1].release()  # released before: keeps its first result
+    env.wait_past(deadline_of(backend, f"{KEY}:3", "c"))
+    assert backend.acquire(f"{KEY}:3", "d", limit=1, ttl_ms=60_000).acquired  # c lapsed and was taken
+    results = release_leases(backend, [(lease, 0) for lease in leases])
+    assert [r.released for r in results] == [True, True, False]
+    assert results[1] is first
+    assert [lease.lost for lease in leases] == [False, False, True]
+    assert all(lease.released for lease in leases)
+    assert backend.inspect(KEY).holders == () and [h for h, _ in backend.inspect(f"{KEY}:3").holders] == ["d"]
+
+
 def test_holders_carry_since_and_info_until_they_go(env: Env) -> None:
     backend = env.backend(handoff_ttl_ms=60_000)
     before = env.now_ms()

@@ -1,7 +1,7 @@
 """The dedup confirmation thread's batches (``_Confirmer``) against real backends.
 
 One Redis of the test's own is stopped to stand for an unreachable backend; no
-thread is started: ``_send`` (one flush) is called directly.
+thread is started: ``send`` (one flush) is called directly.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_a_failed_group_followed_by_a_confirmed_group_is_reported_failed(
     confirmer = _Confirmer(linger=0.01)
     lost = pending(unreachable, "a", "m1")
 
-    assert confirmer._send([lost, pending(reachable, "b", "m2")]) is False
+    assert confirmer.send([lost, pending(reachable, "b", "m2")]) is False
     assert confirmer._items == [lost]  # kept for the next flush, before it lapses
     deadline_ms = dict(reachable.inspect("b").holders)["m2"]
     assert deadline_ms > time.time() * 1000 + TTL_MS / 2  # the reachable one was confirmed
@@ -57,5 +57,5 @@ def test_a_lock_gone_before_its_confirmation_is_not_a_failure(reachable: RedisBa
     assert reachable.acquire("b", "m2", limit=1, ttl_ms=10_000).acquired
     confirmer = _Confirmer(linger=0.01)
     # "c" was released (or lapsed) before the flush: nothing to confirm, nothing to retry.
-    assert confirmer._send([pending(reachable, "b", "m2"), pending(reachable, "c", "m3")]) is True
+    assert confirmer.send([pending(reachable, "b", "m2"), pending(reachable, "c", "m3")]) is True
     assert confirmer._items == []

@@ -396,6 +396,17 @@ class GuardBackend(abc.ABC):
             releasing worker would otherwise need two.
         """
 
+    def release_many(self, releases: Sequence[tuple[str, str, int | None, int]]) -> list[ReleaseResult]:
+        """Release several ``(key, holder, limit, send_ahead)`` holders, in as few round trips as possible.
+
+        Each is :meth:`release` with those arguments, in order; the default
+        calls it for each, the Redis backend pipelines them (one round trip).
+        """
+        return [
+            self.release(key, holder, limit=limit, send_ahead=send_ahead)
+            for key, holder, limit, send_ahead in releases
+        ]
+
     @abc.abstractmethod
     def confirm_handoff(
         self, key: str, waiter_id: str, *, ttl_ms: int, generation: int | None = None

@@ -507,6 +507,20 @@ class RedisBackend(GuardBackend):
         check_count(send_ahead, "send_ahead")
         return self._release_reply(key, self._run("release", key, limit, holder, send_ahead))
 
+    def release_many(self, releases: Sequence[tuple[str, str, int | None, int]]) -> list[ReleaseResult]:
+        """Release several holders in one pipelined round trip; see :meth:`GuardBackend.release_many`."""
+        if not releases:
+            return []
+        calls = []
+        for key, holder, limit, send_ahead in releases:
+            check_count(limit, "limit")
+            check_count(send_ahead, "send_ahead")
+            calls.append(
+                (self._scripts["release"], self._keys(key), self._args(key, limit, holder, send_ahead))
+            )
+        replies = run_scripts(self.client, calls, replicas=self.replicas)
+        return [self._release_reply(key, reply) for (key, *_), reply in zip(releases, replies, strict=True)]
+
     def confirm_handoff(
         self, key: str, waiter_id: str, *, ttl_ms: int, generation: int | None = None
     ) -> bool:

@@ -467,7 +467,7 @@ class _LockTicket:
 
     def pushed(self) -> None:
         lapses_at = time.monotonic() + self.middleware.pending_ttl_ms / 1000
-        self.middleware._confirmer.add(
+        self.middleware._confirmer.add_pending(
             self.backend, self.key, self.message.message_id, self.ttl_ms, lapses_at
         )
 

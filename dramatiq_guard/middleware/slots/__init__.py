@@ -11,6 +11,7 @@ to know is in ``docs/slots.md``; where each part lives:
 * :mod:`.waits`: a worker thread blocked for a mutex (``on_busy="wait"``);
 * :mod:`.standbys`: waiters sent ahead of a free slot, and the threads they block;
 * :mod:`.execution`: one execution's held lease, or why it did not run;
+* :mod:`.releases`: finished messages' leases released off the worker thread, in batches;
 * :mod:`dramatiq_guard.middleware.sweep`: each worker's sweep of keys with waiters;
 * :mod:`.limits`: default and run-time limits, and which actor a key is of;
 * :mod:`.mutex`, :mod:`.concurrency`: what the two options differ in.

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import dramatiq
 from dramatiq import Broker, Message, Worker
 from dramatiq.broker import MessageProxy
+from dramatiq.brokers.stub import StubBroker
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Waiter
@@ -33,6 +34,7 @@ from dramatiq_guard.middleware.base import (
 )
 from dramatiq_guard.middleware.slots.execution import hold, skip_dropped, skip_parked, skip_stale, take_held
 from dramatiq_guard.middleware.slots.limits import KeyDirectory
+from dramatiq_guard.middleware.slots.releases import Releaser, starts_follow_ups
 from dramatiq_guard.middleware.slots.reservation import ReservationTicket, reserve_or_park
 from dramatiq_guard.middleware.slots.standbys import Standbys, wait_as_standby
 from dramatiq_guard.middleware.slots.waits import wait_for_mutex
@@ -108,6 +110,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         self._inflight_lock = threading.Lock()
         self._couriers: dict[int, Courier] = {}
         self._sweeper: Sweeper | None = None
+        self._releaser: Releaser | None = None
 
     # -- what the two capabilities differ in ----------------------------------
 
@@ -182,10 +185,12 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         super().attach(broker)
 
     def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
-        """Start this process's sweep of keys with waiters."""
+        """Start this process's sweep of keys with waiters, and (but on a StubBroker) its release thread."""
         self.broker = broker
         if self.standby_threads is None:
             self.standbys.seats.seats = int(getattr(worker, "worker_threads", 0)) // 2
+        if not isinstance(broker, StubBroker) and self._releaser is None:
+            self._releaser = Releaser()
         self._sweeper = join_sweep(self, broker, self.sweep_interval_ms)
 
     def before_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
@@ -193,6 +198,15 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         sweeper, self._sweeper = self._sweeper, None
         if sweeper is not None:
             leave_sweep(self, sweeper)
+
+    def after_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
+        """Release what the release thread still holds (the worker threads have stopped)."""
+        self.flush_releases()
+
+    def flush_releases(self) -> None:
+        """Release now every lease of a finished message still waiting for the release thread."""
+        if self._releaser is not None:
+            self._releaser.flush()
 
     # -- enqueue --------------------------------------------------------------
 
@@ -367,10 +381,13 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         # If the key has waiters, the release keeps the next ones on the broker ahead of the next
         # free slot, as standbys.
         send_ahead = self.standbys.count() if self.on_busy(guard.policy) == "park" else 0
-        self.release(broker, held.lease, send_ahead=send_ahead)
         events.released(message.actor_name)
-        if held.lease.lost:
-            events.lease_lost(message.actor_name)
+        lease, actor = held.lease, message.actor_name
+        releaser = self._releaser
+        if releaser is not None and not starts_follow_ups(message):  # see .releases
+            releaser.add((lease, send_ahead, lambda result: self.released(broker, lease, result, actor)))
+            return
+        self.released(broker, lease, self._release_lease(lease, send_ahead), actor)
 
     def release(self, broker: Broker, lease: Lease, *, send_ahead: int = 0) -> ReleaseResult | None:
         """Release ``lease``, deliver the waiters it hands the slot to, and send its standbys.
@@ -388,9 +405,29 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
           ReleaseResult|None: The result, or None if the backend was
           unreachable (the lease then lapses within ``lease_ttl``).
         """
+        result = self._release_lease(lease, send_ahead)
+        self.released(broker, lease, result)
+        return result
+
+    @staticmethod
+    def _release_lease(lease: Lease, send_ahead: int) -> ReleaseResult | None:
         try:
-            result = lease.release(send_ahead=send_ahead)
+            return lease.release(send_ahead=send_ahead)
         except BackendUnavailable:
+            return None
+
+    def released(
+        self, broker: Broker, lease: Lease, result: ReleaseResult | None, actor: str | None = None
+    ) -> None:
+        """Report the release of ``lease`` and deliver what it handed on (see :meth:`release`).
+
+        ``result`` is None if the backend was unreachable; ``actor``, when
+        given, is the message's actor, whose lost leases are counted
+        (:func:`~dramatiq_guard.events.lease_lost`).
+        """
+        if actor is not None and lease.lost:
+            events.lease_lost(actor)
+        if result is None:
             logger.error("Could not release %r: the backend is unavailable; it lapses on its own.", lease)
             if lease.lost:
                 logger.error(
@@ -398,7 +435,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
                     "known-valid time passed: another holder may have had the key).",
                     lease,
                 )
-            return None
+            return
         if lease.lost:
             logger.error(
                 "%r was lost before it was released (it lapsed, or the backend did not answer before "
@@ -410,7 +447,6 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             self.deliver(broker, result.handoffs)
             self.courier(broker).send_ahead(result.standbys)
             events.lockwait_changed()
-        return result
 
     # -- hand-offs ------------------------------------------------------------
 

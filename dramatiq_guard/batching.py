@@ -1,0 +1,129 @@
+"""A daemon thread that sends what callers hand it in batches (the dedup confirmations, the releases).
+
+A caller adds an item and goes on; the thread takes every item waiting (after
+``linger`` seconds, or at once when ``batch`` are waiting) and sends them in
+one go: on Redis, one pipelined round trip however many there are. Items that
+arrive while a batch is being sent make up the next one. Everything added is
+sent by :meth:`Batcher.flush`, which the owners call when their worker shuts
+down, and which runs for every batcher at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import abc
+import atexit
+import logging
+import os
+import threading
+import weakref
+from typing import Any, ClassVar, Generic, TypeVar
+
+__all__ = ["RETRY_S", "Batcher"]
+
+logger = logging.getLogger("dramatiq_guard")
+
+#: How long the thread waits before trying an unreachable backend again.
+RETRY_S = 0.5
+
+T = TypeVar("T")
+
+_batchers: weakref.WeakSet[Batcher[Any]] = weakref.WeakSet()
+
+
+class Batcher(abc.ABC, Generic[T]):
+    """Sends the items added to it in batches, from one daemon thread (started on first use).
+
+    Parameters:
+      linger(float): How long after the first waiting item a batch starts
+        (0: at once: a burst then shares the round trips of whatever is in
+        flight before it).
+      batch(int): A batch starts at once when this many items are waiting.
+    """
+
+    #: The name of the thread.
+    thread_name: ClassVar[str]
+
+    def __init__(self, *, linger: float = 0.0, batch: int = 1000) -> None:
+        self.linger = linger
+        self.batch = batch
+        self._start()
+        _batchers.add(self)
+
+    def _start(self) -> None:
+        self._pid = os.getpid()
+        self._cond = threading.Condition(threading.Lock())
+        self._items: list[T] = []
+        self._busy = 0
+        self._thread: threading.Thread | None = None
+
+    @abc.abstractmethod
+    def send(self, items: list[T]) -> bool:
+        """Send one batch (on the thread, or on the caller of :meth:`flush`).
+
+        Returns:
+          bool: False if the backend was unreachable: the thread then waits
+          :data:`RETRY_S` before the next batch (what should be tried again
+          was given back with :meth:`requeue`).
+        """
+
+    def add(self, item: T) -> None:
+        """Hand ``item`` to the thread."""
+        if os.getpid() != self._pid:  # forked: the parent's thread and lock are not ours
+            self._start()
+        with self._cond:
+            self._items.append(item)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+                self._thread.start()
+            if len(self._items) == 1 or len(self._items) >= self.batch:
+                self._cond.notify_all()
+
+    def requeue(self, items: list[T]) -> None:
+        """Give items of a failed batch back, for the next one."""
+        with self._cond:
+            self._items.extend(items)
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Send everything added so far, and wait (up to ``timeout`` s) for a batch in progress."""
+        if os.getpid() != self._pid:
+            return
+        with self._cond:
+            items, self._items = self._items, []
+            self._busy += 1
+        try:
+            if items:
+                self.send(items)
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self._busy == 0, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._items))
+                if self.linger:
+                    self._cond.wait_for(lambda: len(self._items) >= self.batch, self.linger)
+                items, self._items = self._items, []
+                self._busy += 1
+            failed = True
+            try:
+                failed = not self.send(items)
+            except Exception:  # a bug in send must not end the thread (and strand what follows)
+                logger.exception("%s: a batch of %d failed.", self.thread_name, len(items))
+            finally:
+                with self._cond:
+                    self._busy -= 1
+                    self._cond.notify_all()
+                    if failed:  # the backend is unreachable: do not hammer it
+                        self._cond.wait(RETRY_S)
+
+
+@atexit.register
+def _flush_at_exit() -> None:  # pragma: no cover - runs at interpreter exit
+    for batcher in list(_batchers):
+        try:
+            batcher.flush(timeout=5.0)
+        except Exception:
+            logger.exception("%s: could not send what was left at exit.", batcher.thread_name)

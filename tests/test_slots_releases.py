@@ -1,0 +1,121 @@
+"""Releases off the worker thread (``dramatiq_guard.middleware.slots.releases``), on a real RedisBroker.
+
+In a worker on a real broker a finished message's lease is released by the process's release
+thread, in batches. The invariants held here: every lease is released (none is left behind by
+a worker that stopped), and a follow-up that a message's completion enqueues (a pipeline's next
+step, a callback) never finds the key still held by the message before it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import dramatiq
+import pytest
+import redis
+from dramatiq.middleware import Middleware
+from harness import wait_until
+
+import dramatiq_guard
+from dramatiq_guard.backends import RedisBackend
+
+pytestmark = pytest.mark.redis
+
+WAIT = 30.0
+
+
+class KeyAtEnqueue(Middleware):
+    """Records the holders of ``key`` when a message of ``actor`` is enqueued."""
+
+    def __init__(self, backend: RedisBackend, key: str, actor: str) -> None:
+        self.backend, self.key, self.actor = backend, key, actor
+        self.seen: list[tuple[str, ...]] = []
+
+    def before_enqueue(self, broker: dramatiq.Broker, message: dramatiq.Message[Any], delay: int) -> None:
+        if message.actor_name == self.actor:
+            self.seen.append(tuple(holder for holder, _ in self.backend.inspect(self.key).holders))
+
+
+@pytest.mark.parametrize("follow_up", ["pipeline", "on_success"])
+def test_a_follow_up_on_the_same_key_never_finds_its_predecessor_holding_it(
+    follow_up: str, redis_broker: Any, redisdb: redis.Redis
+) -> None:
+    backend = RedisBackend(redisdb, namespace="releases")
+    dramatiq_guard.install(redis_broker, redis=backend)
+    seen = KeyAtEnqueue(backend, "mutex:shared", "second")
+    redis_broker.add_middleware(seen)
+    ran = threading.Event()
+    shared = {"key": lambda *args: "shared", "on_busy": "drop"}
+
+    @dramatiq.actor(mutex=shared, queue_name="releases")
+    def first() -> None: ...
+
+    @dramatiq.actor(mutex=shared, queue_name="releases")
+    def second(*_: Any) -> None:
+        ran.set()
+
+    if follow_up == "pipeline":
+        dramatiq.pipeline([first.message(), second.message()]).run()
+    else:
+        first.send_with_options(on_success=second)
+    worker = dramatiq.Worker(redis_broker, worker_timeout=50, worker_threads=2)
+    worker.start()
+    try:
+        assert ran.wait(WAIT), "the follow-up did not run (dropped: its key was still held)"
+    finally:
+        worker.stop()
+    assert seen.seen == [()]  # the first had released the key before the follow-up existed
+
+
+def test_a_stopped_worker_leaves_no_lease_behind(redis_broker: Any, redisdb: redis.Redis) -> None:
+    backend = RedisBackend(redisdb, namespace="releases")
+    dramatiq_guard.install(redis_broker, redis=backend)
+    done = threading.Semaphore(0)
+    count = 200
+
+    @dramatiq.actor(mutex=True, queue_name="releases")
+    def job(n: int) -> None:
+        done.release()
+
+    for n in range(count):
+        job.send(n)
+    worker = dramatiq.Worker(redis_broker, worker_timeout=50, worker_threads=8)
+    worker.start()
+    try:
+        for _ in range(count):
+            assert done.acquire(timeout=WAIT)
+    finally:
+        worker.stop()
+    # No wait: the worker's shutdown released what its release thread still held.
+    assert redisdb.keys("releases:*:holders") == []
+
+
+def test_a_waiter_parked_behind_a_finished_message_runs_when_the_release_lands(
+    redis_broker: Any, redisdb: redis.Redis
+) -> None:
+    backend = RedisBackend(redisdb, namespace="releases")
+    dramatiq_guard.install(redis_broker, redis=backend)
+    ran: list[int] = []
+    gate = threading.Event()
+
+    @dramatiq.actor(mutex={"key": lambda n: "one", "on_busy": "park"}, queue_name="releases")
+    def job(n: int) -> None:
+        if n == 0:
+            assert gate.wait(WAIT)
+        ran.append(n)
+
+    job.send(0)
+    worker = dramatiq.Worker(redis_broker, worker_timeout=50, worker_threads=2)
+    worker.start()
+    try:
+        wait_until(lambda: backend.inspect("mutex:one").holders != (), WAIT, "the first to hold the key")
+        for n in (1, 2, 3):
+            job.send(n)
+        wait_until(lambda: len(backend.inspect("mutex:one").waiters) == 3, WAIT, "the others to park")
+        gate.set()
+        wait_until(lambda: len(ran) == 4, WAIT, "every message to run, one after the other")
+    finally:
+        worker.stop()
+    assert ran == [0, 1, 2, 3]
+    assert backend.inspect("mutex:one").holders == ()
