@@ -387,9 +387,11 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         if releaser is not None and not starts_follow_ups(message):  # see .releases
             releaser.add((lease, send_ahead, lambda result: self.released(broker, lease, result, actor)))
             return
-        self.released(broker, lease, self._release_lease(lease, send_ahead), actor)
+        self.release(broker, lease, send_ahead=send_ahead, actor=actor)
 
-    def release(self, broker: Broker, lease: Lease, *, send_ahead: int = 0) -> ReleaseResult | None:
+    def release(
+        self, broker: Broker, lease: Lease, *, send_ahead: int = 0, actor: str | None = None
+    ) -> ReleaseResult | None:
         """Release ``lease``, deliver the waiters it hands the slot to, and send its standbys.
 
         ``send_ahead``: how many waiters the same backend operation sends ahead
@@ -399,31 +401,26 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         not answer) is reported (an error is logged with the lease and the
         release result), never silently dropped, even when the release itself
         fails. On a backend that does not answer, the release lasts as long as
-        the client's socket timeout lets it.
+        the client's socket timeout lets it. ``actor``: the message's actor,
+        whose lost leases are counted (:func:`~dramatiq_guard.events.lease_lost`).
 
         Returns:
           ReleaseResult|None: The result, or None if the backend was
           unreachable (the lease then lapses within ``lease_ttl``).
         """
-        result = self._release_lease(lease, send_ahead)
-        self.released(broker, lease, result)
-        return result
-
-    @staticmethod
-    def _release_lease(lease: Lease, send_ahead: int) -> ReleaseResult | None:
         try:
-            return lease.release(send_ahead=send_ahead)
+            result: ReleaseResult | None = lease.release(send_ahead=send_ahead)
         except BackendUnavailable:
-            return None
+            result = None
+        self.released(broker, lease, result, actor)
+        return result
 
     def released(
         self, broker: Broker, lease: Lease, result: ReleaseResult | None, actor: str | None = None
     ) -> None:
         """Report the release of ``lease`` and deliver what it handed on (see :meth:`release`).
 
-        ``result`` is None if the backend was unreachable; ``actor``, when
-        given, is the message's actor, whose lost leases are counted
-        (:func:`~dramatiq_guard.events.lease_lost`).
+        ``result`` is None if the backend was unreachable.
         """
         if actor is not None and lease.lost:
             events.lease_lost(actor)
