@@ -119,3 +119,60 @@ def test_a_waiter_parked_behind_a_finished_message_runs_when_the_release_lands(
         worker.stop()
     assert ran == [0, 1, 2, 3]
     assert backend.inspect("mutex:one").holders == ()
+
+
+def test_a_key_with_waiters_is_released_on_the_worker_thread_and_a_key_without_on_the_release_thread(
+    redis_broker: Any, redisdb: redis.Redis
+) -> None:
+    """The next holder of a key with waiters is waiting for the slot: its release does not wait for
+    a hop to another thread. A key nobody waits for is released in the background."""
+    backend = RedisBackend(redisdb, namespace="releases")
+    dramatiq_guard.install(redis_broker, redis=backend)
+    threads: dict[str, list[str]] = {"busy": [], "free": []}
+    release_many = backend.release_many
+
+    def spy(releases: Any) -> Any:
+        for key, *_ in releases:
+            threads["busy" if key == "mutex:busy" else "free"].append(threading.current_thread().name)
+        return release_many(releases)
+
+    backend.release_many = spy  # type: ignore[method-assign]
+    release = backend.release
+
+    def spy_one(key: str, holder: str, **options: Any) -> Any:
+        threads["busy" if key == "mutex:busy" else "free"].append(threading.current_thread().name)
+        return release(key, holder, **options)
+
+    backend.release = spy_one  # type: ignore[method-assign]
+    gate = threading.Event()
+    done = threading.Semaphore(0)
+
+    @dramatiq.actor(mutex={"key": lambda n: "busy", "on_busy": "park"}, queue_name="releases")
+    def busy(n: int) -> None:
+        if n == 0:
+            assert gate.wait(WAIT)
+        done.release()
+
+    @dramatiq.actor(mutex=True, queue_name="releases")
+    def free(n: int) -> None:
+        done.release()
+
+    busy.send(0)
+    worker = dramatiq.Worker(redis_broker, worker_timeout=50, worker_threads=2)
+    worker.start()
+    try:
+        wait_until(lambda: backend.inspect("mutex:busy").holders != (), WAIT, "the first to hold the key")
+        for n in (1, 2, 3):
+            busy.send(n)
+        wait_until(lambda: len(backend.inspect("mutex:busy").waiters) == 3, WAIT, "the others to park")
+        gate.set()
+        for n in range(4):
+            free.send(n)
+        for _ in range(8):
+            assert done.acquire(timeout=WAIT)
+        wait_until(lambda: len(threads["free"]) == 4, WAIT, "the free keys' releases")
+    finally:
+        worker.stop()
+    # Every release of the busy key after its first handed the slot on: on the worker threads.
+    assert "dramatiq-guard-releases" not in threads["busy"][1:], threads
+    assert set(threads["free"]) == {"dramatiq-guard-releases"}, threads

@@ -34,7 +34,7 @@ from dramatiq_guard.middleware.base import (
 )
 from dramatiq_guard.middleware.slots.execution import hold, skip_dropped, skip_parked, skip_stale, take_held
 from dramatiq_guard.middleware.slots.limits import KeyDirectory
-from dramatiq_guard.middleware.slots.releases import Releaser, starts_follow_ups
+from dramatiq_guard.middleware.slots.releases import ContendedKeys, Releaser, starts_follow_ups
 from dramatiq_guard.middleware.slots.reservation import ReservationTicket, reserve_or_park
 from dramatiq_guard.middleware.slots.standbys import Standbys, wait_as_standby
 from dramatiq_guard.middleware.slots.waits import wait_for_mutex
@@ -111,6 +111,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         self._couriers: dict[int, Courier] = {}
         self._sweeper: Sweeper | None = None
         self._releaser: Releaser | None = None
+        self._contended = ContendedKeys()
 
     # -- what the two capabilities differ in ----------------------------------
 
@@ -250,6 +251,8 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         if result is None:
             return  # the backend is unavailable and the policy fails open
         state = execution_state(message)
+        if not result.acquired or result.reserved_ms is not None or result.handoffs:
+            self._contended.mark(key)  # the key has waiters: its release stays on the worker thread
         if result.stale:
             skip_stale(message, state, self.option, key)
         if result.acquired:
@@ -384,7 +387,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         events.released(message.actor_name)
         lease, actor = held.lease, message.actor_name
         releaser = self._releaser
-        if releaser is not None and not starts_follow_ups(message):  # see .releases
+        if releaser is not None and lease.key not in self._contended and not starts_follow_ups(message):
             releaser.add((lease, send_ahead, lambda result: self.released(broker, lease, result, actor)))
             return
         self.release(broker, lease, send_ahead=send_ahead, actor=actor)
@@ -440,10 +443,13 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
                 lease,
                 result,
             )
-        if result.handoffs or result.standbys:  # else nothing parked moved: no one to tell
-            self.deliver(broker, result.handoffs)
-            self.courier(broker).send_ahead(result.standbys)
-            events.lockwait_changed()
+        if not (result.handoffs or result.standbys):  # nothing parked moved: no one to tell
+            self._contended.unmark(lease.key)
+            return
+        self._contended.mark(lease.key)
+        self.deliver(broker, result.handoffs)
+        self.courier(broker).send_ahead(result.standbys)
+        events.lockwait_changed()
 
     # -- hand-offs ------------------------------------------------------------
 
