@@ -9,16 +9,21 @@ step, a callback) never finds the key still held by the message before it.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, cast
 
 import dramatiq
 import pytest
 import redis
 from dramatiq.middleware import Middleware
-from harness import wait_until
+from harness import RedisServer, wait_until
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 import dramatiq_guard
 from dramatiq_guard.backends import RedisBackend
+from dramatiq_guard.lease import Lease
+from dramatiq_guard.middleware.slots.releases import Releaser
+from dramatiq_guard.renewer import get_renewer
 
 pytestmark = pytest.mark.redis
 
@@ -176,3 +181,26 @@ def test_a_key_with_waiters_is_released_on_the_worker_thread_and_a_key_without_o
     # Every release of the busy key after its first handed the slot on: on the worker threads.
     assert "dramatiq-guard-releases" not in threads["busy"][1:], threads
     assert set(threads["free"]) == {"dramatiq-guard-releases"}, threads
+
+
+def test_releases_the_backend_cannot_take_are_reported_and_stop_being_renewed(
+    private_redis: RedisServer,
+) -> None:
+    """A batch whose backend is unreachable hands each lease's caller None (the middleware logs it;
+    the lease lapses within its ttl): none is kept renewing, none is retried."""
+    client = private_redis.client(socket_connect_timeout=1, socket_timeout=1, retry=Retry(NoBackoff(), 0))
+    backend = RedisBackend(client, namespace="releases")
+    taken = [backend.acquire(f"mutex:k{n}", f"m{n}", limit=1, ttl_ms=60_000) for n in range(3)]
+    leases = [
+        Lease(backend, f"mutex:k{n}", f"m{n}", cast(int, result.token), limit=1, ttl_ms=60_000)
+        for n, result in enumerate(taken)
+    ]
+    renewing = get_renewer().leases - len(leases)
+    private_redis.stop()
+    results: list[object] = []
+    releaser = Releaser()
+    assert releaser.send([(lease, 0, results.append) for lease in leases]) is True  # never retried
+    assert results == [None, None, None]
+    assert all(lease.released for lease in leases)
+    assert get_renewer().leases == renewing  # no longer renewed: each lapses within its ttl
+    client.close()
