@@ -42,6 +42,24 @@ class KeyAtEnqueue(Middleware):
             self.seen.append(tuple(holder for holder, _ in self.backend.inspect(self.key).holders))
 
 
+def three_parked_behind_the_first(
+    broker: Any, backend: RedisBackend, key: str, actor: Any
+) -> dramatiq.Worker:
+    """Start a worker running message 0 of ``actor`` (it holds ``key``), then send 1, 2 and 3: they park."""
+    actor.send(0)
+    worker = dramatiq.Worker(broker, worker_timeout=50, worker_threads=2)
+    worker.start()
+    try:
+        wait_until(lambda: backend.inspect(key).holders != (), WAIT, "the first to hold the key")
+        for n in (1, 2, 3):
+            actor.send(n)
+        wait_until(lambda: len(backend.inspect(key).waiters) == 3, WAIT, "the others to park")
+    except BaseException:
+        worker.stop()
+        raise
+    return worker
+
+
 @pytest.mark.parametrize("follow_up", ["pipeline", "on_success"])
 def test_a_follow_up_on_the_same_key_never_finds_its_predecessor_holding_it(
     follow_up: str, redis_broker: Any, redisdb: redis.Redis
@@ -110,14 +128,8 @@ def test_a_waiter_parked_behind_a_finished_message_runs_when_the_release_lands(
             assert gate.wait(WAIT)
         ran.append(n)
 
-    job.send(0)
-    worker = dramatiq.Worker(redis_broker, worker_timeout=50, worker_threads=2)
-    worker.start()
+    worker = three_parked_behind_the_first(redis_broker, backend, "mutex:one", job)
     try:
-        wait_until(lambda: backend.inspect("mutex:one").holders != (), WAIT, "the first to hold the key")
-        for n in (1, 2, 3):
-            job.send(n)
-        wait_until(lambda: len(backend.inspect("mutex:one").waiters) == 3, WAIT, "the others to park")
         gate.set()
         wait_until(lambda: len(ran) == 4, WAIT, "every message to run, one after the other")
     finally:
@@ -162,14 +174,8 @@ def test_a_key_with_waiters_is_released_on_the_worker_thread_and_a_key_without_o
     def free(n: int) -> None:
         done.release()
 
-    busy.send(0)
-    worker = dramatiq.Worker(redis_broker, worker_timeout=50, worker_threads=2)
-    worker.start()
+    worker = three_parked_behind_the_first(redis_broker, backend, "mutex:busy", busy)
     try:
-        wait_until(lambda: backend.inspect("mutex:busy").holders != (), WAIT, "the first to hold the key")
-        for n in (1, 2, 3):
-            busy.send(n)
-        wait_until(lambda: len(backend.inspect("mutex:busy").waiters) == 3, WAIT, "the others to park")
         gate.set()
         for n in range(4):
             free.send(n)
