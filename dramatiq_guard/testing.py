@@ -49,6 +49,11 @@ def parked_count(broker: Broker) -> int:
 def join(broker: Broker, queue_name: str, *, timeout: int | None = None, **join_options: Any) -> None:
     """Wait until ``queue_name`` is drained *and* no message is parked in any slot key.
 
+    On a broker whose worker releases leases on a thread of its own (any but
+    a StubBroker: see ``docs/slots.md``, Execution), the releases still
+    waiting for that thread are made first, so every finished message's slot
+    is free when this returns.
+
     Parameters:
       broker(Broker): A StubBroker (any broker with ``join``) with a worker running.
       queue_name(str): The queue to join.
@@ -65,6 +70,9 @@ def join(broker: Broker, queue_name: str, *, timeout: int | None = None, **join_
     while True:
         remaining = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
         broker.join(queue_name, timeout=remaining, **join_options)
+        for middleware in broker.middleware:
+            if isinstance(middleware, SlotsMiddleware):
+                middleware.flush_releases()
         with activity:
             # A handed-off message re-enters the queue before its hand-off is
             # confirmed, so "nothing parked" is only final with an empty queue.

@@ -24,6 +24,7 @@ from dramatiq_guard.backends import RedisBackend
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.slots.releases import Releaser
 from dramatiq_guard.renewer import get_renewer
+from dramatiq_guard.testing import join
 
 pytestmark = pytest.mark.redis
 
@@ -112,6 +113,26 @@ def test_a_stopped_worker_leaves_no_lease_behind(redis_broker: Any, redisdb: red
         worker.stop()
     # No wait: the worker's shutdown released what its release thread still held.
     assert redisdb.keys("releases:*:holders") == []
+
+
+def test_the_testing_join_returns_with_every_finished_message_released(
+    redis_broker: Any, redisdb: redis.Redis
+) -> None:
+    backend = RedisBackend(redisdb, namespace="releases")
+    dramatiq_guard.install(redis_broker, redis=backend)
+
+    @dramatiq.actor(mutex=True, queue_name="releases")
+    def job(n: int) -> None: ...
+
+    for n in range(100):
+        job.send(n)
+    worker = dramatiq.Worker(redis_broker, worker_timeout=50, worker_threads=4)
+    worker.start()
+    try:
+        join(redis_broker, "releases", timeout=int(WAIT * 1000))
+        assert redisdb.keys("releases:*:holders") == []  # no wait: join made the pending releases
+    finally:
+        worker.stop()
 
 
 def test_a_waiter_parked_behind_a_finished_message_runs_when_the_release_lands(
