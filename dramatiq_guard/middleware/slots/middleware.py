@@ -388,7 +388,9 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         lease, actor = held.lease, message.actor_name
         releaser = self._releaser
         if releaser is not None and lease.key not in self._contended and not starts_follow_ups(message):
-            releaser.add((lease, send_ahead, lambda result: self.released(broker, lease, result, actor)))
+            releaser.add(
+                (lease, send_ahead, lambda result: self._report_release(broker, lease, result, actor))
+            )
             return
         self.release(broker, lease, send_ahead=send_ahead, actor=actor)
 
@@ -415,10 +417,10 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             result: ReleaseResult | None = lease.release(send_ahead=send_ahead)
         except BackendUnavailable:
             result = None
-        self.released(broker, lease, result, actor)
+        self._report_release(broker, lease, result, actor)
         return result
 
-    def released(
+    def _report_release(
         self, broker: Broker, lease: Lease, result: ReleaseResult | None, actor: str | None = None
     ) -> None:
         """Report the release of ``lease`` and deliver what it handed on (see :meth:`release`).
