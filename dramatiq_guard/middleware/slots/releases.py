@@ -1,4 +1,4 @@
-"""Releasing finished messages' leases off the worker thread, in batches (docs/slots.md, "Releases").
+"""Releasing finished messages' leases off the worker thread, in batches (docs/slots.md, "Execution").
 
 In a worker on a real broker, a worker thread that finished a guarded message
 of a key without waiters hands its lease to this process's release thread and
