@@ -287,10 +287,9 @@ def release_leases(backend: GuardBackend, releases: Sequence[tuple[Lease, int]])
     for lease, _ in pending:
         lease._stop()
     results = backend.release_many([(lease.key, lease.holder, lease.limit, n) for lease, n in pending])
-    fresh = {
-        id(lease): lease._released_as(result) for (lease, _), result in zip(pending, results, strict=True)
-    }
-    return [fresh.get(id(lease)) or cast(ReleaseResult, lease.release_result) for lease, _ in releases]
+    for (lease, _), result in zip(pending, results, strict=True):
+        lease._released_as(result)
+    return [cast(ReleaseResult, lease.release_result) for lease, _ in releases]  # each has one now
 
 
 class _Expirer:

@@ -503,23 +503,23 @@ class RedisBackend(GuardBackend):
 
     def release(self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0) -> ReleaseResult:
         """Give up ``holder``'s slot; see :meth:`GuardBackend.release`."""
-        check_count(limit, "limit")
-        check_count(send_ahead, "send_ahead")
-        return self._release_reply(key, self._run("release", key, limit, holder, send_ahead))
+        return self._release_reply(key, self._call(*self._release_call(key, holder, limit, send_ahead)))
 
     def release_many(self, releases: Sequence[tuple[str, str, int | None, int]]) -> list[ReleaseResult]:
         """Release several holders in one pipelined round trip; see :meth:`GuardBackend.release_many`."""
         if not releases:
             return []
-        calls = []
-        for key, holder, limit, send_ahead in releases:
-            check_count(limit, "limit")
-            check_count(send_ahead, "send_ahead")
-            calls.append(
-                (self._scripts["release"], self._keys(key), self._args(key, limit, holder, send_ahead))
-            )
+        calls = [self._release_call(*release) for release in releases]
         replies = run_scripts(self.client, calls, replicas=self.replicas)
         return [self._release_reply(key, reply) for (key, *_), reply in zip(releases, replies, strict=True)]
+
+    def _release_call(
+        self, key: str, holder: str, limit: int | None, send_ahead: int
+    ) -> tuple[Script, list[str], list[str | int | bytes]]:
+        """The checked ``release.lua`` call of one release (run alone, or pipelined with others)."""
+        check_count(limit, "limit")
+        check_count(send_ahead, "send_ahead")
+        return self._scripts["release"], self._keys(key), self._args(key, limit, holder, send_ahead)
 
     def confirm_handoff(
         self, key: str, waiter_id: str, *, ttl_ms: int, generation: int | None = None
