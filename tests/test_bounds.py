@@ -298,6 +298,22 @@ def test_a_renewal_with_an_insane_ttl_leaves_the_lease_as_it_was(redis_env: Env)
     assert backend.inspect(KEY) == before and redis_env.stored() == stored
 
 
+def test_a_renewal_batch_with_one_insane_ttl_renews_none_of_it(redis_env: Env) -> None:
+    """renew.lua checks every lease of a batch before its first write."""
+    backend = redis_env.backend()
+    assert isinstance(backend, RedisBackend)
+    for holder in ("h1", "h2"):  # one key: a batch's keys may share a cluster slot
+        assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired
+    before = backend.inspect(KEY)
+    keys = backend._renew_keys(KEY) * 2
+    for ttl in NOT_SANE:
+        with pytest.raises(redis.ResponseError, match="ttl_ms must be an integer from 0 to"):
+            backend._renew(keys=keys, args=["h1", 120_000, "h2", ttl])
+    with pytest.raises(redis.ResponseError, match="renew takes 3 KEYS and 2 ARGV per lease"):
+        backend._renew(keys=keys, args=["h1", 120_000])
+    assert backend.inspect(KEY) == before
+
+
 def test_the_scripts_bounds_are_the_python_ones() -> None:
     from dramatiq_guard import bounds
 

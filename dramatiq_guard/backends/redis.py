@@ -44,6 +44,7 @@ from dramatiq_guard.backends.redis_client import (
     DEFAULT_SOCKET_TIMEOUT_S,
     RedisClient,
     ReplicaWaits,
+    ScriptCall,
     Timeouts,
     data,
     load_lua,
@@ -55,6 +56,11 @@ from dramatiq_guard.backends.redis_client import (
 )
 
 __all__ = ["DEFAULT_SOCKET_TIMEOUT_S", "RedisBackend", "RedisClient", "replica_waits_of"]
+
+
+#: The most leases one ``renew.lua`` call renews (:meth:`RedisBackend.renew_many`): a batch of
+#: renewals shares one script call's overhead, and no call keeps Redis busy for long.
+RENEWALS_PER_CALL = 200
 
 
 def replica_waits_of(count: int, timeout_ms: int) -> ReplicaWaits | None:
@@ -486,16 +492,32 @@ class RedisBackend(GuardBackend):
         it touches only the holder's entry and the expiry of its key.
         """
         check_ms(ttl_ms, "ttl_ms", minimum=0)
-        return bool(self._call(self._renew, self._renew_keys(key), [holder, ttl_ms]))
+        [renewed] = self._call(self._renew, self._renew_keys(key), [holder, ttl_ms])
+        return bool(renewed)
 
     def renew_many(self, leases: Sequence[tuple[str, str, int]]) -> list[bool]:
-        """Renew several leases in one pipelined round trip."""
+        """Renew several leases in one round trip; see :meth:`GuardBackend.renew_many`.
+
+        On a standalone Redis, ``lua/renew.lua`` renews up to
+        :data:`RENEWALS_PER_CALL` leases per call (the calls pipelined): one
+        script's overhead for a batch, not one per lease. On a Redis Cluster
+        each lease is a call of its own (a script's keys share one slot).
+        """
         if not leases:
             return []
         for _, _, ttl_ms in leases:
             check_ms(ttl_ms, "ttl_ms", minimum=0)
-        calls = [(self._renew, self._renew_keys(key), [holder, ttl]) for key, holder, ttl in leases]
-        return [bool(result) for result in run_scripts(self.client, calls, replicas=self.replicas)]
+        per_call = 1 if self._in_cluster() else RENEWALS_PER_CALL
+        calls: list[ScriptCall] = []
+        for start in range(0, len(leases), per_call):
+            keys: list[str] = []
+            args: list[str | int] = []
+            for key, holder, ttl_ms in leases[start : start + per_call]:
+                keys += self._renew_keys(key)
+                args += (holder, ttl_ms)
+            calls.append((self._renew, keys, args))
+        replies = run_scripts(self.client, calls, replicas=self.replicas)
+        return [bool(renewed) for reply in replies for renewed in reply]
 
     def _renew_keys(self, key: str) -> list[str]:
         names = self._names(key)

@@ -1,45 +1,68 @@
--- renew(holder, ttl_ms) -> 1 if renewed, 0 if the holder no longer holds the key.
--- On its own, without _prelude.lua: it touches only the holder's own entry (a lapsed entry is
+-- renew(holder_1, ttl_ms_1, holder_2, ttl_ms_2, ...) -> {1 or 0, ...}: per lease, 1 if renewed, 0
+-- if the holder no longer holds the key. One lease or a batch of them in one call: the lease
+-- renewer's and the dedup confirmer's batches run as one script on a standalone Redis (one call's
+-- overhead, not one per lease); on a Redis Cluster, where a script's keys share one slot, each
+-- lease is a call of its own.
+-- On its own, without _prelude.lua: it touches only each holder's own entry (a lapsed entry is
 -- left to the next reclaim, which hands its slot on, never revived), so it needs none of the
--- prelude's machinery. It is what the lease renewer and the dedup confirmer run, often.
+-- prelude's machinery.
 --
--- KEYS: H T I of the guard key, the layout of _prelude.lua (one hash tag, one slot).
--- ARGV: holder, ttl_ms.
+-- KEYS: H T I of each lease's guard key, the layout of _prelude.lua (one hash tag per key), in
+-- the order of ARGV's pairs.
+-- ARGV: holder, ttl_ms, per lease.
 -- Keeps the prelude's invariant: H, T and I, when they exist, expire no earlier than the
 -- largest deadline in H (PEXPIREAT GT: never sooner than they already do; on a server without
 -- GT, Redis < 7, from the latest deadline, and T only later). Times come from the server's clock
 -- only.
 local MAX_DURATION_MS = 31622400000
-local H, T, I = KEYS[1], KEYS[2], KEYS[3]
-local holder, ttl_arg = ARGV[1], ARGV[2]
 
--- Checked before the first write (see validate_args in _prelude.lua).
-local ttl = #ttl_arg <= 16 and string.match(ttl_arg, '^%d+$') and tonumber(ttl_arg)
-if not (ttl and ttl <= MAX_DURATION_MS) then
-  return redis.error_reply(
-    'ttl_ms must be an integer from 0 to ' .. string.format('%.0f', MAX_DURATION_MS) .. ', got ' .. tostring(ttl_arg)
-  )
+-- Checked before the first write (see validate_args in _prelude.lua): every lease's ttl, and
+-- that KEYS and ARGV agree, so a bad batch writes nothing.
+local count = #ARGV / 2
+if count % 1 ~= 0 or #KEYS ~= count * 3 then
+  return redis.error_reply('renew takes 3 KEYS and 2 ARGV per lease, got ' .. #KEYS .. ' and ' .. #ARGV)
+end
+local ttls = {}
+for n = 1, count do
+  local ttl_arg = ARGV[n * 2]
+  local ttl = #ttl_arg <= 16 and string.match(ttl_arg, '^%d+$') and tonumber(ttl_arg)
+  if not (ttl and ttl <= MAX_DURATION_MS) then
+    return redis.error_reply(
+      'ttl_ms must be an integer from 0 to ' .. string.format('%.0f', MAX_DURATION_MS) .. ', got ' .. tostring(ttl_arg)
+    )
+  end
+  ttls[n] = ttl
 end
 
-local deadline = redis.call('ZSCORE', H, holder)
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-if not deadline or tonumber(deadline) <= now then
-  return 0
-end
-local at = now + ttl
-redis.call('ZADD', H, at, holder)
-local reply = redis.pcall('PEXPIREAT', H, at, 'GT')
-if type(reply) == 'table' and reply.err then
-  local last = redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')
-  at = math.max(at, tonumber(last[2] or '0'))
-  redis.call('PEXPIREAT', H, at)
-  if redis.call('PTTL', T) < at - now then -- T may have to outlive the holders (store_token)
-    redis.call('PEXPIREAT', T, at)
+
+local function renew(H, T, I, holder, ttl)
+  local deadline = redis.call('ZSCORE', H, holder)
+  if not deadline or tonumber(deadline) <= now then
+    return 0
   end
-  redis.call('PEXPIREAT', I, at)
+  local at = now + ttl
+  redis.call('ZADD', H, at, holder)
+  local reply = redis.pcall('PEXPIREAT', H, at, 'GT')
+  if type(reply) == 'table' and reply.err then
+    local last = redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')
+    at = math.max(at, tonumber(last[2] or '0'))
+    redis.call('PEXPIREAT', H, at)
+    if redis.call('PTTL', T) < at - now then -- T may have to outlive the holders (store_token)
+      redis.call('PEXPIREAT', T, at)
+    end
+    redis.call('PEXPIREAT', I, at)
+    return 1
+  end
+  redis.call('PEXPIREAT', T, at, 'GT')
+  redis.call('PEXPIREAT', I, at, 'GT')
   return 1
 end
-redis.call('PEXPIREAT', T, at, 'GT')
-redis.call('PEXPIREAT', I, at, 'GT')
-return 1
+
+local renewed = {}
+for n = 1, count do
+  local k = n * 3
+  renewed[n] = renew(KEYS[k - 2], KEYS[k - 1], KEYS[k], ARGV[n * 2 - 1], ttls[n])
+end
+return renewed
