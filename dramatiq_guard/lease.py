@@ -46,9 +46,31 @@ from dramatiq_guard.backends.base import GuardBackend, ReleaseResult
 from dramatiq_guard.errors import LeaseLost
 from dramatiq_guard.renewer import LeaseHandle, LostFlag, get_renewer, known_valid_until
 
-__all__ = ["Lease", "release_leases"]
+__all__ = ["Lease", "release_leases", "runner_id"]
 
 logger = logging.getLogger(__name__)
+
+#: A random id of this process, made again in a forked child (a Dramatiq worker process).
+_process_id = os.urandom(8).hex()
+
+
+def _new_process_id() -> None:
+    global _process_id
+    _process_id = os.urandom(8).hex()
+
+
+os.register_at_fork(after_in_child=_new_process_id)
+
+
+def runner_id() -> str:
+    """Who runs a job on this thread: ``"<a random id of this process>:<the thread's id>"``.
+
+    The guard middlewares acquire a message's slot with it (the ``runner`` of
+    :meth:`~dramatiq_guard.backends.GuardBackend.acquire`): a second copy of
+    the message, delivered again while the first still holds the slot, runs
+    on another thread and is refused instead of running beside it.
+    """
+    return f"{_process_id}:{threading.get_ident()}"
 
 
 class Lease:

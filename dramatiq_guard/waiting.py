@@ -54,6 +54,7 @@ def wait_for_slot(
     payload: bytes | None = None,
     info: str | None = None,
     generation: int | None = None,
+    runner: str | None = None,
 ) -> AcquireResult:
     """Block as the ready waiter ``holder`` of ``key`` (already queued) until it holds a slot.
 
@@ -81,6 +82,8 @@ def wait_for_slot(
       generation(int|None): A standby's: the generation of the copy the worker
         holds (see :meth:`~GuardBackend.acquire`), so the copy is stale once
         it has parked again.
+      runner(str|None): Who runs the job once it holds (see
+        :meth:`~GuardBackend.acquire`): every re-check passes it.
 
     Returns:
       AcquireResult: Acquired (from a wake: ``reserved_ms`` is set, and the
@@ -101,13 +104,14 @@ def wait_for_slot(
             else:
                 wait = Waiter(payload=payload, wait_ms=entry_ms(left) if left > 0 else 0)
             result = backend.acquire(
-                key, holder, limit=limit, ttl_ms=ttl_ms, wait=wait, info=info, generation=generation
-            )
+                key, holder, limit=limit, ttl_ms=ttl_ms, wait=wait, info=info, generation=generation,
+                runner=runner,
+            )  # fmt: skip
             deliver(result.handoffs)
             if result.acquired:
                 acquired = True
                 return result
-            if left <= 0 or (payload is not None and not result.standby):
+            if left <= 0 or result.running or (payload is not None and not result.standby):
                 return result
     finally:
         if not acquired and payload is None:

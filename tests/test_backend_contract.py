@@ -486,6 +486,74 @@ def test_holders_carry_since_and_info_until_they_go(env: Env) -> None:
     assert_drained(env, backend)
 
 
+# --- Runners: two copies of one message never hold a slot at once ---------------------------
+
+
+def test_a_second_copy_of_a_running_holder_is_refused_with_nothing_done(env: Env) -> None:
+    """The broker delivers a running message again (RabbitMQ, a lost connection): refused as running."""
+    backend = env.backend()
+    first = backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, info="report", runner="p1:1")
+    assert first.acquired
+    park(backend, "p")  # a waiter too: the full path, not only the fast one
+    before = backend.inspect(KEY)
+    for wait in (None, Waiter(payload=b"msg:m"), Waiter(wait_ms=60_000)):
+        for runner in ("p2:7", None):  # another thread; or none: the message sent again meanwhile
+            again = backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, wait=wait, runner=runner)
+            assert again.running and not again.acquired and not again.parked and again.token is None
+            assert backend.inspect(KEY) == before  # not queued, not renewed, nothing handed on
+    same = backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, runner="p1:1")  # its own thread
+    assert same.acquired and not same.running
+    assert ("m", "report") in {(h, i) for h, _, i in backend.inspect(KEY).holder_info}
+    assert backend.release(KEY, "m", limit=1).handoffs[0].waiter_id == "p"
+    later = backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, runner="p2:7")  # released: no longer running
+    assert not later.running and not later.acquired and later.holders == ("p",)
+
+
+def test_a_reservation_is_taken_up_by_whichever_thread_picks_it_up(env: Env) -> None:
+    """A slot reserved at enqueue (no runner) or handed on is anyone's; then it is that runner's."""
+    backend = env.backend()
+    assert backend.acquire(KEY, "m", limit=1, ttl_ms=5_000, wait=Waiter(payload=b"msg:m")).acquired
+    assert backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, runner="p2:7").acquired
+    assert backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, runner="p1:1").running
+    assert backend.release(KEY, "m", limit=1).released
+    assert_drained(env, backend)
+
+
+def test_a_second_copy_of_a_blocked_waiter_is_refused_and_the_slot_goes_to_the_first(env: Env) -> None:
+    """A thread blocks for a slot; a second copy of its message, on another thread, is refused, and
+    the slot handed to the waiter is held for the first thread's runner."""
+    backend = env.backend()
+    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    blocked = backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000), runner="p1:1")
+    assert blocked.parked and not blocked.running
+    before = backend.inspect(KEY)
+    second = backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000), runner="p2:7")
+    assert second.running and not second.parked and backend.inspect(KEY) == before
+    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "w", None),)
+    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, runner="p2:7").running  # w's is p1:1's
+    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, runner="p1:1").acquired  # a missed wake
+    assert backend.release(KEY, "w", limit=1).released
+    assert_drained(env, backend)
+
+
+def test_a_dead_runners_holder_is_free_for_another_once_its_lease_lapsed(env: Env) -> None:
+    backend = env.backend()
+    assert backend.acquire(KEY, "m", limit=1, ttl_ms=200, runner="p1:1").acquired
+    assert backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, runner="p2:7").running
+    env.wait_past(deadline_of(backend, KEY, "m"))
+    assert backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, runner="p2:7").acquired
+    assert backend.release(KEY, "m", limit=1).released
+    assert_drained(env, backend)
+
+
+@pytest.mark.parametrize("runner", ["", "a|b", "a@b", "x" * 201])
+def test_a_runner_the_backends_cannot_keep_is_refused(env: Env, runner: str) -> None:
+    backend = env.backend()
+    with pytest.raises(ValueError, match="a runner must be a non-empty str of at most 200 characters"):
+        backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, runner=runner)
+    assert backend.inspect(KEY).holders == ()
+
+
 def test_a_lapsed_holder_is_reclaimed(env: Env) -> None:
     backend = env.backend()
     assert backend.acquire(KEY, "a", limit=1, ttl_ms=200).acquired

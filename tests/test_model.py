@@ -180,6 +180,7 @@ class Thread:
     key: str
     mid: str
     copy: Copy | None
+    runner: str  # the thread: the holder's runner once it is handed the slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +229,7 @@ def _normal(result: object) -> object:
     if isinstance(result, AcquireResult):
         return (
             result.acquired, result.token, frozenset(result.holders), result.limit, result.parked,
-            _handoffs(result.handoffs), result.standby, result.stale,
+            _handoffs(result.handoffs), result.standby, result.stale, result.running,
         )  # fmt: skip
     if isinstance(result, ReleaseResult):
         return (result.released, _handoffs(result.handoffs), _handoffs(result.standbys))
@@ -262,6 +263,8 @@ class GuardModel(RuleBasedStateMachine):
         self.memory = self.backends[0][1]
         self.ids = (f"m{n}" for n in itertools.count())
         self.running: dict[str, str] = {}  # holder -> key: acquired, and not released nor dead
+        self.runners: dict[str, str] = {}  # running holder -> the worker thread it runs on, if it has one
+        self.threads_made = (f"t{n}" for n in itertools.count())  # worker threads' runner ids
         self.threads: dict[str, Thread] = {}  # blocked on a wake
         self.pending: list[Copy] = []  # handed to a caller, not pushed yet
         self.owed: list[Copy] = []  # pushed, confirmation not sent yet
@@ -345,14 +348,19 @@ class GuardModel(RuleBasedStateMachine):
         self.check_tokens(key, results)
         first = results[0]
         for handoff in first.handoffs:
+            self.runners.pop(handoff.waiter_id, None)  # a slot handed on: no thread runs it yet
             if handoff.payload is not None:
                 self.pending.append(copy_of(handoff, route, standby=False))
         if isinstance(first, ReleaseResult):
             self.pending += [copy_of(sent, route, standby=True) for sent in first.standbys]
 
-    def started_now(self, key: str, mid: str) -> None:
-        """``mid`` holds ``key`` and runs."""
+    def started_now(self, key: str, mid: str, runner: str | None = None) -> None:
+        """``mid`` holds ``key`` and runs (on ``runner``, a worker thread, if known)."""
         self.running[mid] = key
+        if runner is None:
+            self.runners.pop(mid, None)
+        else:
+            self.runners[mid] = runner
         if mid in self.parked:
             self.started[mid] += 1
 
@@ -366,19 +374,24 @@ class GuardModel(RuleBasedStateMachine):
         generation: int | None = None,
         info: str | None = None,
         starts: bool = True,
+        runner: str | None = None,
     ) -> AcquireResult:
-        """``acquire`` everywhere; ``starts``: an acquired message starts (not a running holder's renewal)."""
+        """``acquire`` everywhere; ``starts``: an acquired message starts (not a running holder's renewal).
+
+        ``runner``: the worker thread acquiring, None at enqueue time.
+        """
         results = self.call(
             key,
             lambda b: b.acquire(
-                key, mid, limit=DEFAULTS[key], ttl_ms=LEASE_MS, wait=wait, info=info, generation=generation
+                key, mid, limit=DEFAULTS[key], ttl_ms=LEASE_MS, wait=wait, info=info, generation=generation,
+                runner=runner,
             ),
             route=route,
-        )
+        )  # fmt: skip
         self.absorb(key, results, route)
         result = results[0]
         if result.acquired and starts:
-            self.started_now(key, mid)
+            self.started_now(key, mid, runner)
         return result
 
     def sweep(self, key: str, limit: int | None, route: str) -> None:
@@ -394,6 +407,7 @@ class GuardModel(RuleBasedStateMachine):
         )
         self.absorb(key, results, route)
         self.running.pop(mid, None)
+        self.runners.pop(mid, None)
 
     # --- rules: messages and holders -------------------------------------------------------------
 
@@ -403,7 +417,8 @@ class GuardModel(RuleBasedStateMachine):
         route=st.sampled_from([MAIN, MAIN, OTHER]),
     )
     def a_message_arrives(self, key: str, mode: str, route: str) -> None:
-        """A new message acquires: without waiting, parking its payload, or blocking its thread."""
+        """A new message acquires: without waiting or blocking its worker thread, or parking its
+        payload at enqueue time (no thread: a reservation anyone may take up)."""
         with self.step():
             mid = next(self.ids)
             wait = {
@@ -411,11 +426,13 @@ class GuardModel(RuleBasedStateMachine):
                 "park": Waiter(payload=f"msg:{mid}".encode()),
                 "block": Waiter(wait_ms=BLOCK_MS),
             }[mode]
-            result = self.acquire(key, mid, wait=wait, route=route, info=mode)
+            runner = None if mode == "park" else next(self.threads_made)
+            result = self.acquire(key, mid, wait=wait, route=route, info=mode, runner=runner)
             if result.parked and mode == "park":
                 self.parked[mid] = key
             elif result.parked:
-                self.threads[mid] = Thread(key, mid, None)
+                assert runner is not None
+                self.threads[mid] = Thread(key, mid, None, runner)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), send_ahead=st.sampled_from([0, 0, 1, 2, 8]), foreign=st.booleans())
@@ -437,18 +454,50 @@ class GuardModel(RuleBasedStateMachine):
             mid = data.draw(st.sampled_from(sorted(self.running)))
             key = self.running[mid]
             if again:
-                result = self.acquire(key, mid, wait=None, starts=False)
+                result = self.acquire(key, mid, wait=None, starts=False, runner=self.runners.get(mid))
                 if not result.acquired:
                     self.running.pop(mid)  # its lease had lapsed and the slot was taken
+                    self.runners.pop(mid, None)
             else:
                 self.call(key, lambda b: b.renew(key, mid, ttl_ms=LEASE_MS))
+
+    @precondition(lambda self: self.runners)
+    @rule(data=st.data(), mode=st.sampled_from(["now", "park", "block"]))
+    def a_running_message_is_delivered_again(self, data: st.DataObject, mode: str) -> None:
+        """A second copy of a running message reaches another worker thread (RabbitMQ redelivers on
+        a lost connection): while the first holds the key, it is refused as running, and nothing
+        changes; it acquires only once the first's lease lapsed (its worker died, say)."""
+        with self.step():
+            mid = data.draw(st.sampled_from(sorted(self.runners)))
+            key = self.running[mid]
+            deadline = dict(self.memory.inspect(key).holders).get(mid)
+            waits = {
+                "now": None,
+                "park": Waiter(payload=f"msg:{mid}".encode()),
+                "block": Waiter(wait_ms=BLOCK_MS),
+            }
+            runner = next(self.threads_made)
+            result = self.acquire(key, mid, wait=waits[mode], runner=runner, starts=False)
+            if deadline is not None and deadline > self.clock.now_ms:
+                assert result.running and not result.acquired and not result.parked, result
+            else:
+                assert not result.running, result
+                if result.acquired:  # the first's lease lapsed: this copy runs now (not a parked start)
+                    self.running[mid] = key
+                    self.runners[mid] = runner
+                elif result.parked and mode == "block":
+                    self.threads[mid] = Thread(key, mid, None, runner)
+                elif result.parked:
+                    self.parked[mid] = key
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
     def a_holder_dies(self, data: st.DataObject) -> None:
         """A holder's process dies: it never releases, its lease lapses in time."""
         with self.step():
-            self.running.pop(data.draw(st.sampled_from(sorted(self.running))))
+            mid = data.draw(st.sampled_from(sorted(self.running)))
+            self.running.pop(mid)
+            self.runners.pop(mid, None)
 
     # --- rules: time, sweeps and limits ----------------------------------------------------------
 
@@ -580,12 +629,13 @@ class GuardModel(RuleBasedStateMachine):
             self.come_back(copy)
 
     def come_back(self, copy: Copy) -> None:
-        """At the gate, the copy acquires with the generation it carries: stale, it is dropped."""
+        """At the gate, the copy acquires with the generation it carries: stale, it is dropped;
+        refused as running (a copy of it runs), it goes to the broker without a slot."""
         wait = Waiter(payload=copy.payload)
         result = self.acquire(
             copy.key, copy.mid, wait=wait, route=copy.route, generation=copy.generation, starts=False
         )
-        if result.acquired:
+        if result.acquired or result.running:
             self.broker.append(dataclasses.replace(copy, standby=False))
 
     @rule(key=st.sampled_from(KEYS), route=st.sampled_from([MAIN, MAIN, OTHER]))
@@ -609,11 +659,21 @@ class GuardModel(RuleBasedStateMachine):
             self.broker.remove(copy)
             self.pick_up(copy, BLOCK_MS if block else 0, dies=dies)
 
-    def pick_up(self, copy: Copy, wait_ms: int, *, dies: bool = False) -> None:
+    def pick_up(self, copy: Copy, wait_ms: int, *, dies: bool = False, runner: str | None = None) -> None:
+        """A worker thread (``runner``: a new one unless given) acquires for the copy it picked up.
+
+        Refused as running (its message runs, or waits, on another thread: a thread that died
+        blocking for it, whose entry has not lapsed), it is retried: back to the broker.
+        """
         wait = Waiter(payload=copy.payload, wait_ms=wait_ms)
-        result = self.acquire(copy.key, copy.mid, wait=wait, route=copy.route, generation=copy.generation)
-        if result.standby:
-            self.threads[copy.mid] = Thread(copy.key, copy.mid, copy)
+        runner = runner or next(self.threads_made)
+        result = self.acquire(
+            copy.key, copy.mid, wait=wait, route=copy.route, generation=copy.generation, runner=runner
+        )
+        if result.running:
+            self.broker.append(copy)
+        elif result.standby:
+            self.threads[copy.mid] = Thread(copy.key, copy.mid, copy, runner)
         elif result.parked:
             self.parked.setdefault(copy.mid, copy.key)  # an original that parked after pickup
             if dies:
@@ -641,7 +701,7 @@ class GuardModel(RuleBasedStateMachine):
             assert woken.token > floor and woken.token not in self.seen[(name, key)]
             self.seen[(name, key)].add(woken.token)
         del self.threads[mid]
-        self.started_now(key, mid)
+        self.started_now(key, mid, thread.runner)
 
     @precondition(lambda self: self.threads)
     @rule(data=st.data(), dies=st.booleans(), dies_after_park=st.booleans())
@@ -658,7 +718,7 @@ class GuardModel(RuleBasedStateMachine):
                 if thread.copy is not None:
                     self.broker.append(thread.copy)
             elif thread.copy is not None:
-                self.pick_up(thread.copy, 0, dies=dies_after_park)
+                self.pick_up(thread.copy, 0, dies=dies_after_park, runner=thread.runner)
             else:
                 key, mid = thread.key, thread.mid
                 results = self.call(key, lambda b: b.cancel_wait(key, mid, limit=DEFAULTS[key]))

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import redis
 from harness import DramatiqWorker, Recorder, guard_leftovers, wait_until
+from harness.proxy import SilentProxy
 
 ACTORS = """
 import dramatiq
@@ -72,3 +73,71 @@ def test_a_mutex_on_rabbitmq_never_runs_two_at_once_and_runs_every_message(
     wait_until(lambda: not guard_leftovers(redisdb), what="no guard state left", redis=redisdb)
     assert worker.stop() == 0  # a graceful stop finishes whatever is in flight
     assert recorder.pending() == 0, "a message ran more than once"
+
+
+REDELIVERY_ACTORS = """
+import dramatiq
+from dramatiq.middleware import Middleware
+from harness import Gate, Recorder, broker_from_env
+
+import dramatiq_guard
+
+rec = Recorder.from_env()
+
+
+class RecordSkips(Middleware):
+    def after_skip_message(self, broker, message):
+        rec.record(skipped=message.message_id)
+
+
+broker = broker_from_env()
+broker.add_middleware(RecordSkips())
+dramatiq_guard.install(broker, lease_ttl=2_000)  # guard state: DRAMATIQ_GUARD_REDIS_URL
+dramatiq.set_broker(broker)
+
+
+@dramatiq.actor(queue_name={queue!r}, mutex={{"key": lambda: "one"}}, max_retries=0)
+def report():
+    with rec.track("one"):
+        rec.record(started=True)
+        Gate.from_env("finish").wait(timeout=120)
+    rec.record(finished=True)
+"""
+
+
+def test_a_message_rabbitmq_delivers_again_while_it_runs_does_not_run_beside_itself(
+    actor_module: Callable[..., ModuleType],
+    dramatiq_worker: Callable[..., DramatiqWorker],
+    rabbitmq_url: str,
+    rabbitmq_broker: Any,
+    unique_name: str,
+    recorder: Recorder,
+) -> None:
+    """RabbitMQ redelivers a message whose consumer's connection was lost, while the actor still
+    runs in that worker: the second copy is deferred (sent again after a lease's ttl, no retry
+    consumed: the actor has none), and runs only once the first released the mutex. Without
+    runners, it took the slot its own message held (a re-entrant acquire) and ran beside it."""
+    host, port = rabbitmq_url.rsplit("@", 1)[1].split("/", 1)[0].split(":")
+    with SilentProxy(host, int(port)) as proxy:
+        via_proxy = rabbitmq_url.replace(f"@{host}:{port}", f"@{proxy.host}:{proxy.port}")
+        actors = actor_module(REDELIVERY_ACTORS.format(queue=f"{unique_name}_q"), broker_url=rabbitmq_url)
+        first = dramatiq_worker("actors", broker_url=via_proxy, threads=2)
+        actors.report.send()
+        started = recorder.take_one(timeout=60)
+        assert started["started"] and started["pid"] in first.worker_pids
+        second = dramatiq_worker("actors", broker_url=rabbitmq_url, threads=2)
+        proxy.close()  # the first worker's connection is gone: RabbitMQ delivers the message again
+        deferred = recorder.take_one(timeout=60)
+        assert deferred.get("skipped") and deferred["pid"] in second.worker_pids, deferred
+        recorder.gate("finish").open(2)  # the first run ends and releases; then the retried copy runs
+        runs: list[dict[str, Any]] = []
+        while sum(1 for r in runs if r.get("finished")) < 2:  # further deferrals come in between
+            record = recorder.take_one(timeout=60)
+            if "skipped" not in record:
+                runs.append(record)
+    assert [(r.get("started", False), r["pid"] in first.worker_pids) for r in runs] == [
+        (False, True),  # the first copy finished in the first worker...
+        (True, False),  # ...before the second started, in the second worker
+        (False, False),
+    ]
+    assert recorder.max_concurrency("one") == 1

@@ -291,6 +291,7 @@ class GuardBackend(abc.ABC):
         info: str | None = None,
         generation: int | None = None,
         fenced: bool = True,
+        runner: str | None = None,
     ) -> AcquireResult:
         """Try to become a holder of ``key``.
 
@@ -328,6 +329,19 @@ class GuardBackend(abc.ABC):
           fenced(bool): False for a lock that fences no writes (a dedup lock, as
             :meth:`try_lock`): no token is issued (``token`` is None) and none is
             kept for the key, so a key per message leaves nothing behind.
+          runner(str|None): Who runs the holder's job if it acquires (a worker
+            thread: :func:`dramatiq_guard.lease.runner_id`), or None (nobody
+            yet: an enqueue-time reservation). Kept with the holder (and with a
+            ready waiter, so a slot handed to it keeps it) until it leaves. A
+            holder that holds the key, or blocks for it as a ready waiter, for a
+            runner is re-entered by that runner only: any other acquire of it
+            (another runner's, or one without a runner) is refused
+            (``running``), with nothing done and nothing queued. So two copies of
+            one message (a broker's redelivery while the first still runs, or
+            after its worker died and before its lease lapsed) never hold a slot
+            at once. A holder without a runner (a reservation, a hand-off) is
+            taken up by any acquire, as above. At most 200 characters, without
+            ``|`` or ``@`` (:func:`~dramatiq_guard.backends.checks.check_acquire`).
         """
 
     def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:

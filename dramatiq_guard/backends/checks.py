@@ -62,12 +62,33 @@ def check_count(value: int | None, what: str) -> None:
         raise ValueError(f"{what} must be an integer from 0 to {MAX_COUNT}, got {value!r}")
 
 
-def check_acquire(limit: int | None, ttl_ms: int, wait: Waiter | None) -> None:
-    """The checks of :meth:`GuardBackend.acquire`'s numbers (see :func:`check_ms`)."""
+#: The longest runner id :meth:`GuardBackend.acquire` takes.
+MAX_RUNNER_CHARS = 200
+
+
+def check_acquire(limit: int | None, ttl_ms: int, wait: Waiter | None, runner: str | None = None) -> None:
+    """The checks of :meth:`GuardBackend.acquire`'s numbers (see :func:`check_ms`) and runner.
+
+    Raises:
+      ValueError: If a number is out of its bounds, or ``runner`` is not a
+        non-empty str of at most :data:`MAX_RUNNER_CHARS` characters without
+        ``|`` or ``@``.
+    """
     check_count(limit, "limit")
     check_ms(ttl_ms, "ttl_ms")
     if wait is not None:
         check_ms(wait.wait_ms, "wait_ms", minimum=0)
+    if runner is not None and (
+        not isinstance(runner, str)
+        or not runner
+        or len(runner) > MAX_RUNNER_CHARS
+        or "|" in runner
+        or "@" in runner
+    ):
+        raise ValueError(
+            f"a runner must be a non-empty str of at most {MAX_RUNNER_CHARS} characters without "
+            f"'|' or '@', got {runner!r}"
+        )
 
 
 def check_key(key: str) -> None:

@@ -52,6 +52,7 @@ class _Entry:
     drop_at_ms: int | None = None  # ready waiters and standbys only
     on_broker: bool = False  # a standby sent ahead, not picked up (with a payload: not confirmed)
     info: str | None = None  # a ready waiter's, recorded as the holder's info by a hand-off
+    runner: str | None = None  # a ready waiter's, recorded as the holder's runner by a hand-off
     route: str | None = None  # a parked waiter's: only a caller of this route delivers it
     generation: int | None = None  # of its hand-off or standby send not confirmed yet
 
@@ -69,7 +70,8 @@ class _Guard:
     queue: dict[str, _Entry] = dataclasses.field(default_factory=dict)
     reserved: dict[str, _Entry] = dataclasses.field(default_factory=dict)
     woken: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # token, wake deadline
-    info: dict[str, tuple[int, str | None]] = dataclasses.field(default_factory=dict)
+    # holder -> (since_ms, info, runner): when it first held, what it said of itself, who runs it
+    info: dict[str, tuple[int, str | None, str | None]] = dataclasses.field(default_factory=dict)
     token: int = 0
     token_ms: int = 0  # when the last token was issued: it outlives the key's state by stale_ttl_ms
     default_limit: int | None = None  # recorded when a waiter queues, for callers that do not know it
@@ -88,6 +90,15 @@ class _Guard:
         """Who a refused acquire names: the first :data:`HOLDERS_SHOWN`, earliest deadline first."""
         order = sorted(self.holders, key=lambda h: (self.holders[h], h))
         return tuple(order[:HOLDERS_SHOWN])
+
+    def record_holder(self, holder: str, now: int, info: str | None, runner: str | None) -> None:
+        """An acquiring holder's info: a re-entrant one (or a reservation or hand-off taken up)
+        keeps its first since and info, and a runner given is recorded."""
+        first = self.info.get(holder)
+        if first is None:
+            self.info[holder] = (now, info or None, runner)
+        elif runner is not None:
+            self.info[holder] = (first[0], first[1], runner)
 
     def is_idle(self) -> bool:
         return not (self.holders or self.queue or self.reserved)
@@ -241,8 +252,8 @@ class MemoryBackend(GuardBackend):
                     generation = guard.new_generation(waiter, entry, now + self.stale_ttl_ms)
             else:
                 guard.woken[waiter] = (guard.next_token(), now + self.wake_ttl_ms)
-                if entry.info is not None:
-                    guard.info[waiter] = (now, entry.info)
+                if entry.info is not None or entry.runner is not None:
+                    guard.info[waiter] = (now, entry.info, entry.runner)
                 self._changed.notify_all()
             handed.append(Handoff(key, waiter, payload, generation))
         return handed
@@ -289,9 +300,10 @@ class MemoryBackend(GuardBackend):
         info: str | None = None,
         generation: int | None = None,
         fenced: bool = True,
+        runner: str | None = None,
     ) -> AcquireResult:
         """Try to become a holder of ``key``; see :meth:`GuardBackend.acquire`."""
-        return self._acquire(key, holder, limit, ttl_ms, wait, info, generation, fenced=fenced)
+        return self._acquire(key, holder, limit, ttl_ms, wait, info, generation, fenced=fenced, runner=runner)
 
     def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:
         """Take ``key`` as a limit-1 lock; see :meth:`GuardBackend.try_lock` (no token issued nor kept)."""
@@ -309,23 +321,25 @@ class MemoryBackend(GuardBackend):
         generation: int | None,
         *,
         fenced: bool,
+        runner: str | None = None,
     ) -> AcquireResult:
-        check_acquire(limit, ttl_ms, wait)
+        check_acquire(limit, ttl_ms, wait, runner)
         self.check_payload(key, holder, wait)
         sent = time.monotonic()  # the result's valid_from: the deadline counts from later
         with self._changed:
             guard, now = self._begin(key)
             in_force = self._in_force(key, guard, limit)
-            if guard.is_stale(holder, generation):
+            refused = self._refusal(guard, holder, generation, runner, in_force)
+            if refused is not None:
                 self._end(key, guard)
-                return AcquireResult(False, None, (), in_force, stale=True)
+                return refused
             handoffs = [h for h in self._hand_off(key, guard, in_force, now) if h.waiter_id != holder]
             token = None
             acquired = parked = standby = False
             if holder in guard.holders or (len(guard.holders) < in_force and not guard.queue):
                 acquired = True
                 guard.holders[holder] = now + ttl_ms
-                guard.info.setdefault(holder, (now, info or None))
+                guard.record_holder(holder, now, info, runner)
                 guard.queue.pop(holder, None)
                 guard.reserved.pop(holder, None)
                 guard.woken.pop(holder, None)
@@ -360,12 +374,34 @@ class MemoryBackend(GuardBackend):
                             # and a late confirmation does not take the entry out).
                             guard.live[holder] = (_REPARKED, now + self.stale_ttl_ms)
                 entry.info = (info or None) if entry.ready else None
+                entry.runner = runner if entry.ready else None
                 parked = True
             holders = () if acquired else guard.first_holders()
             self._end(key, guard)
             return AcquireResult(
                 acquired, token, holders, in_force, parked, tuple(handoffs), standby, valid_from=sent
             )
+
+    @staticmethod
+    def _refusal(
+        guard: _Guard, holder: str, generation: int | None, runner: str | None, in_force: int
+    ) -> AcquireResult | None:
+        """The acquire's refusal with nothing done, if any: a stale copy, or a second copy of a holder.
+
+        A second copy: ``holder`` holds the key, or blocks on it as a ready
+        waiter, for a runner other than ``runner`` (which may be None).
+        """
+        if guard.is_stale(holder, generation):
+            return AcquireResult(False, None, (), in_force, stale=True)
+        if holder in guard.holders:
+            first = guard.info.get(holder)
+            other = None if first is None else first[2]
+        else:
+            entry = guard.queue.get(holder)
+            other = entry.runner if entry is not None and entry.ready else None
+        if other is not None and other != runner:
+            return AcquireResult(False, None, (), in_force, running=True)
+        return None
 
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:
         """Extend ``holder``'s lease; see :meth:`GuardBackend.renew`."""
@@ -562,7 +598,7 @@ class MemoryBackend(GuardBackend):
                 reserved=tuple(guard.reserved),
                 limit=self._limits.get(key),
                 token=guard.token or None,
-                holder_info=tuple((h, *guard.info[h]) for h, _ in holders if h in guard.info),
+                holder_info=tuple((h, *guard.info[h][:2]) for h, _ in holders if h in guard.info),
             )
 
     def waiting_keys(self) -> list[str]:

@@ -363,6 +363,7 @@ class RedisBackend(GuardBackend):
             standby=queued == "standby",
             stale=queued == "stale",
             valid_from=sent,
+            running=queued == "running",
         )
 
     def _release_reply(self, key: str, reply: list[Any]) -> ReleaseResult:
@@ -385,7 +386,7 @@ class RedisBackend(GuardBackend):
             limit=None if limit is None else int(limit),
             token=None if token is None else int(token),
             holder_info=tuple(
-                (holder, int(meta[holder][0]), meta[holder][2] or None)
+                (holder, int(meta[holder][0].partition("@")[0]), meta[holder][2] or None)
                 for holder in (text(h) for h in holders[::2])
                 if holder in meta
             ),
@@ -404,6 +405,7 @@ class RedisBackend(GuardBackend):
         info: str | None = None,
         generation: int | None = None,
         fenced: bool = True,
+        runner: str | None = None,
     ) -> AcquireResult:
         """Try to become a holder of ``key``; see :meth:`GuardBackend.acquire`.
 
@@ -416,7 +418,7 @@ class RedisBackend(GuardBackend):
           ValueError: If ``key``, a number or (with ``wait``) ``holder`` is not allowed.
           PayloadTooLarge: If ``wait.payload`` is over ``max_payload_bytes`` (nothing is written).
         """
-        return self._acquire(key, holder, limit, ttl_ms, wait, info, generation, fenced=fenced)
+        return self._acquire(key, holder, limit, ttl_ms, wait, info, generation, fenced=fenced, runner=runner)
 
     def _acquire(
         self,
@@ -429,20 +431,23 @@ class RedisBackend(GuardBackend):
         generation: int | None,
         *,
         fenced: bool,
+        runner: str | None = None,
     ) -> AcquireResult:
         """Run ``acquire.lua``; unless ``fenced``, no token is issued nor kept (:meth:`try_lock`)."""
-        check_acquire(limit, ttl_ms, wait)
+        check_acquire(limit, ttl_ms, wait, runner)
         self.check_payload(key, holder, wait)
         gen: str | int = "" if generation is None else generation
         fence = "1" if fenced else "0"
+        run = runner or ""
         sent = time.monotonic()  # the result's valid_from: Redis counts the ttl from later
         if wait is None:
-            mode: list[str | int | bytes] = ["", b"", 0, info or "", gen, fence]
+            mode: list[str | int | bytes] = ["", b"", 0, info or "", gen, fence, run]
             reply = self._run("acquire", key, limit, holder, ttl_ms, *mode)
         else:
             self._check_waiter(holder)
             kind = "park" if wait.payload is not None else "block"
-            mode = [kind, b"" if wait.payload is None else wait.payload, wait.wait_ms, info or "", gen, fence]
+            payload = b"" if wait.payload is None else wait.payload
+            mode = [kind, payload, wait.wait_ms, info or "", gen, fence, run]
             if self._in_cluster():
                 script = self._scripts["acquire"]
                 [reply] = run_scripts(

@@ -96,6 +96,11 @@ class AcquireResult:
         renews it a third of the way into it when given ``reserved_ms``).
       stale(bool): The caller is a stale copy of a handed-off message (see
         *generations*): nothing was done, and it must not run.
+      running(bool): ``holder`` already holds the key (or blocks for it) for
+        another runner (see ``runner`` of :meth:`GuardBackend.acquire`): its
+        message runs there, or ran there until its worker died and the lease
+        has not lapsed yet. Nothing was done; this copy must not run now, nor
+        is it queued.
       valid_from(float|None): When the lease's ttl (or ``reserved_ms``)
         surely started counting, on this process's ``time.monotonic()``:
         just before the acquire request was sent (the backend counts from
@@ -114,6 +119,7 @@ class AcquireResult:
     reserved_ms: int | None = None
     stale: bool = False
     valid_from: float | None = None
+    running: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,8 +14,9 @@
 --   KEYS[6] T  string  the last fencing token; outlives the key's other state, expiring no earlier
 --                    than STALE_TTL after its last write (store_token)
 --   KEYS[7] L  string  the run-time limit
---   KEYS[8] I  hash  holder -> "<since_ms>|<info>": when it acquired, and what the caller said of it;
---                    a ready waiter -> "|<info>" (so a hand-off can record it)
+--   KEYS[8] I  hash  holder -> "<since_ms>[@<runner>]|<info>": when it acquired, the worker thread
+--                    it runs on (see acquire.lua), and what the caller said of it;
+--                    a ready waiter -> "[@<runner>]|<info>" (so a hand-off can record it)
 --   KEYS[9] S  zset  standby -> deadline (ms): a waiter sent ahead to the broker and not picked
 --                    up yet (standby.lua); with a payload in P it is not confirmed yet
 --   KEYS[10] M hash  what the key's waiters need from other processes, kept while anything is

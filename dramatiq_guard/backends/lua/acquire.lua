@@ -1,6 +1,15 @@
--- acquire(holder, ttl_ms, mode, payload, wait_ms, info, generation[, fenced]); mode: '' (no wait),
--- 'park', 'block'; generation: the one a handed-off copy carries, or ''; fenced: '0' for a lock
--- that fences nothing (GuardBackend.try_lock: no token is issued, T is not written), else a token.
+-- acquire(holder, ttl_ms, mode, payload, wait_ms, info, generation[, fenced[, runner]]); mode: ''
+-- (no wait), 'park', 'block'; generation: the one a handed-off copy carries, or ''; fenced: '0' for
+-- a lock that fences nothing (GuardBackend.try_lock: no token is issued, T is not written), else a
+-- token; runner: who runs the holder's job if it acquires (a worker thread), or '' for nobody yet
+-- (an enqueue-time reservation).
+-- A holder's runner is kept in its I entry ("<since_ms>@<runner>|<info>", see runner_of); a ready
+-- waiter's ("@<runner>|<info>") goes with the slot a hand-off gives it. A holder that already
+-- holds for a runner, or is a ready waiter a runner blocks on, is running (or waiting) there: an
+-- acquire by any other runner, or by none, is a second copy of its message (the broker delivered
+-- it again while the first runs, or the first's worker died and its lease has not lapsed; or it
+-- is sent again meanwhile). It is refused as 'running', nothing done, and the copy does not queue
+-- (it is not a waiter).
 -- generation '0' is the message as sent (ORIGINAL_GENERATION), picked up from the broker: like a
 -- hand-off's, a copy with a generation that parks makes the stored payload the only copy that may
 -- start (G: 'parked'), since the broker may deliver the copy again (its worker died before the ack).
@@ -9,7 +18,8 @@
 -- queued is '' (not waiting), 'queued', 'standby' for a standby (sent ahead, see
 -- standby.lua) picked up in 'park' mode with wait_ms > 0: it blocks in its place, a ready
 -- waiter (in D) from now on; or 'stale': the copy's generation is not the one that may start
--- (a newer hand-off of the same message exists), and nothing was done.
+-- (a newer hand-off of the same message exists), and nothing was done; or 'running': the holder
+-- already holds the key (or blocks for it) for another runner, and nothing was done.
 local refused = validate_args(
   { 'ttl_ms', arg(2), 1, MAX_DURATION_MS },
   { 'wait_ms', arg(5), 0, MAX_DURATION_MS },
@@ -22,6 +32,10 @@ local holder = arg(1)
 local ttl = tonumber(arg(2))
 local mode = arg(3)
 local fenced = arg(8) ~= '0'
+local runner = arg(9) or ''
+if string.find(runner, '[|@]') then
+  return redis.error_reply("runner must not contain '|' or '@', got " .. runner)
+end
 OWNED = true
 
 reclaim()
@@ -34,6 +48,13 @@ if live and live ~= generation then
   return { 0, false, limit_in_force(), 'stale', {}, {} }
 end
 local was_holder = holds(holder)
+-- Held, or blocked on as a ready waiter, for another runner (or the caller gives none): a second
+-- copy of the message.
+local other = runner_of(redis.call('HGET', I, holder))
+if other and other ~= runner and (was_holder or redis.call('ZSCORE', D, holder)) then
+  finish()
+  return { 0, false, limit_in_force(), 'running', {}, {} }
+end
 -- The limit and the last token in one read.
 local values = redis.call('MGET', L, T)
 LIMIT = values[1] and tonumber(values[1]) or default_limit()
@@ -61,13 +82,14 @@ local acquired = holds(holder) or (HN < limit and not PASSED_OVER)
 local queued = ''
 if acquired then
   set_holders({ NOW + ttl, holder })
-  local since = fmt(NOW) .. '|' .. arg(6)
+  -- A re-entrant acquire (or a reservation taken up): the first since and info stay, and a runner
+  -- given is recorded (holder_entry).
+  local entry = holder_entry(was_holder and redis.call('HGET', I, holder) or nil, NOW, runner, arg(6))
+  if entry then
+    redis.call('HSET', I, holder, entry)
+  end
   if was_holder then
-    -- A re-entrant acquire (or a reservation taken up): the first since and info stay.
-    redis.call('HSETNX', I, holder, since)
     redis.call('DEL', WAKE .. holder)
-  else
-    redis.call('HSET', I, holder, since)
   end
   if QUEUED then
     if redis.call('ZREM', W, holder) == 1 then
@@ -116,9 +138,9 @@ elseif mode ~= '' then
       redis.call('HDEL', P, holder)
     end
   end
-  if (standby or mode == 'block') and arg(6) ~= '' then
-    -- Ready: a hand-off records it as the holder's info.
-    redis.call('HSET', I, holder, '|' .. arg(6))
+  if (standby or mode == 'block') and (arg(6) ~= '' or runner ~= '') then
+    -- Ready: a hand-off records it as the holder's info (and runner).
+    redis.call('HSET', I, holder, (runner ~= '' and '@' .. runner or '') .. '|' .. arg(6))
   end
   queued = standby and 'standby' or 'queued'
 end

@@ -4,15 +4,16 @@
 -- key with nothing queued (no waiter, payload, reservation, ready waiter or standby) and no
 -- lapsed holder, that the caller takes (a free slot under the limit in force: the run-time
 -- limit, else the caller's default) or already holds (a re-entrant acquire, or a reservation
--- taken up: it is acquired whatever the limit). It leaves exactly the state, and returns exactly
--- the reply, that acquire.lua would: the holder with its new deadline, its "<since_ms>|<info>"
--- (kept if it already held), its wake list gone if it already held; fenced, the next fencing
+-- taken up: it is acquired whatever the limit) for no runner or the caller's own (a runner given
+-- is recorded, as acquire.lua does). It leaves exactly the state, and returns exactly
+-- the reply, that acquire.lua would: the holder with its new deadline, its I entry (holder_entry:
+-- since and info kept if it already held), its wake list gone if it already held; fenced, the next fencing
 -- token in T, expiring no earlier than the latest deadline nor STALE_TTL from now; H and I
 -- expiring no earlier than the latest deadline (moved only when it rose, as finish() does).
 -- Cost: O(log n) in the holders (ZRANGE -1 -1, ZCARD, ZRANGEBYSCORE LIMIT 1, ZSCORE, ZADD).
 -- Anything else (a waiter to hand to or to queue behind, a lapsed holder to reclaim, a full key,
--- a generation to check), or a number it cannot use, falls through to the prelude and
--- acquire.lua (which refuses a bad number before any write).
+-- a generation to check, a holder running for another runner), or a number or runner it cannot
+-- use, falls through to the prelude and acquire.lua (which refuses a bad one before any write).
 -- KEYS and ARGV as _prelude.lua; acquire's own arguments from ARGV[8] (see acquire.lua).
 do
   -- Only numbers validate_args accepts (_bounds.lua); the full path refuses the others.
@@ -22,8 +23,9 @@ do
     and whole_number(ARGV[3], 1, MAX_DURATION_MS) and whole_number(ARGV[12], 0, MAX_DURATION_MS)
     and (ARGV[5] == '' or whole_number(ARGV[5], 0, MAX_COUNT))
     and (ARGV[14] == '' or ARGV[14] == '0' and redis.call('EXISTS', KEYS[11] .. ':' .. ARGV[8]) == 0)
+    and not string.find(ARGV[16] or '', '[|@]')
     and redis.call('EXISTS', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[9]) == 0 then
-    local H, T, L, I, holder = KEYS[1], KEYS[6], KEYS[7], KEYS[8], ARGV[8]
+    local H, T, L, I, holder, runner = KEYS[1], KEYS[6], KEYS[7], KEYS[8], ARGV[8], ARGV[16] or ''
     local clock = redis.call('TIME')
     local now_us = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
     local now = math.floor(now_us / 1000)
@@ -33,17 +35,19 @@ do
       local values = redis.call('MGET', L, T)
       local limit = values[1] and tonumber(values[1]) or (ARGV[5] ~= '' and tonumber(ARGV[5]) or 0)
       local own = n > 0 and redis.call('ZSCORE', H, holder)
-      if own or n < limit then
+      local first = own and redis.call('HGET', I, holder)
+      local other = runner_of(first or nil)
+      if not (other and other ~= runner) and (own or n < limit) then
         local fenced = ARGV[15] ~= '0'
         local highest = #top > 0 and tonumber(top[2]) or 0
         local deadline = now + ttl
         redis.call('ZADD', H, deadline, holder)
-        local since = string.format('%.0f', now) .. '|' .. ARGV[13]
+        local entry = holder_entry(first or nil, now, runner, ARGV[13])
+        if entry then
+          redis.call('HSET', I, holder, entry)
+        end
         if own then
-          redis.call('HSETNX', I, holder, since)
           redis.call('DEL', ARGV[1] .. holder)
-        else
-          redis.call('HSET', I, holder, since)
         end
         local raised = deadline > highest
         local latest = deadline

@@ -11,6 +11,7 @@ import logging
 from contextvars import Token
 from typing import Any, Literal, NoReturn
 
+from dramatiq import Broker
 from dramatiq.broker import MessageProxy
 from dramatiq.middleware import SkipMessage
 
@@ -19,7 +20,16 @@ from dramatiq_guard.context import current_lease_var
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.base import ExecutionState
 
-__all__ = ["Held", "NotRun", "hold", "skip_dropped", "skip_parked", "skip_stale", "take_held"]
+__all__ = [
+    "Held",
+    "NotRun",
+    "defer_second_copy",
+    "hold",
+    "skip_dropped",
+    "skip_parked",
+    "skip_stale",
+    "take_held",
+]
 
 logger = logging.getLogger("dramatiq_guard.middleware.slots")
 
@@ -36,7 +46,7 @@ class Held:
 class NotRun:
     """This execution did not run: why."""
 
-    reason: Literal["parked", "dropped", "stale"]
+    reason: Literal["parked", "dropped", "stale", "deferred"]
     key: str
 
 
@@ -91,3 +101,32 @@ def skip_stale(message: MessageProxy, state: ExecutionState, option: str, key: s
     message.options["store_results"] = False
     logger.info("Skipped %s: a stale copy (a newer hand-off of %r runs instead).", message, key)
     raise SkipMessage(f"stale copy of a hand-off of {key!r}")
+
+
+def defer_second_copy(
+    broker: Broker, message: MessageProxy, state: ExecutionState, option: str, key: str, delay_ms: int
+) -> NoReturn:
+    """Skip this copy and send the message again in ``delay_ms``: another copy of it holds ``key``.
+
+    The broker delivered the message again while its first copy still runs (RabbitMQ, when a
+    consumer's connection drops), or after the first copy's worker died and before its lease
+    lapsed (``delay_ms`` is the lease's ttl: by the time this copy comes back, a dead holder's
+    lease has lapsed; a live one's copy is deferred again). Not a terminal event, and no retry
+    is consumed: the message goes back as it is (same ``message_id`` and options), past the
+    enqueue gate as Retries' re-enqueues do, and this copy is acked, storing no result.
+
+    Raises:
+      Exception: Whatever the broker's push raised (the copy is then not acked as skipped).
+    """
+    broker.enqueue(message, delay=delay_ms)  # type: ignore[arg-type]  # the proxy, as Retries does
+    state.parked = True
+    state.data[option] = NotRun("deferred", key)
+    message.options["store_results"] = False
+    logger.warning(
+        "Deferred %s by %d ms: another copy of it holds %r (the broker delivered it again while it "
+        "runs, or after its worker died and before its lease lapsed).",
+        message,
+        delay_ms,
+        key,
+    )
+    raise SkipMessage(f"another copy holds {key!r}")

@@ -24,7 +24,7 @@ from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Waiter
 from dramatiq_guard.delivery import Courier, copy_generation
 from dramatiq_guard.errors import BackendUnavailable, GuardError, MutexWaitTimeout
-from dramatiq_guard.lease import Lease
+from dramatiq_guard.lease import Lease, runner_id
 from dramatiq_guard.middleware.base import (
     ActorGuard,
     ExecutionState,
@@ -32,7 +32,14 @@ from dramatiq_guard.middleware.base import (
     execution_state,
     fail_open,
 )
-from dramatiq_guard.middleware.slots.execution import hold, skip_dropped, skip_parked, skip_stale, take_held
+from dramatiq_guard.middleware.slots.execution import (
+    defer_second_copy,
+    hold,
+    skip_dropped,
+    skip_parked,
+    skip_stale,
+    take_held,
+)
 from dramatiq_guard.middleware.slots.limits import KeyDirectory
 from dramatiq_guard.middleware.slots.releases import ContendedKeys, Releaser, starts_follow_ups
 from dramatiq_guard.middleware.slots.reservation import ReservationTicket, reserve_or_park
@@ -238,6 +245,8 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         Raises:
           SkipMessage: The message was parked or dropped.
           MutexWaitTimeout: ``on_busy="wait"`` gave up (Retries retries it).
+          SkipMessage: Another copy of the message holds its slot: this copy
+            is sent again after a lease's ttl (:func:`.execution.defer_second_copy`).
           BackendUnavailable: The backend could not be reached (unless ``fail_open``).
           GuardError: The key could not be computed.
         """
@@ -251,6 +260,8 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         if result is None:
             return  # the backend is unavailable and the policy fails open
         state = execution_state(message)
+        if result.running:
+            defer_second_copy(broker, message, state, self.option, key, self._lease_ttl(guard))
         if not result.acquired or result.reserved_ms is not None or result.handoffs:
             self._contended.mark(key)  # the key has waiters: its release stays on the worker thread
         if result.stale:
@@ -288,6 +299,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             wait = Waiter(wait_ms=entry_ms(self.wait_ms(guard.policy)))
         ttl_ms = self._lease_ttl(guard)
         generation = copy_generation(message, key)
+        runner = runner_id()  # a second copy of the message, delivered while this one holds, is refused
         try:
             result = backend.acquire(
                 key,
@@ -297,6 +309,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
                 wait=wait,
                 info=message.actor_name,
                 generation=generation,
+                runner=runner,
             )
         except BackendUnavailable as e:
             fail_open(guard.policy.fail_open, e, f"{message} runs unguarded")
@@ -312,6 +325,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             return wait_as_standby(
                 broker, backend, message, key, wait.payload, self.standbys.seats,
                 limit=limit, ttl_ms=ttl_ms, wait_ms=wait_ms, deliver=deliver, generation=generation,
+                runner=runner,
             )  # fmt: skip
         if not result.acquired and on_busy == "wait" and result.parked:
             wait_ms = self.wait_ms(guard.policy)
@@ -325,6 +339,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
                     ttl_ms=ttl_ms,
                     wait_ms=wait_ms,
                     deliver=deliver,
+                    runner=runner,
                 )
         return result
 

@@ -83,6 +83,10 @@ def reserve_or_park(
         fail_open(guard.policy.fail_open, e, f"{message} is enqueued unguarded")
         return None
     middleware.deliver(broker, result.handoffs)
+    if result.running:
+        # Another copy of the message holds the key (it runs): this one goes to the broker without
+        # a slot, and its worker defers it until that copy is done.
+        return None
     if result.stale:
         logger.info(
             "Dropped %s at enqueue: a stale copy (a newer hand-off of %r runs instead).", message, key

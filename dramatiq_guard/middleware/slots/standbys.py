@@ -113,11 +113,13 @@ def wait_as_standby(
     wait_ms: int,
     deliver: Callable[[Sequence[Handoff]], None],
     generation: int,
+    runner: str | None = None,
 ) -> AcquireResult:
     """Block as a standby until a slot is handed to the message, up to ``wait_ms``.
 
     ``generation``: of the copy the worker holds (every acquire passes it, so
-    the copy is stale once it has parked again).
+    the copy is stale once it has parked again); ``runner``: who runs it (as
+    :func:`~dramatiq_guard.waiting.wait_for_slot`'s).
 
     Returns the acquired result, or a parked one: the standby parks again in
     its place when ``wait_ms`` passes, when its entry lapsed meanwhile (it
@@ -126,8 +128,9 @@ def wait_as_standby(
     holder = message.message_id
     if not seats.take():
         result = backend.acquire(
-            key, holder, limit=limit, ttl_ms=ttl_ms, wait=Waiter(payload=payload), generation=generation
-        )
+            key, holder, limit=limit, ttl_ms=ttl_ms, wait=Waiter(payload=payload), generation=generation,
+            runner=runner,
+        )  # fmt: skip
         deliver(result.handoffs)
         return result
     try:
@@ -143,6 +146,7 @@ def wait_as_standby(
                 payload=payload,
                 info=message.actor_name,
                 generation=generation,
+                runner=runner,
             )
             if result.acquired:
                 rearm()

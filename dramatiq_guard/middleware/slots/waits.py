@@ -57,10 +57,12 @@ def wait_for_mutex(
     ttl_ms: int,
     wait_ms: int,
     deliver: Callable[[Sequence[Handoff]], None],
+    runner: str | None = None,
 ) -> AcquireResult:
     """Block as a waiter of ``key`` up to ``wait_ms``, the TimeLimit timer paused.
 
-    A waiter not served in time leaves the queue.
+    A waiter not served in time leaves the queue. ``runner``: as
+    :func:`~dramatiq_guard.waiting.wait_for_slot`'s.
     """
     with time_limit_paused(broker, message) as rearm:
         result = wait_for_slot(
@@ -72,6 +74,7 @@ def wait_for_mutex(
             deadline=time.monotonic() + wait_ms / 1000,
             deliver=deliver,
             info=message.actor_name,
+            runner=runner,
         )
         if result.acquired:
             rearm()
