@@ -59,7 +59,8 @@ def _new_process_id() -> None:
     _process_id = os.urandom(8).hex()
 
 
-os.register_at_fork(after_in_child=_new_process_id)
+if hasattr(os, "register_at_fork"):  # POSIX: a forked worker process is a runner of its own
+    os.register_at_fork(after_in_child=_new_process_id)
 
 
 def runner_id() -> str:

@@ -90,6 +90,7 @@ def wait_for_slot(
       lease must be renewed within it), or the last refused result.
     """
     acquired = False
+    theirs = False  # the entry is another copy's (a refusal as running): it is not ours to cancel
     try:
         while True:
             left = _left_ms(deadline)
@@ -111,10 +112,13 @@ def wait_for_slot(
             if result.acquired:
                 acquired = True
                 return result
-            if left <= 0 or result.running or (payload is not None and not result.standby):
+            if result.running:
+                theirs = True
+                return result
+            if left <= 0 or (payload is not None and not result.standby):
                 return result
     finally:
-        if not acquired and payload is None:
+        if not acquired and not theirs and payload is None:
             try:
                 deliver(backend.cancel_wait(key, holder, limit=limit).handoffs)
             except Exception:

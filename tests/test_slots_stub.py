@@ -178,6 +178,49 @@ def test_a_message_parked_after_pickup_keeps_its_id_and_retries_and_stores_no_re
     assert sorted(t.done) == [0, 1]
 
 
+@pytest.mark.parametrize("on_busy", ["park", "wait", "drop"])
+def test_a_second_copy_of_a_running_message_is_deferred_as_it_is_and_runs_after_the_first(
+    env: Env, on_busy: str
+) -> None:
+    """The broker delivers a running message again (RabbitMQ, a lost connection): the copy does not
+    run beside it; it goes back to the broker delayed by a lease ttl, with its id and its retries
+    (none consumed, though the actor has none), stores no result, and runs after the first."""
+    t = env.tracker
+    started = threading.Event()
+
+    @dramatiq.actor(mutex={"key": lambda n: "k", "on_busy": on_busy}, store_results=True, max_retries=0)
+    def job(n: int) -> int:
+        t.enter("k")
+        if not started.is_set():
+            started.set()
+            t.release.wait(10)
+        t.leave("k", n)
+        return n
+
+    skipped: list[dramatiq.Message[Any]] = []
+
+    class Skips(dramatiq.Middleware):
+        def after_skip_message(self, broker: dramatiq.Broker, message: Any) -> None:
+            skipped.append(message._message)
+
+    env.broker.add_middleware(Skips())
+    env.start(threads=4)
+    first = job.send(0)
+    assert started.wait(10)
+    # A second copy of the same message reaches the broker (past the gate, as a redelivery does).
+    env.broker.queues[job.queue_name].put(first.copy(options={"retries": 0}).encode())
+    wait_until(lambda: skipped, what="the second copy skipped")
+    copy = skipped[0]
+    assert (copy.message_id, copy.options["retries"]) == (first.message_id, 0)
+    assert t.peak == {"k": 1} and t.done == []
+    with pytest.raises(ResultMissing):  # the skipped copy stored nothing
+        env.results.get_result(first, block=False)
+    t.release.set()
+    join(env.broker, job.queue_name, timeout=10_000)
+    assert t.done == [0, 0] and t.peak == {"k": 1}  # the first, then the deferred copy after it
+    assert env.backend.inspect("mutex:k").holders == ()
+
+
 def test_a_pipeline_through_a_limited_actor_runs_each_step_once_in_order(env: Env) -> None:
     t = env.tracker
 

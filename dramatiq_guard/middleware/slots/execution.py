@@ -17,6 +17,7 @@ from dramatiq.middleware import SkipMessage
 
 from dramatiq_guard import events
 from dramatiq_guard.context import current_lease_var
+from dramatiq_guard.errors import GuardError
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.base import ExecutionState
 
@@ -116,9 +117,16 @@ def defer_second_copy(
     enqueue gate as Retries' re-enqueues do, and this copy is acked, storing no result.
 
     Raises:
-      Exception: Whatever the broker's push raised (the copy is then not acked as skipped).
+      SkipMessage: The message was sent again.
+      GuardError: The push failed (a MiddlewareError, so the actor does not run: Retries
+        retries this copy, as any failure).
     """
-    broker.enqueue(message, delay=delay_ms)  # type: ignore[arg-type]  # the proxy, as Retries does
+    try:
+        broker.enqueue(message, delay=delay_ms)  # type: ignore[arg-type]  # the proxy, as Retries does
+    except Exception as e:
+        raise GuardError(
+            f"{message}: another copy of it holds {key!r}, and sending this one again failed: {e}"
+        ) from e
     state.parked = True
     state.data[option] = NotRun("deferred", key)
     message.options["store_results"] = False

@@ -243,10 +243,10 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         """Acquire the message's slot; park, drop or wait when the key is full.
 
         Raises:
-          SkipMessage: The message was parked or dropped.
+          SkipMessage: The message was parked or dropped; or another copy of it
+            holds its slot, and this copy is sent again after a lease's ttl
+            (:func:`.execution.defer_second_copy`).
           MutexWaitTimeout: ``on_busy="wait"`` gave up (Retries retries it).
-          SkipMessage: Another copy of the message holds its slot: this copy
-            is sent again after a lease's ttl (:func:`.execution.defer_second_copy`).
           BackendUnavailable: The backend could not be reached (unless ``fail_open``).
           GuardError: The key could not be computed.
         """
