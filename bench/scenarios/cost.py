@@ -54,6 +54,9 @@ class _Row:
 
 #: Repeats of the per-guard drains (interleaved: see :func:`_measure_interleaved`).
 DRAIN_REPEATS = 5
+#: Rounds of the send rates: a send run is short, and the guard installed with nobody opting in
+#: is judged on a difference of a few percent, so more rounds steady its median.
+SEND_REPEATS = 9
 
 
 #: The arguments of the wake-up messages (below the warm-up's -1 ... -n // 10).
@@ -129,7 +132,7 @@ def _per_guard(ctx: Context) -> list[Figure]:
     ]
     unguarded = {"plain", "again", "floor"}  # drained on the worker without the guard
     sends: dict[str, list[float]] = {row.name: [] for row, _ in rows}
-    for row, actor in in_turns(rows, 1 if ctx.quick else DRAIN_REPEATS):  # the rows take turns here too
+    for row, actor in in_turns(rows, 1 if ctx.quick else SEND_REPEATS):  # the rows take turns here too
         sends[row.name].append(ctx.send_rate(_sender(actor, n), n, repeats=1))
     for row, _ in rows:
         row.send = statistics.median(sends[row.name])
