@@ -500,6 +500,7 @@ def test_a_second_copy_of_a_running_holder_is_refused_with_nothing_done(env: Env
         for runner in ("p2:7", None):  # another thread; or none: the message sent again meanwhile
             again = backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, wait=wait, runner=runner)
             assert again.running and not again.acquired and not again.parked and again.token is None
+            assert again.lapses_in_ms is not None and 0 < again.lapses_in_ms <= 60_000  # its lease's end
             assert backend.inspect(KEY) == before  # not queued, not renewed, nothing handed on
     same = backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, runner="p1:1")  # its own thread
     assert same.acquired and not same.running
@@ -529,6 +530,7 @@ def test_a_second_copy_of_a_blocked_waiter_is_refused_and_the_slot_goes_to_the_f
     before = backend.inspect(KEY)
     second = backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000), runner="p2:7")
     assert second.running and not second.parked and backend.inspect(KEY) == before
+    assert second.lapses_in_ms is not None and 0 < second.lapses_in_ms <= 60_000  # the first's wait
     assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "w", None),)
     assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, runner="p2:7").running  # w's is p1:1's
     assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, runner="p1:1").acquired  # a missed wake

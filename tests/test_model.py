@@ -229,7 +229,7 @@ def _normal(result: object) -> object:
     if isinstance(result, AcquireResult):
         return (
             result.acquired, result.token, frozenset(result.holders), result.limit, result.parked,
-            _handoffs(result.handoffs), result.standby, result.stale, result.running,
+            _handoffs(result.handoffs), result.standby, result.stale, result.running, result.lapses_in_ms,
         )  # fmt: skip
     if isinstance(result, ReleaseResult):
         return (result.released, _handoffs(result.handoffs), _handoffs(result.standbys))

@@ -329,7 +329,7 @@ class MemoryBackend(GuardBackend):
         with self._changed:
             guard, now = self._begin(key)
             in_force = self._in_force(key, guard, limit)
-            refused = self._refusal(guard, holder, generation, runner, in_force)
+            refused = self._refusal(guard, holder, generation, runner, in_force, now)
             if refused is not None:
                 self._end(key, guard)
                 return refused
@@ -384,7 +384,7 @@ class MemoryBackend(GuardBackend):
 
     @staticmethod
     def _refusal(
-        guard: _Guard, holder: str, generation: int | None, runner: str | None, in_force: int
+        guard: _Guard, holder: str, generation: int | None, runner: str | None, in_force: int, now: int
     ) -> AcquireResult | None:
         """The acquire's refusal with nothing done, if any: a stale copy, or a second copy of a holder.
 
@@ -393,14 +393,17 @@ class MemoryBackend(GuardBackend):
         """
         if guard.is_stale(holder, generation):
             return AcquireResult(False, None, (), in_force, stale=True)
+        other: str | None = None
+        until: int | None = None  # when the entry of the other runner lapses
         if holder in guard.holders:
             first = guard.info.get(holder)
-            other = None if first is None else first[2]
+            other, until = (None if first is None else first[2]), guard.holders[holder]
         else:
             entry = guard.queue.get(holder)
-            other = entry.runner if entry is not None and entry.ready else None
-        if other is not None and other != runner:
-            return AcquireResult(False, None, (), in_force, running=True)
+            if entry is not None and entry.ready:
+                other, until = entry.runner, entry.drop_at_ms
+        if other is not None and other != runner and until is not None:
+            return AcquireResult(False, None, (), in_force, running=True, lapses_in_ms=max(0, until - now))
         return None
 
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:

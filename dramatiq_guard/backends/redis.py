@@ -350,8 +350,9 @@ class RedisBackend(GuardBackend):
         )
 
     def _acquire_reply(self, key: str, reply: list[Any], sent: float) -> AcquireResult:
-        """Decode acquire.lua's ``{acquired, token, limit, queued, holders, handoffs}``, sent at ``sent``."""
-        acquired, token, in_force, queued, holders, handoffs = reply
+        """Decode acquire.lua's ``{acquired, token, limit, queued, holders, handoffs[, lapses_in_ms]}``,
+        sent at ``sent``."""
+        acquired, token, in_force, queued, holders, handoffs, *lapses_in = reply
         queued = text(queued)
         return AcquireResult(
             acquired=bool(acquired),
@@ -364,6 +365,7 @@ class RedisBackend(GuardBackend):
             stale=queued == "stale",
             valid_from=sent,
             running=queued == "running",
+            lapses_in_ms=int(lapses_in[0]) if lapses_in else None,
         )
 
     def _release_reply(self, key: str, reply: list[Any]) -> ReleaseResult:

@@ -101,6 +101,9 @@ class AcquireResult:
         message runs there, or ran there until its worker died and the lease
         has not lapsed yet. Nothing was done; this copy must not run now, nor
         is it queued.
+      lapses_in_ms(int|None): With ``running``: in how many ms the entry in
+        the way (the other runner's lease, or its wait) lapses unless it is
+        renewed (a live runner renews its lease); the copy may ask again then.
       valid_from(float|None): When the lease's ttl (or ``reserved_ms``)
         surely started counting, on this process's ``time.monotonic()``:
         just before the acquire request was sent (the backend counts from
@@ -120,6 +123,7 @@ class AcquireResult:
     stale: bool = False
     valid_from: float | None = None
     running: bool = False
+    lapses_in_ms: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

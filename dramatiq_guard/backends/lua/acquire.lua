@@ -13,7 +13,8 @@
 -- generation '0' is the message as sent (ORIGINAL_GENERATION), picked up from the broker: like a
 -- hand-off's, a copy with a generation that parks makes the stored payload the only copy that may
 -- start (G: 'parked'), since the broker may deliver the copy again (its worker died before the ack).
--- Returns {acquired, token|nil, limit, queued, holders, handoffs} (RedisBackend._acquire_reply);
+-- Returns {acquired, token|nil, limit, queued, holders, handoffs[, lapses_in_ms]}
+-- (RedisBackend._acquire_reply); lapses_in_ms, with 'running' only: when the entry in the way lapses;
 -- holders: when refused, the first HOLDERS_SHOWN live holders (earliest deadline first), else none;
 -- queued is '' (not waiting), 'queued', 'standby' for a standby (sent ahead, see
 -- standby.lua) picked up in 'park' mode with wait_ms > 0: it blocks in its place, a ready
@@ -51,9 +52,10 @@ local was_holder = holds(holder)
 -- Held, or blocked on as a ready waiter, for another runner (or the caller gives none): a second
 -- copy of the message.
 local other = runner_of(redis.call('HGET', I, holder))
-if other and other ~= runner and (was_holder or redis.call('ZSCORE', D, holder)) then
+local entry_deadline = other and other ~= runner and redis.call('ZSCORE', was_holder and H or D, holder)
+if entry_deadline then
   finish()
-  return { 0, false, limit_in_force(), 'running', {}, {} }
+  return { 0, false, limit_in_force(), 'running', {}, {}, math.max(0, tonumber(entry_deadline) - NOW) }
 end
 -- The limit and the last token in one read.
 local values = redis.call('MGET', L, T)

@@ -111,8 +111,9 @@ def defer_second_copy(
 
     The broker delivered the message again while its first copy still runs (RabbitMQ, when a
     consumer's connection drops), or after the first copy's worker died and before its lease
-    lapsed (``delay_ms`` is the lease's ttl: by the time this copy comes back, a dead holder's
-    lease has lapsed; a live one's copy is deferred again). Not a terminal event, and no retry
+    lapsed (``delay_ms``: until that copy's lease, or its wait, would lapse, and at most a lease's
+    ttl; a dead holder's has lapsed by the time this copy comes back, a live one's copy is
+    deferred again). Not a terminal event, and no retry
     is consumed: the message goes back as it is (same ``message_id`` and options), past the
     enqueue gate as Retries' re-enqueues do, and this copy is acked, storing no result.
 

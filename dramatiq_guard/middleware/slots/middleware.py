@@ -56,6 +56,11 @@ logger = logging.getLogger("dramatiq_guard.middleware.slots")
 P = TypeVar("P", ConcurrencyPolicy, MutexPolicy)
 
 
+#: Added to the time a copy refused as running waits (see ``_deferral_ms``): the entry in its way
+#: has lapsed by the time it asks again, on a server clock a little ahead.
+DEFERRAL_MARGIN_MS = 100
+
+
 class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
     """What :class:`~dramatiq_guard.Mutex` and :class:`~dramatiq_guard.Concurrency` share (docs/slots.md).
 
@@ -261,7 +266,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             return  # the backend is unavailable and the policy fails open
         state = execution_state(message)
         if result.running:
-            defer_second_copy(broker, message, state, self.option, key, self._lease_ttl(guard))
+            defer_second_copy(broker, message, state, self.option, key, self._deferral_ms(guard, result))
         if not result.acquired or result.reserved_ms is not None or result.handoffs:
             self._contended.mark(key)  # the key has waiters: its release stays on the worker thread
         if result.stale:
@@ -367,6 +372,14 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         hold(message, state, self.option, lease)
         with self._inflight_lock:
             self._inflight.add(message.message_id)
+
+    def _deferral_ms(self, guard: ActorGuard[P], result: AcquireResult) -> int:
+        """How long a copy refused as running waits before it asks again: until the entry in its
+        way would lapse (a dead runner's), and at most a lease's ttl (a live runner renews it)."""
+        ttl = self._lease_ttl(guard)
+        if result.lapses_in_ms is None:
+            return ttl
+        return max(DEFERRAL_MARGIN_MS, min(ttl, result.lapses_in_ms + DEFERRAL_MARGIN_MS))
 
     def _lease_ttl(self, guard: ActorGuard[P]) -> int:
         cap = guard.policy.ttl_ms
