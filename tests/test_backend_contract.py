@@ -618,17 +618,18 @@ def test_renewal_keeps_a_lease_alive_past_its_ttl(env: Env) -> None:
 
 
 def test_a_large_renewal_batch_reports_each_lease_in_order(env: Env) -> None:
-    """More leases than one script call renews (RENEWALS_PER_CALL): every answer in its place."""
+    """More leases than one script call renews (RENEWALS_PER_CALL), of many keys and, interleaved
+    with them, many of one key (a Redis Cluster batches those): every answer in its place."""
     backend = env.backend()
-    keys = [f"batch-{i}" for i in range(450)]
-    for i, key in enumerate(keys):
-        if i % 3:
-            assert backend.acquire(key, "a", limit=1, ttl_ms=60_000).acquired
-    before = {key: deadline_of(backend, key, "a") for i, key in enumerate(keys) if i % 3}
-    renewed = backend.renew_many([(key, "a", 120_000) for key in keys])
-    assert renewed == [bool(i % 3) for i in range(len(keys))]
-    assert all(deadline_of(backend, key, "a") > before[key] for key in before)
-    assert all(not backend.inspect(key).holders for i, key in enumerate(keys) if not i % 3)
+    leases = [(f"batch-{i}", "a") if i % 2 else ("wide", f"w{i}") for i in range(900)]
+    held = [i % 3 != 0 for i in range(len(leases))]
+    for (key, holder), holds in zip(leases, held, strict=True):
+        if holds:
+            assert backend.acquire(key, holder, limit=1_000, ttl_ms=60_000).acquired
+    before = {lease: deadline_of(backend, *lease) for lease, holds in zip(leases, held, strict=True) if holds}
+    renewed = backend.renew_many([(key, holder, 120_000) for key, holder in leases])
+    assert renewed == held
+    assert all(deadline_of(backend, *lease) > deadline for lease, deadline in before.items())
 
 
 def test_the_renewer_keeps_leases_alive_and_reports_lost_ones(env: Env) -> None:

@@ -505,26 +505,38 @@ class RedisBackend(GuardBackend):
     def renew_many(self, leases: Sequence[tuple[str, str, int]]) -> list[bool]:
         """Renew several leases in one round trip; see :meth:`GuardBackend.renew_many`.
 
-        On a standalone Redis, ``lua/renew.lua`` renews up to
-        :data:`RENEWALS_PER_CALL` leases per call (the calls pipelined): one
-        script's overhead for a batch, not one per lease. On a Redis Cluster
-        each lease is a call of its own (a script's keys share one slot).
+        ``lua/renew.lua`` renews up to :data:`RENEWALS_PER_CALL` leases per
+        call (the calls pipelined): one script's overhead for a batch, not one
+        per lease. On a standalone Redis any leases share a call; on a Redis
+        Cluster, where a script's keys share one slot, the leases of one guard
+        key do (the holders of a wide concurrency limit).
         """
         if not leases:
             return []
         for _, _, ttl_ms in leases:
             check_ms(ttl_ms, "ttl_ms", minimum=0)
-        per_call = 1 if self._in_cluster() else RENEWALS_PER_CALL
+        if self._in_cluster():
+            by_key: dict[str, list[int]] = {}
+            for i, (key, _, _) in enumerate(leases):
+                by_key.setdefault(key, []).append(i)
+            groups = list(by_key.values())
+        else:
+            groups = [list(range(len(leases)))]
+        chunks = [g[s : s + RENEWALS_PER_CALL] for g in groups for s in range(0, len(g), RENEWALS_PER_CALL)]
         calls: list[ScriptCall] = []
-        for start in range(0, len(leases), per_call):
+        for chunk in chunks:
             keys: list[str] = []
             args: list[str | int] = []
-            for key, holder, ttl_ms in leases[start : start + per_call]:
+            for i in chunk:
+                key, holder, ttl_ms = leases[i]
                 keys += self._renew_keys(key)
                 args += (holder, ttl_ms)
             calls.append((self._renew, keys, args))
-        replies = run_scripts(self.client, calls, replicas=self.replicas)
-        return [bool(renewed) for reply in replies for renewed in reply]
+        renewed = [False] * len(leases)
+        for chunk, reply in zip(chunks, run_scripts(self.client, calls, replicas=self.replicas), strict=True):
+            for i, answer in zip(chunk, reply, strict=True):
+                renewed[i] = bool(answer)
+        return renewed
 
     def _renew_keys(self, key: str) -> list[str]:
         names = self._names(key)
