@@ -480,15 +480,18 @@ class GuardModel(RuleBasedStateMachine):
             result = self.acquire(key, mid, wait=waits[mode], runner=runner, starts=False)
             if deadline is not None and deadline > self.clock.now_ms:
                 assert result.running and not result.acquired and not result.parked, result
-            else:
-                assert not result.running, result
-                if result.acquired:  # the first's lease lapsed: this copy runs now (not a parked start)
-                    self.running[mid] = key
-                    self.runners[mid] = runner
-                elif result.parked and mode == "block":
-                    self.threads[mid] = Thread(key, mid, None, runner)
-                elif result.parked:
-                    self.parked[mid] = key
+                return
+            # The first's lease lapsed (its worker died, say): that run is over, and this copy is
+            # a message of its own now: it runs (not a parked start), waits, or parks.
+            self.running.pop(mid)
+            self.runners.pop(mid)
+            if result.acquired:
+                self.running[mid] = key
+                self.runners[mid] = runner
+            elif result.parked and mode == "block":
+                self.threads[mid] = Thread(key, mid, None, runner)
+            elif result.parked:
+                self.parked[mid] = key
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())

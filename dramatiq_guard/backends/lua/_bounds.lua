@@ -25,8 +25,8 @@ local function whole_number(value, low, high)
 end
 
 -- Also shared by the fast paths and the prelude: the runner recorded in a holder's I entry,
--- "<since_ms>@<runner>|<info>" (a ready waiter's: "@<runner>|<info>"; no '@' before the first
--- '|': no runner), or nil. A runner never holds '|' or '@' (acquire.lua refuses one that does).
+-- "<since_ms>@<runner>|<info>" (no '@' before the first '|': no runner), or nil. A runner never
+-- holds '|' or '@' (acquire.lua refuses one that does).
 local function runner_of(entry)
   local head = entry and string.match(entry, '^[^|]*')
   local at = head and string.find(head, '@', 1, true)

@@ -16,7 +16,7 @@
 --   KEYS[7] L  string  the run-time limit
 --   KEYS[8] I  hash  holder -> "<since_ms>[@<runner>]|<info>": when it acquired, the worker thread
 --                    it runs on (see acquire.lua), and what the caller said of it;
---                    a ready waiter -> "[@<runner>]|<info>" (so a hand-off can record it)
+--                    a ready waiter -> "|<info>" (so a hand-off can record it)
 --   KEYS[9] S  zset  standby -> deadline (ms): a waiter sent ahead to the broker and not picked
 --                    up yet (standby.lua); with a payload in P it is not confirmed yet
 --   KEYS[10] M hash  what the key's waiters need from other processes, kept while anything is
@@ -24,7 +24,9 @@
 --                    when a waiter queues (a process that does not, e.g. one sweeping a key of
 --                    another application, uses it); 'r:<w>' -> the route (the broker) of parked
 --                    waiter w, which only a process of that route delivers; 'g:<w>' -> the
---                    generation of w's hand-off or standby send that is not confirmed yet
+--                    generation of w's hand-off or standby send that is not confirmed yet;
+--                    'u:<w>' -> the runner of ready waiter w (see acquire.lua), kept here as long
+--                    as w waits (I may expire with the holders before)
 --   KEYS[11] G  the prefix of the per-waiter generation records: G .. ':' .. w, a string, the
 --                    one generation of w's message that may start, for waiters of which a copy
 --                    that must not start may be on the broker (w's hand-off or standby send
@@ -162,16 +164,15 @@ local function add_deadline(z, at, member)
 end
 
 -- Make w, queued in W, a ready waiter (a thread blocks on it) until `at`: in D by that deadline,
--- in Q by its place.
-local function set_ready(w, at)
+-- in Q by its place; the thread's runner ('' for none) in M, as 'u:<w>' (see acquire.lua).
+local function set_ready(w, at, runner)
   add_deadline(D, at, w)
   redis.call('ZADD', Q, redis.call('ZSCORE', W, w), w)
-end
-
--- The waiters of `list` are no longer ready waiters (if they were).
-local function unset_ready(list)
-  call_many('ZREM', D, list)
-  call_many('ZREM', Q, list)
+  if runner ~= '' then
+    redis.call('HSET', M, 'u:' .. w, runner)
+  else
+    redis.call('HDEL', M, 'u:' .. w)
+  end
 end
 
 -- Whether h holds a slot (after reclaim: a live holder).
@@ -214,6 +215,13 @@ local function prefixed(prefix, list)
     out[i] = prefix .. w
   end
   return out
+end
+
+-- The waiters of `list` are no longer ready waiters (if they were), nor blocked on by a runner.
+local function unset_ready(list)
+  call_many('ZREM', D, list)
+  call_many('ZREM', Q, list)
+  call_many('HDEL', M, prefixed('u:', list))
 end
 
 -- The generation of w's message that may start (its record in G), or nil if any may.
@@ -521,10 +529,11 @@ local function handoff(limit, out)
       woken[#woken + 1] = w
       redis.call('RPUSH', WAKE .. w, fmt(next_token()))
       redis.call('PEXPIRE', WAKE .. w, WAKE_TTL)
-      -- A ready waiter left its info: it holds the slot from now on.
+      -- A ready waiter left its info, and its runner in M: it holds the slot from now on, for it.
       local info = redis.call('HGET', I, w)
-      if info then
-        redis.call('HSET', I, w, fmt(NOW) .. info)
+      local runner = redis.call('HGET', M, 'u:' .. w)
+      if info or runner then
+        redis.call('HSET', I, w, fmt(NOW) .. (runner and '@' .. runner or '') .. (info or '|'))
       end
     end
     out[#out + 1] = w

@@ -4,7 +4,7 @@
 -- token; runner: who runs the holder's job if it acquires (a worker thread), or '' for nobody yet
 -- (an enqueue-time reservation).
 -- A holder's runner is kept in its I entry ("<since_ms>@<runner>|<info>", see runner_of); a ready
--- waiter's ("@<runner>|<info>") goes with the slot a hand-off gives it. A holder that already
+-- waiter's in M ('u:<waiter>', set_ready), and a hand-off moves it to the holder's I entry. A holder that already
 -- holds for a runner, or is a ready waiter a runner blocks on, is running (or waiting) there: an
 -- acquire by any other runner, or by none, is a second copy of its message (the broker delivered
 -- it again while the first runs, or the first's worker died and its lease has not lapsed; or it
@@ -51,7 +51,12 @@ end
 local was_holder = holds(holder)
 -- Held, or blocked on as a ready waiter, for another runner (or the caller gives none): a second
 -- copy of the message.
-local other = runner_of(redis.call('HGET', I, holder))
+local other
+if was_holder then
+  other = runner_of(redis.call('HGET', I, holder))
+elseif QUEUED then
+  other = redis.call('HGET', M, 'u:' .. holder) or nil
+end
 local entry_deadline = other and other ~= runner and redis.call('ZSCORE', was_holder and H or D, holder)
 if entry_deadline then
   finish()
@@ -118,7 +123,7 @@ elseif mode ~= '' then
   local standby = mode == 'park' and tonumber(arg(5)) > 0 and not added
     and (sent or redis.call('ZSCORE', D, holder))
   if standby then
-    set_ready(holder, NOW + tonumber(arg(5)))
+    set_ready(holder, NOW + tonumber(arg(5)), runner)
     redis.call('HDEL', P, holder)
   elseif mode == 'park' then
     redis.call('HSET', P, holder, arg(4))
@@ -135,14 +140,14 @@ elseif mode ~= '' then
       set_live_generation(holder, 'parked')
     end
   else
-    set_ready(holder, NOW + tonumber(arg(5)))
+    set_ready(holder, NOW + tonumber(arg(5)), runner)
     if not added then
       redis.call('HDEL', P, holder)
     end
   end
-  if (standby or mode == 'block') and (arg(6) ~= '' or runner ~= '') then
-    -- Ready: a hand-off records it as the holder's info (and runner).
-    redis.call('HSET', I, holder, (runner ~= '' and '@' .. runner or '') .. '|' .. arg(6))
+  if (standby or mode == 'block') and arg(6) ~= '' then
+    -- Ready: a hand-off records it as the holder's info.
+    redis.call('HSET', I, holder, '|' .. arg(6))
   end
   queued = standby and 'standby' or 'queued'
 end
