@@ -4,12 +4,12 @@
 -- token; runner: who runs the holder's job if it acquires (a worker thread), or '' for nobody yet
 -- (an enqueue-time reservation).
 -- A holder's runner is kept in its I entry ("<since_ms>@<runner>|<info>", see runner_of); a ready
--- waiter's in M ('u:<waiter>', set_ready), and a hand-off moves it to the holder's I entry. A holder that already
--- holds for a runner, or is a ready waiter a runner blocks on, is running (or waiting) there: an
--- acquire by any other runner, or by none, is a second copy of its message (the broker delivered
--- it again while the first runs, or the first's worker died and its lease has not lapsed; or it
--- is sent again meanwhile). It is refused as 'running', nothing done, and the copy does not queue
--- (it is not a waiter).
+-- waiter's in M ('u:<waiter>', set_ready), and a hand-off moves it to the holder's I entry. A
+-- holder that holds for a runner, or a ready waiter a runner blocks on, is running (or waiting)
+-- there: an acquire by any other runner, or by none, is a second copy of its message (the broker
+-- delivered it again while the first runs, or the first's worker died and its lease has not
+-- lapsed; or it is sent again meanwhile). It is refused as 'running', nothing done, and the copy
+-- does not queue (it is not a waiter).
 -- generation '0' is the message as sent (ORIGINAL_GENERATION), picked up from the broker: like a
 -- hand-off's, a copy with a generation that parks makes the stored payload the only copy that may
 -- start (G: 'parked'), since the broker may deliver the copy again (its worker died before the ack).
