@@ -114,8 +114,8 @@ def test_a_message_rabbitmq_delivers_again_while_it_runs_does_not_run_beside_its
     recorder: Recorder,
 ) -> None:
     """RabbitMQ redelivers a message whose consumer's connection was lost, while the actor still
-    runs in that worker: the second copy is deferred (sent again after a lease's ttl, no retry
-    consumed: the actor has none), and runs only once the first released the mutex. Without
+    runs in that worker: the second copy is deferred (sent again once the first's lease would
+    lapse, no retry consumed: the actor has none), and runs only once the first released the mutex. Without
     runners, it took the slot its own message held (a re-entrant acquire) and ran beside it."""
     host, port = rabbitmq_url.rsplit("@", 1)[1].split("/", 1)[0].split(":")
     with SilentProxy(host, int(port)) as proxy:
@@ -129,7 +129,7 @@ def test_a_message_rabbitmq_delivers_again_while_it_runs_does_not_run_beside_its
         proxy.close()  # the first worker's connection is gone: RabbitMQ delivers the message again
         deferred = recorder.take_one(timeout=60)
         assert deferred.get("skipped") and deferred["pid"] in second.worker_pids, deferred
-        recorder.gate("finish").open(2)  # the first run ends and releases; then the retried copy runs
+        recorder.gate("finish").open(2)  # the first run ends and releases; then the deferred copy runs
         runs: list[dict[str, Any]] = []
         while sum(1 for r in runs if r.get("finished")) < 2:  # further deferrals come in between
             record = recorder.take_one(timeout=60)
