@@ -51,9 +51,12 @@ end
 local was_holder = holds(holder)
 -- Held, or blocked on as a ready waiter, for another runner (or the caller gives none): a second
 -- copy of the message.
+-- held_entry: the holder's I entry, read once (the hand-off below writes only other waiters'
+-- entries, or this caller's if it was a waiter, not a holder).
+local held_entry = was_holder and redis.call('HGET', I, holder) or nil
 local other
 if was_holder then
-  other = runner_of(redis.call('HGET', I, holder))
+  other = runner_of(held_entry)
 elseif QUEUED then
   other = redis.call('HGET', M, 'u:' .. holder) or nil
 end
@@ -91,7 +94,8 @@ if acquired then
   set_holders({ NOW + ttl, holder })
   -- A re-entrant acquire (or a reservation taken up): the first since and info stay, and a runner
   -- given is recorded (holder_entry).
-  local entry = holder_entry(was_holder and redis.call('HGET', I, holder) or nil, NOW, runner, arg(6))
+  local first = held_entry or (was_holder and redis.call('HGET', I, holder) or nil)
+  local entry = holder_entry(first, NOW, runner, arg(6))
   if entry then
     redis.call('HSET', I, holder, entry)
   end
