@@ -422,9 +422,13 @@ local function choose(free, limit)
   local last = redis.call('ZRANGE', W, limit - 1, limit - 1, 'WITHSCORES')
   local bound = #last > 0 and last[2] or '+inf'
   local flat = redis.call('ZRANGEBYSCORE', Q, '-inf', bound, 'WITHSCORES', 'LIMIT', 0, free)
-  local ready = {}
+  local ready, members = {}, {}
   for i = 1, #flat, 2 do
-    if redis.call('ZSCORE', D, flat[i]) then
+    members[#members + 1] = flat[i]
+  end
+  local in_d = #members > 0 and call_many('ZMSCORE', D, members) or {}
+  for i = 1, #flat, 2 do
+    if in_d[(i + 1) / 2] then
       ready[#ready + 1] = { flat[i + 1], flat[i] }
     else
       -- Left by a script of a release before Q (a rolling upgrade): not a ready waiter.
@@ -491,12 +495,13 @@ local function handoff(limit, out)
   end
   local payloads = call_many('HMGET', P, candidates)
   local routes = call_many('HMGET', M, prefixed('r:', candidates))
+  local standbys = call_many('ZMSCORE', S, candidates)
   local deadline = NOW + HANDOFF_TTL
   local waiters, holders, places, stopped = {}, {}, {}, false
   for i, w in ipairs(candidates) do
     -- A standby being sent (its payload still in P, and in S) is no parked waiter: its sender, of
     -- its route, enqueues it, so neither its route nor a foreign waiter ahead of it stops it.
-    local parked = payloads[i] and not redis.call('ZSCORE', S, w)
+    local parked = payloads[i] and not standbys[i]
     local foreign = parked and routes[i] and routes[i] ~= '' and routes[i] ~= ROUTE
     stopped = stopped or (foreign and true or false)
     PASSED_OVER = PASSED_OVER or (parked and stopped and true or false)
@@ -567,8 +572,10 @@ local function send_ahead(count, out)
     return
   end
   count = math.min(count, math.max(limit, MIN_STANDBY_WINDOW))
-  for _, w in ipairs(redis.call('ZRANGE', W, 0, count - 1)) do
-    if not redis.call('ZSCORE', S, w) then
+  local heads = redis.call('ZRANGE', W, 0, count - 1)
+  local sent = #heads > 0 and call_many('ZMSCORE', S, heads) or {}
+  for i, w in ipairs(heads) do
+    if not sent[i] then
       local payload = redis.call('HGET', P, w)
       local route = payload and redis.call('HGET', M, 'r:' .. w)
       if payload and not (route and route ~= '' and route ~= ROUTE) then
