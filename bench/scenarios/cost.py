@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import os
+import signal
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -68,6 +69,11 @@ def _drain_once(
 ) -> tuple[float, ...]:
     """(rate, worker CPU ms per message, Redis commands per message) of one drain of ``n`` messages.
 
+    The worker's processes are stopped (SIGSTOP) while the ``n`` messages are sent, and the
+    clock starts when they go on (SIGCONT): the drain rate is the worker's, from a full queue
+    to its last completion, not bounded by the rate of one sending thread (a dedup or
+    concurrency send waits for a round trip more than a plain one; the send rates have rows of
+    their own). The commands are counted over the sends and the drain.
     Unless it is the warm-up, a few messages wake the worker's consumers first
     (:meth:`Context.wake_up`): the rows take turns on two workers, and without it the unguarded
     row read 1.06x to 1.5x slower than its twin in four runs.
@@ -75,12 +81,22 @@ def _drain_once(
     if not warm_up:  # each with arguments of its own: a dedup or mutex key per message, as the rows'
         ctx.wake_up(lambda run_id, total: actor.send(run_id, total, -next(_WAKE_UPS)), PROCESSES * THREADS)
     run_id = ctx.new_run_id()
-    cpu, commands = _cpu_s(pids), _commands(ctx)
+    commands = _commands(ctx)
+    _signal(pids, signal.SIGSTOP)
+    try:
+        for i in range(n):
+            actor.send(run_id, n, -1 - i if warm_up else i)
+        cpu = _cpu_s(pids)
+    finally:
+        _signal(pids, signal.SIGCONT)
     start = time.time()
-    for i in range(n):
-        actor.send(run_id, n, -1 - i if warm_up else i)
     end = ctx.wait_finish(run_id)
     return n / (end - start), (_cpu_s(pids) - cpu) * 1000 / n, (_commands(ctx) - commands) / n
+
+
+def _signal(pids: Sequence[int], signum: signal.Signals) -> None:
+    for pid in pids:
+        os.kill(pid, signum)
 
 
 def _measure_interleaved(ctx: Context, rows: list[tuple[_Row, Any, bool]], n: int) -> None:
@@ -139,8 +155,9 @@ def _per_guard(ctx: Context) -> list[Figure]:
     _measure_interleaved(ctx, [(row, actor, row.name not in unguarded) for row, actor in rows], n)
     os.environ.pop("BENCH_COST_GUARD", None)
     sized = (
-        f"N={n}, {PROCESSES}x{THREADS}, median of {1 if ctx.quick else DRAIN_REPEATS} drains taking turns "
-        "with the other rows, after a warm-up; every actor does one INCR"
+        f"N={n} sent with the worker stopped, then {PROCESSES}x{THREADS} from a full queue to the last "
+        f"completion, median of {1 if ctx.quick else DRAIN_REPEATS} drains taking turns with the other rows, "
+        "after a warm-up; every actor does one INCR"
     )
     figures = []
     for row, _ in rows:
@@ -393,8 +410,9 @@ def cost(ctx: Context) -> list[Figure]:
       the actor and one after), the unguarded row again (its twin: how far the run's noise
       alone moves a ratio), on a broker with the guard installed but no option, and with
       each guard; send rate (N sends, no worker),
-      drain rate on a real worker (2 processes x 8 threads; first send to last completion,
-      median of 5 drains after a warm-up; a plain and a guarded worker run side by side and the
+      drain rate on a real worker (2 processes x 8 threads; the N messages sent while its
+      processes are stopped, then from when they go on to the last completion: the worker's
+      rate, not the sender's; median of 5 drains after a warm-up; a plain and a guarded worker run side by side and the
       rows take turns, in a new order each round; before each drain, 16 messages wake the
       worker's consumers, outside the figures), the worker processes' CPU per message, and every
       Redis command per message during the drain. Ratios against the unguarded row.
