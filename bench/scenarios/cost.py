@@ -412,10 +412,11 @@ def cost(ctx: Context) -> list[Figure]:
       each guard; send rate (N sends, no worker),
       drain rate on a real worker (2 processes x 8 threads; the N messages sent while its
       processes are stopped, then from when they go on to the last completion: the worker's
-      rate, not the sender's; median of 5 drains after a warm-up; a plain and a guarded worker run side by side and the
-      rows take turns, in a new order each round; before each drain, 16 messages wake the
-      worker's consumers, outside the figures), the worker processes' CPU per message, and every
-      Redis command per message during the drain. Ratios against the unguarded row.
+      rate, not the sender's; median of 5 drains after a warm-up; a plain and a guarded worker
+      run side by side and the rows take turns, in a new order each round; before each drain,
+      16 messages wake the worker's consumers, outside the figures), the worker processes' CPU
+      per message, and every Redis command per message during the sends and the drain. Ratios
+      against the unguarded row.
     * scaling: one key with L holders and W parked waiters; a cycle releases a holder (its slot
       handed to the oldest waiter), confirms the hand-off and parks a new message, so L and W
       stay put. The Redis time per script call (INFO commandstats) and the round trip per
