@@ -19,8 +19,6 @@ through a :class:`Courier`; the rules behind it are in
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -33,11 +31,11 @@ from dramatiq_guard.gate import Outcome, gate_for
 __all__ = [
     "GENERATIONS_OPTION",
     "Courier",
-    "PollingPace",
     "carry_generation",
     "copy_generation",
     "courier_for",
     "generation_of",
+    "keep_polling",
 ]
 
 logger = logging.getLogger(__name__)
@@ -223,81 +221,23 @@ def courier_for(broker: Broker, backend: GuardBackend, key: str) -> Courier:
     )
 
 
-#: While a worker pushes hand-offs and standbys to a queue, the longest its consumer of that queue
-#: sleeps between two polls (ms).
-BRISK_POLL_MS = 10
-#: How long after its last such push a consumer goes back to the worker's own back-off (s).
-BRISK_FOR_S = 1.0
-
-
-class PollingPace:
-    """Keeps a worker's Redis consumers polling briskly while it pushes hand-offs and standbys to them.
+def keep_polling(worker: Any, queue_name: str) -> None:
+    """Have ``worker``'s consumer of ``queue_name`` poll again soon after its next empty fetch.
 
     Dramatiq's Redis consumer backs off while it finds nothing to fetch, each empty fetch
     doubling its sleep (5 to 10 ms after a fetch that found messages, up to the worker's
-    ``worker_timeout``, a second by default); a fetch it skips because its prefetch is full
-    counts as empty. A key's waiters are parked, so its queue on the broker holds little but
-    the standbys and hand-offs sent to it, and a consumer deep in its back-off left a freed
-    slot idle until its next poll (measured on the slot drain: 60-70 % of the slots went to a
-    standby not yet picked up, 2.2-2.9 ms after the release on average, against 1.0 ms for a
-    standby a thread was blocked on). :meth:`hurry`, called by a process right after it pushed
-    such a message, resets its consumer's count of empty fetches and caps its sleeps at
-    :data:`BRISK_POLL_MS`; ``linger_s`` (:data:`BRISK_FOR_S`) after the last push to that queue
-    the consumer's own cap is given back, from a thread that runs only while a cap is held.
-    A sleep under way is not cut short. A consumer without that back-off (another broker's:
-    RabbitMQ pushes its messages) is left alone, and so is a process without a worker.
-
-    Parameters:
-      worker: This process's Dramatiq worker (its consumer threads, by queue name).
-      linger_s(float): How long a consumer stays brisk after the last push to its queue.
+    ``worker_timeout``, a second by default), and it counts a fetch it skips because its
+    prefetch is full as empty. A key's waiters are parked, so its queue on the broker holds
+    little but the standbys and hand-offs sent to it, and a consumer deep in its back-off left
+    a freed slot idle until its next poll (measured on the slot drain: 60-70 % of the slots
+    went to a standby not yet picked up, 2.2-2.9 ms after the release against 1.0 ms for a
+    standby a thread was blocked on). A process that pushes a hand-off or a standby resets its
+    own consumer's count of empty fetches, so it keeps polling at the shortest back-off while
+    the key's messages flow, and backs off again once they stop. The sleep under way is not cut
+    short. A consumer without that count (another broker's: RabbitMQ's pushes its messages)
+    and a process without a worker are left alone.
     """
-
-    def __init__(self, worker: Any, *, linger_s: float = BRISK_FOR_S) -> None:
-        self.worker = worker
-        self.linger_s = linger_s
-        self._lock = threading.Lock()
-        #: queue name -> (its consumer, that consumer's own cap, when the last push was)
-        self._brisk: dict[str, tuple[Any, float, float]] = {}
-        self._thread: threading.Thread | None = None
-
-    def hurry(self, queue_name: str) -> None:
-        """A message was just pushed to ``queue_name`` for a waiter: poll it briskly for a while."""
-        thread = getattr(self.worker, "consumers", {}).get(queue_name)
-        consumer: Any = getattr(thread, "consumer", None)
-        if not isinstance(getattr(consumer, "misses", None), int):
-            return
+    thread = getattr(worker, "consumers", {}).get(queue_name)
+    consumer: Any = getattr(thread, "consumer", None)
+    if isinstance(getattr(consumer, "misses", None), int):
         consumer.misses = 0
-        cap = getattr(consumer, "timeout", None)
-        if not isinstance(cap, int | float):
-            return
-        with self._lock:
-            held = self._brisk.get(queue_name)
-            own = held[1] if held is not None and held[0] is consumer else cap
-            if own <= BRISK_POLL_MS:
-                return
-            consumer.timeout = BRISK_POLL_MS
-            self._brisk[queue_name] = (consumer, own, time.monotonic())
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._relax, name="dramatiq-guard-pace", daemon=True)
-                self._thread.start()
-
-    def relax(self) -> None:
-        """Give every consumer its own cap back now (the worker is shutting down)."""
-        with self._lock:
-            for consumer, own, _ in self._brisk.values():
-                consumer.timeout = own
-            self._brisk.clear()
-
-    def _relax(self) -> None:
-        while True:
-            with self._lock:
-                now = time.monotonic()
-                for queue_name, (consumer, own, last) in list(self._brisk.items()):
-                    if now - last >= self.linger_s:
-                        consumer.timeout = own
-                        del self._brisk[queue_name]
-                if not self._brisk:
-                    self._thread = None
-                    return
-                wake = min(last for _, _, last in self._brisk.values()) + self.linger_s
-            time.sleep(max(wake - now, 0.01))

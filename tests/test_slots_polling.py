@@ -1,12 +1,11 @@
-"""A worker that pushes a hand-off or a standby keeps its own Redis consumer polling briskly.
+"""A worker that pushes a hand-off or a standby keeps its own Redis consumer polling.
 
 Dramatiq's Redis consumer doubles its sleep after each empty fetch, up to ``worker_timeout``.
 A key's waiters are parked, so its queue holds little but the hand-offs and standbys sent to
 it; a consumer deep in its back-off then leaves a freed slot idle until it polls again
-(``dramatiq_guard.delivery.PollingPace``). The invariants held here: once a worker process has
+(``dramatiq_guard.delivery.keep_polling``). The invariant held here: once a worker process has
 pushed a hand-off of a key, its consumer of that message's queue is back at the shortest
-back-off and sleeps at most ``BRISK_POLL_MS``; once the pushes stop, it gets its own back-off
-back (an idle worker polls no more than it did).
+back-off.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from harness import wait_until
 
 import dramatiq_guard
 from dramatiq_guard.backends import RedisBackend
-from dramatiq_guard.delivery import BRISK_POLL_MS, PollingPace
+from dramatiq_guard.delivery import keep_polling
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.slots import Mutex
 
@@ -39,7 +38,7 @@ def consumer_of(worker: dramatiq.Worker, queue_name: str) -> Any:
     return cast(Any, worker.consumers[queue_name]).consumer
 
 
-def test_a_brisk_consumer_gets_its_own_back_off_back_once_the_pushes_stop(redis_broker: Any) -> None:
+def test_keep_polling_resets_the_back_off_of_that_queues_consumer_only(redis_broker: Any) -> None:
     @dramatiq.actor(queue_name=QUEUE)
     def idle() -> None: ...
 
@@ -52,17 +51,11 @@ def test_a_brisk_consumer_gets_its_own_back_off_back_once_the_pushes_stop(redis_
         polling, other = consumer_of(worker, QUEUE), consumer_of(worker, "other")
         wait_until(lambda: polling.misses >= 2 and other.misses >= 2, WAIT, "both consumers to back off")
         polling.misses = other.misses = 30  # as after a long idle spell
-        pace = PollingPace(worker, linger_s=0.2)
-        pace.hurry(QUEUE)
+        keep_polling(worker, QUEUE)
         assert polling.misses <= 1  # 0, or 1 if it found nothing just before: its shortest sleep
-        assert polling.timeout == BRISK_POLL_MS
-        assert other.misses >= 30 and other.timeout == 100  # another queue's consumer: left alone
-        pace.hurry("no-such-queue")  # nothing to hurry: no error
-        PollingPace(None).hurry(QUEUE)  # a process that runs no worker (a producer): no error
-        wait_until(lambda: polling.timeout == 100, WAIT, "the consumer's own back-off to come back")
-        pace.hurry(QUEUE)
-        pace.relax()  # the worker shuts down: given back at once
-        assert polling.timeout == 100
+        assert other.misses >= 30
+        keep_polling(worker, "no-such-queue")  # nothing to reset: no error
+        keep_polling(None, QUEUE)  # a process that runs no worker (a producer): no error
     finally:
         worker.stop()
 
@@ -71,8 +64,8 @@ def test_a_hand_off_pushed_by_a_worker_puts_its_consumer_back_to_the_shortest_ba
     redis_broker: Any, redisdb: redis.Redis
 ) -> None:
     """A holder's release hands the slot to a parked message and pushes it: that process's
-    consumer of the message's queue, deep in its back-off, is reset and capped by the push itself
-    (it was asleep, so it did not fetch the message meanwhile)."""
+    consumer of the message's queue, deep in its back-off, is reset by the push itself (it is
+    asleep for seconds, so it did not fetch the message meanwhile)."""
     backend = RedisBackend(redisdb, namespace="polling")
     dramatiq_guard.install(redis_broker, redis=backend)
     mutex = next(m for m in redis_broker.middleware if isinstance(m, Mutex))
@@ -98,8 +91,6 @@ def test_a_hand_off_pushed_by_a_worker_puts_its_consumer_back_to_the_shortest_ba
         consumer.misses = 30  # its next sleeps: the longest (worker_timeout)
         mutex.release(redis_broker, lease)  # hands the slot to the parked message and pushes it
         assert consumer.misses <= 1  # 0, or 1 if it found nothing just before: its shortest sleep
-        assert consumer.timeout == BRISK_POLL_MS
         assert ran.wait(WAIT)
     finally:
         worker.stop()
-    assert consumer.timeout == 3_000  # a stopped worker's consumer has its own back-off back

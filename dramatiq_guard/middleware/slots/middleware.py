@@ -22,7 +22,7 @@ from dramatiq.brokers.stub import StubBroker
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Waiter
-from dramatiq_guard.delivery import Courier, PollingPace, copy_generation
+from dramatiq_guard.delivery import Courier, copy_generation, keep_polling
 from dramatiq_guard.errors import BackendUnavailable, GuardError, MutexWaitTimeout
 from dramatiq_guard.lease import Lease, runner_id
 from dramatiq_guard.middleware.base import (
@@ -123,7 +123,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         self._couriers: dict[int, Courier] = {}
         self._sweeper: Sweeper | None = None
         self._releaser: Releaser | None = None
-        self._pace: PollingPace | None = None  # this process's worker's, once it boots
+        self._worker: Worker | None = None  # this process's, once it boots (see keep_polling)
         self._contended = ContendedKeys()
 
     # -- what the two capabilities differ in ----------------------------------
@@ -201,7 +201,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
     def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
         """Start this process's sweep of keys with waiters, and (but on a StubBroker) its release thread."""
         self.broker = broker
-        self._pace = PollingPace(worker)
+        self._worker = worker
         if self.standby_threads is None:
             self.standbys.seats.seats = int(getattr(worker, "worker_threads", 0)) // 2
         if not isinstance(broker, StubBroker) and self._releaser is None:
@@ -217,9 +217,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
     def after_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
         """Release what the release thread still holds (the worker threads have stopped)."""
         self.flush_releases()
-        pace, self._pace = self._pace, None
-        if pace is not None:
-            pace.relax()
+        self._worker = None
 
     def flush_releases(self) -> None:
         """Release now every lease of a finished message still waiting for the release thread."""
@@ -503,15 +501,9 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
                 default_limit=self.limit_for_key,
                 keep_when_parked=False,
                 counts_handoffs=True,
-                after_push=self._hurry,
+                after_push=lambda message: keep_polling(self._worker, message.queue_name),
             )
         return courier
-
-    def _hurry(self, message: Message[Any]) -> None:
-        """After a push of a hand-off or standby: this worker's consumer of its queue polls briskly."""
-        pace = self._pace
-        if pace is not None:
-            pace.hurry(message.queue_name)
 
     def deliver(self, broker: Broker, handoffs: Sequence[Handoff]) -> None:
         """Deliver the parked messages handed a slot (see :mod:`dramatiq_guard.delivery`).
