@@ -65,7 +65,8 @@ def test_a_hand_off_pushed_by_a_worker_puts_its_consumer_back_to_the_shortest_ba
 ) -> None:
     """A holder's release hands the slot to a parked message and pushes it: that process's
     consumer of the message's queue, deep in its back-off, is reset by the push itself (it is
-    asleep for seconds, so it did not fetch the message meanwhile)."""
+    in a sleep of a few hundred ms, and the release takes a few: it did not fetch the message
+    meanwhile, which would reset it too)."""
     backend = RedisBackend(redisdb, namespace="polling")
     dramatiq_guard.install(redis_broker, redis=backend)
     mutex = next(m for m in redis_broker.middleware if isinstance(m, Mutex))
