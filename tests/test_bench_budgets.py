@@ -34,6 +34,20 @@ def test_an_upper_bound_on_cpu_reads_the_floor_the_other_way() -> None:
     assert _row(lines, what).endswith("| 2.00x | 1.70x | 0.85x | out of reach here: the floor is 1.70x |")
 
 
+def test_the_concurrency_row_is_judged_against_the_backlog_floor() -> None:
+    what = "concurrency limit 1000 on one key: drain rate >= 0.75x unguarded"
+    lines = render_budgets(
+        _figures(
+            cost__plain_drain_rate=1000.0,
+            cost__wide_drain_rate=400.0,
+            cost__floor_drain_rate=700.0,
+            cost__backlog_floor_drain_rate=500.0,
+        )
+    )
+    # Half of its messages park: the floor that moves a backlog (0.50x), not the plain one (0.70x).
+    assert _row(lines, what).endswith("| 0.40x | 0.50x | 0.80x | out of reach here: the floor is 0.50x |")
+
+
 def test_a_budget_whose_figures_were_not_measured_says_so() -> None:
     lines = render_budgets({})
     assert len([line for line in lines if line.endswith("| not measured in this run |")]) == len(BUDGETS)
