@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import glob
 import importlib
 import itertools
 import os
 import statistics
+import tempfile
 import time
+from collections.abc import Collection
 from typing import cast
 
 from bench.core import Context, Figure, in_turns, median_run, scenario
@@ -41,15 +46,19 @@ def _warm_up(ctx: Context, actor: object, name: str, n: int) -> None:
     _drain_once(ctx, actor, name, max(1, n // 10))
 
 
-def _drain_once(ctx: Context, actor: object, name: str, n: int) -> tuple[float, float, float]:
+def _drain_once(
+    ctx: Context, actor: object, name: str, n: int, run_ids: list[str] | None = None
+) -> tuple[float, float, float]:
     """(makespan / ideal, pickups per message, script calls per message) of ``n`` sends of ``actor``.
 
     Script calls count the broker's (enqueue, fetch, ack) and the guard's, from the sender
-    and the workers alike.
+    and the workers alike. The drain's run id is appended to ``run_ids``, if given.
     """
     ctx.wake_up(actor.send, PROCESSES * THREADS)  # type: ignore[attr-defined]
     ctx.client.delete(f"bench:pickups:{name}")
     run_id = ctx.new_run_id()
+    if run_ids is not None:
+        run_ids.append(run_id)
     scripts = _scripts(ctx)
     start = time.time()
     for _ in range(n):
@@ -59,6 +68,62 @@ def _drain_once(ctx: Context, actor: object, name: str, n: int) -> tuple[float, 
     ideal = n * JOB_S / LIMIT
     pickups = int(ctx.client.get(f"bench:pickups:{name}") or 0) / n
     return makespan / ideal, pickups, scripts / n
+
+
+@dataclasses.dataclass(frozen=True)
+class HandoffGaps:
+    """How long freed slots stayed idle in some drains (see :func:`handoff_gaps`), in ms."""
+
+    count: int
+    mean_ms: float
+    blocked: int
+    blocked_mean_ms: float
+    late_mean_ms: float
+
+
+def handoff_gaps(directory: str, run_ids: Collection[str], slots: int = LIMIT) -> HandoffGaps:
+    """The gaps from a job's end to the next job's start in the drains ``run_ids`` (the span files).
+
+    Per drain, the k-th start after the first ``slots`` is paired with the earliest end before
+    it not paired yet: the slot that freed first is the one taken. The next job was *blocked*
+    if a worker thread had picked up its message before the slot freed (a standby blocking
+    for it); if not, the slot waited for a thread to pick it up (a standby still on the
+    broker, or fetched by a process whose threads were all busy). See ``slots_actors``.
+    """
+    jobs: dict[str, list[tuple[float, float, str]]] = collections.defaultdict(list)
+    pickups: dict[str, list[float]] = collections.defaultdict(list)
+    for path in glob.glob(os.path.join(directory, "*.txt")):
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                kind, *fields = line.split()
+                if kind == "J" and fields[2] in run_ids:
+                    jobs[fields[2]].append((float(fields[0]), float(fields[1]), fields[3]))
+                elif kind == "P":
+                    pickups[fields[1]].append(float(fields[0]))
+    blocked: list[float] = []
+    late: list[float] = []
+    for spans in jobs.values():
+        starts = sorted(spans)
+        ends = sorted(end for _, end, _ in spans)
+        freed: collections.deque[float] = collections.deque()
+        taken = 0
+        for start, _, message_id in starts[slots:]:
+            while taken < len(ends) and ends[taken] <= start:
+                freed.append(ends[taken])
+                taken += 1
+            if not freed:
+                continue
+            free_at = freed.popleft()
+            picked = max((t for t in pickups[message_id] if t <= start), default=start)
+            (blocked if picked < free_at else late).append((start - free_at) * 1000)
+    every = blocked + late
+    return HandoffGaps(
+        count=len(every),
+        mean_ms=statistics.fmean(every) if every else 0.0,
+        blocked=len(blocked),
+        blocked_mean_ms=statistics.fmean(blocked) if blocked else 0.0,
+        late_mean_ms=statistics.fmean(late) if late else 0.0,
+    )
 
 
 def _handoff_ms(ctx: Context, actor: object, n: int) -> float:
@@ -92,6 +157,10 @@ def slots(ctx: Context) -> list[Figure]:
       take turns, one each per repeat. Each drain is preceded by 16 messages that wake the
       worker's consumers (an idle Dramatiq consumer polls less and less often, up to once a
       second), outside the figures.
+    * hand-off gaps of the slot drain and its floor: every job's span and every pickup, written
+      by the workers to files (:func:`handoff_gaps`); the mean gap from a job's end to the next
+      start, and for the slot drain the share of freed slots whose next holder was a standby a
+      thread was already blocked on, with the mean gap to those and to the others.
     * hand-off: M messages on one mutex key, each 2 ms; the median gap from one holder's end
       to the next one's start, for ``on_busy="wait"``, ``"park"`` (with a standby, and
       without) and redis-py's ``Lock`` (which polls every 0.1 s).
@@ -111,7 +180,8 @@ def slots(ctx: Context) -> list[Figure]:
     ctx.stop_workers()
     # The guarded worker and the floor's (1 x 8) run side by side, each on its own queue, and
     # the slot drain and the floor take turns: a slow spell of the machine falls on both alike.
-    env = {"BENCH_SLOTS": "1"}
+    spans_dir = tempfile.mkdtemp(prefix="bench-slot-spans-")
+    env = {"BENCH_SLOTS": "1", "BENCH_SLOTS_SPANS": spans_dir}
     ctx.worker(
         "bench.scenarios.slots_actors", processes=PROCESSES, threads=THREADS, env=env, queues=["bench_slots"]
     )
@@ -120,12 +190,18 @@ def slots(ctx: Context) -> list[Figure]:
     _warm_up(ctx, actors.floor_job, "floor_job", n)
     slot_runs: list[tuple[float, float, float]] = []
     floor_runs: list[tuple[float, float, float]] = []
-    drains = [(actors.slot_job, "slot_job", slot_runs), (actors.floor_job, "floor_job", floor_runs)]
+    slot_ids: list[str] = []
+    floor_ids: list[str] = []
+    drains = [
+        (actors.slot_job, "slot_job", slot_runs, slot_ids),
+        (actors.floor_job, "floor_job", floor_runs, floor_ids),
+    ]
     rounds = 1 if ctx.quick else SLOT_DRAIN_REPEATS
-    for actor, name, runs in in_turns(drains, rounds):
-        runs.append(_drain_once(ctx, actor, name, n))
+    for actor, name, runs, run_ids in in_turns(drains, rounds):
+        runs.append(_drain_once(ctx, actor, name, n, run_ids))
     slot_ratio, slot_pickups, slot_scripts = median_run(slot_runs)
     floor_ratio, _, floor_scripts = median_run(floor_runs)
+    slot_gaps, floor_gaps = handoff_gaps(spans_dir, slot_ids), handoff_gaps(spans_dir, floor_ids)
     crl_ratio, crl_pickups, _ = _drain(ctx, actors.crl_job, "crl_job", n)
     wait_ms = _handoff_ms(ctx, actors.handoff_wait, m)
     park_ms = _handoff_ms(ctx, actors.handoff_park, m)
@@ -157,6 +233,26 @@ def slots(ctx: Context) -> list[Figure]:
             slot_ratio / floor_ratio,
             better="lower",
             detail="what the guard adds over what this machine allows",
+        ),
+        Figure(
+            "slot_gap_ms",
+            "slot drain: mean gap from a job's end to the next start (a freed slot idle)",
+            slot_gaps.mean_ms,
+            "ms",
+            vs="slots/floor_gap_ms",
+            better="lower",
+            detail=f"{slot_gaps.count} freed slots of the {rounds} drains; the k-th start after the first 8 "
+            "paired with the earliest end before it",
+        ),
+        Figure(
+            "floor_gap_ms", "unguarded floor: the same mean gap", floor_gaps.mean_ms, "ms", better="lower"
+        ),
+        Figure(
+            "slot_gap_blocked_share",
+            "slot drain: freed slots whose next holder was blocked on it (a standby picked up before)",
+            slot_gaps.blocked / slot_gaps.count if slot_gaps.count else 0.0,
+            detail=f"mean gap {slot_gaps.blocked_mean_ms:.2f} ms to those, {slot_gaps.late_mean_ms:.2f} ms "
+            "to the others (a standby on the broker, or fetched by a process whose threads were all busy)",
         ),
         Figure(
             "slot_scripts",

@@ -7,6 +7,11 @@ the bench's own bookkeeping stays out of the slot, as it stays out of the Concur
 limited section in ``crl_job``. The hand-off actors' spans are written by that hook too, after the
 mutex was released: the gap measured from one holder's end to the next one's start holds the guard's
 release and hand-off, not the bench's own round trips.
+
+With ``BENCH_SLOTS_SPANS`` set to a directory, every process also appends to a file of its own
+there each pickup of the slot drain's and the floor's messages (``P <time> <message id>``) and
+each of their jobs (``J <start> <end> <run id> <message id>``): what
+:func:`bench.scenarios.slots.handoff_gaps` reads.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ if os.environ.get("BENCH_SLOTS"):
 
         def before_process_message(self, broker: Any, message: Any) -> None:
             broker.client.incr(f"bench:pickups:{message.actor_name}")
+            if message.actor_name in ("slot_job", "floor_job"):
+                _spans.message_id = message.message_id
+                _record(f"P {time.time()!r} {message.message_id}")
 
         def after_process_message(
             self, broker: Any, message: Any, *, result: Any = None, exception: Any = None
@@ -47,8 +55,29 @@ if os.environ.get("BENCH_SLOTS"):
                 broker.client.rpush(f"bench:spans:{run_id}", f"{span[0]!r},{span[1]!r}")
                 cross_finish_line(broker.client, run_id, total)
 
-    #: The span (start, end) of the hand-off actor that last ran on this thread, for PickupCounter.
+    #: The span (start, end) of the hand-off actor that last ran on this thread, for PickupCounter;
+    #: and the message id of the drain's message it last picked up, for _drain_job.
     _spans = threading.local()
+
+    _SPANS_DIR = os.environ.get("BENCH_SLOTS_SPANS")
+    _span_file: Any = None
+    _span_lock = threading.Lock()
+
+    def _record(line: str) -> None:
+        """Append a line to this process's span file (``BENCH_SLOTS_SPANS``), if there is one."""
+        global _span_file
+        if not _SPANS_DIR:
+            return
+        with _span_lock:
+            if _span_file is None:
+                _span_file = open(os.path.join(_SPANS_DIR, f"{os.getpid()}.txt"), "a", buffering=1)  # noqa: SIM115
+            _span_file.write(line + "\n")
+
+    def _drain_job(run_id: str) -> None:
+        """The drain's 10 ms of work, and its span for the hand-off gaps."""
+        start = time.time()
+        time.sleep(0.01)
+        _record(f"J {start!r} {time.time()!r} {run_id} {getattr(_spans, 'message_id', '-')}")
 
     broker = RedisBroker(url=redis_url())
     broker.add_middleware(PickupCounter(), before=AgeLimit)
@@ -64,13 +93,13 @@ if os.environ.get("BENCH_SLOTS"):
         concurrency={"limit": 8, "key": lambda *a: "drain"}, queue_name="bench_slots", max_retries=0
     )
     def slot_job(run_id: str, total: int) -> None:
-        time.sleep(0.01)  # the job's 10 ms of work; PickupCounter counts its completion
+        _drain_job(run_id)  # the job's 10 ms of work; PickupCounter counts its completion
 
     # The floor: the same jobs with no guard at all, on a worker of exactly 8 threads (1 x 8), so
     # that 8 run at a time because there are 8 threads. What this machine allows, guard or not.
     @dramatiq.actor(queue_name="bench_floor", max_retries=0)
     def floor_job(run_id: str, total: int) -> None:
-        time.sleep(0.01)
+        _drain_job(run_id)
         cross_finish_line(broker.client, run_id, total)
 
     # The way users limit concurrency with Dramatiq alone: RateLimitExceeded, retried with backoff
