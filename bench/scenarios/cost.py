@@ -215,10 +215,18 @@ def _per_guard(ctx: Context) -> list[Figure]:
     return figures
 
 
+#: Measured passes of each point of the scaling curves (the median pass is reported, after a
+#: warm-up of a tenth): one pass moved by up to half from run to run on a busy two-core machine.
+CURVE_PASSES = 3
+
+
 def _op_us(
     ctx: Context, limit: int, waiters: int, cycles: int, *, send_ahead: int = 0, ready: bool = False
 ) -> tuple[float, float]:
     """(server µs per script call, client µs per operation): ``limit`` holders, ``waiters`` parked.
+
+    The pass of ``cycles`` cycles with the median Redis time of :data:`CURVE_PASSES`, after an
+    unmeasured pass of a tenth as many.
 
     One cycle: a holder releases (the oldest waiter is handed its slot), the hand-off is
     confirmed, and a new message parks at the back: the holders and the waiters stay as many.
@@ -242,26 +250,34 @@ def _op_us(
                 assert standby.payload is not None
                 backend.confirm_standby(key, standby.waiter_id, standby.payload, ttl_ms=ttl)
         holders = [f"h{h}" for h in range(limit)]
-        calls, usec = _script_usec(ctx)
-        start = time.perf_counter()
-        for i in range(cycles):
-            released = backend.release(key, holders[i % limit], limit=limit, send_ahead=send_ahead)
-            [handoff] = released.handoffs
-            if ready or send_ahead:
-                assert handoff.payload is None  # a ready waiter or a standby, woken by a push
-            if send_ahead:
-                [standby] = released.standbys
-                assert standby.payload is not None
-                backend.confirm_standby(key, standby.waiter_id, standby.payload, ttl_ms=ttl)
-            elif not ready:
-                assert backend.confirm_handoff(
-                    key, handoff.waiter_id, ttl_ms=ttl, generation=handoff.generation
-                )
-            holders[i % limit] = handoff.waiter_id
-            backend.acquire(key, f"n{i}", limit=limit, ttl_ms=ttl, wait=wait)
-        elapsed = time.perf_counter() - start
-        calls_after, usec_after = _script_usec(ctx)
-        return (usec_after - usec) / (calls_after - calls), elapsed * 1e6 / ((2 if ready else 3) * cycles)
+        done = itertools.count()  # cycles run so far, over the passes: each new waiter's name
+
+        def one_pass(count: int) -> tuple[float, float]:
+            calls, usec = _script_usec(ctx)
+            start = time.perf_counter()
+            for _ in range(count):
+                i = next(done)
+                released = backend.release(key, holders[i % limit], limit=limit, send_ahead=send_ahead)
+                [handoff] = released.handoffs
+                if ready or send_ahead:
+                    assert handoff.payload is None  # a ready waiter or a standby, woken by a push
+                if send_ahead:
+                    [standby] = released.standbys
+                    assert standby.payload is not None
+                    backend.confirm_standby(key, standby.waiter_id, standby.payload, ttl_ms=ttl)
+                elif not ready:
+                    assert backend.confirm_handoff(
+                        key, handoff.waiter_id, ttl_ms=ttl, generation=handoff.generation
+                    )
+                holders[i % limit] = handoff.waiter_id
+                backend.acquire(key, f"n{i}", limit=limit, ttl_ms=ttl, wait=wait)
+            elapsed = time.perf_counter() - start
+            calls_after, usec_after = _script_usec(ctx)
+            return (usec_after - usec) / (calls_after - calls), elapsed * 1e6 / ((2 if ready else 3) * count)
+
+        one_pass(max(1, cycles // 10))  # a warm-up, outside the figures
+        passes = sorted(one_pass(cycles) for _ in range(CURVE_PASSES))
+        return passes[len(passes) // 2]
     finally:
         backend.close()
         ctx.flush()
@@ -277,7 +293,10 @@ def _curve_figures(
 ) -> list[Figure]:
     """The Redis time and round trip of one point of a scaling curve (``first``: its first point)."""
     server, client = measured
-    detail = f"{cycles} cycles of {cycle}; EVALSHA usec / calls (INFO commandstats)"
+    detail = (
+        f"{cycles} cycles of {cycle}, the median of {CURVE_PASSES} passes after a warm-up; "
+        "EVALSHA usec / calls (INFO commandstats)"
+    )
     return [
         Figure(
             f"op_server_us_{name}",
@@ -439,7 +458,7 @@ def cost(ctx: Context) -> list[Figure]:
     * scaling: one key with L holders and W parked waiters; a cycle releases a holder (its slot
       handed to the oldest waiter), confirms the hand-off and parks a new message, so L and W
       stay put. The Redis time per script call (INFO commandstats) and the round trip per
-      operation, for L = 8 / 100 / 1,000 / 10,000 (W = 10) and W = 10 / 1,000 / 100,000 (L = 8).
+      operation (the median of three passes after a warm-up), for L = 8 / 100 / 1,000 / 10,000 (W = 10) and W = 10 / 1,000 / 100,000 (L = 8).
       The same W with ready waiters instead (threads blocking for a slot, as
       ``on_busy="wait"``): a release hands its slot to the oldest by a push and a new one
       queues. And L again with 1,000 waiters, the release sending standbys ahead as an
