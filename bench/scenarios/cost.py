@@ -458,7 +458,8 @@ def cost(ctx: Context) -> list[Figure]:
     * scaling: one key with L holders and W parked waiters; a cycle releases a holder (its slot
       handed to the oldest waiter), confirms the hand-off and parks a new message, so L and W
       stay put. The Redis time per script call (INFO commandstats) and the round trip per
-      operation (the median of three passes after a warm-up), for L = 8 / 100 / 1,000 / 10,000 (W = 10) and W = 10 / 1,000 / 100,000 (L = 8).
+      operation (the median of three passes after a warm-up), for L = 8 / 100 / 1,000 /
+      10,000 (W = 10) and W = 10 / 1,000 / 100,000 (L = 8).
       The same W with ready waiters instead (threads blocking for a slot, as
       ``on_busy="wait"``): a release hands its slot to the oldest by a push and a new one
       queues. And L again with 1,000 waiters, the release sending standbys ahead as an

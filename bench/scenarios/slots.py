@@ -8,6 +8,7 @@ import glob
 import importlib
 import itertools
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -202,6 +203,7 @@ def slots(ctx: Context) -> list[Figure]:
     slot_ratio, slot_pickups, slot_scripts = median_run(slot_runs)
     floor_ratio, _, floor_scripts = median_run(floor_runs)
     slot_gaps, floor_gaps = handoff_gaps(spans_dir, slot_ids), handoff_gaps(spans_dir, floor_ids)
+    shutil.rmtree(spans_dir, ignore_errors=True)
     crl_ratio, crl_pickups, _ = _drain(ctx, actors.crl_job, "crl_job", n)
     wait_ms = _handoff_ms(ctx, actors.handoff_wait, m)
     park_ms = _handoff_ms(ctx, actors.handoff_park, m)
