@@ -243,8 +243,8 @@ def slots(ctx: Context) -> list[Figure]:
             "ms",
             vs="slots/floor_gap_ms",
             better="lower",
-            detail=f"{slot_gaps.count} freed slots of the {rounds} drains; the k-th start after the first 8 "
-            "paired with the earliest end before it",
+            detail=f"{slot_gaps.count} freed slots of the {rounds} drains; the k-th start after the first "
+            f"{LIMIT} paired with the earliest end before it",
         ),
         Figure(
             "floor_gap_ms", "unguarded floor: the same mean gap", floor_gaps.mean_ms, "ms", better="lower"
