@@ -24,6 +24,9 @@ from redis.connection import AbstractConnection
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS_DIR = ROOT / "tests"
+#: The commands that run a Lua script (INFO commandstats names): the guard's are FCALLs (EVALSHAs on a
+#: Redis that refuses functions), Dramatiq's own EVALSHAs.
+SCRIPT_COMMANDS = ("evalsha", "eval", "fcall", "fcall_ro")
 if str(TESTS_DIR) not in sys.path:  # the test harness (``harness``) is shared with the tests
     sys.path.insert(0, str(TESTS_DIR))
 

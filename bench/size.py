@@ -71,7 +71,7 @@ class Sizer:
 
     def park_all(self, keys: list[str], per_key: int, start: int = 0, payload: bool = True) -> float:
         """Park ``per_key`` messages on each key, pipelined BATCH per round trip; returns parks/s."""
-        script = self.backend._scripts["acquire"]
+        script = self.backend.scripts["acquire"]
         calls: list[Any] = []
         began = time.perf_counter()
         for j in range(start, start + per_key):
@@ -85,10 +85,10 @@ class Sizer:
                 args = self.backend._args(key, 1, holder, LEASE_MS, *mode)
                 calls.append((script, self.backend._keys(key), args))
                 if len(calls) == BATCH:
-                    run_scripts(self.client, calls)
+                    run_scripts(self.client, self.backend.scripts, calls)
                     calls = []
         if calls:
-            run_scripts(self.client, calls)
+            run_scripts(self.client, self.backend.scripts, calls)
         return len(keys) * per_key / (time.perf_counter() - began)
 
     def hold(self, keys: list[str], holders: int = 1, limit: int = 1) -> None:

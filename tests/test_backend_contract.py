@@ -1642,16 +1642,23 @@ def test_an_unreachable_redis_raises_backend_unavailable() -> None:
     client.close()
 
 
-def test_scripts_are_reloaded_after_a_script_flush(redis_env: Env) -> None:
+def test_scripts_are_reloaded_after_a_function_or_script_flush(redis_env: Env) -> None:
+    """A call refused for want of its code (a restart without persistence, a flush) loads it and runs."""
     backend = redis_env.backend()
     assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
-    assert redis_env.client is not None
-    redis_env.client.script_flush()
-    assert backend.renew_many([(KEY, "a", 60_000)]) == [True]  # pipelined: NOSCRIPT handled
-    redis_env.client.script_flush()
+    client = redis_env.client
+    assert client is not None
+
+    def flush() -> None:
+        client.function_flush()
+        client.script_flush()
+
+    flush()
+    assert backend.renew_many([(KEY, "a", 60_000)]) == [True]  # pipelined
+    flush()
     park(backend, "p1")  # pipelined with the index update
-    redis_env.client.script_flush()
-    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
+    flush()
+    assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)  # one call
 
 
 # --- Failure model: other applications, slow pushes ------------------------------------------
@@ -1826,7 +1833,7 @@ def test_a_hand_off_costs_the_same_whatever_the_number_of_ready_waiters(redis_en
         assert backend.release(key, "h0", limit=limit).handoffs == (Handoff(key, "b0", None),)
         return commands() - before
 
-    release_cost(1)  # loads the script (NOSCRIPT, SCRIPT LOAD): not a hand-off's cost
+    release_cost(1)  # may load the scripts (FUNCTION LOAD): not a hand-off's cost
     assert release_cost(300) == release_cost(10)
     assert release_cost(300, limit=500) == release_cost(10, limit=500)
 

@@ -214,7 +214,7 @@ def test_a_redis_backend_refuses_an_absurd_setting(redisdb: redis.Redis) -> None
 
 def _script(backend: RedisBackend, name: str, *args: Any, default_limit: Any = 1) -> Any:
     """Run a per-key script as the backend would, without its Python checks."""
-    return backend._scripts[name](keys=backend._keys(KEY), args=backend._args(KEY, default_limit, *args))
+    return backend._call(backend.scripts[name], backend._keys(KEY), backend._args(KEY, default_limit, *args))
 
 
 NOT_SANE = [str(ABSURD), "-5", "1e3", "1.5", "0x10", "inf", "nan", " 12", "", "12abc", "9" * 40]
@@ -245,7 +245,7 @@ def test_the_send_lock_with_an_insane_ttl_writes_nothing(redis_env: Env, ttl: st
     names = backend._names(KEY)
     keys = [names.holders, names.waiters, names.reserved, names.limit, names.token, names.info]
     with pytest.raises(redis.ResponseError, match="ttl_ms must be an integer from 1 to 31622400000"):
-        backend._lock(keys=keys, args=["h", ttl, ""])
+        backend._call(backend.scripts["lock"], keys, ["h", ttl, ""])
     assert redis_env.stored() == set()
 
 
@@ -294,7 +294,7 @@ def test_a_renewal_with_an_insane_ttl_leaves_the_lease_as_it_was(redis_env: Env)
     stored = redis_env.stored()
     for ttl in NOT_SANE:
         with pytest.raises(redis.ResponseError, match="ttl_ms must be an integer from 0 to"):
-            backend._renew(keys=backend._renew_keys(KEY), args=["h", ttl])
+            backend._call(backend.scripts["renew"], backend._renew_keys(KEY), ["h", ttl])
     assert backend.inspect(KEY) == before and redis_env.stored() == stored
 
 
@@ -308,9 +308,9 @@ def test_a_renewal_batch_with_one_insane_ttl_renews_none_of_it(redis_env: Env) -
     keys = backend._renew_keys(KEY) * 2
     for ttl in NOT_SANE:
         with pytest.raises(redis.ResponseError, match="ttl_ms must be an integer from 0 to"):
-            backend._renew(keys=keys, args=["h1", 120_000, "h2", ttl])
+            backend._call(backend.scripts["renew"], keys, ["h1", 120_000, "h2", ttl])
     with pytest.raises(redis.ResponseError, match="renew takes 3 KEYS and 2 ARGV per lease"):
-        backend._renew(keys=keys, args=["h1", 120_000])
+        backend._call(backend.scripts["renew"], keys, ["h1", 120_000])
     assert backend.inspect(KEY) == before
 
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.core import Context, Figure, in_turns, median_run, scenario
+from bench.core import SCRIPT_COMMANDS, Context, Figure, in_turns, median_run, scenario
 from dramatiq_guard.backends import GuardBackend, RedisBackend, ReleaseResult, Waiter, redis_watch
 from dramatiq_guard.middleware.slots.standbys import DEFAULT_LOOKAHEAD
 from dramatiq_guard.middleware.sweep import Member, sweep_all
@@ -40,9 +40,10 @@ def _commands(ctx: Context) -> int:
 
 
 def _script_usec(ctx: Context) -> tuple[int, int]:
-    """(calls, microseconds) of EVALSHA so far: the server's own time for the guard's scripts."""
-    stats = ctx.client.info("commandstats").get("cmdstat_evalsha", {})
-    return int(stats.get("calls", 0)), int(stats.get("usec", 0))
+    """(calls, microseconds) of script calls so far: the server's own time for the guard's scripts."""
+    stats = ctx.client.info("commandstats")
+    found = [stats.get(f"cmdstat_{name}", {}) for name in SCRIPT_COMMANDS]
+    return sum(int(s.get("calls", 0)) for s in found), sum(int(s.get("usec", 0)) for s in found)
 
 
 class _Row:
@@ -295,7 +296,7 @@ def _curve_figures(
     server, client = measured
     detail = (
         f"{cycles} cycles of {cycle}, the median of {CURVE_PASSES} passes after a warm-up; "
-        "EVALSHA usec / calls (INFO commandstats)"
+        "script usec / calls (FCALL, INFO commandstats)"
     )
     return [
         Figure(

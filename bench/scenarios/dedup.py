@@ -11,7 +11,7 @@ import dramatiq
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.middleware import Retries
 
-from bench.core import Context, Figure, in_turns, scenario
+from bench.core import SCRIPT_COMMANDS, Context, Figure, in_turns, scenario
 from dramatiq_guard.middleware.dedup import Deduplication
 
 #: Rounds of the send rates (each kind of send once per round).
@@ -38,7 +38,7 @@ def dedup(ctx: Context) -> list[Figure]:
       the background confirmations made during the batch (the batch ends with a flush of
       the last ones, so they are counted too); the commands count both.
     * commands on the send path: what the lock script runs for a free key, counted alone
-      (``try_lock`` over new keys, the EVALSHA itself not counted).
+      (``try_lock`` over new keys, the script call itself not counted).
     """
     broker = RedisBroker(url=ctx.redis_url)
     middleware = Deduplication()
@@ -85,7 +85,7 @@ def dedup(ctx: Context) -> list[Figure]:
         lambda i: backend.try_lock(f"dedup:bench-lock:{i}", f"holder-{i}", ttl_ms=10_000), n_count
     )
     broker.close()
-    in_lock = {name: n for name, n in lock_calls.by_command.items() if name != "evalsha"}
+    in_lock = {name: n for name, n in lock_calls.by_command.items() if name not in SCRIPT_COMMANDS}
 
     sized = f"N={n_send}, median of {rounds}, the kinds of send taking turns"
     return [

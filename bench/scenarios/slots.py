@@ -15,7 +15,7 @@ import time
 from collections.abc import Collection
 from typing import cast
 
-from bench.core import Context, Figure, in_turns, median_run, scenario
+from bench.core import SCRIPT_COMMANDS, Context, Figure, in_turns, median_run, scenario
 
 PROCESSES, THREADS = 2, 8
 LIMIT, JOB_S = 8, 0.010
@@ -25,9 +25,9 @@ SLOT_DRAIN_REPEATS = 5
 
 
 def _scripts(ctx: Context) -> int:
-    """How many Lua script calls (EVALSHA, EVAL) the run's Redis has executed, from every client."""
+    """How many Lua script calls (FCALL, EVALSHA, ...) the run's Redis has executed, from every client."""
     stats = ctx.client.info("commandstats")
-    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval"))
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in SCRIPT_COMMANDS)
 
 
 def _drain(ctx: Context, actor: object, name: str, n: int) -> tuple[float, float, float]:

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
 import redis
 import redis.cluster
-from redis.commands.core import Script
-from redis.exceptions import NoScriptError
 
 from dramatiq_guard.backends.base import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -47,13 +45,14 @@ from dramatiq_guard.backends.redis_client import (
     ScriptCall,
     Timeouts,
     data,
-    load_lua,
     reachable,
+    run_script,
     run_scripts,
     slow_call_warning,
     text,
     timeouts_of,
 )
+from dramatiq_guard.backends.redis_scripts import LuaScript, ScriptLibrary
 
 __all__ = ["DEFAULT_SOCKET_TIMEOUT_S", "RedisBackend", "RedisClient", "replica_waits_of"]
 
@@ -105,32 +104,12 @@ def _key_names(namespace: str, key: str) -> _KeyNames:
     return _KeyNames._make([prefix + suffix for suffix in _KeyNames._fields])
 
 
-#: Scripts with a common path run before the prelude (``lua/<name>_fast.lua``): see docs/redis.md.
-_FAST_PATHS = ("acquire", "release")
-
-
-def _fast_path(name: str) -> str:
-    """The script's fast-path header (it returns early, or falls through to the prelude), or ''."""
-    return load_lua(f"{name}_fast") + "\n" if name in _FAST_PATHS else ""
-
-
-_KEY_SCRIPTS = (
-    "acquire",
-    "release",
-    "confirm_handoff",
-    "cancel_wait",
-    "sweep",
-    "set_limit",
-    "inspect",
-    "standby",
-)
-
-
 class RedisBackend(GuardBackend):
     """The guard backend on Redis (or Redis Cluster).
 
-    Each mutating operation is one Lua script, loaded once with redis-py's
-    ``register_script`` (EVALSHA, falling back to loading it on NOSCRIPT).
+    Each mutating operation is one Lua script: a function of the guard's
+    library (FCALL) where the server allows, else EVALSHA (see
+    :mod:`~dramatiq_guard.backends.redis_scripts`).
     Works with clients made with or without ``decode_responses``; with
     ``decode_responses=True`` parked payloads must be UTF-8 (Dramatiq's
     default JSON encoding is). Every operation raises
@@ -202,17 +181,8 @@ class RedisBackend(GuardBackend):
         # module docstring); known on first use (_in_cluster).
         self._cluster: bool | None = True if isinstance(client, redis.cluster.RedisCluster) else None
         self._owns_client = False
-        bounds, prelude = load_lua("_bounds") + "\n", load_lua("_prelude") + "\n"
-        self._scripts: dict[str, Script] = {
-            name: client.register_script(bounds + _fast_path(name) + prelude + load_lua(name))
-            for name in _KEY_SCRIPTS
-        }
-        self._unindex = client.register_script(load_lua("unindex"))
-        self._due = client.register_script(load_lua("due"))
-        # Scripts of their own, without the prelude: the lean common paths (see each file).
-        self._lock = client.register_script(load_lua("lock"))
-        self._renew = client.register_script(load_lua("renew"))
-        self._summaries = client.register_script(load_lua("summaries"))
+        #: The scripts, as functions of one library where the server allows (see redis_scripts).
+        self.scripts = ScriptLibrary()
         self._client_timeouts: Timeouts | None = None
 
     @classmethod
@@ -320,19 +290,13 @@ class RedisBackend(GuardBackend):
         keys = self._keys(key)
         if extra_key is not None and not self._in_cluster():
             keys.append(extra_key)
-        return self._call(self._scripts[name], keys, self._args(key, default_limit, *args))
+        return self._call(self.scripts[name], keys, self._args(key, default_limit, *args))
 
-    def _call(self, script: Script, keys: list[str], args: list[Any]) -> Any:
+    def _call(self, script: LuaScript, keys: list[str], args: list[Any]) -> Any:
         """Run one script; with replica waits, followed by a ``WAIT`` on its connection."""
         if self.replicas is None:
-            with reachable():
-                try:
-                    # What Script.__call__ does, a few Python frames shorter (a call per message).
-                    execute: Callable[..., Any] = self.client.execute_command  # untyped in redis-py
-                    return execute("EVALSHA", script.sha, len(keys), *keys, *args)
-                except NoScriptError:  # not loaded on this server yet: it loads it, then runs it
-                    return script(keys=keys, args=args)
-        [reply] = run_scripts(self.client, [(script, keys, args)], replicas=self.replicas)
+            return run_script(self.client, self.scripts, script, keys, args)
+        [reply] = run_scripts(self.client, self.scripts, [(script, keys, args)], replicas=self.replicas)
         return reply
 
     def _handoffs(self, key: str, flat: list[Any]) -> tuple[Handoff, ...]:
@@ -451,9 +415,10 @@ class RedisBackend(GuardBackend):
             payload = b"" if wait.payload is None else wait.payload
             mode = [kind, payload, wait.wait_ms, info or "", gen, fence, run]
             if self._in_cluster():
-                script = self._scripts["acquire"]
+                script = self.scripts["acquire"]
                 [reply] = run_scripts(
                     self.client,
+                    self.scripts,
                     [(script, self._keys(key), self._args(key, limit, holder, ttl_ms, *mode))],
                     zadd_first=(self._index, key),
                     replicas=self.replicas,
@@ -480,7 +445,7 @@ class RedisBackend(GuardBackend):
         names = self._names(key)
         keys = [names.holders, names.waiters, names.reserved, names.limit, names.token, names.info]
         sent = time.monotonic()
-        status, holders = self._call(self._lock, keys, [holder, ttl_ms, info or ""])
+        status, holders = self._call(self.scripts["lock"], keys, [holder, ttl_ms, info or ""])
         if int(status) < 0:
             return self._acquire(key, holder, 1, ttl_ms, None, info, None, fenced=False)
         acquired = int(status) == 1
@@ -499,7 +464,7 @@ class RedisBackend(GuardBackend):
         it touches only the holder's entry and the expiry of its key.
         """
         check_ms(ttl_ms, "ttl_ms", minimum=0)
-        [renewed] = self._call(self._renew, self._renew_keys(key), [holder, ttl_ms])
+        [renewed] = self._call(self.scripts["renew"], self._renew_keys(key), [holder, ttl_ms])
         return bool(renewed)
 
     def renew_many(self, leases: Sequence[tuple[str, str, int]]) -> list[bool]:
@@ -531,9 +496,11 @@ class RedisBackend(GuardBackend):
                 key, holder, ttl_ms = leases[i]
                 keys += self._renew_keys(key)
                 args += (holder, ttl_ms)
-            calls.append((self._renew, keys, args))
+            calls.append((self.scripts["renew"], keys, args))
         renewed = [False] * len(leases)
-        for chunk, reply in zip(chunks, run_scripts(self.client, calls, replicas=self.replicas), strict=True):
+        for chunk, reply in zip(
+            chunks, run_scripts(self.client, self.scripts, calls, replicas=self.replicas), strict=True
+        ):
             for i, answer in zip(chunk, reply, strict=True):
                 renewed[i] = bool(answer)
         return renewed
@@ -551,16 +518,16 @@ class RedisBackend(GuardBackend):
         if not releases:
             return []
         calls = [self._release_call(*release) for release in releases]
-        replies = run_scripts(self.client, calls, replicas=self.replicas)
+        replies = run_scripts(self.client, self.scripts, calls, replicas=self.replicas)
         return [self._release_reply(key, reply) for (key, *_), reply in zip(releases, replies, strict=True)]
 
     def _release_call(
         self, key: str, holder: str, limit: int | None, send_ahead: int
-    ) -> tuple[Script, list[str], list[str | int | bytes]]:
+    ) -> tuple[LuaScript, list[str], list[str | int | bytes]]:
         """The checked ``release.lua`` call of one release (run alone, or pipelined with others)."""
         check_count(limit, "limit")
         check_count(send_ahead, "send_ahead")
-        return self._scripts["release"], self._keys(key), self._args(key, limit, holder, send_ahead)
+        return self.scripts["release"], self._keys(key), self._args(key, limit, holder, send_ahead)
 
     def confirm_handoff(
         self, key: str, waiter_id: str, *, ttl_ms: int, generation: int | None = None
@@ -649,13 +616,13 @@ class RedisBackend(GuardBackend):
     def sweep_many(self, keys: Sequence[tuple[str, int | None]]) -> list[ReleaseResult]:
         """:meth:`sweep` each ``(key, limit)`` in pipelined batches of :attr:`SWEEP_BATCH`."""
         results: list[ReleaseResult] = []
-        script = self._scripts["sweep"]
+        script = self.scripts["sweep"]
         for first in range(0, len(keys), self.SWEEP_BATCH):
             batch = keys[first : first + self.SWEEP_BATCH]
             for _, limit in batch:
                 check_count(limit, "limit")
             calls = [(script, self._keys(key), self._args(key, limit)) for key, limit in batch]
-            replies = run_scripts(self.client, calls)
+            replies = run_scripts(self.client, self.scripts, calls)
             results.extend(self._release_reply(key, r) for (key, _), r in zip(batch, replies, strict=True))
         return results
 
@@ -668,7 +635,7 @@ class RedisBackend(GuardBackend):
         """
         if self._in_cluster():
             return self.waiting_keys()
-        [due] = run_scripts(self.client, [(self._due, [self._index], [])])
+        [due] = run_scripts(self.client, self.scripts, [(self.scripts["due"], [self._index], [])])
         return [text(k) for k in due]
 
     def set_limit(self, key: str, limit: int | None, *, default: int | None = 1) -> ReleaseResult:
@@ -745,7 +712,9 @@ class RedisBackend(GuardBackend):
                 pipe.hlen(names.reserved)
             counts = pipe.execute()
             empty = [k for i, k in enumerate(stale) if counts[2 * i] == 0 and counts[2 * i + 1] == 0]
-        dropped = run_scripts(self.client, [(self._unindex, [self._index], [k, cutoff]) for k in empty])
+        dropped = run_scripts(
+            self.client, self.scripts, [(self.scripts["unindex"], [self._index], [k, cutoff]) for k in empty]
+        )
         gone = {k for k, result in zip(empty, dropped, strict=True) if result}
         return [k for k, _ in entries if k not in gone]
 
@@ -787,7 +756,7 @@ class RedisBackend(GuardBackend):
             keys = [
                 p + suffix for _, p in chunk for suffix in ("holders", "waiters", "reserved", "limit", "meta")
             ]
-            [reply] = run_scripts(self.client, [(self._summaries, keys, [first])])
+            [reply] = run_scripts(self.client, self.scripts, [(self.scripts["summaries"], keys, [first])])
             if isinstance(reply, Exception):
                 raise reply
             flat: list[Any] = []

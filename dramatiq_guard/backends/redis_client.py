@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
-from importlib import resources
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeAlias, cast
 
 import redis
 import redis.cluster
-from redis.commands.core import Script
-from redis.exceptions import NoScriptError
 
+from dramatiq_guard.backends.redis_scripts import LuaScript, ScriptLibrary
 from dramatiq_guard.errors import BackendUnavailable, ReplicasBehind
 
 __all__ = [
@@ -37,8 +35,8 @@ __all__ = [
     "ScriptCall",
     "Timeouts",
     "data",
-    "load_lua",
     "reachable",
+    "run_script",
     "run_scripts",
     "slow_call_warning",
     "text",
@@ -118,10 +116,6 @@ _UNAVAILABLE: tuple[type[Exception], ...] = (
 )
 
 
-def load_lua(name: str) -> str:
-    return resources.files("dramatiq_guard.backends").joinpath(f"lua/{name}.lua").read_text("utf-8")
-
-
 def text(value: bytes | str) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else value
 
@@ -197,11 +191,31 @@ class ReplicaWaits(NamedTuple):
 
 
 #: A script call: the script, its KEYS and its ARGV.
-ScriptCall: TypeAlias = tuple[Script, list[str], list[Any]]
+ScriptCall: TypeAlias = tuple[LuaScript, list[str], list[Any]]
+
+
+def run_script(
+    client: RedisClient, library: ScriptLibrary, script: LuaScript, keys: list[str], args: list[Any]
+) -> Any:
+    """Run one script (no replica waits); a call refused for want of its code loads it and runs again.
+
+    Raises:
+      BackendUnavailable: If Redis cannot be reached.
+    """
+    execute: Callable[..., Any] = client.execute_command  # untyped in redis-py
+    with reachable():
+        try:
+            return execute(*library.command(script, keys, args))
+        except redis.exceptions.RedisError as exc:
+            if not library.missing(exc):
+                raise
+            library.load(client, [script])
+            return execute(*library.command(script, keys, args))
 
 
 def run_scripts(
     client: RedisClient,
+    library: ScriptLibrary,
     calls: Sequence[ScriptCall],
     *,
     zadd_first: tuple[str, str] | None = None,
@@ -211,8 +225,9 @@ def run_scripts(
 
     redis-py's own pipeline script support costs an extra SCRIPT EXISTS
     round trip per execution (and does nothing for cluster pipelines), so
-    a NOSCRIPT reply is handled here: load the script, re-run only the
-    calls that were refused (they did nothing).
+    a call refused for want of its code (NOSCRIPT, ``Function not found``:
+    see :mod:`~dramatiq_guard.backends.redis_scripts`) is handled here: load
+    the code, re-run only the calls that were refused (they did nothing).
 
     With ``replicas`` (and a count above 0), each pipeline ends with a
     ``WAIT``, on the same connection, so the primary answers only once that
@@ -230,16 +245,17 @@ def run_scripts(
       BackendUnavailable: If Redis cannot be reached.
     """
     if replicas is None or replicas.replicas <= 0:
-        return _run_pipelined(client, client, calls, zadd_first, None)
+        return _run_pipelined(client, library, client, calls, zadd_first, None)
     if not isinstance(client, redis.cluster.RedisCluster):
-        return _run_pipelined(client, client, calls, zadd_first, replicas)
+        return _run_pipelined(client, library, client, calls, zadd_first, replicas)
     if zadd_first is not None:
-        _run_on_nodes(client, [], zadd_first, replicas)
-    return _run_on_nodes(client, list(calls), None, replicas)
+        _run_on_nodes(client, library, [], zadd_first, replicas)
+    return _run_on_nodes(client, library, list(calls), None, replicas)
 
 
 def _run_on_nodes(
     client: redis.cluster.RedisCluster,
+    library: ScriptLibrary,
     calls: list[ScriptCall],
     zadd: tuple[str, str] | None,
     replicas: ReplicaWaits,
@@ -255,7 +271,13 @@ def _run_on_nodes(
             # leases of healthy nodes to lapse because one node is failing over); then it raises.
             try:
                 replies = _run_pipelined(
-                    client, target, [calls[i] for i in indices], zadd, replicas, moved_ok=attempt == 0
+                    client,
+                    library,
+                    target,
+                    [calls[i] for i in indices],
+                    zadd,
+                    replicas,
+                    moved_ok=attempt == 0,
                 )
             except BackendUnavailable as exc:
                 if not isinstance(exc, ReplicasBehind):  # the node is gone: ask the cluster again
@@ -297,6 +319,7 @@ def _by_node(
 
 def _run_pipelined(
     client: RedisClient,
+    library: ScriptLibrary,
     target: RedisClient,
     calls: Sequence[ScriptCall],
     zadd_first: tuple[str, str] | None,
@@ -304,15 +327,18 @@ def _run_pipelined(
     *,
     moved_ok: bool = False,
 ) -> list[Any]:
-    """One pipeline on ``target`` (then a second for NOSCRIPT refusals); ``client`` loads scripts."""
+    """One pipeline on ``target`` (then a second for calls missing their code); ``client`` loads it."""
     with reachable():
-        results = _pipeline(target, calls, zadd_first, replicas)
-        missing = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
+        results = _pipeline(library, target, calls, zadd_first, replicas)
+        missing = [
+            i
+            for i, result in enumerate(results)
+            if isinstance(result, redis.RedisError) and library.missing(result)
+        ]
         if missing:
-            for script in {id(calls[i][0]): calls[i][0] for i in missing}.values():
-                script.sha = client.script_load(script.script)
+            library.load(client, [calls[i][0] for i in missing])
             for i, result in zip(
-                missing, _pipeline(target, [calls[i] for i in missing], None, replicas), strict=True
+                missing, _pipeline(library, target, [calls[i] for i in missing], None, replicas), strict=True
             ):
                 results[i] = result
     for result in results:
@@ -325,6 +351,7 @@ def _run_pipelined(
 
 
 def _pipeline(
+    library: ScriptLibrary,
     target: RedisClient,
     calls: Sequence[ScriptCall],
     zadd_first: tuple[str, str] | None,
@@ -339,7 +366,7 @@ def _pipeline(
     if zadd_first is not None:
         pipe.zadd(zadd_first[0], {zadd_first[1]: int(time.time() * 1000)})
     for script, keys, args in calls:
-        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        pipe.execute_command(*library.command(script, keys, args))
     if replicas is not None:
         pipe.execute_command("WAIT", replicas.replicas, replicas.timeout_ms)
     results = list(pipe.execute(raise_on_error=False))

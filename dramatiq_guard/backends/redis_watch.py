@@ -37,12 +37,11 @@ import weakref
 from typing import Any
 
 import redis
-from redis.commands.core import Script
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import GuardBackend
 from dramatiq_guard.backends.redis import RedisBackend
-from dramatiq_guard.backends.redis_client import load_lua, text
+from dramatiq_guard.backends.redis_client import run_script, text
 from dramatiq_guard.backends.redis_health import (
     RESTART_LOSES,
     UNREACHABLE,
@@ -51,10 +50,12 @@ from dramatiq_guard.backends.redis_health import (
     known_settings,
     where,
 )
-from dramatiq_guard.errors import EvictingRedis
+from dramatiq_guard.errors import BackendUnavailable, EvictingRedis
 
 __all__ = ["KEYS_EVERY_S", "KEYS_PER_S", "StateWatch", "watch"]
 
+#: What a state check that could not reach Redis raises (redis-py's errors, or the health script's).
+_UNAVAILABLE: tuple[type[Exception], ...] = (*UNREACHABLE, BackendUnavailable)
 logger = logging.getLogger("dramatiq_guard.backends.redis_health")
 
 
@@ -95,7 +96,6 @@ class StateWatch:
         self.waiting: list[str] = []
         self.keys_every_s = keys_every_s
         self.keys_checked: float | None = None  # time.monotonic() of the last waiters check
-        self._script: Script = backend.client.register_script(load_lua("health"))
         self._cluster = isinstance(backend.client, redis.cluster.RedisCluster)
 
     @property
@@ -120,6 +120,7 @@ class StateWatch:
         Raises:
           redis.ConnectionError: If the server cannot be reached (nothing is
             compared; the next check compares with the last one that ran).
+          BackendUnavailable: The same, found by the health script's call.
         """
         if self._cluster:
             return []
@@ -147,8 +148,13 @@ class StateWatch:
         ):
             # The waiters check reads every waiting key: not at every pass (see keys_every_s).
             index = f"{self.backend.namespace}:waiting"
-            found, vanished, payloads, unindexed = self._script(
-                keys=[index], args=[self.backend.namespace, *self.waiting]
+            backend = self.backend
+            found, vanished, payloads, unindexed = run_script(
+                client,
+                backend.scripts,
+                backend.scripts["health"],
+                [index],
+                [backend.namespace, *self.waiting],
             )
             indexed = [text(k) for k in found]
             self.keys_checked = now
@@ -273,7 +279,7 @@ def watch(backend: GuardBackend) -> None:
             except EvictingRedis as e:
                 logger.error("%s.", e)
         state.check()
-    except UNREACHABLE:
+    except _UNAVAILABLE:
         logger.debug("The guard's Redis state check could not reach Redis; retrying.", exc_info=True)
     except Exception:
         logger.warning("The guard's Redis state check failed; retrying.", exc_info=True)

@@ -69,45 +69,56 @@
 -- R or I but inspect.lua. A script that sets OWNED = true promises to change H only through
 -- set_holders / drop_holders (or to keep HN, RAISED right itself); finish() re-counts H for a
 -- script that does not.
-local H, W, P, R, D, T, L, I = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local S, M, G, Q = KEYS[9], KEYS[10], KEYS[11], KEYS[12]
-local X = KEYS[13]
-local WAKE = ARGV[1]
-local HANDOFF_TTL = tonumber(ARGV[2])
-local WAKE_TTL = tonumber(ARGV[3])
-local KEY = ARGV[4]
-local KNOWN_DEFAULT = ARGV[5] ~= ''
-local DEFAULT_LIMIT = tonumber(ARGV[5]) -- nil until read from M (see default_limit)
-local ROUTE = ARGV[6]
-local STALE_TTL = tonumber(ARGV[7])
+-- The per-call values, set by begin() (which every script but the fast paths' early returns
+-- runs first): as a script (EVALSHA) the prelude runs on every call; as a function (FCALL, see
+-- redis_scripts.py) it runs once, when the library loads, and begin() resets every one of them, so
+-- no call sees another's. A value a call changes belongs in this list.
+local H, W, P, R, D, T, L, I, S, M, G, Q, X
+local WAKE, HANDOFF_TTL, WAKE_TTL, KEY, KNOWN_DEFAULT, DEFAULT_LIMIT, ROUTE, STALE_TTL
+local NOW_US, NOW
+local HN -- how many members H has (kept by set_holders / drop_holders)
+local LATEST -- the largest deadline in H while it is known (latest(); a write to H forgets it)
+local HMAX -- the largest deadline H had when loaded (its expiry is at least that)
+local EXISTED -- whether H, W, P, R, D or S existed when loaded
+local QUEUED -- whether W, P, R, D or S existed when loaded (see the invariants)
+local PARKED -- whether this script queued a waiter
+local PASSED_OVER -- whether handoff left parked waiters of another route in the queue
+local LOADED, OWNED
+local RAISED -- a deadline in H went above HMAX: H, T and I must expire later
+local META_AT -- the expiry T and I were already given by this script (acquire)
+local LIMIT
+local TOKEN -- the last fencing token issued, once read (see next_token)
+local EARLIEST -- the earliest deadline this script wrote (in H, D or S): K is due by then
+local SWEEPING -- set by sweep.lua: K's due time in X is recomputed, not only moved earlier
+
+local function begin()
+  H, W, P, R, D, T, L, I = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+  S, M, G, Q, X = KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
+  WAKE = ARGV[1]
+  HANDOFF_TTL = tonumber(ARGV[2])
+  WAKE_TTL = tonumber(ARGV[3])
+  KEY = ARGV[4]
+  KNOWN_DEFAULT = ARGV[5] ~= ''
+  DEFAULT_LIMIT = tonumber(ARGV[5]) -- nil until read from M (see default_limit)
+  ROUTE = ARGV[6]
+  STALE_TTL = tonumber(ARGV[7])
+  local clock = redis.call('TIME')
+  NOW_US = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+  NOW = math.floor(NOW_US / 1000)
+  HN, LATEST, HMAX = 0, nil, 0
+  EXISTED, QUEUED, PARKED, PASSED_OVER, LOADED, OWNED, RAISED = false, false, false, false, false, false, false
+  META_AT, LIMIT, TOKEN, EARLIEST, SWEEPING = nil, nil, nil, nil, false
+end
 
 -- The script's own i-th argument.
 local function arg(i)
   return ARGV[7 + i]
 end
-local clock = redis.call('TIME')
-local NOW_US = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
-local NOW = math.floor(NOW_US / 1000)
 
 -- How many holders a refused acquire names (AcquireResult.holders).
 local HOLDERS_SHOWN = 10
 -- How many of the first waiters may be standbys when the limit in force is smaller (values.py).
 local MIN_STANDBY_WINDOW = 4
-local HN = 0 -- how many members H has (kept by set_holders / drop_holders)
-local LATEST = nil -- the largest deadline in H while it is known (latest(); a write to H forgets it)
-local HMAX = 0 -- the largest deadline H had when loaded (its expiry is at least that)
-local EXISTED = false -- whether H, W, P, R, D or S existed when loaded
-local QUEUED = false -- whether W, P, R, D or S existed when loaded (see the invariants)
-local PARKED = false -- whether this script queued a waiter
-local PASSED_OVER = false -- whether handoff left parked waiters of another route in the queue
-local LOADED = false
-local OWNED = false
-local RAISED = false -- a deadline in H went above HMAX: H, T and I must expire later
-local META_AT = nil -- the expiry T and I were already given by this script (acquire)
-local LIMIT = nil
-local TOKEN = nil -- the last fencing token issued, once read (see next_token)
-local EARLIEST = nil -- the earliest deadline this script wrote (in H, D or S): K is due by then
-local SWEEPING = false -- set by sweep.lua: K's due time in X is recomputed, not only moved earlier
 -- The latest a key with waiters is due for a sweep, whatever its deadlines say (ms).
 local DUE_BACKSTOP_MS = 30000
 
