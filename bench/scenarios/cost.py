@@ -227,8 +227,33 @@ def _op_us(
     """(server µs per script call, client µs per operation): ``limit`` holders, ``waiters`` parked.
 
     The pass of ``cycles`` cycles with the median Redis time of :data:`CURVE_PASSES`, after an
-    unmeasured pass of a tenth as many.
+    unmeasured pass of a tenth as many (see :func:`_cycles` for a cycle).
+    """
+    ctx.flush()
+    backend = RedisBackend.from_url(ctx.redis_url, handoff_ttl_ms=600_000)
+    try:
+        one_pass = _cycles(ctx, backend, "curve", limit, waiters, send_ahead=send_ahead, ready=ready)
+        one_pass(max(1, cycles // 10))  # a warm-up, outside the figures
+        passes = sorted(one_pass(cycles) for _ in range(CURVE_PASSES))
+        return passes[len(passes) // 2]
+    finally:
+        backend.close()
+        ctx.flush()
 
+
+def _cycles(
+    ctx: Context,
+    backend: RedisBackend,
+    key: str,
+    limit: int,
+    waiters: int,
+    *,
+    send_ahead: int = 0,
+    ready: bool = False,
+) -> Callable[[int], tuple[float, float]]:
+    """Set ``key`` up with ``limit`` holders and ``waiters`` parked; return a pass of cycles on it.
+
+    A pass of ``count`` cycles returns (server µs per script call, client µs per operation).
     One cycle: a holder releases (the oldest waiter is handed its slot), the hand-off is
     confirmed, and a new message parks at the back: the holders and the waiters stay as many.
     With ``send_ahead`` (as an ``on_busy="park"`` worker releases, standbys on): the first
@@ -237,51 +262,94 @@ def _op_us(
     are ready ones (threads blocking for a slot, as ``on_busy="wait"``): the release hands the
     slot to the oldest by a push, nothing is confirmed, and a new ready waiter queues at the back.
     """
-    ctx.flush()
-    backend = RedisBackend.from_url(ctx.redis_url, handoff_ttl_ms=600_000)
-    key, ttl, payload = "curve", 600_000, b"x" * 200
-    try:
-        for h in range(limit):
-            assert backend.acquire(key, f"h{h}", limit=limit, ttl_ms=ttl).acquired
-        wait = Waiter(wait_ms=ttl) if ready else Waiter(payload=payload)
-        for w in range(waiters):
-            backend.acquire(key, f"w{w}", limit=limit, ttl_ms=ttl, wait=wait)
-        if send_ahead:
-            for standby in backend.send_standbys(key, limit=limit, count=send_ahead)[1]:
+    ttl, payload = 600_000, b"x" * 200
+    for h in range(limit):
+        assert backend.acquire(key, f"h{h}", limit=limit, ttl_ms=ttl).acquired
+    wait = Waiter(wait_ms=ttl) if ready else Waiter(payload=payload)
+    for w in range(waiters):
+        backend.acquire(key, f"w{w}", limit=limit, ttl_ms=ttl, wait=wait)
+    if send_ahead:
+        for standby in backend.send_standbys(key, limit=limit, count=send_ahead)[1]:
+            assert standby.payload is not None
+            backend.confirm_standby(key, standby.waiter_id, standby.payload, ttl_ms=ttl)
+    holders = [f"h{h}" for h in range(limit)]
+    done = itertools.count()  # cycles run so far, over the passes: each new waiter's name
+
+    def one_pass(count: int) -> tuple[float, float]:
+        calls, usec = _script_usec(ctx)
+        start = time.perf_counter()
+        for _ in range(count):
+            i = next(done)
+            released = backend.release(key, holders[i % limit], limit=limit, send_ahead=send_ahead)
+            [handoff] = released.handoffs
+            if ready or send_ahead:
+                assert handoff.payload is None  # a ready waiter or a standby, woken by a push
+            if send_ahead:
+                [standby] = released.standbys
                 assert standby.payload is not None
                 backend.confirm_standby(key, standby.waiter_id, standby.payload, ttl_ms=ttl)
-        holders = [f"h{h}" for h in range(limit)]
-        done = itertools.count()  # cycles run so far, over the passes: each new waiter's name
+            elif not ready:
+                assert backend.confirm_handoff(
+                    key, handoff.waiter_id, ttl_ms=ttl, generation=handoff.generation
+                )
+            holders[i % limit] = handoff.waiter_id
+            backend.acquire(key, f"n{i}", limit=limit, ttl_ms=ttl, wait=wait)
+        elapsed = time.perf_counter() - start
+        calls_after, usec_after = _script_usec(ctx)
+        return (usec_after - usec) / (calls_after - calls), elapsed * 1e6 / ((2 if ready else 3) * count)
 
-        def one_pass(count: int) -> tuple[float, float]:
-            calls, usec = _script_usec(ctx)
-            start = time.perf_counter()
-            for _ in range(count):
-                i = next(done)
-                released = backend.release(key, holders[i % limit], limit=limit, send_ahead=send_ahead)
-                [handoff] = released.handoffs
-                if ready or send_ahead:
-                    assert handoff.payload is None  # a ready waiter or a standby, woken by a push
-                if send_ahead:
-                    [standby] = released.standbys
-                    assert standby.payload is not None
-                    backend.confirm_standby(key, standby.waiter_id, standby.payload, ttl_ms=ttl)
-                elif not ready:
-                    assert backend.confirm_handoff(
-                        key, handoff.waiter_id, ttl_ms=ttl, generation=handoff.generation
-                    )
-                holders[i % limit] = handoff.waiter_id
-                backend.acquire(key, f"n{i}", limit=limit, ttl_ms=ttl, wait=wait)
-            elapsed = time.perf_counter() - start
-            calls_after, usec_after = _script_usec(ctx)
-            return (usec_after - usec) / (calls_after - calls), elapsed * 1e6 / ((2 if ready else 3) * count)
+    return one_pass
 
-        one_pass(max(1, cycles // 10))  # a warm-up, outside the figures
-        passes = sorted(one_pass(cycles) for _ in range(CURVE_PASSES))
-        return passes[len(passes) // 2]
+
+def _functions_against_scripts(ctx: Context) -> list[Figure]:
+    """The same hand-off cycles as functions (FCALL) and as scripts (EVALSHA), passes taking turns.
+
+    What a Redis that refuses functions costs (redis_scripts.py): its scripts set the prelude up
+    on every call. Two keys on one Redis, one backend each, limit 8 and 1,000 parked waiters.
+    """
+    cycles = ctx.n(2000, 200)
+    ctx.flush()
+    as_functions = RedisBackend.from_url(ctx.redis_url, handoff_ttl_ms=600_000)
+    as_scripts = RedisBackend.from_url(ctx.redis_url, handoff_ttl_ms=600_000)
+    as_scripts.scripts.functions = False  # as on a server that refuses functions
+    try:
+        kinds = [
+            ("functions", _cycles(ctx, as_functions, "functions", 8, 1000)),
+            ("scripts", _cycles(ctx, as_scripts, "scripts", 8, 1000)),
+        ]
+        for _, one_pass in kinds:
+            one_pass(max(1, cycles // 10))  # a warm-up, outside the figures
+        runs: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in kinds}
+        for name, one_pass in in_turns(kinds, 1 if ctx.quick else CURVE_PASSES):
+            runs[name].append(one_pass(cycles))
     finally:
-        backend.close()
+        as_functions.close()
+        as_scripts.close()
         ctx.flush()
+    detail = (
+        f"{cycles} cycles of release (hand-off) + confirm + park on a key of limit 8 with 1,000 waiters, "
+        f"the median of {len(runs['scripts'])} passes taking turns; script usec / calls (INFO commandstats)"
+    )
+    functions, scripts = median_run(runs["functions"]), median_run(runs["scripts"])
+    return [
+        Figure(
+            "op_server_us_functions",
+            "per operation, Redis time: as functions (FCALL, the library loaded once)",
+            functions[0],
+            "µs",
+            better="lower",
+            detail=detail,
+        ),
+        Figure(
+            "op_server_us_scripts",
+            "per operation, Redis time: as scripts (EVALSHA, a Redis that refuses functions)",
+            scripts[0],
+            "µs",
+            vs="cost/op_server_us_functions",
+            better="lower",
+            detail=detail,
+        ),
+    ]
 
 
 def _curve_figures(
@@ -465,8 +533,12 @@ def cost(ctx: Context) -> list[Figure]:
       ``on_busy="wait"``): a release hands its slot to the oldest by a push and a new one
       queues. And L again with 1,000 waiters, the release sending standbys ahead as an
       ``on_busy="park"`` worker's does. Flat means O(log n): a ratio near 1 against the smallest.
+    * functions against scripts: the same cycles (L = 8, W = 1,000) on two keys, one backend
+      running the scripts as functions (FCALL, the default) and one as scripts (EVALSHA, as on a
+      Redis that refuses functions), passes taking turns: the Redis time of setting the prelude
+      up on every call.
     * idle sweep: 10,000 keys, each with a live holder and a parked waiter; 10 processes' sweep
       passes (and their state watch), the commands per process per pass (one pass a second),
       side by side with the sweep as it was (every waiting key at every pass, 2 processes).
     """
-    return _per_guard(ctx) + _curves(ctx) + _idle_sweep(ctx)
+    return _per_guard(ctx) + _curves(ctx) + _functions_against_scripts(ctx) + _idle_sweep(ctx)
