@@ -245,6 +245,8 @@ def run_scripts(
       BackendUnavailable: If Redis cannot be reached.
     """
     if replicas is None or replicas.replicas <= 0:
+        if len(calls) == 1 and zadd_first is None:  # a pipeline of one costs ~20 us more CPU than a call
+            return [run_script(client, library, *calls[0])]
         return _run_pipelined(client, library, client, calls, zadd_first, None)
     if not isinstance(client, redis.cluster.RedisCluster):
         return _run_pipelined(client, library, client, calls, zadd_first, replicas)
