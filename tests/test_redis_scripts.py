@@ -6,6 +6,8 @@ functions and add ACL users, which must not touch the session's server.
 
 from __future__ import annotations
 
+import io
+import json
 import logging
 import re
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ from harness.redis_server import RedisServer
 from dramatiq_guard.backends import RedisBackend, Waiter
 from dramatiq_guard.backends.base import Handoff
 from dramatiq_guard.backends.redis_scripts import LEAN_SCRIPTS, PRELUDE_SCRIPTS, ScriptLibrary, load_lua
+from dramatiq_guard.cli import main
 from dramatiq_guard.errors import BackendUnavailable
 
 KEY = "concurrency:k"
@@ -182,3 +185,36 @@ def test_every_value_a_call_changes_is_reset_by_begin() -> None:
     }
     assert assigned - reset == set(), "reset these in begin()"
     assert "SWEEPING" in assigned and "TOKEN" in assigned  # the check sees assignments at all
+
+
+def test_the_command_lists_loads_and_prunes_the_libraries(
+    private_redis: RedisServer, admin: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``dramatiq-guard functions``: what an operator needs for restricted ACLs and old versions."""
+    ours = ScriptLibrary()
+    older = "dramatiq_guard_" + "1" * 16
+
+    def run(*argv: str) -> tuple[int, str]:
+        out = io.StringIO()
+        status = main(["--redis", private_redis.url, "functions", *argv], stdout=out)
+        return status, out.getvalue() + capsys.readouterr().out
+
+    assert run("list") == (
+        0,
+        f"no dramatiq-guard library here (this version's, {ours.library}, loads on first use)\n",
+    )
+    assert run("load") == (0, f"{ours.library}: loaded\n")
+    admin.function_load(ours.code.replace(ours.library, older))  # as an older version left it
+    status, out = run("list", "--json")
+    assert status == 0 and json.loads(out) == {
+        "this_version": ours.library,
+        "libraries": {ours.library: len(PRELUDE_SCRIPTS) + len(LEAN_SCRIPTS), older: 14},
+    }
+    status, out = run("prune")
+    assert status == 0 and out.startswith(f"{older}: deleted")
+    assert [entry[1].decode() for entry in admin.function_list()] == [ours.library]
+    assert run("prune")[1].startswith("nothing to prune")
+    hand_off(RedisBackend(private_redis.client(), namespace="t"))  # this version's still serves
+    private_redis.stop()
+    status, _ = run("list")
+    assert status == 1  # Redis unreachable: an operational error

@@ -52,6 +52,8 @@ __all__ = ["LuaScript", "ScriptLibrary", "load_lua"]
 
 logger = logging.getLogger("dramatiq_guard.backends.redis")
 
+#: What the name of every version's library starts with.
+LIBRARY_PREFIX = "dramatiq_guard_"
 #: The per-key scripts: ``_bounds.lua``, the fast path if any, ``_prelude.lua``, then the script.
 PRELUDE_SCRIPTS = (
     "acquire",
@@ -118,7 +120,7 @@ def _code() -> _Code:
             f"callback=function(keys, args)\nKEYS, ARGV = keys, args\n{body}\nend}}\n"
         )
     code = "".join(parts)
-    library = "dramatiq_guard_" + hashlib.sha1(code.encode()).hexdigest()[:16]
+    library = LIBRARY_PREFIX + hashlib.sha1(code.encode()).hexdigest()[:16]
     scripts: dict[str, LuaScript] = {}
     for name, body in bodies.items():
         source = shared + body if name in PRELUDE_SCRIPTS else body
@@ -188,7 +190,7 @@ class ScriptLibrary:
         """
         if self.functions:
             try:
-                client.function_load(self.code, replace=True)
+                self.load_functions(client)
                 return
             except NoPermissionError as exc:
                 self._use_scripts(str(exc))
@@ -199,13 +201,47 @@ class ScriptLibrary:
         for script in {script.name: script for script in scripts}.values():
             client.script_load(script.source)
 
+    def load_functions(self, client: Any) -> None:
+        """``FUNCTION LOAD REPLACE`` this version's library (a library of that name holds this very code).
+
+        Raises:
+          redis.RedisError: If the server cannot be reached, or refuses it.
+        """
+        client.function_load(self.code, replace=True)
+
+    def libraries(self, client: Any) -> dict[str, int]:
+        """Every dramatiq-guard library on the server (this version's and others'), with its function count.
+
+        ``client`` is a client of one server (on a Redis Cluster, of one primary).
+        """
+        found: dict[str, int] = {}
+        for entry in client.function_list(library=f"{LIBRARY_PREFIX}*"):
+            fields = entry if isinstance(entry, dict) else dict(zip(entry[::2], entry[1::2], strict=True))
+            name = fields.get(b"library_name", fields.get("library_name"))
+            functions = fields.get(b"functions", fields.get("functions")) or []
+            found[name.decode() if isinstance(name, bytes) else str(name)] = len(functions)
+        return found
+
+    def prune(self, client: Any) -> list[str]:
+        """Delete the dramatiq-guard libraries of other versions from the server; return their names.
+
+        Never unsafe: a process still running another version finds its
+        library missing at its next call and loads it again (the call did
+        nothing); prune once every application runs this version.
+        """
+        others = sorted(name for name in self.libraries(client) if name != self.library)
+        for name in others:
+            client.function_delete(name)
+        return others
+
     def _use_scripts(self, why: str) -> None:
         if self.functions:
             self.functions = False
             logger.warning(
                 "dramatiq-guard: this Redis refuses functions (%s): the guard runs its scripts with EVALSHA, "
                 "which sets their shared prelude up on every call (about 15 us more Redis time per "
-                "operation on a key with waiters). Redis 7 and an ACL that allows FUNCTION LOAD and FCALL "
-                "avoid it.",
+                "operation on a key with waiters). Redis 7 and an ACL that allows FCALL avoid it (a user "
+                "not allowed FUNCTION LOAD needs the library loaded for it: "
+                "'dramatiq-guard functions load').",
                 why,
             )

@@ -8,6 +8,7 @@ Usage (``dramatiq-guard COMMAND --help`` for each)::
   dramatiq-guard limit set --actor NAME N
   dramatiq-guard limit clear KEY
   dramatiq-guard release KEY [--yes] [--broker MODULE:ATTR]
+  dramatiq-guard functions list|load|prune [--json]
   dramatiq-guard ledger prune --older-than 30d [--ledger URL]
   dramatiq-guard ledger show KEY [--ledger URL] [--json]
   dramatiq-guard ledger list [--state S] [--ledger URL] [--json]
@@ -61,6 +62,9 @@ from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from dramatiq_guard.cli.commands import (
+    _cmd_functions_list,
+    _cmd_functions_load,
+    _cmd_functions_prune,
     _cmd_inspect,
     _cmd_ledger_list,
     _cmd_ledger_prune,
@@ -234,6 +238,31 @@ def build_parser() -> argparse.ArgumentParser:
     release.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
     _broker_option(release)
     release.set_defaults(run=_cmd_release)
+
+    functions = commands.add_parser(
+        "functions",
+        parents=[common],
+        help="list, load or prune the guard's Redis function libraries",
+        description=(
+            "The guard runs its scripts as functions of one Redis library per version of "
+            "dramatiq-guard (dramatiq_guard_<digest>), loaded by its first call. List the libraries "
+            "on the server, load this version's (for applications whose ACL user may call functions "
+            "but not load them), or delete other versions' (safe: a process still running one loads "
+            "it again on its next call). On a Redis Cluster, run it against each primary."
+        ),
+    )
+    functions_actions = functions.add_subparsers(dest="functions_command", metavar="ACTION", required=True)
+    functions_list = functions_actions.add_parser(
+        "list", parents=[common], help="the dramatiq-guard libraries on the server"
+    )
+    functions_list.add_argument("--json", action="store_true", help="print JSON")
+    functions_list.set_defaults(run=_cmd_functions_list)
+    functions_actions.add_parser(
+        "load", parents=[common], help="load this version's library (FUNCTION LOAD REPLACE)"
+    ).set_defaults(run=_cmd_functions_load)
+    functions_actions.add_parser(
+        "prune", parents=[common], help="delete every dramatiq-guard library but this version's"
+    ).set_defaults(run=_cmd_functions_prune)
 
     ledger = commands.add_parser(
         "ledger",

@@ -1,4 +1,4 @@
-"""The verbs of ``dramatiq-guard``: inspect, limit, release, ledger (docs in :mod:`dramatiq_guard.cli`)."""
+"""The verbs of ``dramatiq-guard``: inspect, limit, release, ledger, functions (:mod:`dramatiq_guard.cli`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from dramatiq_guard.cli.common import (
 )
 
 if TYPE_CHECKING:
+    from dramatiq_guard.backends.redis_client import RedisClient
     from dramatiq_guard.backends.redis_health import RedisSettings
+    from dramatiq_guard.backends.redis_scripts import ScriptLibrary
 
 
 def _check_key(backend: GuardBackend, key: str) -> KeyState:
@@ -322,4 +324,44 @@ def _cmd_ledger_list(ctx: Context) -> int:
                 for r in rows
             )
             _print_table(ctx, table)
+    return 0
+
+
+def _scripts(ctx: Context) -> tuple[RedisClient, ScriptLibrary]:
+    """The Redis client and the script library of the command's backend."""
+    from dramatiq_guard.backends.redis import RedisBackend
+
+    backend = ctx.backend
+    if not isinstance(backend, RedisBackend):  # pragma: no cover - the command always makes one
+        raise UsageError("functions: the guard's backend is not Redis")
+    return backend.client, backend.scripts
+
+
+def _cmd_functions_list(ctx: Context) -> int:
+    client, scripts = _scripts(ctx)
+    found = scripts.libraries(client)
+    if ctx.args.json:
+        ctx.print(json.dumps({"this_version": scripts.library, "libraries": found}))
+        return 0
+    if not found:
+        ctx.print(f"no dramatiq-guard library here (this version's, {scripts.library}, loads on first use)")
+    for name, count in sorted(found.items()):
+        ctx.print(f"{name}: {count} functions" + (" (this version)" if name == scripts.library else ""))
+    return 0
+
+
+def _cmd_functions_load(ctx: Context) -> int:
+    client, scripts = _scripts(ctx)
+    scripts.load_functions(client)
+    ctx.print(f"{scripts.library}: loaded")
+    return 0
+
+
+def _cmd_functions_prune(ctx: Context) -> int:
+    client, scripts = _scripts(ctx)
+    deleted = scripts.prune(client)
+    for name in deleted:
+        ctx.print(f"{name}: deleted (a process still running that version loads it again on its next call)")
+    if not deleted:
+        ctx.print(f"nothing to prune: no dramatiq-guard library but this version's ({scripts.library})")
     return 0
