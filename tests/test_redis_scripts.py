@@ -218,3 +218,14 @@ def test_the_command_lists_loads_and_prunes_the_libraries(
     private_redis.stop()
     status, _ = run("list")
     assert status == 1  # Redis unreachable: an operational error
+
+
+def test_as_a_script_the_fast_paths_still_run_before_the_prelude_is_set_up() -> None:
+    """On a Redis that refuses functions a fast path must not pay the prelude's set-up (its point)."""
+    scripts = ScriptLibrary()
+    prelude = load_lua("_prelude")
+    for name in ("acquire", "release"):
+        source = scripts[name].source
+        fast, at = source.index(load_lua(f"{name}_fast")), source.index(prelude)
+        assert fast < at and source.index("\nbegin()\n", at + len(prelude) - 1) > at  # begin() after it
+    assert prelude not in scripts["lock"].source and load_lua("lock") == scripts["lock"].source

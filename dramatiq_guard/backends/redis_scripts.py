@@ -96,34 +96,40 @@ class _Code(NamedTuple):
     scripts: dict[str, LuaScript]
 
 
-def _body(name: str) -> str:
-    """What a call runs: the fast path (it returns early, or falls through), begin(), then the script."""
+def _fast_and_rest(name: str) -> tuple[str, str]:
+    """A script's fast path ('' if none: it returns early, or falls through), and what runs after it."""
     if name not in PRELUDE_SCRIPTS:
-        return load_lua(name)
+        return "", load_lua(name)
     fast = load_lua(f"{name}_fast") + "\n" if name in FAST_PATHS else ""
-    return fast + "begin()\n" + load_lua(name)
+    return fast, "begin()\n" + load_lua(name)
 
 
 @functools.cache
 def _code() -> _Code:
-    """The scripts' texts and the library's (read once per process: they are the package's files)."""
-    shared = load_lua("_bounds") + "\n" + load_lua("_prelude") + "\n"
-    bodies = {name: _body(name) for name in (*PRELUDE_SCRIPTS, *LEAN_SCRIPTS)}
+    """The scripts' texts and the library's (read once per process: they are the package's files).
+
+    A per-key script as a script: ``_bounds.lua``, its fast path, ``_prelude.lua``, ``begin()``,
+    the script (the fast path runs before the prelude is set up). As a function: ``_bounds.lua``
+    and ``_prelude.lua`` once, at the top of the library, and per call the fast path, ``begin()``,
+    the script.
+    """
+    bounds, prelude = load_lua("_bounds") + "\n", load_lua("_prelude") + "\n"
+    split = {name: _fast_and_rest(name) for name in (*PRELUDE_SCRIPTS, *LEAN_SCRIPTS)}
     # KEYS and ARGV are the library's own locals (a function gets them as arguments; the prelude and
     # the scripts read them as they would a script's globals), set first by every call. The names
     # carry a digest of the code, which is made with a placeholder in their place.
-    parts = ["#!lua name=@LIBRARY@\nlocal KEYS, ARGV\n", shared]
-    for name, body in bodies.items():
+    parts = ["#!lua name=@LIBRARY@\nlocal KEYS, ARGV\n", bounds, prelude]
+    for name, (fast, rest) in split.items():
         flags = f"{{'{FLAGS[name]}'}}" if name in FLAGS else "{}"
         parts.append(
             f"redis.register_function{{function_name='@LIBRARY@_{name}', flags={flags}, "
-            f"callback=function(keys, args)\nKEYS, ARGV = keys, args\n{body}\nend}}\n"
+            f"callback=function(keys, args)\nKEYS, ARGV = keys, args\n{fast}{rest}\nend}}\n"
         )
     code = "".join(parts)
     library = LIBRARY_PREFIX + hashlib.sha1(code.encode()).hexdigest()[:16]
     scripts: dict[str, LuaScript] = {}
-    for name, body in bodies.items():
-        source = shared + body if name in PRELUDE_SCRIPTS else body
+    for name, (fast, rest) in split.items():
+        source = bounds + fast + prelude + rest if name in PRELUDE_SCRIPTS else rest
         scripts[name] = LuaScript(
             name, source, hashlib.sha1(source.encode()).hexdigest(), f"{library}_{name}"
         )

@@ -1,5 +1,6 @@
--- Shared prelude of every per-key guard script but lock.lua and renew.lua (concatenated in front
--- of it at load, after _bounds.lua and the script's fast path, if it has one).
+-- Shared prelude of every per-key guard script but lock.lua and renew.lua: as a script, put in
+-- front of it after _bounds.lua and the script's fast path, if it has one, and followed by
+-- begin(); as a function, at the top of the library, once (backends/redis_scripts.py).
 -- The contract these scripts implement is GuardBackend's (backends/base.py: holders, limit,
 -- fencing token, waiters, hand-off, standbys); the comments here say how, not what.
 --
