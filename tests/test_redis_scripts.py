@@ -1,7 +1,8 @@
 """How the Redis backend's scripts reach the server: one function library, else EVALSHA.
 
-Each test has a Redis of its own (``private_redis``): they load and flush
-functions and add ACL users, which must not touch the session's server.
+Each test that talks to Redis starts a server of its own (``private_redis``, or
+one started with options): they load and flush functions and add ACL users,
+which must not touch the session's server.
 """
 
 from __future__ import annotations
