@@ -136,6 +136,19 @@ def _code() -> _Code:
     return _Code(library, code.replace("@LIBRARY@", library), scripts)
 
 
+def _refuses_functions(error: RedisError) -> bool:
+    """Whether ``error`` is the server refusing a function command (``FCALL``, ``FUNCTION LOAD``).
+
+    An older server: "unknown command 'fcall'" or "unknown subcommand" (from a
+    Redis Cluster client: "FCALL command doesn't exist in Redis commands"); an
+    ACL user without the command: NOPERM.
+    """
+    message = str(error)
+    return isinstance(error, NoPermissionError) or any(
+        refusal in message for refusal in ("unknown command", "unknown subcommand", "exist in Redis commands")
+    )
+
+
 class ScriptLibrary:
     """The guard's scripts on one Redis (or Redis Cluster), as functions until the server refuses them.
 
@@ -171,14 +184,7 @@ class ScriptLibrary:
         message = str(error)
         if isinstance(error, ResponseError) and message.startswith("Function not found"):
             return True
-        # An older server: "unknown command 'FCALL'" (from a Redis Cluster client: "FCALL command
-        # doesn't exist in Redis commands"); an ACL user without it: NOPERM.
-        refused = (
-            isinstance(error, NoPermissionError)
-            or "unknown command" in message
-            or "exist in Redis commands" in message
-        )
-        if refused and "fcall" in message.lower():
+        if _refuses_functions(error) and "fcall" in message.lower():
             self._use_scripts(message)
             return True
         return False
@@ -198,10 +204,8 @@ class ScriptLibrary:
             try:
                 self.load_functions(client)
                 return
-            except NoPermissionError as exc:
-                self._use_scripts(str(exc))
             except ResponseError as exc:
-                if "unknown command" not in str(exc) and "unknown subcommand" not in str(exc):
+                if not _refuses_functions(exc):
                     raise
                 self._use_scripts(str(exc))
         for script in {script.name: script for script in scripts}.values():
