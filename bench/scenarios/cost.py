@@ -234,8 +234,7 @@ def _op_us(
     try:
         one_pass = _cycles(ctx, backend, "curve", limit, waiters, send_ahead=send_ahead, ready=ready)
         one_pass(max(1, cycles // 10))  # a warm-up, outside the figures
-        passes = sorted(one_pass(cycles) for _ in range(CURVE_PASSES))
-        return passes[len(passes) // 2]
+        return median_run([one_pass(cycles) for _ in range(CURVE_PASSES)])
     finally:
         backend.close()
         ctx.flush()
