@@ -407,11 +407,20 @@ class GuardModel(RuleBasedStateMachine):
         self.absorb(key, [swept.result for swept in results], route)
 
     def release(
-        self, key: str, mid: str, *, send_ahead: int = 0, route: str = MAIN, known: bool = True
+        self,
+        key: str,
+        mid: str,
+        *,
+        send_ahead: int = 0,
+        per_slot: int = 1,
+        route: str = MAIN,
+        known: bool = True,
     ) -> None:
         limit = DEFAULTS[key] if known else None
         results = self.call(
-            key, lambda b: b.release(key, mid, limit=limit, send_ahead=send_ahead), route=route
+            key,
+            lambda b: b.release(key, mid, limit=limit, send_ahead=send_ahead, per_slot=per_slot),
+            route=route,
         )
         self.absorb(key, results, route)
         self.running.pop(mid, None)
@@ -443,16 +452,22 @@ class GuardModel(RuleBasedStateMachine):
                 self.threads[mid] = Thread(key, mid, None, runner)
 
     @precondition(lambda self: self.running)
-    @rule(data=st.data(), send_ahead=st.sampled_from([0, 0, 1, 2, 8]), foreign=st.booleans())
-    def a_holder_releases(self, data: st.DataObject, send_ahead: int, foreign: bool) -> None:
-        """A holder releases (maybe sending waiters ahead); ``foreign``: forced by another route's process."""
+    @rule(
+        data=st.data(),
+        send_ahead=st.sampled_from([0, 0, 1, 2, 8]),
+        per_slot=st.sampled_from([1, 1, 2]),
+        foreign=st.booleans(),
+    )
+    def a_holder_releases(self, data: st.DataObject, send_ahead: int, per_slot: int, foreign: bool) -> None:
+        """A holder releases (maybe sending waiters ahead, within a window of ``per_slot`` per slot:
+        after a short job); ``foreign``: forced by another route's process."""
         with self.step():
             mid = data.draw(st.sampled_from(sorted(self.running)))
             key = self.running[mid]
             if foreign:
-                self.release(key, mid, send_ahead=send_ahead, route=OTHER, known=False)
+                self.release(key, mid, send_ahead=send_ahead, per_slot=per_slot, route=OTHER, known=False)
             else:
-                self.release(key, mid, send_ahead=send_ahead)
+                self.release(key, mid, send_ahead=send_ahead, per_slot=per_slot)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), again=st.booleans())
@@ -548,13 +563,18 @@ class GuardModel(RuleBasedStateMachine):
             assert backend.get_limit(key) == limit
 
     @rule(
-        key=st.sampled_from(KEYS), count=st.sampled_from([1, 2, 3, 8]), route=st.sampled_from([MAIN, OTHER])
+        key=st.sampled_from(KEYS),
+        count=st.sampled_from([1, 2, 3, 8]),
+        per_slot=st.sampled_from([1, 2]),
+        route=st.sampled_from([MAIN, OTHER]),
     )
-    def waiters_are_sent_ahead(self, key: str, count: int, route: str) -> None:
+    def waiters_are_sent_ahead(self, key: str, count: int, per_slot: int, route: str) -> None:
         """A process sends the oldest parked waiters ahead as standbys."""
         with self.step():
             results = self.call(
-                key, lambda b: b.send_standbys(key, limit=DEFAULTS[key], count=count), route=route
+                key,
+                lambda b: b.send_standbys(key, limit=DEFAULTS[key], count=count, per_slot=per_slot),
+                route=route,
             )
             self.check_tokens(key, results)
             handoffs, sent = results[0]

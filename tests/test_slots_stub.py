@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,11 +18,12 @@ from dramatiq.results.backends import StubBackend
 from harness import wait_until
 
 from dramatiq_guard import current_lease, events
+from dramatiq_guard.backends.base import STANDBYS_PER_SLOT
 from dramatiq_guard.backends.memory import MemoryBackend
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.slots import Concurrency, Mutex, MutexWaitTimeout
-from dramatiq_guard.middleware.slots.standbys import DEFAULT_LOOKAHEAD
+from dramatiq_guard.middleware.slots.standbys import DEFAULT_LOOKAHEAD, SHORT_HOLD_MS
 from dramatiq_guard.testing import join, parked_count
 
 
@@ -617,3 +619,59 @@ def test_the_default_lookahead_sends_16_standbys_ahead_however_wide_the_limit(en
         (m.message_id, i >= DEFAULT_LOOKAHEAD) for i, m in enumerate(messages[limit:])
     ]
     assert queue.qsize() == limit + DEFAULT_LOOKAHEAD
+
+
+def test_a_short_job_sends_two_standbys_per_slot_and_a_long_one_one(env: Env) -> None:
+    """After a job that held its slot under SHORT_HOLD_MS, the release asks for a standby window of
+    two per slot (a standby then has two jobs' runs to reach a worker thread); after a longer one,
+    of one per slot (its standbys would block threads for nothing)."""
+    asked: list[tuple[str, int]] = []
+    release = env.concurrency.release
+
+    def spy(broker: Any, lease: Lease, **options: Any) -> Any:
+        asked.append((lease.holder, options["per_slot"]))
+        return release(broker, lease, **options)
+
+    env.concurrency.release = spy  # type: ignore[method-assign]
+
+    @dramatiq.actor(concurrency={"limit": 2, "key": lambda n: "k"}, max_retries=0)
+    def job(n: int) -> None:
+        if n == 1:
+            time.sleep((SHORT_HOLD_MS + 20) / 1000)  # the job's work: a long job
+
+    short, long = job.send(0), job.send(1)
+    env.start(threads=2)
+    join(env.broker, job.queue_name, timeout=10_000)
+    env.worker.join()  # type: ignore[union-attr]
+    assert sorted(asked) == sorted([(short.message_id, STANDBYS_PER_SLOT), (long.message_id, 1)])
+    # A process remembers it per key: its standbys may take the seats of a short job's.
+    assert not env.concurrency.standbys.short("concurrency:k")  # the last one here was long
+    job.send(2)
+    join(env.broker, job.queue_name, timeout=10_000)
+    env.worker.join()  # type: ignore[union-attr]
+    assert env.concurrency.standbys.short("concurrency:k")
+
+
+def test_a_worker_lets_half_its_threads_block_as_standbys_and_all_but_one_for_short_jobs(env: Env) -> None:
+    env.start(threads=8)
+    seats = env.concurrency.standbys.seats
+    assert (seats.seats, seats.short_seats) == (4, 7)
+    assert [seats.take() for _ in range(5)] == [True, True, True, True, False]
+    assert [seats.take(short=True) for _ in range(4)] == [True, True, True, False]
+    seats.give_back()
+    assert seats.take() is False and seats.take(short=True) is True
+
+
+def test_standby_threads_given_is_the_most_for_every_standby(restore_global_broker: None) -> None:
+    broker = StubBroker()
+    concurrency = Concurrency(redis=MemoryBackend(), standby_threads=3)
+    broker.add_middleware(concurrency, before=Retries)
+    worker = dramatiq.Worker(broker, worker_threads=8, worker_timeout=20)
+    worker.start()
+    try:
+        seats = concurrency.standbys.seats
+        assert (seats.seats, seats.short_seats) == (3, 3)
+        assert [seats.take(short=True) for _ in range(4)] == [True, True, True, False]
+    finally:
+        worker.stop()
+        broker.close()

@@ -1,6 +1,6 @@
--- standby('send', count) -> {handoffs, standbys}
---   Sends the oldest parked waiters ahead as standbys, so that the first min(count, max(limit,
---   MIN_STANDBY_WINDOW)) waiters of the FIFO (none if the limit is 0) are all standbys (or ready
+-- standby('send', count, per_slot) -> {handoffs, standbys}
+--   Sends the oldest parked waiters ahead as standbys, so that the first min(count, max(per_slot x
+--   limit, MIN_STANDBY_WINDOW)) waiters of the FIFO (none if the limit is 0) are all standbys (or ready
 --   waiters). A sent standby keeps its place and its payload, and gets a deadline in S (a payload
 --   and a deadline in S together mark "sent, unconfirmed"): if it is not confirmed by then, reclaim
 --   makes it a parked waiter again; if a slot is handed to it meanwhile, handoff reserves the slot
@@ -17,7 +17,7 @@
 --   is left parked (its enqueued copy parks into the same entry when picked up).
 local refused
 if arg(1) == 'send' then
-  refused = validate_args({ 'count', arg(2), 0, MAX_COUNT })
+  refused = validate_args({ 'count', arg(2), 0, MAX_COUNT }, { 'per_slot', arg(3) or '1', 1, STANDBYS_PER_SLOT })
 else
   refused = validate_args(
     { 'ttl_ms', arg(3), 1, MAX_DURATION_MS },
@@ -32,8 +32,9 @@ reclaim()
 if arg(1) == 'send' then
   local handoffs, sent = {}, {}
   local limit = limit_in_force()
-  handoff(limit, handoffs)
-  send_ahead(tonumber(arg(2)), sent)
+  local per_slot = tonumber(arg(3) or '1')
+  handoff(limit, handoffs, per_slot)
+  send_ahead(tonumber(arg(2)), sent, per_slot)
   finish()
   return { handoffs, sent }
 end

@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -41,7 +42,7 @@ from dramatiq_guard.middleware.slots.execution import (
     take_held,
 )
 from dramatiq_guard.middleware.slots.limits import KeyDirectory
-from dramatiq_guard.middleware.slots.releases import ContendedKeys, Releaser, starts_follow_ups
+from dramatiq_guard.middleware.slots.releases import MarkedKeys, Releaser, starts_follow_ups
 from dramatiq_guard.middleware.slots.reservation import ReservationTicket, reserve_or_park
 from dramatiq_guard.middleware.slots.standbys import Standbys, wait_as_standby
 from dramatiq_guard.middleware.slots.waits import wait_for_mutex
@@ -76,8 +77,9 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
       sweep_interval: How often each worker sweeps keys with waiters. Default 1 s.
       limit_cache: How long a process caches a per-actor default limit. Default 1 s.
       lookahead(int|None): How many parked waiters per key are sent to the
-        broker ahead of a free slot, as standbys: at most the key's limit,
-        or :data:`~dramatiq_guard.backends.base.MIN_STANDBY_WINDOW` (4) for a
+        broker ahead of a free slot, as standbys: at most the key's limit
+        (twice that after a short job, see ``standby_threads``), or
+        :data:`~dramatiq_guard.backends.base.MIN_STANDBY_WINDOW` (4) for a
         smaller limit (a mutex's), so that a short job's next waiter has been
         picked up by the time the slot frees. None (the default): 16
         (:data:`~dramatiq_guard.middleware.slots.standbys.DEFAULT_LOOKAHEAD`;
@@ -86,8 +88,11 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         waiting for a slot before it parks again. Default 5 s.
       standby_threads(int|None): How many worker threads of a process may
         block as standbys at once (a standby picked up beyond that parks
-        again). None (the default): half the worker's threads. A process
-        that allows none sends no standbys.
+        again). None (the default): half the worker's threads, and all but
+        one for the standbys of a key whose last job here held its slot under
+        :data:`~dramatiq_guard.middleware.slots.standbys.SHORT_HOLD_MS` (100
+        ms: such a standby waits a job's run or two). A process that allows
+        none sends no standbys.
     """
 
     #: The guard key prefix (``"mutex"`` or ``"concurrency"``).
@@ -124,7 +129,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         self._sweeper: Sweeper | None = None
         self._releaser: Releaser | None = None
         self._worker: Worker | None = None  # this process's, once it boots (see keep_polling)
-        self._contended = ContendedKeys()
+        self._contended = MarkedKeys()
 
     # -- what the two capabilities differ in ----------------------------------
 
@@ -203,7 +208,9 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         self.broker = broker
         self._worker = worker
         if self.standby_threads is None:
-            self.standbys.seats.seats = int(getattr(worker, "worker_threads", 0)) // 2
+            threads = int(getattr(worker, "worker_threads", 0))
+            self.standbys.seats.seats = threads // 2
+            self.standbys.seats.short_seats = max(threads // 2, threads - 1)
         if not isinstance(broker, StubBroker) and self._releaser is None:
             self._releaser = Releaser()
         self._sweeper = join_sweep(self, broker, self.sweep_interval_ms)
@@ -333,7 +340,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             return wait_as_standby(
                 broker, backend, message, key, wait.payload, self.standbys.seats,
                 limit=limit, ttl_ms=ttl_ms, wait_ms=wait_ms, deliver=deliver, generation=generation,
-                runner=runner,
+                runner=runner, short=self.standbys.short(key),
             )  # fmt: skip
         if not result.acquired and on_busy == "wait" and result.parked:
             wait_ms = self.wait_ms(guard.policy)
@@ -413,25 +420,37 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         with self._inflight_lock:
             self._inflight.discard(message.message_id)
         # If the key has waiters, the release keeps the next ones on the broker ahead of the next
-        # free slot, as standbys.
-        send_ahead = self.standbys.count() if self.on_busy(guard.policy) == "park" else 0
-        events.released(message.actor_name)
+        # free slot, as standbys: twice as many after a short job (see standbys.py).
         lease, actor = held.lease, message.actor_name
+        send_ahead, per_slot = 0, 1
+        if self.on_busy(guard.policy) == "park":
+            self.standbys.held(lease.key, (time.time() - lease.acquired_at) * 1000)
+            send_ahead, per_slot = self.standbys.count(), self.standbys.per_slot(lease.key)
+        events.released(actor)
         releaser = self._releaser
         if releaser is not None and lease.key not in self._contended and not starts_follow_ups(message):
-            releaser.add(
-                (lease, send_ahead, lambda result: self._report_release(broker, lease, result, actor))
-            )
+
+            def then(result: ReleaseResult | None) -> None:
+                self._report_release(broker, lease, result, actor)
+
+            releaser.add((lease, send_ahead, per_slot, then))
             return
-        self.release(broker, lease, send_ahead=send_ahead, actor=actor)
+        self.release(broker, lease, send_ahead=send_ahead, per_slot=per_slot, actor=actor)
 
     def release(
-        self, broker: Broker, lease: Lease, *, send_ahead: int = 0, actor: str | None = None
+        self,
+        broker: Broker,
+        lease: Lease,
+        *,
+        send_ahead: int = 0,
+        per_slot: int = 1,
+        actor: str | None = None,
     ) -> ReleaseResult | None:
         """Release ``lease``, deliver the waiters it hands the slot to, and send its standbys.
 
         ``send_ahead``: how many waiters the same backend operation sends ahead
-        as standbys (see :meth:`send_standbys`). A lease that was lost
+        as standbys (see :meth:`send_standbys`), within a window of
+        ``per_slot`` standbys per slot. A lease that was lost
         (:attr:`Lease.lost <dramatiq_guard.lease.Lease.lost>`: it lapsed and
         was reclaimed, or its known-valid time passed while the backend did
         not answer) is reported (an error is logged with the lease and the
@@ -445,7 +464,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
           unreachable (the lease then lapses within ``lease_ttl``).
         """
         try:
-            result: ReleaseResult | None = lease.release(send_ahead=send_ahead)
+            result: ReleaseResult | None = lease.release(send_ahead=send_ahead, per_slot=per_slot)
         except BackendUnavailable:
             result = None
         self._report_release(broker, lease, result, actor)
