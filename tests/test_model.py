@@ -505,12 +505,17 @@ class GuardModel(RuleBasedStateMachine):
                 assert result.running and not result.acquired and not result.parked, result
                 return
             # The first's lease lapsed (its worker died, say): that run is over, and this copy is
-            # a message of its own now: it runs (not a parked start), waits, or parks.
+            # a message of its own now: it runs, waits, or parks, and its run is counted afresh
+            # (a run after a lapsed lease is the at-least-once the lapse explains, not a second
+            # start of one delivery).
             self.running.pop(mid)
             self.runners.pop(mid)
+            self.started.pop(mid, None)
             if result.acquired:
                 self.running[mid] = key
                 self.runners[mid] = runner
+                if mid in self.parked:
+                    self.started[mid] = 1
             elif result.parked and mode == "block":
                 self.threads[mid] = Thread(key, mid, None, runner)
             elif result.parked:

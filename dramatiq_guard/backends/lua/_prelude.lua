@@ -575,10 +575,9 @@ end
 
 -- Send the first `count` waiters of the FIFO ahead as standbys (see standby.lua), at most the
 -- standby window (MIN_STANDBY_WINDOW or `per_slot` x the limit in force, whichever is larger):
--- each parked
--- one among them of the caller's route (a payload, not in S) gets a deadline in S and a new
--- generation, and its waiter, payload, generation triple is appended to `out`; ready waiters,
--- standbys already sent and other routes' waiters are left as they are.
+-- each parked one among them of the caller's route (a payload, not in S) gets a deadline in S and
+-- a new generation, and its waiter, payload, generation triple is appended to `out`; ready
+-- waiters, standbys already sent and other routes' waiters are left as they are.
 local function send_ahead(count, out, per_slot)
   if not (QUEUED and count > 0) then
     return
