@@ -37,7 +37,8 @@ __all__ = ["DEFAULT_LOOKAHEAD", "SHORT_HOLD_MS", "StandbySeats", "Standbys", "wa
 logger = logging.getLogger("dramatiq_guard.middleware.slots")
 
 #: How many waiters per key are kept on the broker ahead when ``lookahead`` is None: the key's
-#: standby window (its limit, at least 4: ``MIN_STANDBY_WINDOW``), at most this. A release reads
+#: standby window (its limit, twice that after a short job, at least 4: ``MIN_STANDBY_WINDOW``),
+#: at most this. A release reads
 #: that many waiters to find the ones to send, so the window costs Redis time on every release of
 #: a key with waiters: 16 keeps it flat in the limit (a limit of 10,000 with the whole limit as
 #: the window took 24 ms of Redis time per release), and covers 16 hand-offs of a worker's pickup
@@ -47,8 +48,8 @@ DEFAULT_LOOKAHEAD = 16
 #: A job that held its slot for less than this (ms) is a *short job* (see the module docstring).
 #: Measured on the bench's slot drain (10 ms jobs, limit 8, 2 x 8 threads): with one standby per
 #: slot and half the threads, 20-35 % of the freed slots went to a standby no thread held yet, 4-6
-#: ms after the slot freed; with two per slot and all threads but one, 5-10 %, and the drain went
-#: from 1.05-1.12 to 1.02-1.09 times its unguarded floor (three A/Bs taking turns).
+#: ms after the slot freed; with two per slot and all threads but one, 7-10 %, and the drain went
+#: from 1.01-1.12 to 0.97-1.07 times its unguarded floor (A/Bs and bench runs, 2026-11-26).
 SHORT_HOLD_MS = 100
 
 
