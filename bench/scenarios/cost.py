@@ -100,27 +100,41 @@ def _signal(pids: Sequence[int], signum: signal.Signals) -> None:
         os.kill(pid, signum)
 
 
-def _measure_interleaved(ctx: Context, rows: list[tuple[_Row, Any, bool]], n: int) -> None:
-    """Drain every row's actor on one of two workers running at once (plain Dramatiq, guard installed).
+#: The queue of the worker that has the guard installed and drains only an actor that opts into
+#: nothing (the "installed, nobody opts in" row), apart from the worker of the guarded rows.
+INSTALLED_QUEUE = "bench_cost_installed"
 
+#: The workers of the per-guard drains: which kind of broker, on which queue.
+_WORKERS = {
+    "plain": {"BENCH_COST": "1", "BENCH_COST_GUARD": "", "BENCH_COST_QUEUE": ""},
+    "guarded": {"BENCH_COST": "1", "BENCH_COST_GUARD": "1", "BENCH_COST_QUEUE": ""},
+    "installed": {"BENCH_COST": "1", "BENCH_COST_GUARD": "1", "BENCH_COST_QUEUE": INSTALLED_QUEUE},
+}
+
+
+def _measure_interleaved(ctx: Context, rows: list[tuple[_Row, Any, str]], n: int) -> None:
+    """Drain every row's actor on its worker (:data:`_WORKERS`), the three running at once.
+
+    Plain Dramatiq; the guard installed, for the guarded rows; and the guard installed with
+    nobody opting in, a worker of its own, so that its row measures what installing costs an
+    actor that opts into nothing, not what the guarded rows leave behind in their worker.
     The rows take turns (:func:`~bench.core.in_turns`), one drain each per round, for
     :data:`DRAIN_REPEATS` rounds; each row reports its median-rate drain. A slow spell of the
     machine (they come and go on a shared one) then falls on every row alike instead of on
     whichever rows happened to run during it.
-    The idle worker costs next to nothing (its consumers block on Redis); the CPU counted is
+    The idle workers cost next to nothing (their consumers block on Redis); the CPU counted is
     the draining worker's.
     """
     ctx.flush()
     pids = {}
-    for guard in (False, True):
-        env = {"BENCH_COST": "1", "BENCH_COST_GUARD": "1" if guard else ""}
+    for kind, env in _WORKERS.items():
         worker = ctx.worker("bench.scenarios.cost_actors", processes=PROCESSES, threads=THREADS, env=env)
-        pids[guard] = worker.worker_pids
-    for _, actor, guard in rows:
-        _drain_once(ctx, pids[guard], actor, max(1, n // 10), warm_up=True)
+        pids[kind] = worker.worker_pids
+    for _, actor, kind in rows:
+        _drain_once(ctx, pids[kind], actor, max(1, n // 10), warm_up=True)
     runs: dict[str, list[tuple[float, ...]]] = {row.name: [] for row, _, _ in rows}
-    for row, actor, guard in in_turns(rows, 1 if ctx.quick else DRAIN_REPEATS):
-        runs[row.name].append(_drain_once(ctx, pids[guard], actor, n))
+    for row, actor, kind in in_turns(rows, 1 if ctx.quick else DRAIN_REPEATS):
+        runs[row.name].append(_drain_once(ctx, pids[kind], actor, n))
     for row, _, _ in rows:
         row.drain, row.cpu_ms, row.commands = median_run(runs[row.name])
     ctx.stop_workers()
@@ -136,13 +150,16 @@ def _per_guard(ctx: Context) -> list[Figure]:
     module = importlib.reload(ctx.import_actors("bench.scenarios.cost_actors"))
     plain_tick, module_floor, backlog_floor = module.tick, module.floor_tick, module.backlog_floor
     os.environ["BENCH_COST_GUARD"] = "1"
+    os.environ["BENCH_COST_QUEUE"] = INSTALLED_QUEUE
+    installed_tick = importlib.reload(module).tick  # the reloads below replace the module's names
+    del os.environ["BENCH_COST_QUEUE"]
     guarded = importlib.reload(module)
     n = ctx.n(3000, 300)
     rows = [
         (_Row("plain", "unguarded (no guard installed)"), plain_tick),
         (_Row("again", "unguarded again (the same actor, a row of its own: this run's noise)"), plain_tick),
         (_Row("floor", "floor: unguarded + 2 no-op script round trips"), module_floor),
-        (_Row("installed", "guard installed, nobody opts in"), guarded.tick),
+        (_Row("installed", "guard installed, nobody opts in"), installed_tick),
         (_Row("dedup", 'dedup="until_executed", a new key per message'), guarded.dedup_tick),
         (_Row("mutex", "mutex=True, a key per message, never busy"), guarded.mutex_tick),
         (_Row("wide", f"concurrency limit {guarded.WIDE_LIMIT} on one key"), guarded.wide_tick),
@@ -156,6 +173,10 @@ def _per_guard(ctx: Context) -> list[Figure]:
         ),
     ]
     unguarded = {"plain", "again", "floor", "backlog_floor"}  # drained on the worker without the guard
+
+    def worker_of(name: str) -> str:
+        return "plain" if name in unguarded else "installed" if name == "installed" else "guarded"
+
     unsent = {"backlog_floor"}  # a floor of the drain only: its sends are not a guard's
     sends: dict[str, list[float]] = {row.name: [] for row, _ in rows if row.name not in unsent}
     sent_rows = [(row, actor) for row, actor in rows if row.name not in unsent]
@@ -163,7 +184,7 @@ def _per_guard(ctx: Context) -> list[Figure]:
         sends[row.name].append(ctx.send_rate(_sender(actor, n), n, repeats=1))
     for row, _ in sent_rows:
         row.send = statistics.median(sends[row.name])
-    _measure_interleaved(ctx, [(row, actor, row.name not in unguarded) for row, actor in rows], n)
+    _measure_interleaved(ctx, [(row, actor, worker_of(row.name)) for row, actor in rows], n)
     os.environ.pop("BENCH_COST_GUARD", None)
     sized = (
         f"N={n} sent with the worker stopped, then {PROCESSES}x{THREADS} from a full queue to the last "
@@ -518,8 +539,10 @@ def cost(ctx: Context) -> list[Figure]:
       it). Send rate (N sends, no worker; not for the backlog floor),
       drain rate on a real worker (2 processes x 8 threads; the N messages sent while its
       processes are stopped, then from when they go on to the last completion: the worker's
-      rate, not the sender's; median of 5 drains after a warm-up; a plain and a guarded worker
-      run side by side and the rows take turns, in a new order each round; before each drain,
+      rate, not the sender's; median of 5 drains after a warm-up; a plain worker, one with the
+      guard installed for the guarded rows and one with the guard installed where nobody opts in
+      (the "installed" row alone) run side by side and the rows take turns, in a new order each
+      round; before each drain,
       16 messages wake the worker's consumers, outside the figures), the worker processes' CPU
       per message, and every Redis command per message during the sends and the drain. Ratios
       against the unguarded row.

@@ -5,7 +5,8 @@ Inert unless ``BENCH_COST`` is set (the scenario loader imports every module her
 and the guarded actors are declared; without it the broker is plain Dramatiq. Every actor does
 the same work: one INCR to count its completion (:func:`bench.actors.cross_finish_line`).
 The two kinds use queues of their own, so a plain and a guarded worker can run side by side
-and the bench can interleave their drains.
+and the bench can interleave their drains; ``BENCH_COST_QUEUE`` names another queue, for a
+worker of its own (the guard installed, and only its unguarded actor drained there).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ if os.environ.get("BENCH_COST"):
     from bench.actors import cross_finish_line, redis_url
 
     broker = RedisBroker(url=redis_url())
-    QUEUE = "bench_cost_guard" if os.environ.get("BENCH_COST_GUARD") else "bench_cost"
+    QUEUE = os.environ.get("BENCH_COST_QUEUE") or (
+        "bench_cost_guard" if os.environ.get("BENCH_COST_GUARD") else "bench_cost"
+    )
     if os.environ.get("BENCH_COST_GUARD"):
         import dramatiq_guard
 
