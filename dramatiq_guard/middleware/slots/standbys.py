@@ -49,7 +49,7 @@ DEFAULT_LOOKAHEAD = 16
 #: Measured on the bench's slot drain (10 ms jobs, limit 8, 2 x 8 threads): with one standby per
 #: slot and half the threads, 20-35 % of the freed slots went to a standby no thread held yet, 4-6
 #: ms after the slot freed; with two per slot and all threads but one, 7-10 %, and the drain went
-#: from 1.01-1.12 to 0.97-1.07 times its unguarded floor (A/Bs and bench runs, 2026-11-26).
+#: from 1.01-1.12 to 0.97-1.09 times its unguarded floor (A/Bs and bench runs, 2026-11-26).
 SHORT_HOLD_MS = 100
 
 
