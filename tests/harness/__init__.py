@@ -35,6 +35,7 @@ from .waiting import (
     redis_broker_pending,
     wait_for_redis_broker_drain,
     wait_until,
+    wait_until_held_long,
 )
 from .worker import DramatiqWorker, WorkerFailed, pid_alive
 
@@ -67,4 +68,5 @@ __all__ = [
     "unavailable",
     "wait_for_redis_broker_drain",
     "wait_until",
+    "wait_until_held_long",
 ]
