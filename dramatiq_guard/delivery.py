@@ -147,19 +147,15 @@ class Courier:
         if handoff.generation is not None:
             carry_generation(message, handoff.key, handoff.generation)
         admission = gate_for(self.broker).admit(message, holds=handoff.key)
-        return message, admission.outcome
-
-    def _pushed(self, message: Message[Any]) -> None:
-        if self.after_push is not None:
+        if admission.outcome is Outcome.PUSHED and self.after_push is not None:
             self.after_push(message)
+        return message, admission.outcome
 
     def _deliver_one(self, handoff: Handoff) -> None:
         """Deliver one hand-off (and those that giving its slot back makes)."""
         message, outcome = self._admit(handoff)
         if self.counts_handoffs:
             events.handed_off(message.actor_name)
-        if outcome is Outcome.PUSHED:
-            self._pushed(message)
         if outcome is Outcome.PUSHED or (outcome is Outcome.PARKED and self.keep_when_parked):
             confirmed = self.backend.confirm_handoff(
                 handoff.key, handoff.waiter_id, ttl_ms=self.ttl_ms(message), generation=handoff.generation
@@ -182,20 +178,9 @@ class Courier:
 
     def _send_one(self, standby: Handoff) -> None:
         """Send one standby (and deliver the hand-offs that leaving its place makes)."""
-        message, outcome = self._admit(standby)
-        self.settle_standby(standby, message, outcome)
-
-    def settle_standby(self, standby: Handoff, message: Message[Any], outcome: Outcome) -> None:
-        """Confirm ``standby`` once its ``message`` is on the broker, else withdraw it.
-
-        ``outcome``: what became of the enqueue of ``message`` (a copy of the
-        standby's payload carrying its generation). A standby another guard
-        parked on the way, or whose push failed, leaves its place here (only
-        that send is withdrawn), and what that frees is delivered.
-        """
         assert standby.payload is not None
+        message, outcome = self._admit(standby)
         if outcome is Outcome.PUSHED:
-            self._pushed(message)
             ttl_ms = self.ttl_ms(message)
             confirmed = self.backend.confirm_standby(
                 standby.key, standby.waiter_id, standby.payload, ttl_ms=ttl_ms, generation=standby.generation
@@ -203,9 +188,8 @@ class Courier:
             if not confirmed:
                 logger.debug("Standby %s of %r parked again before it was confirmed.", message, standby.key)
             return
-        # Another guard parked it on the way: it waits there, not here (or it is not on the broker at
-        # all). Only this send is withdrawn (as for a hand-off above: the message may already be back
-        # in its place here).
+        # Another guard parked it on the way: it waits there, not here. Only this send is withdrawn
+        # (as for a hand-off above: the message may already be back in its place here).
         limit = self.default_limit(standby.key)
         withdrawn = self.backend.cancel_wait(
             standby.key, standby.waiter_id, limit=limit, generation=standby.generation

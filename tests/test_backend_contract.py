@@ -41,7 +41,7 @@ from dramatiq_guard.backends import (
     Waiter,
     Woken,
 )
-from dramatiq_guard.backends.base import HOLDERS_SHOWN, MIN_STANDBY_WINDOW, ORIGINAL_GENERATION, SHORT_HOLD_MS
+from dramatiq_guard.backends.base import HOLDERS_SHOWN, MIN_STANDBY_WINDOW, ORIGINAL_GENERATION
 from dramatiq_guard.backends.redis import RedisClient
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.lease import Lease
@@ -1099,110 +1099,6 @@ def test_standbys_are_sent_ahead_in_fifo_order_and_block_when_picked_up(env: Env
         assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired
         assert backend.release(KEY, holder, limit=2).released
     assert_drained(env, backend)
-
-
-def park_ahead(backend: GuardBackend, waiter: str, *, limit: int, ahead: int = 16) -> AcquireResult:
-    """A message parks at enqueue (no generation, no runner), asking to be sent ahead (Waiter.ahead)."""
-    result = backend.acquire(
-        KEY, waiter, limit=limit, ttl_ms=60_000, wait=Waiter(payload=f"msg:{waiter}".encode(), ahead=ahead)
-    )
-    assert not result.acquired and result.parked
-    return result
-
-
-def test_a_message_parking_behind_young_holders_is_sent_ahead_within_the_window(env: Env) -> None:
-    """Waiter.ahead: the first waiters of a burst go to the broker at once, as standbys, while the
-    slots' first holders run; a release then has none of them left to send."""
-    backend = env.backend()
-    for holder in ["a", "b"]:
-        assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired  # just now: short jobs
-    results = {w: park_ahead(backend, w, limit=2) for w in ["p1", "p2", "p3", "p4", "p5"]}
-    # The window of a limit of 2 is MIN_STANDBY_WINDOW: p1-p4 are sent ahead, p5 parks.
-    assert [w for w, r in results.items() if r.ahead is not None] == ["p1", "p2", "p3", "p4"]
-    generations = [r.ahead for r in results.values() if r.ahead is not None]
-    assert len(set(generations)) == 4 and min(generations) > ORIGINAL_GENERATION
-    assert backend.send_standbys(KEY, limit=2, count=16) == ((), ())  # nothing left to send in the window
-    # Unconfirmed, a sent standby keeps its payload; confirmed (its copy is on the broker), it does not.
-    assert [parked for _, _, parked in backend.inspect(KEY).waiters] == [True] * 5
-    for w in ["p1", "p2", "p3", "p4"]:
-        generation = results[w].ahead
-        assert backend.confirm_standby(KEY, w, f"msg:{w}".encode(), ttl_ms=60_000, generation=generation)
-    state = backend.inspect(KEY)
-    assert [(w, parked) for w, _, parked in state.waiters] == [
-        ("p1", False), ("p2", False), ("p3", False), ("p4", False), ("p5", True)
-    ]  # fmt: skip
-    # Picked up (the copy carries its generation), p2 blocks in its place and takes the freed slot.
-    picked = backend.acquire(
-        KEY, "p2", limit=2, ttl_ms=60_000, wait=Waiter(payload=b"msg:p2", wait_ms=60_000),
-        generation=results["p2"].ahead,
-    )  # fmt: skip
-    assert picked.standby and not picked.acquired
-    assert backend.release(KEY, "a", limit=2).handoffs == (Handoff(KEY, "p2", None),)
-    assert backend.wait_for_handoff(KEY, "p2", timeout_ms=10_000)
-    # The others start as they are picked up; p5 is handed its slot as a parked waiter.
-    for holder, nxt in [("b", "p1"), ("p2", "p3"), ("p1", "p4")]:
-        assert backend.release(KEY, holder, limit=2).handoffs == (Handoff(KEY, nxt, None),)
-        assert backend.acquire(KEY, nxt, limit=2, ttl_ms=60_000, generation=results[nxt].ahead).acquired
-    assert backend.release(KEY, "p3", limit=2).handoffs == (Handoff(KEY, "p5", b"msg:p5"),)
-    assert backend.confirm_handoff(KEY, "p5", ttl_ms=60_000)
-    for holder in ["p4", "p5"]:
-        assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired
-        assert backend.release(KEY, holder, limit=2).released
-    assert_drained(env, backend)
-
-
-def test_a_message_parking_is_sent_ahead_only_at_enqueue_behind_short_jobs(env: Env) -> None:
-    """Not sent ahead: without Waiter.ahead; beyond its count; behind holders that acquired
-    SHORT_HOLD_MS ago or more (a long job's standby would block a thread for seconds), or behind a
-    hand-off's reservation (when it acquired is not known yet); a copy from the broker; a halted key."""
-    backend = env.backend()
-    assert backend.acquire(KEY, "a", limit=2, ttl_ms=60_000).acquired
-    assert backend.acquire(KEY, "b", limit=2, ttl_ms=60_000).acquired
-    assert park_ahead(backend, "p0", limit=2, ahead=0).ahead is None  # not asked
-    assert park_ahead(backend, "p1", limit=2, ahead=1).ahead is None  # second in the queue: beyond 1
-    assert park_ahead(backend, "p2", limit=2, ahead=3).ahead is not None  # third, within 3
-    # A copy picked up from the broker that parks is not sent ahead (it came from there).
-    copy = backend.acquire(
-        KEY, "c1", limit=2, ttl_ms=60_000, wait=Waiter(payload=b"msg:c1", ahead=16),
-        generation=ORIGINAL_GENERATION,
-    )  # fmt: skip
-    assert copy.parked and copy.ahead is None
-    backend.cancel_wait(KEY, "c1", limit=2)
-    # Once the earliest holder has held for SHORT_HOLD_MS, nothing more is sent ahead.
-    env.wait_past(env.now_ms() + SHORT_HOLD_MS)
-    assert park_ahead(backend, "p3", limit=2).ahead is None
-    # A hand-off's reservation first (its deadline is the earliest): not known to be short.
-    assert backend.release(KEY, "a", limit=2).handoffs == (Handoff(KEY, "p0", b"msg:p0"),)
-    assert park_ahead(backend, "p4", limit=2).ahead is None
-    # A halted key sends none, whoever holds it.
-    backend.set_limit(KEY, 0)
-    assert backend.acquire(KEY, "n", limit=2, ttl_ms=60_000).acquired is False
-    assert park_ahead(backend, "p5", limit=2).ahead is None
-    assert [w for w, _, _ in backend.inspect(KEY).waiters] == ["p1", "p2", "p3", "p4", "p5"]
-
-
-def test_a_message_sent_ahead_that_is_not_enqueued_after_all_is_withdrawn_or_parks_again(env: Env) -> None:
-    """The caller withdraws a send whose push failed (cancel_wait with its generation: the message
-    will not run); one whose sender died before confirming parks again in its place after
-    handoff_ttl_ms, and only the copy of that send may start (it may be on the broker)."""
-    backend = env.backend(handoff_ttl_ms=200)
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
-    failed = park_ahead(backend, "p1", limit=1)
-    died = park_ahead(backend, "p2", limit=1)
-    assert failed.ahead is not None and died.ahead is not None
-    assert backend.cancel_wait(KEY, "p1", limit=1, generation=failed.ahead) == ReleaseResult(False, ())
-    assert waiter_ids(backend.inspect(KEY)) == ["p2"]
-    env.wait_past(env.now_ms() + 200)
-    assert backend.sweep(KEY, limit=1) == ReleaseResult(False, ())
-    assert [(w, parked) for w, _, parked in backend.inspect(KEY).waiters] == [("p2", True)]
-    stale = backend.acquire(KEY, "p2", limit=1, ttl_ms=60_000, generation=died.ahead + 1)
-    assert stale.stale
-    [handoff] = backend.release(KEY, "a", limit=1).handoffs
-    assert handoff.waiter_id == "p2" and handoff.payload == b"msg:p2"
-    assert backend.confirm_handoff(KEY, "p2", ttl_ms=60_000, generation=handoff.generation)
-    assert backend.acquire(KEY, "p2", limit=1, ttl_ms=60_000, generation=handoff.generation).acquired
-    assert backend.release(KEY, "p2", limit=1).released
-    assert_drained(env, backend, lapsed=["p2"])
 
 
 def test_a_freed_slot_goes_to_a_ready_standby_before_an_older_one_still_on_the_broker(env: Env) -> None:

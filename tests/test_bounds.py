@@ -28,7 +28,7 @@ from test_backend_contract import KEY, Env, _env, env, redis_cluster_url
 
 import dramatiq_guard
 from dramatiq_guard.backends import GuardBackend, MemoryBackend, RedisBackend, Waiter
-from dramatiq_guard.backends.base import HOLDERS_SHOWN, MIN_STANDBY_WINDOW, SHORT_HOLD_MS, STANDBYS_PER_SLOT
+from dramatiq_guard.backends.base import HOLDERS_SHOWN, MIN_STANDBY_WINDOW, STANDBYS_PER_SLOT
 from dramatiq_guard.cli import main
 from dramatiq_guard.errors import GuardOptionError
 from dramatiq_guard.ledger import Ledger
@@ -173,16 +173,6 @@ BAD_CALLS: list[tuple[str, Callable[[GuardBackend], object], str]] = [
         lambda b: b.acquire(KEY, "h", limit=0, ttl_ms=1000, wait=Waiter(payload=b"m", wait_ms=-1)),
         "wait_ms",
     ),
-    (
-        "ahead negative",
-        lambda b: b.acquire(KEY, "h", limit=0, ttl_ms=1000, wait=Waiter(payload=b"m", ahead=-1)),
-        "ahead",
-    ),
-    (
-        "ahead None",
-        lambda b: b.acquire(KEY, "h", limit=0, ttl_ms=1000, wait=Waiter(payload=b"m", ahead=None)),  # type: ignore[arg-type]
-        "ahead",
-    ),
     ("renew absurd", lambda b: b.renew(KEY, "h", ttl_ms=ABSURD), "ttl_ms"),
     ("renew negative", lambda b: b.renew(KEY, "h", ttl_ms=-1), "ttl_ms"),
     ("renew_many absurd", lambda b: b.renew_many([(KEY, "h", 1000), (KEY, "h", ABSURD)]), "ttl_ms"),
@@ -276,8 +266,6 @@ def test_the_send_lock_with_an_insane_ttl_writes_nothing(redis_env: Env, ttl: st
     [
         ("acquire", ("h", 1000, "park", b"m", "-1", ""), "wait_ms"),
         ("acquire", ("h", 1000, "block", b"", str(ABSURD), ""), "wait_ms"),
-        ("acquire", ("h", 1000, "park", b"m", "0", "", "", "1", "", "-1"), "ahead"),  # the fast path too
-        ("acquire", ("h", 1000, "park", b"m", "0", "", "", "1", "", "1.5"), "ahead"),
         ("confirm_handoff", ("h", str(ABSURD)), "ttl_ms"),
         ("release", ("h", "-1"), "send_ahead"),
         ("release", ("h", "1", "0"), "per_slot"),
@@ -352,7 +340,6 @@ def test_the_scripts_bounds_are_the_python_ones() -> None:
     assert f"local HOLDERS_SHOWN = {HOLDERS_SHOWN}\n" in prelude  # how many holders a refusal names
     assert f"local MIN_STANDBY_WINDOW = {MIN_STANDBY_WINDOW}\n" in prelude  # the smallest standby window
     assert f"local STANDBYS_PER_SLOT = {STANDBYS_PER_SLOT}\n" in prelude  # the widest standby window
-    assert f"local SHORT_HOLD_MS = {SHORT_HOLD_MS}\n" in prelude  # a short job's hold
     for own in ("lock", "renew"):  # the scripts without the prelude
         script = (lua / f"{own}.lua").read_text()
         assert f"local MAX_DURATION_MS = {bounds.MAX_DURATION_MS}\n" in script

@@ -20,14 +20,12 @@ import pytest
 import redis
 import sqlalchemy as sa
 from dramatiq import Message
-from dramatiq.middleware import MiddlewareError
 from harness import DramatiqWorker, Recorder, guard_leftovers, wait_for_redis_broker_drain, wait_until
 
 import dramatiq_guard
 from dramatiq_guard.backends import ReleaseResult
-from dramatiq_guard.backends.base import MIN_STANDBY_WINDOW
 from dramatiq_guard.backends.redis import RedisBackend
-from dramatiq_guard.delivery import carry_generation, generation_of
+from dramatiq_guard.delivery import carry_generation
 from dramatiq_guard.gate import Outcome, gate_for
 from dramatiq_guard.ledger import COMPLETED, Ledger
 from dramatiq_guard.ledger.engine import LEDGER_URL_ENV
@@ -130,14 +128,9 @@ def test_dedup_and_concurrency_collapse_a_burst_and_park_the_other_keys(
     assert all(deduplicated_by(m) is None for m in others)
     state = RedisBackend(redisdb).inspect("concurrency:pool")
     assert len(state.holders) == 2  # "a" and k0 hold the limit's reservations
-    waiting = [m.message_id for m in others[1:]]
-    assert [w for w, _, _ in state.waiters] == waiting
-    # The first waiters were sent ahead as standbys (the holders are reservations made just now: the
-    # key's jobs count as short), the rest parked.
-    assert [w for w, _, parked in state.waiters if not parked] == waiting[:MIN_STANDBY_WINDOW]
-    # A waiting message keeps its dedup lock, parked or sent ahead.
+    assert [w for w, _, parked in state.waiters if parked] == [m.message_id for m in others[1:]]
+    # A parked holder keeps its dedup lock.
     assert deduplicated_by(actors.collapse.send("k5", 99)) == others[5].message_id
-    assert deduplicated_by(actors.collapse.send("k1", 99)) == others[1].message_id
 
     dramatiq_worker("actors", processes=2, threads=4)
     records = recorder.take(11, timeout=60)
@@ -164,10 +157,7 @@ def test_a_parking_mutex_with_dedup_runs_each_user_once_one_at_a_time(
             assert deduplicated_by(actors.serial.send(user)) == firsts[user].message_id
     assert deduplicated_by(actors.serial.send("holder")) == holder.message_id  # running: still locked
     state = RedisBackend(redisdb).inspect("mutex:serial")
-    waiting = [firsts[u].message_id for u in users]
-    assert [w for w, _, _ in state.waiters] == waiting
-    # The first ones were sent ahead as standbys (the holder started just now), the rest parked.
-    assert set(waiting[MIN_STANDBY_WINDOW:]) <= {w for w, _, parked in state.waiters if parked}
+    assert [w for w, _, parked in state.waiters if parked] == [firsts[u].message_id for u in users]
 
     recorder.gate("serial").open()
     records = recorder.take(8, timeout=60)
@@ -219,53 +209,6 @@ def run_until_drained(broker: dramatiq.Broker, queue_name: str) -> None:
         join(broker, queue_name, timeout=20_000)
     finally:
         worker.stop()
-
-
-def test_a_message_sent_ahead_whose_push_fails_leaves_the_queue_and_the_next_takes_its_place(
-    redis_broker: Any, redisdb: redis.Redis
-) -> None:
-    """Invariant: a message whose send() raised never runs. One that parks at enqueue among the
-    first waiters is sent ahead (``Waiter.ahead``) before the gate pushes it; when the push fails,
-    that send is withdrawn, and the next message is sent ahead in its place."""
-    backend = RedisBackend(redisdb)
-    dramatiq_guard.install(redis_broker, redis=backend)
-
-    class Refused(MiddlewareError):
-        pass
-
-    class RefusePush(dramatiq.Middleware):
-        """Fails the push of the messages whose first argument is in ``failing`` (Dramatiq lets a
-        MiddlewareError raised before the enqueue through to the caller of send())."""
-
-        def __init__(self) -> None:
-            self.failing: set[int] = set()
-
-        def before_enqueue(self, broker: Any, message: Message[Any], delay: int | None) -> None:
-            if message.args and message.args[0] in self.failing:
-                raise Refused("the push failed")
-
-    down = RefusePush()
-    redis_broker.add_middleware(down)
-
-    @dramatiq.actor(broker=redis_broker, concurrency={"limit": 1, "key": lambda n: "k"})
-    def job(n: int) -> None:
-        pass
-
-    job.send(0)  # reserves the slot
-    first = job.send(1)
-    down.failing = {2}
-    with pytest.raises(Refused):
-        job.send(2)
-    down.failing = set()
-    third = job.send(3)
-    state = backend.inspect("concurrency:k")
-    # Both sent ahead and confirmed (on the broker, no payload kept); the failed one left no trace.
-    assert [(w, parked) for w, _, parked in state.waiters] == [
-        (first.message_id, False),
-        (third.message_id, False),
-    ]
-    assert redisdb.llen(f"dramatiq:{job.queue_name}") == 3
-    assert generation_of(third, "concurrency:k") is not None
 
 
 def test_a_standby_parked_by_the_other_guard_is_never_lost_when_it_comes_back_first(

@@ -78,7 +78,7 @@ from dramatiq_guard.backends import (
     Waiter,
     Woken,
 )
-from dramatiq_guard.backends.base import ORIGINAL_GENERATION, SHORT_HOLD_MS
+from dramatiq_guard.backends.base import ORIGINAL_GENERATION
 
 EXAMPLES = int(os.environ.get("DRAMATIQ_GUARD_MODEL_EXAMPLES", "60"))
 STEPS = int(os.environ.get("DRAMATIQ_GUARD_MODEL_STEPS", "30"))
@@ -95,7 +95,7 @@ HANDOFF_MS = 10_000  # the reservation; a wake waits half of it
 CONFIRM_MS = 30_000  # how long a confirmed hand-off or standby may take to start
 BLOCK_MS = 20_000  # how long a blocking waiter (or a standby picked up) waits
 DAY_MS = 86_400_000  # the backends' stale_ttl_ms: how long a lapsed hand-off's generation is kept
-LEAPS = (TICK_MS, SHORT_HOLD_MS, HANDOFF_MS // 2, HANDOFF_MS, BLOCK_MS, LEASE_MS, DAY_MS)
+LEAPS = (TICK_MS, HANDOFF_MS // 2, HANDOFF_MS, BLOCK_MS, LEASE_MS, DAY_MS)
 #: A fixed start, so a derandomized run issues the same tokens every time.
 START_MS = 1_893_456_000_000  # 2030-01-01T00:00:00Z
 #: Keys of a guard key that may not expire, but exist only while something of it is queued
@@ -338,8 +338,6 @@ class GuardModel(RuleBasedStateMachine):
             elif isinstance(result, tuple):
                 handoffs = result[0] + result[1]
             tokens = [h.generation for h in handoffs if h.generation is not None]
-            if isinstance(result, AcquireResult) and result.ahead is not None:
-                tokens.append(result.ahead)  # a send ahead's generation, after its hand-offs'
             if isinstance(result, AcquireResult) and result.token is not None:
                 tokens.append(result.token)
             top = self.top.get((name, key), 0)
@@ -434,24 +432,19 @@ class GuardModel(RuleBasedStateMachine):
         key=st.sampled_from(KEYS),
         mode=st.sampled_from(["now", "park", "block"]),
         route=st.sampled_from([MAIN, MAIN, OTHER]),
-        ahead=st.sampled_from([0, 1, 16, 16]),
     )
-    def a_message_arrives(self, key: str, mode: str, route: str, ahead: int) -> None:
+    def a_message_arrives(self, key: str, mode: str, route: str) -> None:
         """A new message acquires: without waiting or blocking its worker thread, or parking its
-        payload at enqueue time (no thread: a reservation anyone may take up; ``ahead``: it may be
-        sent ahead as a standby at once, and its caller pushes it)."""
+        payload at enqueue time (no thread: a reservation anyone may take up)."""
         with self.step():
             mid = next(self.ids)
-            payload = f"msg:{mid}".encode()
             wait = {
                 "now": None,
-                "park": Waiter(payload=payload, ahead=ahead),
+                "park": Waiter(payload=f"msg:{mid}".encode()),
                 "block": Waiter(wait_ms=BLOCK_MS),
             }[mode]
             runner = None if mode == "park" else next(self.threads_made)
             result = self.acquire(key, mid, wait=wait, route=route, info=mode, runner=runner)
-            if result.ahead is not None:
-                self.pending.append(copy_of(Handoff(key, mid, payload, result.ahead), route, standby=True))
             if result.parked and mode == "park":
                 self.parked[mid] = key
             elif result.parked:

@@ -22,9 +22,6 @@ from harness import (
     wait_until,
 )
 
-from dramatiq_guard.backends.base import MIN_STANDBY_WINDOW
-from dramatiq_guard.delivery import generation_of
-
 SOURCE = """
 import os
 import time
@@ -120,41 +117,6 @@ def test_two_keys_never_exceed_their_limits_while_a_worker_is_sigkilled(
     started_on_killed = {r["n"] for r in records if r["phase"] == "start" and r["pid"] == pid}
     twice = {n for n, count in runs.items() if count > 1}
     assert twice <= started_on_killed  # only what the broker redelivered from the killed worker
-
-
-def test_a_burst_sends_its_first_waiters_ahead_and_runs_each_message_once(
-    actor_module: Callable[..., ModuleType],
-    dramatiq_worker: Start,
-    recorder: Recorder,
-    redisdb: Any,
-    unique_name: str,
-) -> None:
-    """The first waiters of a burst to a full key are on the broker when send() returns, as
-    standbys (``Waiter.ahead``: the holders are reservations made just now); the rest park. Each
-    message runs once, within the limit, and nothing is left behind."""
-    queue = f"{unique_name}_q"
-    module = actor_module(source(queue))
-    sent = [module.deliver.send("k3", n) for n in range(20)]
-    state = module.concurrency.backend(module.broker).inspect("concurrency:k3")
-    waiting = [m.message_id for m in sent[3:]]
-    window = max(3, MIN_STANDBY_WINDOW)  # one standby per slot of the limit (3), at least 4
-    assert [w for w, _, _ in state.waiters] == waiting
-    assert [w for w, _, parked in state.waiters if not parked] == waiting[:window]  # confirmed, on the broker
-    assert redis_broker_pending(redisdb, [queue]) == 3 + window  # the reservations' and the standbys'
-    # send() returned each one sent ahead carrying the generation of its send.
-    assert all(generation_of(m, "concurrency:k3") is not None for m in sent[3 : 3 + window])
-    assert all(generation_of(m, "concurrency:k3") is None for m in sent[:3] + sent[3 + window :])
-    dramatiq_worker("actors", processes=2, threads=4, queues=[queue])
-
-    def all_ran() -> bool:
-        return {r["n"] for r in _records(recorder) if r["phase"] == "end"} == set(range(20))
-
-    wait_until(all_ran, timeout=60, what="every message to run")
-    starts = Counter(r["n"] for r in _records(recorder) if r["phase"] == "start")
-    assert set(starts.values()) == {1}
-    assert recorder.max_concurrency("k3") <= 3
-    wait_for_redis_broker_drain(redisdb, [queue])
-    wait_until(lambda: not guard_leftovers(redisdb), what="no guard state left", redis=redisdb)
 
 
 def test_waiters_of_a_key_whose_holders_all_died_run_after_their_leases_lapse(

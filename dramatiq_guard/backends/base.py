@@ -98,17 +98,6 @@ standbys
     from then on; with ``wait_ms == 0`` it parks again in its place. A
     standby whose entry was dropped is an ordinary message when picked up.
 
-    A message that parks at enqueue may be sent ahead at once
-    (``Waiter.ahead``): new to the queue, within the window of one standby
-    per slot and the first ``ahead`` waiters, while the key's jobs are
-    short (its holder with the earliest deadline acquired under
-    :data:`SHORT_HOLD_MS` ago: a long job's standby would block a thread for
-    seconds). The acquire then sends it as :meth:`~GuardBackend.send_standbys`
-    would (``AcquireResult.ahead``: its generation), and its caller
-    enqueues and confirms it. So the first waiters of a burst are on the
-    broker while the slots' first holders run, and the first slots to free
-    go to standbys, not to parked waiters that must still be fetched.
-
 limits known from the backend, not guessed
     A caller that knows a key's default limit (the process whose actor
     declared it) passes it, and it is recorded with the key when a waiter
@@ -193,7 +182,6 @@ from dramatiq_guard.backends.values import (
     HOLDERS_SHOWN,
     MIN_STANDBY_WINDOW,
     ORIGINAL_GENERATION,
-    SHORT_HOLD_MS,
     STANDBYS_PER_SLOT,
     AcquireResult,
     Handoff,
@@ -211,7 +199,6 @@ __all__ = [
     "HOLDERS_SHOWN",
     "MIN_STANDBY_WINDOW",
     "ORIGINAL_GENERATION",
-    "SHORT_HOLD_MS",
     "STANDBYS_PER_SLOT",
     "AcquireResult",
     "GuardBackend",

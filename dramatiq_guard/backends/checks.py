@@ -52,15 +52,15 @@ def check_ms(value: int, what: str, *, minimum: int = 1) -> None:
         )
 
 
-def check_count(value: int | None, what: str, *, allow_none: bool = True) -> None:
+def check_count(value: int | None, what: str) -> None:
     """Reject a limit or count that no backend accepts (None: a limit the caller does not know).
 
     Raises:
-      ValueError: If ``value`` is not an int from 0 to 2**31 - 1 (or None, with ``allow_none``).
+      ValueError: If ``value`` is not None or an int from 0 to 2**31 - 1.
     """
-    if value is None and allow_none:
+    if value is None:
         return
-    if value is None or not _is_int(value) or not 0 <= value <= MAX_COUNT:
+    if not _is_int(value) or not 0 <= value <= MAX_COUNT:
         raise ValueError(f"{what} must be an integer from 0 to {MAX_COUNT}, got {value!r}")
 
 
@@ -90,7 +90,6 @@ def check_acquire(limit: int | None, ttl_ms: int, wait: Waiter | None, runner: s
     check_ms(ttl_ms, "ttl_ms")
     if wait is not None:
         check_ms(wait.wait_ms, "wait_ms", minimum=0)
-        check_count(wait.ahead, "ahead", allow_none=False)
     if runner is not None and (
         not isinstance(runner, str)
         or not runner

@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 from dramatiq_guard.backends.base import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     HOLDERS_SHOWN,
-    SHORT_HOLD_MS,
     AcquireResult,
     GuardBackend,
     Handoff,
@@ -101,14 +100,6 @@ class _Guard:
             self.info[holder] = (now, info or None, runner)
         elif runner is not None:
             self.info[holder] = (first[0], first[1], runner)
-
-    def holders_short(self, now: int) -> bool:
-        """Whether the key's jobs are short: its holder with the earliest deadline acquired less than
-        :data:`SHORT_HOLD_MS` ago (a hand-off's reservation, not taken up yet, is not)."""
-        if not self.holders:
-            return False
-        first = self.info.get(min(self.holders, key=lambda h: (self.holders[h], h)))
-        return first is not None and now - first[0] < SHORT_HOLD_MS
 
     def is_idle(self) -> bool:
         return not (self.holders or self.queue or self.reserved)
@@ -349,7 +340,7 @@ class MemoryBackend(GuardBackend):
                 self._end(key, guard)
                 return refused
             handoffs = [h for h in self._hand_off(key, guard, in_force, now) if h.waiter_id != holder]
-            token = ahead = None
+            token = None
             acquired = parked = standby = False
             if holder in guard.holders or (len(guard.holders) < in_force and not guard.queue):
                 acquired = True
@@ -363,81 +354,39 @@ class MemoryBackend(GuardBackend):
                     guard.live[holder] = (generation, now + self.stale_ttl_ms)
                 token = guard.next_token() if fenced else None
             elif wait is not None:
-                standby, ahead = self._wait(
-                    guard, holder, wait, limit, in_force, now, info, generation, runner
+                entry = guard.queue.get(holder)
+                standby = (
+                    wait.payload is not None
+                    and wait.wait_ms > 0
+                    and entry is not None
+                    and (entry.on_broker or entry.ready)
                 )
+                if entry is None:
+                    entry = guard.queue[holder] = _Entry(next(self._places), now)
+                if limit is not None:
+                    guard.default_limit = limit
+                entry.on_broker = False
+                if standby:  # a standby sent ahead was picked up (or asks again): it blocks in its place
+                    entry.payload = None
+                    entry.drop_at_ms = now + wait.wait_ms
+                else:
+                    entry.payload = wait.payload
+                    entry.drop_at_ms = None if wait.payload is not None else now + wait.wait_ms
+                    if wait.payload is not None:
+                        entry.route = self.route
+                        if generation is not None:
+                            # A copy from the broker parked in its place: it is the entry now (no
+                            # copy on the broker may start, this one included if delivered again,
+                            # and a late confirmation does not take the entry out).
+                            guard.live[holder] = (_REPARKED, now + self.stale_ttl_ms)
+                entry.info = (info or None) if entry.ready else None
+                entry.runner = runner if entry.ready else None
                 parked = True
             holders = () if acquired else guard.first_holders()
             self._end(key, guard)
             return AcquireResult(
-                acquired,
-                token,
-                holders,
-                in_force,
-                parked,
-                tuple(handoffs),
-                standby,
-                valid_from=sent,
-                ahead=ahead,
+                acquired, token, holders, in_force, parked, tuple(handoffs), standby, valid_from=sent
             )
-
-    def _wait(
-        self,
-        guard: _Guard,
-        holder: str,
-        wait: Waiter,
-        limit: int | None,
-        in_force: int,
-        now: int,
-        info: str | None,
-        generation: int | None,
-        runner: str | None,
-    ) -> tuple[bool, int | None]:
-        """Queue a refused acquirer as a waiter: (whether it blocks as a standby, the generation of
-        its send ahead or None)."""
-        entry = guard.queue.get(holder)
-        new = entry is None
-        standby = (
-            wait.payload is not None
-            and wait.wait_ms > 0
-            and entry is not None
-            and (entry.on_broker or entry.ready)
-        )
-        if entry is None:
-            entry = guard.queue[holder] = _Entry(next(self._places), now)
-        if limit is not None:
-            guard.default_limit = limit
-        entry.on_broker = False
-        if standby:  # a standby sent ahead was picked up (or asks again): it blocks in its place
-            entry.payload = None
-            entry.drop_at_ms = now + wait.wait_ms
-        else:
-            entry.payload = wait.payload
-            entry.drop_at_ms = None if wait.payload is not None else now + wait.wait_ms
-            if wait.payload is not None:
-                entry.route = self.route
-                if generation is not None:
-                    # A copy from the broker parked in its place: it is the entry now (no
-                    # copy on the broker may start, this one included if delivered again,
-                    # and a late confirmation does not take the entry out).
-                    guard.live[holder] = (_REPARKED, now + self.stale_ttl_ms)
-        entry.info = (info or None) if entry.ready else None
-        entry.runner = runner if entry.ready else None
-        ahead = None
-        if new and wait.payload is not None and generation is None and runner is None:
-            ahead = self._send_new_waiter_ahead(holder, guard, entry, wait.ahead, in_force, now)
-        return standby, ahead
-
-    def _send_new_waiter_ahead(
-        self, waiter: str, guard: _Guard, entry: _Entry, count: int, limit: int, now: int
-    ) -> int | None:
-        """Send ``waiter``, just parked at the back at enqueue, ahead as a standby if ``Waiter.ahead``
-        lets it (see the contract's *standbys*): its generation, or None."""
-        if len(guard.queue) > standby_window(count, limit) or not guard.holders_short(now):
-            return None
-        entry.drop_at_ms = now + self.handoff_ttl_ms
-        entry.on_broker = True
-        return guard.new_generation(waiter, entry, now + self.stale_ttl_ms)
 
     @staticmethod
     def _refusal(

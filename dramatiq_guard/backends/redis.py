@@ -312,23 +312,22 @@ class RedisBackend(GuardBackend):
         )
 
     def _acquire_reply(self, key: str, reply: list[Any], sent: float) -> AcquireResult:
-        """Decode acquire.lua's ``{acquired, token, limit, queued, holders, handoffs[, extra]}``, sent
-        at ``sent``: ``extra`` is the lapses_in_ms of a 'running' reply, the generation of an 'ahead' one."""
-        acquired, token, in_force, queued, holders, handoffs, *extra = reply
+        """Decode acquire.lua's ``{acquired, token, limit, queued, holders, handoffs[, lapses_in_ms]}``,
+        sent at ``sent``."""
+        acquired, token, in_force, queued, holders, handoffs, *lapses_in = reply
         queued = text(queued)
         return AcquireResult(
             acquired=bool(acquired),
             token=None if token is None else int(token),
             holders=tuple(text(h) for h in holders),
             limit=int(in_force),
-            parked=queued in ("queued", "standby", "ahead"),
+            parked=queued in ("queued", "standby"),
             handoffs=self._handoffs(key, handoffs),
             standby=queued == "standby",
             stale=queued == "stale",
             valid_from=sent,
             running=queued == "running",
-            lapses_in_ms=int(extra[0]) if extra and queued == "running" else None,
-            ahead=int(extra[0]) if extra and queued == "ahead" else None,
+            lapses_in_ms=int(lapses_in[0]) if lapses_in else None,
         )
 
     def _release_reply(self, key: str, reply: list[Any]) -> ReleaseResult:
@@ -412,7 +411,7 @@ class RedisBackend(GuardBackend):
             self._check_waiter(holder)
             kind = "park" if wait.payload is not None else "block"
             payload = b"" if wait.payload is None else wait.payload
-            mode = [kind, payload, wait.wait_ms, info or "", gen, fence, run, wait.ahead]
+            mode = [kind, payload, wait.wait_ms, info or "", gen, fence, run]
             if self._in_cluster():
                 script = self.scripts["acquire"]
                 [reply] = run_scripts(

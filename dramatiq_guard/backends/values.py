@@ -9,7 +9,6 @@ __all__ = [
     "HOLDERS_SHOWN",
     "MIN_STANDBY_WINDOW",
     "ORIGINAL_GENERATION",
-    "SHORT_HOLD_MS",
     "STANDBYS_PER_SLOT",
     "AcquireResult",
     "Handoff",
@@ -49,16 +48,6 @@ MIN_STANDBY_WINDOW = 4
 #: Dramatiq takes (its consumer polls every 5-10 ms while busy, and a fetched message waits for a
 #: free thread), so the slot middlewares ask for two per slot after a short job.
 STANDBYS_PER_SLOT = 2
-
-#: A job that held its slot for less than this (ms) is a *short job*: its release asks for
-#: :data:`STANDBYS_PER_SLOT` standbys per slot (the slot middlewares), and a message parking at
-#: enqueue behind holders this young may be sent ahead at once (``Waiter.ahead``). The Redis
-#: scripts' ``SHORT_HOLD_MS`` is the same (a test keeps them equal). Measured on the bench's slot
-#: drain (10 ms jobs, limit 8, 2 x 8 threads): with one standby per slot and half the threads,
-#: 20-35 % of the freed slots went to a standby no thread held yet, 4-6 ms after the slot freed;
-#: with two per slot and all threads but one, 7-10 %, and the drain went from 1.01-1.12 to
-#: 0.97-1.09 times its unguarded floor (A/Bs and bench runs, 2026-11-26).
-SHORT_HOLD_MS = 100
 
 
 def standby_window(count: int, limit: int, per_slot: int = 1) -> int:
@@ -126,12 +115,6 @@ class AcquireResult:
       lapses_in_ms(int|None): With ``running``: in how many ms the entry in
         the way (the other runner's lease, or its wait) lapses unless it is
         renewed (a live runner renews its lease); the copy may ask again then.
-      ahead(int|None): The caller parked and was sent ahead as a standby
-        (``Waiter.ahead``), with this generation: it must enqueue its message
-        carrying it, then confirm it (:meth:`GuardBackend.confirm_standby`,
-        with the payload it parked with), or withdraw it
-        (:meth:`GuardBackend.cancel_wait` with the generation) if it does not
-        enqueue it. Unconfirmed, it parks again after ``handoff_ttl_ms``.
       valid_from(float|None): When the lease's ttl (or ``reserved_ms``)
         surely started counting, on this process's ``time.monotonic()``:
         just before the acquire request was sent (the backend counts from
@@ -152,7 +135,6 @@ class AcquireResult:
     valid_from: float | None = None
     running: bool = False
     lapses_in_ms: int | None = None
-    ahead: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,18 +217,10 @@ class Waiter:
         it is dropped by reclaim. For a parked waiter: if its entry is a
         standby (see :meth:`GuardBackend.send_standbys`), it blocks instead of
         parking, for this long; 0 always parks.
-      ahead(int): For a message parking at enqueue (``generation`` None,
-        no ``runner``): if it is new to the queue and lands within its first
-        ``ahead`` waiters and the standby window of one per slot, while the
-        key's jobs are short (its holder with the earliest deadline acquired
-        under :data:`SHORT_HOLD_MS` ago), it is sent ahead as a standby at
-        once, as :meth:`GuardBackend.send_standbys` would send it at the next
-        release (``AcquireResult.ahead``). 0 (the default): never.
     """
 
     payload: bytes | None = None
     wait_ms: int = 0
-    ahead: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,6 @@ from .waiting import (
     redis_broker_pending,
     wait_for_redis_broker_drain,
     wait_until,
-    wait_until_held_long,
 )
 from .worker import DramatiqWorker, WorkerFailed, pid_alive
 
@@ -68,5 +67,4 @@ __all__ = [
     "unavailable",
     "wait_for_redis_broker_drain",
     "wait_until",
-    "wait_until_held_long",
 ]

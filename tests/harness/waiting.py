@@ -20,8 +20,6 @@ from typing import Literal, TypeVar
 
 import redis as redis_lib
 
-from dramatiq_guard.backends.base import SHORT_HOLD_MS, GuardBackend
-
 T = TypeVar("T")
 
 
@@ -163,22 +161,3 @@ def wait_for_redis_broker_drain(
         redis=client,
         keys=[f"{namespace}:*"],
     )
-
-
-def wait_until_held_long(
-    backend: GuardBackend, client: redis_lib.Redis, key: str, timeout: float = 10.0
-) -> None:
-    """Wait until every holder of ``key`` has held it :data:`SHORT_HOLD_MS` on Redis's clock.
-
-    A wait on time itself (nothing happens when it passes). From then on the key's jobs count as
-    long: a message that parks behind them at enqueue parks, and is not sent ahead as a standby
-    (``Waiter.ahead``), as a test of parking at enqueue behind a running job needs.
-    """
-
-    def held_long() -> bool:
-        seconds, micros = client.time()
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
-        infos = backend.inspect(key).holder_info
-        return bool(infos) and all(now_ms - since >= SHORT_HOLD_MS for _, since, _ in infos)
-
-    wait_until(held_long, timeout, what=f"the holders of {key} to have held it {SHORT_HOLD_MS} ms")

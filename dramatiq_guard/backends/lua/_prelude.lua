@@ -122,8 +122,6 @@ local HOLDERS_SHOWN = 10
 local MIN_STANDBY_WINDOW = 4
 -- The most standbys per slot a caller may ask the standby window to hold (values.py).
 local STANDBYS_PER_SLOT = 2
--- A holder that acquired less than this long ago (ms) makes its key's jobs short (values.py).
-local SHORT_HOLD_MS = 100
 -- The latest a key with waiters is due for a sweep, whatever its deadlines say (ms).
 local DUE_BACKSTOP_MS = 30000
 
@@ -608,39 +606,6 @@ local function send_ahead(count, out, per_slot)
   if TOKEN ~= nil then
     store_token()
   end
-end
-
--- Whether the key's jobs are short: its holder with the earliest deadline acquired less than
--- SHORT_HOLD_MS ago (its since, in I; a hand-off's reservation, with none yet, is not).
-local function holders_short()
-  if HN == 0 then
-    return false
-  end
-  local entry = redis.call('HGET', I, redis.call('ZRANGE', H, 0, 0)[1])
-  local since = entry and string.match(entry, '^(%d+)')
-  return since and NOW - tonumber(since) < SHORT_HOLD_MS or false
-end
-
--- Send `w`, a waiter that just parked at the back at enqueue, ahead as a standby at once (as
--- send_ahead would at the next release) if it lands within the first `count` waiters and the
--- standby window of one per slot, and the key's jobs are short (a long job's standby would
--- block a thread for seconds): it gets a deadline in S and a new generation, its payload stays
--- in P ("sent, unconfirmed"). Returns that generation, or false.
-local function send_new_waiter_ahead(w, count)
-  if count <= 0 then
-    return false
-  end
-  local limit = limit_in_force()
-  if limit <= 0 or redis.call('ZCARD', W) > math.min(count, math.max(limit, MIN_STANDBY_WINDOW)) then
-    return false
-  end
-  if not holders_short() then
-    return false
-  end
-  add_deadline(S, NOW + HANDOFF_TTL, w)
-  local gen = new_generation(w)
-  store_token()
-  return gen
 end
 
 -- Queue `w` as a waiter at the back (keeping its place if it is already queued).

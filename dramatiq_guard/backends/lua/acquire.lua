@@ -1,9 +1,8 @@
--- acquire(holder, ttl_ms, mode, payload, wait_ms, info, generation[, fenced[, runner[, ahead]]]); mode: ''
+-- acquire(holder, ttl_ms, mode, payload, wait_ms, info, generation[, fenced[, runner]]); mode: ''
 -- (no wait), 'park', 'block'; generation: the one a handed-off copy carries, or ''; fenced: '0' for
 -- a lock that fences nothing (GuardBackend.try_lock: no token is issued, T is not written), else a
 -- token; runner: who runs the holder's job if it acquires (a worker thread), or '' for nobody yet
--- (an enqueue-time reservation); ahead: Waiter.ahead, how many of the first waiters a message
--- parking at enqueue may be sent ahead within (send_new_waiter_ahead; '0' or none: never).
+-- (an enqueue-time reservation).
 -- A holder's runner is kept in its I entry ("<since_ms>@<runner>|<info>", see runner_of); a ready
 -- waiter's in M ('u:<waiter>', set_ready), and a hand-off moves it to the holder's I entry. A
 -- holder that holds for a runner, or a ready waiter a runner blocks on, is running (or waiting)
@@ -14,22 +13,18 @@
 -- generation '0' is the message as sent (ORIGINAL_GENERATION), picked up from the broker: like a
 -- hand-off's, a copy with a generation that parks makes the stored payload the only copy that may
 -- start (G: 'parked'), since the broker may deliver the copy again (its worker died before the ack).
--- Returns {acquired, token|nil, limit, queued, holders, handoffs[, lapses_in_ms | generation]}
+-- Returns {acquired, token|nil, limit, queued, holders, handoffs[, lapses_in_ms]}
 -- (RedisBackend._acquire_reply); lapses_in_ms, with 'running' only: when the entry in the way lapses;
--- generation, with 'ahead' only: the parked caller was sent ahead as a standby, with this generation;
 -- holders: when refused, the first HOLDERS_SHOWN live holders (earliest deadline first), else none;
 -- queued is '' (not waiting), 'queued', 'standby' for a standby (sent ahead, see
 -- standby.lua) picked up in 'park' mode with wait_ms > 0: it blocks in its place, a ready
 -- waiter (in D) from now on; or 'stale': the copy's generation is not the one that may start
 -- (a newer hand-off of the same message exists), and nothing was done; or 'running': the holder
--- already holds the key (or blocks for it) for another runner, and nothing was done; or 'ahead':
--- parked, and sent ahead as a standby at once (its caller enqueues it with that generation, then
--- confirms it: standby.lua's 'confirm').
+-- already holds the key (or blocks for it) for another runner, and nothing was done.
 local refused = validate_args(
   { 'ttl_ms', arg(2), 1, MAX_DURATION_MS },
   { 'wait_ms', arg(5), 0, MAX_DURATION_MS },
-  { 'generation', arg(7) == '' and 0 or arg(7), 0, 2 ^ 53 },
-  { 'ahead', arg(10) or '0', 0, MAX_COUNT }
+  { 'generation', arg(7) == '' and 0 or arg(7), 0, 2 ^ 53 }
 )
 if refused then
   return refused
@@ -95,7 +90,6 @@ end
 -- parked waiters of another route: then the slots are theirs (their route's sweep hands them on).
 local acquired = holds(holder) or (HN < limit and not PASSED_OVER)
 local queued = ''
-local ahead = false
 if acquired then
   set_holders({ NOW + ttl, holder })
   -- A re-entrant acquire (or a reservation taken up): the first since and info stay, and a runner
@@ -138,8 +132,6 @@ elseif mode ~= '' then
   elseif mode == 'park' then
     redis.call('HSET', P, holder, arg(4))
     redis.call('HSET', M, 'r:' .. holder, ROUTE)
-    -- A message parking at enqueue may be sent ahead at once (Waiter.ahead).
-    ahead = added and generation == '' and runner == '' and send_new_waiter_ahead(holder, tonumber(arg(10) or '0'))
     if not added then
       unset_ready({ holder })
       redis.call('HDEL', I, holder)
@@ -161,7 +153,7 @@ elseif mode ~= '' then
     -- Ready: a hand-off records it as the holder's info.
     redis.call('HSET', I, holder, '|' .. arg(6))
   end
-  queued = standby and 'standby' or (ahead and 'ahead' or 'queued')
+  queued = standby and 'standby' or 'queued'
 end
 finish()
 -- Who is in the way, for a refused caller to name: the first few live holders, earliest
@@ -170,4 +162,4 @@ local holders = {}
 if not acquired then
   holders = redis.call('ZRANGE', H, 0, HOLDERS_SHOWN - 1)
 end
-return { acquired and 1 or 0, token, limit, queued, holders, handoffs, ahead or nil }
+return { acquired and 1 or 0, token, limit, queued, holders, handoffs }

@@ -24,7 +24,6 @@ do
     and (ARGV[5] == '' or whole_number(ARGV[5], 0, MAX_COUNT))
     and (ARGV[14] == '' or ARGV[14] == '0' and redis.call('EXISTS', KEYS[11] .. ':' .. ARGV[8]) == 0)
     and not string.find(ARGV[16] or '', '[|@]')
-    and (ARGV[17] == nil or whole_number(ARGV[17], 0, MAX_COUNT))
     and redis.call('EXISTS', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[9]) == 0 then
     local H, T, L, I, holder, runner = KEYS[1], KEYS[6], KEYS[7], KEYS[8], ARGV[8], ARGV[16] or ''
     local clock = redis.call('TIME')

@@ -43,7 +43,7 @@ from dramatiq_guard.middleware.slots.execution import (
 )
 from dramatiq_guard.middleware.slots.limits import KeyDirectory
 from dramatiq_guard.middleware.slots.releases import MarkedKeys, Releaser, starts_follow_ups
-from dramatiq_guard.middleware.slots.reservation import ReservationTicket, StandbyTicket, reserve_or_park
+from dramatiq_guard.middleware.slots.reservation import ReservationTicket, reserve_or_park
 from dramatiq_guard.middleware.slots.standbys import Standbys, wait_as_standby
 from dramatiq_guard.middleware.slots.waits import wait_for_mutex
 from dramatiq_guard.middleware.sweep import Sweeper, join_sweep, leave_sweep
@@ -90,7 +90,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         block as standbys at once (a standby picked up beyond that parks
         again). None (the default): half the worker's threads, and all but
         one for the standbys of a key whose last job here held its slot under
-        :data:`~dramatiq_guard.backends.base.SHORT_HOLD_MS` (100
+        :data:`~dramatiq_guard.middleware.slots.standbys.SHORT_HOLD_MS` (100
         ms: such a standby waits a job's run or two). A process that allows
         none sends no standbys.
     """
@@ -118,9 +118,9 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         self.sweep_interval_ms = _positive(sweep_interval, "sweep_interval")
         self.limit_cache_ms = _positive(limit_cache, "limit_cache", allow_zero=True)
         self.lookahead = _count(lookahead, "lookahead")
+        self.standbys = Standbys(self.lookahead, 0 if standby_threads is None else standby_threads)
         self.standby_wait_ms = _positive(standby_wait, "standby_wait")
         self.standby_threads = _count(standby_threads, "standby_threads")
-        self.standbys = Standbys(self.lookahead, self.standby_threads)
         self.broker: Broker | None = None
         self.keys: KeyDirectory[P] = KeyDirectory(self.prefix, self.guarded)
         self._inflight: set[str] = set()
@@ -235,7 +235,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
 
     def before_push(
         self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None = None
-    ) -> ReservationTicket | StandbyTicket | None:
+    ) -> ReservationTicket | None:
         """Reserve a slot for ``message``, or park it if its key is full (see :mod:`.reservation`).
 
         A delayed message is decided when it comes due; one that holds a key

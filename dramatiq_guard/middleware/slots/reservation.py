@@ -4,13 +4,6 @@ Reserving at enqueue lets a burst of sends fill the limit exactly while the
 rest park without costing a broker pickup (docs/slots.md, "Parking"). The
 reservation lasts ``pickup_ttl``; a failed push gives it back, and so does a
 later guard that parks the message elsewhere.
-
-A message that parks among the first waiters of a key whose jobs are short
-is sent ahead at once, as a standby (``Waiter.ahead``; docs/slots.md,
-"Standbys"): the gate pushes it, carrying the generation of that send, and
-its ticket confirms it, or withdraws it if it is not pushed after all. So
-the first slots to free in a burst go to standbys already on the broker,
-not to parked messages that must still be fetched.
 """
 
 from __future__ import annotations
@@ -21,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from dramatiq import Broker, Message
 
 from dramatiq_guard import events
-from dramatiq_guard.backends.base import Handoff, Waiter
-from dramatiq_guard.delivery import carry_generation, generation_of
+from dramatiq_guard.backends.base import Waiter
+from dramatiq_guard.delivery import generation_of
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.gate import Diverted, Outcome
 from dramatiq_guard.middleware.base import fail_open
@@ -31,7 +24,7 @@ if TYPE_CHECKING:
     from dramatiq_guard.middleware.base import ActorGuard
     from dramatiq_guard.middleware.slots.middleware import SlotsMiddleware
 
-__all__ = ["ReservationTicket", "StandbyTicket", "reserve_or_park"]
+__all__ = ["ReservationTicket", "reserve_or_park"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,32 +53,10 @@ class ReservationTicket:
         self.middleware.deliver(self.broker, result.handoffs)
 
 
-class StandbyTicket:
-    """A message parked at enqueue and sent ahead as a standby: confirmed once pushed, else withdrawn."""
-
-    def __init__(
-        self, middleware: SlotsMiddleware[Any], broker: Broker, standby: Handoff, message: Message[Any]
-    ) -> None:
-        self.courier = middleware.courier(broker)
-        self.standby = standby
-        self.message = message
-
-    def pushed(self) -> None:
-        """It is on the broker: confirm it (it waits there, in its place, for a thread)."""
-        self.courier.settle_standby(self.standby, self.message, Outcome.PUSHED)
-
-    def parked(self) -> None:
-        """Another slot guard parked it: it waits there, not here."""
-        self.courier.settle_standby(self.standby, self.message, Outcome.PARKED)
-
-    def failed(self) -> None:
-        self.courier.settle_standby(self.standby, self.message, Outcome.DROPPED)
-
-
 def reserve_or_park(
     middleware: SlotsMiddleware[Any], broker: Broker, guard: ActorGuard[Any], message: Message[Any]
-) -> ReservationTicket | StandbyTicket | None:
-    """Reserve a slot of ``message``'s key for it, or park it if the key is full (or send it ahead).
+) -> ReservationTicket | None:
+    """Reserve a slot of ``message``'s key for it, or park it if the key is full.
 
     Raises:
       Diverted: The message was parked (``Outcome.PARKED``): ``send()`` returns it; or it is a
@@ -96,14 +67,13 @@ def reserve_or_park(
     backend = middleware.backend(broker)
     key = middleware.guard_key_of(guard, message)
     limit = middleware.default_limit(guard)
-    payload = message.encode()
     try:
         result = backend.acquire(
             key,
             message.message_id,
             limit=limit,
             ttl_ms=middleware.pickup_ttl_ms,
-            wait=Waiter(payload=payload, ahead=middleware.standbys.count_at_enqueue(broker)),
+            wait=Waiter(payload=message.encode()),
             info=message.actor_name,
             # A copy of a hand-off of this key (back from another guard that parked it on its way)
             # is judged as a worker's copy is: a stale one never starts (contract, *generations*).
@@ -124,14 +94,6 @@ def reserve_or_park(
         raise Diverted(message, Outcome.DROPPED)
     if result.acquired:
         return ReservationTicket(middleware, broker, key, message.message_id, limit)
-    if result.ahead is not None:
-        logger.debug("Sent %s ahead at enqueue: %r is full (limit %d).", message, key, result.limit)
-        events.parked(message.actor_name)
-        events.lockwait_changed()
-        carry_generation(message, key, result.ahead)
-        return StandbyTicket(
-            middleware, broker, Handoff(key, message.message_id, payload, result.ahead), message
-        )
     if result.parked:
         logger.debug("Parked %s at enqueue: %r is full (limit %d).", message, key, result.limit)
         events.parked(message.actor_name)

@@ -25,16 +25,8 @@ from collections.abc import Callable, Sequence
 
 from dramatiq import Broker
 from dramatiq.broker import MessageProxy
-from dramatiq.brokers.stub import StubBroker
 
-from dramatiq_guard.backends.base import (
-    SHORT_HOLD_MS,
-    STANDBYS_PER_SLOT,
-    AcquireResult,
-    GuardBackend,
-    Handoff,
-    Waiter,
-)
+from dramatiq_guard.backends.base import STANDBYS_PER_SLOT, AcquireResult, GuardBackend, Handoff, Waiter
 from dramatiq_guard.delivery import Courier
 from dramatiq_guard.middleware.slots.releases import MarkedKeys
 from dramatiq_guard.middleware.slots.waits import time_limit_paused
@@ -52,6 +44,13 @@ logger = logging.getLogger("dramatiq_guard.middleware.slots")
 #: the window took 24 ms of Redis time per release), and covers 16 hand-offs of a worker's pickup
 #: latency.
 DEFAULT_LOOKAHEAD = 16
+
+#: A job that held its slot for less than this (ms) is a *short job* (see the module docstring).
+#: Measured on the bench's slot drain (10 ms jobs, limit 8, 2 x 8 threads): with one standby per
+#: slot and half the threads, 20-35 % of the freed slots went to a standby no thread held yet, 4-6
+#: ms after the slot freed; with two per slot and all threads but one, 7-10 %, and the drain went
+#: from 1.01-1.12 to 0.97-1.09 times its unguarded floor (A/Bs and bench runs, 2026-11-26).
+SHORT_HOLD_MS = 100
 
 
 class StandbySeats:
@@ -86,34 +85,17 @@ class Standbys:
       lookahead(int|None): Waiters per key sent ahead (at most the key's
         limit, twice that after a short job, or ``MIN_STANDBY_WINDOW`` for a
         smaller one); None: :data:`DEFAULT_LOOKAHEAD`; 0: none.
-      threads(int|None): How many threads may block as standbys
-        (``standby_threads``); None: set by the worker when it boots
-        (none until then).
+      seats(int): How many threads may block as standbys (``standby_threads``).
     """
 
-    def __init__(self, lookahead: int | None, threads: int | None) -> None:
+    def __init__(self, lookahead: int | None, seats: int) -> None:
         self.lookahead = lookahead
-        self.threads = threads
-        self.seats = StandbySeats(0 if threads is None else threads)
+        self.seats = StandbySeats(seats)
         self._short_jobs = MarkedKeys()
 
     def count(self) -> int:
         """How many waiters per key to keep on the broker (0 if this process lets no standby block)."""
         if self.seats.seats <= 0:
-            return 0
-        return self.lookahead if self.lookahead is not None else DEFAULT_LOOKAHEAD
-
-    def count_at_enqueue(self, broker: Broker) -> int:
-        """How many of a key's first waiters a message parking at enqueue may be sent ahead within.
-
-        ``Waiter.ahead``: the same count as a release's, but the process that
-        sends is often no worker, so it goes by the configuration, which its
-        workers share: 0 if standbys are off (``lookahead=0`` or
-        ``standby_threads=0``). 0 on a StubBroker too: its messages are there
-        at once (there is no fetch to get ahead of), and a test sees the
-        waiters of a burst parked, as documented, not some on the broker.
-        """
-        if self.threads == 0 or isinstance(broker, StubBroker):
             return 0
         return self.lookahead if self.lookahead is not None else DEFAULT_LOOKAHEAD
 
