@@ -23,7 +23,7 @@ from dramatiq_guard.backends.memory import MemoryBackend
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.slots import Concurrency, Mutex, MutexWaitTimeout
-from dramatiq_guard.middleware.slots.standbys import DEFAULT_LOOKAHEAD, SHORT_HOLD_MS
+from dramatiq_guard.middleware.slots.standbys import DEFAULT_LOOKAHEAD, SHORT_HOLD_MS, Standbys
 from dramatiq_guard.testing import join, parked_count
 
 
@@ -650,6 +650,21 @@ def test_a_short_job_sends_two_standbys_per_slot_and_a_long_one_one(env: Env) ->
     join(env.broker, job.queue_name, timeout=10_000)
     env.worker.join()  # type: ignore[union-attr]
     assert env.concurrency.standbys.short("concurrency:k")
+
+
+def test_a_release_keeps_only_the_standbys_that_can_get_a_slot_within_standby_wait() -> None:
+    """The k-th standby waits about k x held / limit for its slot: after a long job a release sends
+    only those that can get one within standby_wait (the others would block their threads for
+    nothing, park again, and be sent again: a broker pickup each time)."""
+    standbys = Standbys(lookahead=None, seats=4, wait_ms=5_000)
+    assert standbys.count_after(10, 8) == DEFAULT_LOOKAHEAD  # short jobs: the whole window
+    assert standbys.count_after(2_000, 1) == 2  # a mutex's: a slot every 2 s, two within 5 s
+    assert standbys.count_after(2_000, 8) == DEFAULT_LOOKAHEAD  # eight slots free in 2 s
+    assert standbys.count_after(6_000, 1) == 0  # none would get the slot in time
+    assert standbys.count_after(6_000, 4) == 3
+    assert standbys.count_after(6_000, None) == 0  # a limit not known here counts as 1
+    assert Standbys(lookahead=3, seats=4).count_after(10, 8) == 3  # never more than lookahead
+    assert Standbys(lookahead=None, seats=0).count_after(10, 8) == 0  # no seat, no standby
 
 
 def test_a_worker_lets_half_its_threads_block_as_standbys_and_all_but_one_for_short_jobs(env: Env) -> None:

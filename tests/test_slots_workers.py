@@ -296,6 +296,63 @@ def test_a_sigkilled_standby_loses_nothing_and_runs_once(
     wait_until(lambda: not guard_leftovers(redisdb), what="no guard state left", redis=redisdb)
 
 
+LONG_JOB_SOURCE = """
+import os
+import time
+
+import dramatiq
+from dramatiq.middleware import AgeLimit, Retries
+from harness import Recorder, broker_from_env
+
+from dramatiq_guard.middleware.slots import Mutex
+
+broker = broker_from_env()
+rec = Recorder.from_env()
+
+
+class PickedUp(dramatiq.Middleware):
+    \"\"\"Records every message a worker takes off the broker (a standby that parks again included).\"\"\"
+
+    def before_process_message(self, broker, message):
+        rec.record(phase="picked", n=message.args[0])
+
+
+broker.add_middleware(PickedUp(), before=AgeLimit)  # first: it sees what the guard skips
+broker.add_middleware(Mutex(lease_ttl=2_000, sweep_interval=200, standby_wait=50), before=Retries)
+dramatiq.set_broker(broker)
+
+
+@dramatiq.actor(mutex={"on_busy": "park", "key": lambda n: "report"}, max_retries=0, queue_name=QUEUE)
+def report(n):
+    time.sleep(0.3)  # the job's own work: six times standby_wait
+    rec.record(phase="ran", n=n)
+"""
+
+
+def test_jobs_longer_than_standby_wait_are_picked_up_once_each(
+    actor_module: Callable[..., ModuleType],
+    dramatiq_worker: Start,
+    recorder: Recorder,
+    redisdb: Any,
+    unique_name: str,
+) -> None:
+    """Invariant: a broker pickup per message when a mutex's jobs outlast ``standby_wait``. A
+    standby sent when such a job ends would block its thread ``standby_wait``, park again before
+    the next slot frees, and be sent again by the next release (3.8 pickups per message, 1 s jobs
+    and a 200 ms wait, before the release sent only the standbys expected to get a slot in time)."""
+    queue = f"{unique_name}_q"
+    module = actor_module(f"QUEUE = {queue!r}\n" + LONG_JOB_SOURCE)
+    for n in range(6):
+        module.report.send(n)  # the first reserves the mutex, the rest park
+    dramatiq_worker("actors", threads=4, queues=[queue])
+    records = recorder.take(12, timeout=60)
+    assert [r["n"] for r in records if r["phase"] == "ran"] == list(range(6))  # FIFO, each once
+    assert Counter(r["n"] for r in records if r["phase"] == "picked") == Counter(range(6))
+    wait_for_redis_broker_drain(redisdb, [queue])
+    assert _records(recorder) == []  # no pickup after those
+    wait_until(lambda: not guard_leftovers(redisdb), what="no guard state left", redis=redisdb)
+
+
 PARK_KILL_SOURCE = """
 import os
 import signal

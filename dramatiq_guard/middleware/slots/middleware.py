@@ -85,7 +85,9 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         (:data:`~dramatiq_guard.middleware.slots.standbys.DEFAULT_LOOKAHEAD`;
         every release of a key with waiters reads that many); 0: none.
       standby_wait: How long a picked-up standby blocks its worker thread
-        waiting for a slot before it parks again. Default 5 s.
+        waiting for a slot before it parks again. Default 5 s. After a job
+        that held its slot long, a release sends only the standbys expected
+        to get a slot within it (none after a mutex's job that held longer).
       standby_threads(int|None): How many worker threads of a process may
         block as standbys at once (a standby picked up beyond that parks
         again). None (the default): half the worker's threads, and all but
@@ -118,8 +120,10 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         self.sweep_interval_ms = _positive(sweep_interval, "sweep_interval")
         self.limit_cache_ms = _positive(limit_cache, "limit_cache", allow_zero=True)
         self.lookahead = _count(lookahead, "lookahead")
-        self.standbys = Standbys(self.lookahead, 0 if standby_threads is None else standby_threads)
         self.standby_wait_ms = _positive(standby_wait, "standby_wait")
+        self.standbys = Standbys(
+            self.lookahead, 0 if standby_threads is None else standby_threads, self.standby_wait_ms
+        )
         self.standby_threads = _count(standby_threads, "standby_threads")
         self.broker: Broker | None = None
         self.keys: KeyDirectory[P] = KeyDirectory(self.prefix, self.guarded)
@@ -420,12 +424,15 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         with self._inflight_lock:
             self._inflight.discard(message.message_id)
         # If the key has waiters, the release keeps the next ones on the broker ahead of the next
-        # free slot, as standbys: twice as many after a short job (see standbys.py).
+        # free slot, as standbys: twice as many after a short job, only those expected to get a
+        # slot within standby_wait after a long one (see standbys.py).
         lease, actor = held.lease, message.actor_name
         send_ahead, per_slot = 0, 1
         if self.on_busy(guard.policy) == "park":
-            self.standbys.held(lease.key, (time.time() - lease.acquired_at) * 1000)
-            send_ahead, per_slot = self.standbys.count(), self.standbys.per_slot(lease.key)
+            held_ms = (time.time() - lease.acquired_at) * 1000
+            self.standbys.held(lease.key, held_ms)
+            send_ahead = self.standbys.count_after(held_ms, lease.limit)
+            per_slot = self.standbys.per_slot(lease.key)
         events.released(actor)
         releaser = self._releaser
         if releaser is not None and lease.key not in self._contended and not starts_follow_ups(message):

@@ -14,6 +14,13 @@ while busy; a fetched message waits for a free thread). So after a job that held
 here was short may block any worker thread but one (unless ``standby_threads`` was given): it waits
 a job's run or two, and a thread it holds would otherwise be idle. A long job's standbys keep one
 per slot and half the threads: they may wait seconds.
+
+Long jobs: a release sends only the standbys expected to get a slot within ``standby_wait``
+(:meth:`Standbys.count_after`). Slots of a limit of ``L`` free about every ``held / L``, so the
+``k``-th standby waits about ``k x held / L``; one that waits longer only blocks its thread for
+``standby_wait``, parks again, and is sent again by the next release, a broker pickup each time
+(3.8 pickups per message on a mutex whose 1 s jobs outlasted a 200 ms ``standby_wait``, where every
+slot went to a parked message anyway, 2026-11-26).
 """
 
 from __future__ import annotations
@@ -86,11 +93,13 @@ class Standbys:
         limit, twice that after a short job, or ``MIN_STANDBY_WINDOW`` for a
         smaller one); None: :data:`DEFAULT_LOOKAHEAD`; 0: none.
       seats(int): How many threads may block as standbys (``standby_threads``).
+      wait_ms(int): How long a picked-up standby blocks for a slot (``standby_wait``).
     """
 
-    def __init__(self, lookahead: int | None, seats: int) -> None:
+    def __init__(self, lookahead: int | None, seats: int, wait_ms: int = 5_000) -> None:
         self.lookahead = lookahead
         self.seats = StandbySeats(seats)
+        self.wait_ms = wait_ms
         self._short_jobs = MarkedKeys()
 
     def count(self) -> int:
@@ -98,6 +107,22 @@ class Standbys:
         if self.seats.seats <= 0:
             return 0
         return self.lookahead if self.lookahead is not None else DEFAULT_LOOKAHEAD
+
+    def count_after(self, held_ms: float, limit: int | None) -> int:
+        """How many waiters to keep on the broker after a job that held its slot ``held_ms``.
+
+        :meth:`count`, but no more than are expected to get a slot within
+        ``standby_wait`` (``wait_ms``): a slot of ``limit`` frees about every
+        ``held_ms / limit``, so the ``k``-th standby waits about ``k`` times
+        that (see the module docstring); none after a job that held its slot
+        longer than ``standby_wait`` times the limit. ``limit`` None (not
+        known here) counts as 1.
+        """
+        count = self.count()
+        if count <= 0 or held_ms <= 0:
+            return count
+        slots = limit if limit is not None and limit > 0 else 1
+        return min(count, int(self.wait_ms * slots // held_ms))
 
     def held(self, key: str, held_ms: float) -> None:
         """Note that a job of ``key`` held its slot ``held_ms`` here: is the key's last job here short?"""
