@@ -430,9 +430,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         send_ahead, per_slot = 0, 1
         if self.on_busy(guard.policy) == "park":
             held_ms = (time.time() - lease.acquired_at) * 1000
-            self.standbys.held(lease.key, held_ms)
-            send_ahead = self.standbys.count_after(held_ms, lease.limit)
-            per_slot = self.standbys.per_slot(lease.key)
+            send_ahead, per_slot = self.standbys.after_job(lease.key, held_ms, lease.limit)
         events.released(actor)
         releaser = self._releaser
         if releaser is not None and lease.key not in self._contended and not starts_follow_ups(message):

@@ -124,6 +124,16 @@ class Standbys:
         slots = limit if limit is not None and limit > 0 else 1
         return min(count, int(self.wait_ms * slots // held_ms))
 
+    def after_job(self, key: str, held_ms: float, limit: int | None) -> tuple[int, int]:
+        """What the release of a job of ``key`` that held its slot ``held_ms`` asks the backend for.
+
+        Notes whether the job was short (:meth:`held`), then returns how many
+        waiters to keep on the broker ahead (:meth:`count_after`) and within a
+        window of how many standbys per slot (:meth:`per_slot`).
+        """
+        self.held(key, held_ms)
+        return self.count_after(held_ms, limit), self.per_slot(key)
+
     def held(self, key: str, held_ms: float) -> None:
         """Note that a job of ``key`` held its slot ``held_ms`` here: is the key's last job here short?"""
         if held_ms < SHORT_HOLD_MS:
