@@ -91,6 +91,45 @@ def test_console_script_is_installed_and_reports_usage_errors() -> None:
     assert "invalid choice: 'frobnicate'" in proc.stderr
 
 
+# A base install (no web extra): this process cannot import the dashboard's libraries.
+_WITHOUT_WEB_EXTRA = (
+    "import sys; sys.modules.update(jinja2=None, werkzeug=None, waitress=None); "
+    "from dramatiq_guard.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["inspect", "--help"], ["serve", "--help"], ["inspect"]])
+def test_every_verb_works_without_the_web_extra(argv: list[str], redis_url: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_WEB_EXTRA, "--redis", redis_url, *argv],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_serve_without_the_web_extra_says_what_to_install_in_one_line(redis_url: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_WEB_EXTRA, "--redis", redis_url, "serve"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert "pip install 'dramatiq-guard[web]'" in proc.stderr
+
+
+def test_serve_help_states_the_dashboards_default_port(capsys: pytest.CaptureFixture[str]) -> None:
+    from dramatiq_guard.web import DEFAULT_PORT
+
+    assert main(["serve", "--help"]) == 0
+    assert f"{DEFAULT_PORT})" in capsys.readouterr().out
+
+
 def test_durations() -> None:
     assert parse_duration("30d") == 30 * 86_400_000
     assert parse_duration("90") == 90_000

@@ -14,8 +14,8 @@ WRITE_SECRET_ENV = "DRAMATIQ_GUARD_WRITE_SECRET"
 def _serve_parser(
     commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
 ) -> None:
-    from dramatiq_guard.web import DEFAULT_PORT
-
+    # Nothing of dramatiq_guard.web here: it needs the web extra, and the parser of every verb is built
+    # from this (a base install's `dramatiq-guard --help` must work).
     serve = commands.add_parser(
         "serve",
         parents=[common],
@@ -28,7 +28,7 @@ def _serve_parser(
     )
     serve.add_argument("--host", default="127.0.0.1", help="the address to bind (default: %(default)s)")
     serve.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help="the port to bind (default: %(default)s)"
+        "--port", type=int, default=None, help="the port to bind (default: the dashboard's, 8470)"
     )
     serve.add_argument(
         "--broker",
@@ -67,7 +67,8 @@ def _cmd_serve(ctx: Context) -> int:
     secret = args.write_secret or os.environ.get(WRITE_SECRET_ENV) or None
     app = web.make_app(backend, broker=broker, ledger=ledger_url, write_secret=secret)
     mode = "writes need the write secret" if secret else "read-only (no write secret)"
-    ctx.print(f"dramatiq-guard dashboard on http://{args.host}:{args.port}/ ({mode}); Ctrl-C stops it")
+    port = web.DEFAULT_PORT if args.port is None else args.port
+    ctx.print(f"dramatiq-guard dashboard on http://{args.host}:{port}/ ({mode}); Ctrl-C stops it")
     ctx.stdout.flush()
-    web.serve(app, host=args.host, port=args.port)
+    web.serve(app, host=args.host, port=port)
     return 0
