@@ -177,9 +177,9 @@ def _broker_requeue(ctx: Context) -> admin.Requeue | None:
         return None
     try:
         broker = admin.load_broker(spec)
-    except ValueError as e:
+        return admin.broker_requeue(broker, ctx.backend)
+    except ValueError as e:  # a ConfigurationError too: a broker of no known route
         raise UsageError(str(e)) from None
-    return admin.broker_requeue(broker, ctx.backend)
 
 
 def _actor_limit_key(name: str) -> str:
