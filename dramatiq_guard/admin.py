@@ -338,7 +338,12 @@ def broker_requeue(broker: Broker, backend: GuardBackend) -> Requeue:
     Each hand-off is delivered by :func:`dramatiq_guard.delivery.courier_for`:
     by the guard middleware on that broker that claims its key, else enqueued
     through the gate as holding its key and confirmed. The backend's route
-    becomes the broker's, so its parked messages may be handed their slots.
+    becomes the broker's (:func:`dramatiq_guard.resolve.route_of`: the one
+    named by ``install(broker, route=...)`` if the broker's module installed
+    the guard so), so its parked messages may be handed their slots.
+
+    Raises:
+      ConfigurationError: If the broker has no route the guard can tell.
     """
     from dramatiq_guard.delivery import courier_for
     from dramatiq_guard.resolve import route_of

@@ -14,7 +14,7 @@ from dramatiq_guard.backends import redis_health
 from dramatiq_guard.backends.base import GuardBackend, check_max_payload_bytes
 from dramatiq_guard.errors import ConfigurationError
 from dramatiq_guard.gate import gate_for
-from dramatiq_guard.resolve import resolve_backend
+from dramatiq_guard.resolve import name_route, resolve_backend
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +93,15 @@ def install(
         parking actor is refused at ``send()`` with
         :class:`~dramatiq_guard.errors.PayloadTooLarge`, nothing stored.
       route(str|None): The name under which this process's parked messages
-        are recorded and which parked messages it delivers (None: from the
-        broker, :func:`dramatiq_guard.resolve.route_of`). Every process of
-        one application must have the same route, and no other application's
-        (see README, "Failure model").
+        are recorded and which parked messages it delivers; it becomes the
+        broker's route for everything in the process that delivers on it.
+        None: the ``DRAMATIQ_GUARD_ROUTE`` environment variable, else the
+        broker as configured (:func:`dramatiq_guard.resolve.route_of`: host
+        names as written, never resolved). Every process of one application
+        must have the same route, and no other application's (see README,
+        "Two applications on one guard Redis"). It is required where the
+        guard cannot describe the broker: a broker other than Redis, RabbitMQ
+        or Stub, or a RedisBroker whose connection pool names no server.
       replica_waits(int): How many replicas of the guard's Redis must
         acknowledge every decision before it stands (Redis ``WAIT`` after
         each script; see :class:`~dramatiq_guard.backends.RedisBackend`). 0
@@ -118,8 +123,11 @@ def install(
     :meth:`~dramatiq_guard.backends.GuardBackend.slow_call_warning`).
 
     Raises:
-      ConfigurationError: If no backend can be found, or a setting is taken
-        by no middleware (the error lists the settings that exist).
+      ConfigurationError: If no backend can be found, a setting is taken by
+        no middleware (the error lists the settings that exist), or no route
+        is given where the guard cannot describe the broker (two applications
+        on such brokers would deliver each other's parked messages; the error
+        asks for ``route=``). Nothing is installed.
       EvictingRedis: If the guard's Redis may evict keys and
         ``allow_evicting_redis`` is False (the error says what to set).
       ValueError: If ``max_payload_bytes`` is not a positive int, or
@@ -172,12 +180,10 @@ def install(
 
 def _backend(broker: Broker, redis: Any, route: str | None, max_payload_bytes: int | None) -> GuardBackend:
     """The backend of ``broker``, with the install's route and payload bound."""
+    if route is not None:
+        name_route(broker, route)
     backend = resolve_backend(broker, redis)
     if route is not None:
-        if not isinstance(route, str) or not route:
-            raise ConfigurationError(
-                f"dramatiq_guard.install(): route must be a non-empty str, not {route!r}"
-            )
         backend.route = route
     logger.info("dramatiq-guard: this process delivers the parked messages of route %r.", backend.route)
     if max_payload_bytes is not None:

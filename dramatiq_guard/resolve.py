@@ -22,9 +22,8 @@ applications sharing one guard Redis never deliver each other's messages.
 
 from __future__ import annotations
 
-import functools
 import os
-import socket
+import sys
 import threading
 import weakref
 from typing import Any
@@ -35,8 +34,10 @@ from dramatiq_guard.backends.base import GuardBackend
 from dramatiq_guard.errors import ConfigurationError
 
 REDIS_URL_ENV = "DRAMATIQ_GUARD_REDIS_URL"
+ROUTE_ENV = "DRAMATIQ_GUARD_ROUTE"
 
 _shared: weakref.WeakKeyDictionary[Broker, GuardBackend] = weakref.WeakKeyDictionary()
+_named: weakref.WeakKeyDictionary[Broker, str] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -82,32 +83,109 @@ def resolve_backend(broker: Broker, redis: Any = None) -> GuardBackend:
     return backend
 
 
+def name_route(broker: Broker, route: str) -> None:
+    """Make ``route`` the route of ``broker`` in this process (``install(broker, route=...)``).
+
+    Raises:
+      ConfigurationError: If ``route`` is not a non-empty str.
+    """
+    if not isinstance(route, str) or not route:
+        raise ConfigurationError(f"dramatiq_guard.install(): route must be a non-empty str, not {route!r}")
+    with _lock:
+        _named[broker] = route
+
+
 def route_of(broker: Broker) -> str:
     """Which broker (and queues) a process delivers parked messages to.
 
-    The same string in every process of one application configured alike
-    (a host name is resolved to its address, so ``localhost`` and
-    ``127.0.0.1`` agree; ``install(broker, route=...)`` names it outright):
-    the Redis server, database and Dramatiq namespace of a RedisBroker; the
-    hosts and virtual host of a RabbitmqBroker; this very object for a
-    StubBroker (it lives in one process); else the broker's class.
+    A route must be the same in every process of one application, across
+    restarts and whatever address its servers have now, and differ between
+    two applications. So it is, in this order:
+
+    * the route named for this broker, ``install(broker, route=...)``;
+    * the ``DRAMATIQ_GUARD_ROUTE`` environment variable;
+    * the broker as configured, as written: never a resolved address (a
+      recreated container, a failed-over endpoint keep their route). For a
+      RedisBroker, its server's host name (lowercased) and port, or its Unix
+      socket, then its database and Dramatiq namespace; made by Sentinel, its
+      Sentinels' hosts and ports (in any order), service name, database and
+      namespace. For a RabbitmqBroker, its hosts and ports (in any order) and
+      virtual host. For a StubBroker, that very object (it lives in one
+      process).
+
+    Two ways of writing one server are two routes (``localhost`` and
+    ``127.0.0.1``, or a different list of Sentinels): configure the broker
+    alike in every process of an application, or name its route.
+
+    Raises:
+      ConfigurationError: If no route is named and the guard cannot describe
+        the broker: a broker of another kind (dramatiq-postgres, SQS...), of
+        which it sees only the class, or a RedisBroker whose connection pool
+        names no server. Two applications on such brokers would share a route
+        and deliver each other's parked messages, so each must be named.
     """
+    named = _named.get(broker) or os.environ.get(ROUTE_ENV)
+    if named:
+        return named
     from dramatiq.brokers.redis import RedisBroker
     from dramatiq.brokers.stub import StubBroker
 
-    if isinstance(broker, RedisBroker):
-        kwargs = broker.client.connection_pool.connection_kwargs
-        host = _address(str(kwargs.get("host", "localhost")))
-        where = kwargs.get("path") or f"{host}:{kwargs.get('port', 6379)}"
-        return f"redis://{where}/{kwargs.get('db', 0)}#{broker.namespace}"
     if isinstance(broker, StubBroker):
         return f"stub:{id(broker):x}"
-    parameters = getattr(broker, "parameters", None)
-    if parameters is not None:  # a RabbitmqBroker: pika connection parameters, one or a list
+    if isinstance(broker, RedisBroker):
+        pool = broker.client.connection_pool
+        server = _redis_server(pool)
+        if server is None:
+            raise _unnamed(
+                broker, f"its client's connection pool, a {type(pool).__qualname__}, names no server"
+            )
+        return f"{server}/{pool.connection_kwargs.get('db', 0)}#{broker.namespace}"
+    rabbitmq = sys.modules.get("dramatiq.brokers.rabbitmq")  # imported if the broker is one
+    if rabbitmq is not None and isinstance(broker, rabbitmq.RabbitmqBroker):
+        parameters = broker.parameters  # pika connection parameters, one or a list
         hosts = parameters if isinstance(parameters, list) else [parameters]
-        names = sorted(f"{_address(p.host)}:{p.port}" for p in hosts)
+        names = sorted(f"{p.host.lower()}:{p.port}" for p in hosts)
         return f"amqp://{','.join(names)}/{hosts[0].virtual_host}"
-    return f"{type(broker).__module__}.{type(broker).__qualname__}"
+    kind = f"{type(broker).__module__}.{type(broker).__qualname__}"
+    raise _unnamed(
+        broker,
+        "it knows only the brokers of Redis, RabbitMQ and the StubBroker "
+        f"(a single application upgrading may name it route={kind!r}, the route earlier versions "
+        f"gave it, so that the messages parked before are still delivered)",
+    )
+
+
+def _redis_server(pool: Any) -> str | None:
+    """The Redis server (or Sentinels and service) of a connection pool as configured, if it names one."""
+    from redis import BlockingConnectionPool, ConnectionPool
+    from redis.sentinel import SentinelConnectionPool
+
+    if isinstance(pool, SentinelConnectionPool):
+        sentinels = [_redis_server(s.connection_pool) for s in pool.sentinel_manager.sentinels]
+        if not sentinels or None in sentinels:
+            return None
+        names = sorted(s.removeprefix("redis://") for s in sentinels if s is not None)
+        return f"redis+sentinel://{','.join(names)}/{pool.service_name}"
+    kwargs = pool.connection_kwargs
+    if kwargs.get("path"):
+        return f"redis://{kwargs['path']}"
+    # A host a maintenance notification moved the pool to is not its configured one.
+    host = kwargs.get("orig_host_address") or kwargs.get("host")
+    if host is None and type(pool) in (ConnectionPool, BlockingConnectionPool):
+        host = "localhost"  # redis-py's default
+    if not host:
+        return None
+    return f"redis://{str(host).lower()}:{kwargs.get('port', 6379)}"
+
+
+def _unnamed(broker: Broker, why: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"dramatiq-guard cannot tell which application a {type(broker).__name__} belongs to ({why}): "
+        f"two applications on such brokers sharing a guard Redis would deliver each other's parked "
+        f"messages. Name this application's route, the same in each of its processes and in no other "
+        f'application: dramatiq_guard.install(broker, route="billing"), or the {ROUTE_ENV} '
+        f"environment variable"
+    )
 
 
 def _default_backend(broker: Broker) -> GuardBackend:
@@ -130,12 +208,3 @@ def _default_backend(broker: Broker) -> GuardBackend:
         f"redis=<a redis-py client or a redis:// URL> to dramatiq_guard.install() (or to the "
         f"middleware), or set the {REDIS_URL_ENV} environment variable"
     )
-
-
-@functools.lru_cache(maxsize=64)
-def _address(host: str) -> str:
-    """``host``'s IPv4 address if it resolves (so two names of one server agree), else ``host``."""
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return host

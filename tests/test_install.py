@@ -16,7 +16,6 @@ from dramatiq.middleware import Retries
 import dramatiq_guard
 from dramatiq_guard.backends import MemoryBackend, RedisBackend
 from dramatiq_guard.middleware.base import GuardMiddleware
-from dramatiq_guard.resolve import route_of
 
 GUARDS = [
     dramatiq_guard.Mutex,
@@ -129,23 +128,6 @@ def test_a_setting_reaches_the_middlewares_that_take_it(tmp_path: Path) -> None:
     installed = dramatiq_guard.install(broker, lease_ttl=12_345, ledger=f"sqlite:///{tmp_path / 'l.db'}")
     slots = [m for m in installed if isinstance(m, (dramatiq_guard.Mutex, dramatiq_guard.Concurrency))]
     assert [m.lease_ttl_ms for m in slots] == [12_345, 12_345]
-
-
-def test_processes_of_one_application_agree_on_its_route(redis_url: str) -> None:
-    """Every process of an application must deliver the same parked messages: two names of one
-    Redis give one route; another database or Dramatiq namespace is another application's."""
-    port = redis_url.rsplit(":", 1)[1].split("/")[0]
-    by_name = RedisBroker(url=f"redis://localhost:{port}/0")
-    by_address = RedisBroker(url=f"redis://127.0.0.1:{port}/0")
-    other_db = RedisBroker(url=f"redis://127.0.0.1:{port}/1")
-    other_namespace = RedisBroker(url=f"redis://127.0.0.1:{port}/0", namespace="other")
-    try:
-        routes = [route_of(b) for b in (by_name, by_address, other_db, other_namespace)]
-    finally:
-        for broker in (by_name, by_address, other_db, other_namespace):
-            broker.close()
-    assert routes[0] == routes[1]
-    assert len(set(routes[1:])) == 3
 
 
 def test_install_can_name_the_route(tmp_path: Path) -> None:
