@@ -16,6 +16,7 @@ from dramatiq_guard.errors import (
     BackendUnavailable,
     ConfigurationError,
     GuardError,
+    GuardKeyError,
     GuardOptionError,
     LeaseLost,
     ReplicasBehind,
@@ -64,6 +65,7 @@ __all__ = [  # noqa: RUF022 - grouped by capability, not sorted
     # Errors every guard may raise
     "GuardError",
     "GuardOptionError",
+    "GuardKeyError",
     "ConfigurationError",
     "BackendUnavailable",
     "ReplicasBehind",

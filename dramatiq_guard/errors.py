@@ -27,6 +27,33 @@ class GuardOptionError(GuardError, ValueError):
     """
 
 
+class GuardKeyError(GuardOptionError):
+    """A message's guard key cannot be derived from its arguments.
+
+    Raised where the key is derived: by ``send()`` (nothing is pushed, and
+    nothing of the message is written to the backend), by a worker that
+    picks up a message sent without the guard, and by ``key_for``. A
+    :class:`ValueError` (through :class:`GuardOptionError`) and a
+    :class:`~dramatiq.middleware.MiddlewareError`.
+
+    Parameters:
+      actor_name(str): The message's actor.
+      option(str): The actor option whose key could not be derived
+        (``dedup``, ``mutex``, ``concurrency``, ``idempotency_key``).
+      reason(str): What is wrong.
+      allowed(str): What the key's form allows.
+    """
+
+    def __init__(self, actor_name: str, option: str, reason: str, allowed: str) -> None:
+        super().__init__(
+            f"actor {actor_name!r}: the {option} key of this message cannot be derived from its "
+            f"arguments: {reason}. {allowed}"
+        )
+        self.actor_name = actor_name
+        self.option = option
+        self.reason = reason
+
+
 class BackendUnavailable(GuardError):
     """The guard backend (Redis) could not be reached.
 

@@ -19,6 +19,13 @@ Tuples encode as lists; floats use Python's shortest round-tripping repr,
 which has been the same since Python 3.1. The digest of the same arguments is
 therefore the same across processes, machines and Python versions; the test
 vectors in ``tests/data/key_vectors.json`` pin it.
+
+Arguments a key cannot be derived from (a NaN or an infinity, a str with a lone
+surrogate, a value JSON cannot encode, arguments that do not fit the actor),
+and a key callable that raises or returns anything but a str of valid Unicode,
+raise :class:`~dramatiq_guard.errors.GuardKeyError`, naming the actor, the
+option, the argument and what is wrong: at ``send()``, before anything is
+pushed or written.
 """
 
 from __future__ import annotations
@@ -26,8 +33,12 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
+import reprlib
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from dramatiq_guard.errors import GuardError, GuardKeyError
 
 #: A ``key`` option as users write it (after validation).
 KeySpec = Callable[..., str] | tuple[str, ...] | None
@@ -52,6 +63,79 @@ def digest(value: Any) -> str:
     return hashlib.sha256(canonical_json(value)).hexdigest()
 
 
+#: What a digested key takes (the end of a GuardKeyError's message).
+DIGEST_ALLOWS = (
+    "A key without a callable digests the actor's arguments (or the ones it names) as JSON: "
+    "str of valid Unicode (no lone surrogates), int, finite float, bool, None, and lists, tuples "
+    "and dicts with str keys of these. Send such values, or give the option a key that leaves "
+    "this argument out (a list of names, or a callable returning a str)"
+)
+#: What a key callable must return (the end of a GuardKeyError's message).
+CALLABLE_ALLOWS = "A key callable must return a str of valid Unicode (no lone surrogates)"
+
+_short = reprlib.Repr()
+_short.maxstring = 60
+_short.maxother = 60
+
+
+def lone_surrogate(text: str) -> str | None:
+    """Where ``text`` holds a lone surrogate (which UTF-8, and so Redis and SQL, cannot take), or None."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"a lone surrogate ({text[e.start]!r} at index {e.start})"
+    return None
+
+
+def flaw(value: Any, path: str, seen: frozenset[int] = frozenset()) -> str | None:
+    """What in ``value`` (called ``path``) canonical JSON cannot encode, or None if nothing.
+
+    Walks ``value`` as :func:`canonical_json` does; only called once an encode failed.
+    """
+    if isinstance(value, str):
+        where = lone_surrogate(value)
+        return f"{path} is a str with {where}" if where else None
+    if isinstance(value, float):
+        if math.isnan(value):
+            return f"{path} is a NaN"
+        return f"{path} is an infinity ({value!r})" if math.isinf(value) else None
+    if value is None or isinstance(value, int):
+        return None
+    if isinstance(value, (list, tuple, dict)):
+        if id(value) in seen:
+            return f"{path} contains itself (a circular reference)"
+        inner = seen | {id(value)}
+        if isinstance(value, dict):
+            return _dict_flaw(value, path, inner)
+        return next((f for i, item in enumerate(value) if (f := flaw(item, f"{path}[{i}]", inner))), None)
+    return f"{path} is {_short.repr(value)} of type {type(value).__qualname__}, which JSON cannot encode"
+
+
+def _dict_flaw(value: dict[Any, Any], path: str, seen: frozenset[int]) -> str | None:
+    """:func:`flaw` of a dict: its keys (str, or a number, bool or None of one type), then its values."""
+    for name in value:
+        if isinstance(name, str):
+            where = lone_surrogate(name)
+            if where:
+                return f"{path} has a key with {where}"
+        elif not (name is None or isinstance(name, (int, float))):
+            kind = type(name).__qualname__
+            return f"{path} has a key {_short.repr(name)} of type {kind}, which JSON cannot encode"
+    found = next((f for k, v in value.items() if (f := flaw(v, f"{path}[{k!r}]", seen))), None)
+    if found is None and len({type(name) for name in value}) > 1:
+        kinds = ", ".join(sorted({type(name).__qualname__ for name in value}))
+        return f"{path} has keys of several types ({kinds}), which cannot be sorted"
+    return found
+
+
+def _plain_signature(signature: inspect.Signature) -> str:
+    """``signature`` without annotations, as users read it in an error."""
+    plain = [p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()]
+    return str(signature.replace(parameters=plain, return_annotation=inspect.Signature.empty))
+
+
 class KeyResolver:
     """Turns a message's arguments into a guard key, for one actor and one key spec.
 
@@ -59,14 +143,18 @@ class KeyResolver:
       actor_name(str): The actor's name (scopes digested keys).
       fn(Callable): The actor's function (its signature resolves names).
       spec(KeySpec): The key option: a callable, a tuple of argument names, or None.
+      option(str): The actor option the key belongs to (errors name it).
 
     Raises:
       ValueError: If ``spec`` names an argument the function does not take.
     """
 
-    def __init__(self, actor_name: str, fn: Callable[..., Any], spec: KeySpec) -> None:
+    def __init__(
+        self, actor_name: str, fn: Callable[..., Any], spec: KeySpec, *, option: str = "guard"
+    ) -> None:
         self.actor_name = actor_name
         self.spec = spec
+        self.option = option
         self.signature = inspect.signature(fn)
         #: The parameter names, when every parameter can be passed by position and none is
         #: variadic: then a call with exactly that many positional arguments and no keywords
@@ -89,23 +177,45 @@ class KeyResolver:
         """The guard key of a call with ``args`` and ``kwargs``.
 
         Raises:
-          TypeError: If the arguments do not fit the actor's signature, or a
-            key callable returned something other than a string.
+          GuardKeyError: If the arguments do not fit the actor's signature, a
+            digested argument cannot be encoded (see the module docstring),
+            or a key callable raised or returned something other than a str
+            of valid Unicode.
         """
         if callable(self.spec):
-            key = self.spec(*args, **kwargs)
+            try:
+                key = self.spec(*args, **kwargs)
+            except GuardError:
+                raise
+            except Exception as e:
+                raise self._error(f"its key callable raised {type(e).__name__}: {e}", CALLABLE_ALLOWS) from e
             if not isinstance(key, str):
-                raise TypeError(
-                    f"the key callable of {self.actor_name} returned {key!r}; it must return a str"
-                )
+                what = f"{_short.repr(key)} (of type {type(key).__qualname__}), not a str"
+                raise self._error(f"its key callable returned {what}", CALLABLE_ALLOWS)
+            where = lone_surrogate(key)
+            if where:
+                raise self._error(f"its key callable returned a str with {where}", CALLABLE_ALLOWS)
             return key
         names = self._positional
         if names is not None and not kwargs and len(args) == len(names):
             arguments = dict(zip(names, args, strict=True))  # what bind() and apply_defaults() give here
         else:
-            bound = self.signature.bind(*args, **kwargs)
+            try:
+                bound = self.signature.bind(*args, **kwargs)
+            except TypeError as e:
+                raise self._error(
+                    f"the arguments do not fit {self.actor_name}{_plain_signature(self.signature)}: {e}",
+                    f"Send the arguments {self.actor_name}() takes",
+                ) from None
             bound.apply_defaults()
             arguments = dict(bound.arguments)
         if self.spec is not None:
             arguments = {name: arguments[name] for name in self.spec}
-        return f"{self.actor_name}:{digest(arguments)}"
+        try:
+            return f"{self.actor_name}:{digest(arguments)}"
+        except (TypeError, ValueError) as e:  # UnicodeEncodeError is a ValueError
+            found = next((f for name, v in arguments.items() if (f := flaw(v, f"argument {name!r}"))), None)
+            raise self._error(found or str(e), DIGEST_ALLOWS) from None
+
+    def _error(self, reason: str, allowed: str) -> GuardKeyError:
+        return GuardKeyError(self.actor_name, self.option, reason, allowed)

@@ -9,8 +9,15 @@ import subprocess
 import sys
 from typing import Any
 
+import dramatiq
 import pytest
+import redis
+from dramatiq.brokers.stub import StubBroker
+from dramatiq.middleware import MiddlewareError, Retries
 
+from dramatiq_guard import Concurrency, Deduplication, Idempotency, Mutex
+from dramatiq_guard.backends.redis import RedisBackend
+from dramatiq_guard.errors import GuardKeyError, GuardOptionError
 from dramatiq_guard.keys import KeyResolver, canonical_json, digest
 
 VECTORS_FILE = pathlib.Path(__file__).parent / "data" / "key_vectors.json"
@@ -72,7 +79,7 @@ def test_a_callable_key_is_used_as_given() -> None:
 
 def test_a_callable_key_must_return_a_string() -> None:
     resolve = KeyResolver("refresh", refresh, lambda user_id, *_, **__: user_id)
-    with pytest.raises(TypeError, match="must return a str"):
+    with pytest.raises(GuardKeyError, match="must return a str"):
         resolve((7,), {})
 
 
@@ -81,9 +88,9 @@ def test_unknown_argument_names_are_refused_naming_them() -> None:
         KeyResolver("refresh", refresh, ("customer",))
 
 
-def test_arguments_that_do_not_fit_the_signature_are_a_type_error() -> None:
+def test_arguments_that_do_not_fit_the_signature_are_refused() -> None:
     resolve = KeyResolver("refresh", refresh, None)
-    with pytest.raises(TypeError):
+    with pytest.raises(GuardKeyError, match="missing a required argument: 'user_id'"):
         resolve((), {"nobody": 1})
 
 
@@ -104,7 +111,149 @@ def test_a_full_positional_call_gives_the_key_signature_binding_gives() -> None:
     )
 
 
-def test_too_many_positional_arguments_are_still_a_type_error() -> None:
+def test_too_many_positional_arguments_are_still_refused() -> None:
     resolve = KeyResolver("send_report", send_report, None)
-    with pytest.raises(TypeError):
+    with pytest.raises(GuardKeyError, match="too many positional arguments"):
         resolve((7, "2026-11", "pdf", "extra"), {})
+
+
+# --- bad input: the guard's error, naming the actor, the option, what is wrong and what is allowed
+
+
+def transfer(account: str, amount: float, meta: Any = None) -> None:
+    pass
+
+
+class Opaque:
+    pass
+
+
+UNKEYABLE = [
+    pytest.param(("a", float("nan")), "argument 'amount'.*NaN", id="nan"),
+    pytest.param(("a", float("inf")), "argument 'amount'.*infinity", id="infinity"),
+    pytest.param(("a\udc80", 1.0), "argument 'account'.*lone surrogate", id="lone-surrogate"),
+    pytest.param(("a", 1.0, {"k": ["\ud800"]}), r"argument 'meta'\['k'\]\[0\].*lone surrogate", id="nested"),
+    pytest.param(("a", 1.0, {"\udfff": 1}), "argument 'meta'.*lone surrogate", id="surrogate-in-a-dict-key"),
+    pytest.param(
+        ("a", 1.0, Opaque()),
+        "argument 'meta' is <.*Opaque.*> of type Opaque, which JSON cannot encode",
+        id="not-json",
+    ),
+    pytest.param(("a", 1.0, {1: "x", "y": 2}), "argument 'meta'.*keys", id="unsortable-keys"),
+]
+
+
+@pytest.mark.parametrize(("args", "what"), UNKEYABLE)
+def test_arguments_a_digest_cannot_take_raise_the_guards_error(args: tuple[Any, ...], what: str) -> None:
+    resolve = KeyResolver("transfer", transfer, None, option="concurrency")
+    with pytest.raises(GuardKeyError, match=what) as raised:
+        resolve(args, {})
+    error = raised.value
+    assert isinstance(error, ValueError) and isinstance(error, GuardOptionError)
+    assert isinstance(error, MiddlewareError)  # Dramatiq lets it out of a before-hook
+    assert (error.actor_name, error.option) == ("transfer", "concurrency")
+    text = str(error)
+    assert "'transfer'" in text and "concurrency" in text
+    assert "finite" in text and "lone surrogates" in text  # what is allowed
+
+
+def test_an_argument_a_names_key_leaves_out_does_not_count() -> None:
+    resolve = KeyResolver("transfer", transfer, ("account",), option="mutex")
+    assert resolve(("a", float("nan")), {}) == f"transfer:{digest({'account': 'a'})}"
+
+
+@pytest.mark.parametrize(
+    ("spec", "what"),
+    [
+        pytest.param(lambda account, *_: 7, r"returned 7 \(of type int\), not a str", id="not-a-str"),
+        pytest.param(lambda account, *_: account, "returned a str with a lone surrogate", id="surrogate"),
+        pytest.param(lambda account, *_: {}[account], "key callable raised KeyError", id="raised"),
+    ],
+)
+def test_a_key_callable_that_gives_no_usable_key_raises_the_guards_error(spec: Any, what: str) -> None:
+    resolve = KeyResolver("transfer", transfer, spec, option="dedup")
+    with pytest.raises(GuardKeyError, match=what) as raised:
+        resolve(("a\udc80", 1.0), {})
+    assert (raised.value.actor_name, raised.value.option) == ("transfer", "dedup")
+    assert "'transfer'" in str(raised.value) and "dedup" in str(raised.value)
+    assert "must return a str" in str(raised.value)
+
+
+def test_arguments_that_do_not_fit_the_signature_raise_the_guards_error() -> None:
+    resolve = KeyResolver("transfer", transfer, ("account",), option="dedup")
+    with pytest.raises(GuardKeyError, match=r"missing a required argument: 'account'") as raised:
+        resolve((), {"amount": 1.0})
+    assert "transfer(account, amount, meta=None)" in str(raised.value)
+
+
+SENDS_REFUSED = [
+    # (the actor's options, the option whose key fails, the arguments sent)
+    pytest.param({"dedup": "until_executed"}, "dedup", ("a\udc80", 1.0), id="dedup-surrogate"),
+    pytest.param({"dedup": "until_executed"}, "dedup", ("a", float("nan")), id="dedup-nan"),
+    pytest.param({"mutex": {"on_busy": "park"}}, "mutex", ("a", float("inf")), id="mutex-infinity"),
+    pytest.param(
+        {"concurrency": {"limit": 1, "key": ["account"]}},
+        "concurrency",
+        ("\udc80", 1.0),
+        id="concurrency-names",
+    ),
+    pytest.param(
+        {"concurrency": {"limit": 1, "key": lambda account, *_: account}},
+        "concurrency",
+        ("\udc80", 1.0),
+        id="concurrency-callable",
+    ),
+    pytest.param(
+        {
+            "dedup": {"strategy": "until_executed", "key": ["account"]},
+            "concurrency": {"limit": 1, "key": ["amount"]},
+        },
+        "concurrency",
+        ("a", float("nan")),
+        id="dedup-then-concurrency",
+    ),
+]
+
+
+@pytest.mark.parametrize(("options", "option", "args"), SENDS_REFUSED)
+def test_a_send_with_unkeyable_arguments_is_refused_leaving_nothing_in_redis(
+    restore_global_broker: None,
+    redisdb: redis.Redis,
+    redis_url: str,
+    options: dict[str, Any],
+    option: str,
+    args: tuple[Any, ...],
+) -> None:
+    backend = RedisBackend.from_url(redis_url)
+    broker = StubBroker()
+    for middleware in (Deduplication(redis=backend), Mutex(redis=backend), Concurrency(redis=backend)):
+        broker.add_middleware(middleware, before=Retries)
+    dramatiq.set_broker(broker)
+
+    @dramatiq.actor(queue_name="keys", **options)
+    def pay(account: str, amount: float) -> None:
+        pass
+
+    with pytest.raises(GuardKeyError, match=rf"actor 'pay': the {option} key") as raised:
+        pay.send(*args)
+    assert raised.value.option == option
+    assert broker.queues["keys"].qsize() == 0
+    assert redisdb.keys("*") == [], "a refused send left something in Redis"
+
+
+def test_a_send_of_a_ledger_actor_with_unkeyable_arguments_is_refused(
+    restore_global_broker: None, sqlite_url: str
+) -> None:
+    broker = StubBroker()
+    broker.add_middleware(Idempotency(ledger=sqlite_url))
+    dramatiq.set_broker(broker)
+
+    @dramatiq.actor(queue_name="keys", idempotency_key=lambda account, *_: account)
+    def pay(account: str, amount: float) -> None:
+        pass
+
+    with pytest.raises(GuardKeyError, match=r"actor 'pay'.*idempotency_key.*lone surrogate"):
+        pay.send("a\udc80", 1.0)
+    with pytest.raises(GuardOptionError, match=r"actor 'pay'.*idempotency_key.*lone surrogates"):
+        pay.send_with_options(args=("a", 1.0), idempotency_key="k\ud800")
+    assert broker.queues["keys"].qsize() == 0

@@ -159,7 +159,7 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
             return
         policy = cast(P, parse_policy(self.policy_class, value, actor_name=actor.actor_name))
         try:
-            resolver = KeyResolver(actor.actor_name, actor.fn, policy.key)
+            resolver = KeyResolver(actor.actor_name, actor.fn, policy.key, option=self.option)
         except ValueError as e:
             raise option_error(actor.actor_name, self.option, value, str(e)) from None
         self.guarded[actor.actor_name] = ActorGuard(actor.actor_name, policy, resolver)

@@ -30,6 +30,7 @@ from dramatiq_guard.backends.base import GuardBackend, Handoff, ReleaseResult, W
 from dramatiq_guard.delivery import Courier, generation_of
 from dramatiq_guard.errors import BackendUnavailable, DuplicateMessage, GuardOptionError
 from dramatiq_guard.gate import Diverted, Outcome
+from dramatiq_guard.keys import lone_surrogate
 from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware, execution_state, fail_open
 from dramatiq_guard.middleware.confirmer import Confirmer
 from dramatiq_guard.middleware.sweep import Sweeper, join_sweep, leave_sweep
@@ -204,10 +205,10 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         override = message.options.get(KEY_OPTION)
         if override is None:
             return guard.key_of(message)
-        if not isinstance(override, str) or not override:
+        if not isinstance(override, str) or not override or lone_surrogate(override):
             raise GuardOptionError(
                 f"actor {guard.actor_name!r}: message option {KEY_OPTION}={override!r} is not valid: "
-                f"it must be a non-empty str"
+                f"it must be a non-empty str of valid Unicode (no lone surrogates)"
             )
         return override
 

@@ -83,7 +83,7 @@ from dramatiq.broker import MessageProxy
 
 from dramatiq_guard.bounds import MAX_RETENTION_MS
 from dramatiq_guard.errors import ConfigurationError
-from dramatiq_guard.keys import KeyResolver, canonical_json, digest
+from dramatiq_guard.keys import KeyResolver, canonical_json, digest, lone_surrogate
 from dramatiq_guard.ledger.errors import IdempotencyConflict, UnstorableResult
 from dramatiq_guard.ledger.schema import DEFAULT_TABLE_NAME
 from dramatiq_guard.ledger.store import DEFAULT_RETENTION, Ledger
@@ -190,7 +190,7 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
             return
         policy = parse_policy(IdempotencyPolicy, value, actor_name=actor.actor_name)
         try:
-            resolver = KeyResolver(actor.actor_name, actor.fn, policy.key)
+            resolver = KeyResolver(actor.actor_name, actor.fn, policy.key, option=self.option)
         except ValueError as e:
             raise option_error(actor.actor_name, self.option, value, str(e)) from None
         self.guarded[actor.actor_name] = ActorGuard(actor.actor_name, policy, resolver)
@@ -217,6 +217,11 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
     def before_enqueue(self, broker: Broker, message: Message[Any], delay: int | None) -> None:
         key = message.options.get(MESSAGE_OPTION)
         if key is None:
+            spec = self._actors.get(message.actor_name)
+            if spec is not None and spec.resolver is not None:
+                # Derived now, so arguments it cannot be derived from refuse the send (GuardKeyError),
+                # not the run.
+                spec.resolver(message.args, message.kwargs)
             return
         if message.actor_name in broker.actors and message.actor_name not in self._actors:
             raise option_error(
@@ -227,9 +232,12 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
                 f"declared with idempotency_key= (declare it with idempotency_key=True to key its "
                 f"messages by this option)",
             )
-        if not isinstance(key, str) or not key:
+        if not isinstance(key, str) or not key or lone_surrogate(key):
             raise option_error(
-                message.actor_name, MESSAGE_OPTION, key, "a message's key must be a non-empty str"
+                message.actor_name,
+                MESSAGE_OPTION,
+                key,
+                "a message's key must be a non-empty str of valid Unicode (no lone surrogates)",
             )
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:

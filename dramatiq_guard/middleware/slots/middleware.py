@@ -162,11 +162,13 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         """The guard key of ``message`` (with this capability's prefix).
 
         Raises:
-          GuardError: If the key cannot be computed (a key callable failed,
-            or the arguments do not fit the actor).
+          GuardKeyError: If the key cannot be computed (a key callable failed,
+            an argument cannot be digested, or the arguments do not fit the actor).
         """
         try:
             key = f"{self.prefix}:{guard.key_of(message)}"
+        except GuardError:
+            raise
         except Exception as e:
             raise GuardError(
                 f"the {self.option} key of message {message.message_id} ({message.actor_name}) "
