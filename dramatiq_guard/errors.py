@@ -62,6 +62,28 @@ class BackendUnavailable(GuardError):
     """
 
 
+class BackendRefused(BackendUnavailable):
+    """The guard's Redis refused a call: its ACL user lacks a permission the guard needs (``NOPERM``).
+
+    It fails closed like an unreachable Redis (``fail_open`` applies, the
+    Retries middleware retries the message): the message names what was
+    refused. Nothing in the process is changed by it, so once an operator
+    grants the permission (or loads the guard's function library: see
+    ``docs/redis.md``, "A restricted ACL user"), the next call succeeds.
+
+    Parameters:
+      refusal(str): What was refused (Redis's ``NOPERM`` reply names the
+        command or the keys).
+      cure(str): What an operator should do.
+    """
+
+    def __init__(self, refusal: str, cure: str = "grant the guard's ACL user that permission") -> None:
+        super().__init__(
+            f"the guard's Redis refused a call: {refusal}; {cure} (docs/redis.md, 'A restricted ACL user')"
+        )
+        self.refusal = refusal
+
+
 class ReplicasBehind(BackendUnavailable):
     """Fewer replicas than asked acknowledged a decision in time (``replica_waits``, Redis ``WAIT``).
 

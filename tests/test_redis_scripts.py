@@ -10,16 +10,27 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import re
-from collections.abc import Iterator
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import redis
+from harness import DramatiqWorker, wait_until
 from harness.redis_server import RedisServer
 
-from dramatiq_guard.backends import RedisBackend, Waiter
+from dramatiq_guard.backends import RedisBackend, Waiter, redis_watch
 from dramatiq_guard.backends.base import Handoff
-from dramatiq_guard.backends.redis_scripts import LEAN_SCRIPTS, PRELUDE_SCRIPTS, ScriptLibrary, load_lua
+from dramatiq_guard.backends.redis_scripts import (
+    LEAN_SCRIPTS,
+    LIBRARY_PREFIX,
+    PRELUDE_SCRIPTS,
+    ScriptLibrary,
+    load_lua,
+)
 from dramatiq_guard.cli import main
 from dramatiq_guard.errors import BackendUnavailable
 
@@ -50,10 +61,64 @@ def admin(private_redis: RedisServer) -> Iterator[redis.Redis]:
     client.close()
 
 
-def user_client(server: RedisServer, admin: redis.Redis, name: str, *rules: str) -> redis.Redis:
-    """A client of an ACL user allowed everything but ``rules`` take away."""
-    admin.acl_setuser(name, enabled=True, nopass=True, keys=["*"], channels=["*"], commands=["+@all", *rules])
+def user_client(
+    server: RedisServer, admin: redis.Redis, name: str, *rules: str, keys: tuple[str, ...] = ("*",)
+) -> redis.Redis:
+    """A client of an ACL user allowed everything (on ``keys``) but what ``rules`` take away."""
+    admin.acl_setuser(
+        name, enabled=True, nopass=True, keys=list(keys), channels=["*"], commands=["+@all", *rules]
+    )
     return redis.Redis(host=server.host, port=server.port, username=name, password="")
+
+
+#: The restricted ACL user of docs/redis.md ("A restricted ACL user"): it may call functions (FCALL)
+#: but neither load them (FUNCTION LOAD) nor run scripts (EVAL, EVALSHA, SCRIPT).
+RESTRICTED = "-@all +@read +@write +@connection -@dangerous +fcall +fcall_ro +time +info -function"
+
+
+def restricted_client(server: RedisServer, admin: redis.Redis, namespace: str) -> redis.Redis:
+    """A client of the restricted user of docs/redis.md, for the keys of ``namespace``."""
+    admin.acl_setuser(
+        "guard",
+        enabled=True,
+        nopass=True,
+        reset_keys=True,
+        keys=[f"{namespace}:*"],
+        reset_channels=True,
+        commands=RESTRICTED.split(),
+    )
+    return redis.Redis(host=server.host, port=server.port, username="guard", password="")
+
+
+def test_the_restricted_user_is_the_documented_one_and_runs_the_guard(
+    private_redis: RedisServer, admin: redis.Redis
+) -> None:
+    """With its library loaded by an operator, the user of docs/redis.md runs every operation as functions."""
+    docs = (Path(__file__).parent.parent / "docs" / "redis.md").read_text()
+    assert f"resetkeys ~dramatiq-guard:* resetchannels {RESTRICTED}\n" in docs
+    ScriptLibrary().load_functions(admin)
+    backend = RedisBackend(restricted_client(private_redis, admin, "t"), namespace="t")
+    hand_off(backend)
+    assert backend.set_limit(KEY, 3).handoffs == () and backend.get_limit(KEY) == 3
+    assert [summary.limit for summary in backend.summaries([KEY])] == [3]
+    assert backend.wait_for_handoff(KEY, "w", timeout_ms=0) is None
+    redis_watch.watch(backend)  # the state watch and the worker's record
+    assert ScriptLibrary.running(backend.client, "t") == {
+        backend.scripts.library: [f"{socket.gethostname()}:{os.getpid()}"]
+    }
+    assert backend.scripts.functions and calls(admin, "evalsha") == 0
+
+
+def another_version() -> ScriptLibrary:
+    """This version's scripts under the library name of another version of dramatiq-guard."""
+    scripts = ScriptLibrary()
+    ours, theirs = scripts.library, LIBRARY_PREFIX + "1" * 16
+    scripts.library, scripts.code = theirs, scripts.code.replace(ours, theirs)
+    scripts._scripts = {
+        name: script._replace(function=script.function.replace(ours, theirs))
+        for name, script in scripts._scripts.items()
+    }
+    return scripts
 
 
 def test_the_scripts_are_one_function_library_loaded_once(
@@ -143,6 +208,78 @@ def test_a_user_not_allowed_to_load_functions_calls_a_library_an_admin_loaded(
     assert calls(admin, "evalsha") == 0 and calls(admin, "fcall") > 0
 
 
+def test_a_worker_whose_library_was_pruned_fails_closed_and_recovers_once_it_is_loaded_again(
+    private_redis: RedisServer, admin: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The restricted user cannot load a pruned library: every call fails closed (BackendUnavailable,
+    so fail_open and Retries apply), naming the cure, until an operator loads it; then it serves again."""
+    theirs = another_version()
+    theirs.load_functions(admin)  # an operator loaded it for that version's workers
+    backend = RedisBackend(restricted_client(private_redis, admin, "t"), namespace="t")
+    backend.scripts = theirs  # a worker of that version
+    assert backend.acquire(KEY, "a", limit=2, ttl_ms=MINUTE).acquired
+    assert main(["--redis", private_redis.url, "functions", "prune"]) == 0  # no worker recorded as alive
+    assert capsys.readouterr().out.startswith(f"{theirs.library}: deleted")
+    for _ in range(2):  # every call, not only the first: nothing switches for good
+        with pytest.raises(
+            BackendUnavailable, match=rf"{theirs.library} is not on .*FUNCTION LOAD.*functions load"
+        ):
+            backend.acquire(KEY, "b", limit=2, ttl_ms=MINUTE)
+    status = main(
+        ["--redis", f"redis://guard:@{private_redis.host}:{private_redis.port}/0", "functions", "load"]
+    )
+    assert (
+        status == 1
+        and "refused: this user has no permissions to run the 'function|load'" in capsys.readouterr().err
+    )
+    theirs.load_functions(admin)  # what that version's 'dramatiq-guard functions load' runs
+    assert backend.acquire(KEY, "b", limit=2, ttl_ms=MINUTE).acquired  # the same backend, no restart
+    assert backend.scripts.functions and calls(admin, "evalsha") == calls(admin, "script|load") == 0
+    assert [holder for holder, _ in backend.inspect(KEY).holders] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("rules", "keys", "run", "missing"),
+    [
+        pytest.param(
+            ("-@scripting",),
+            ("*",),
+            lambda backend: backend.acquire(KEY, "a", limit=1, ttl_ms=MINUTE),
+            "'script.load'",
+            id="no-functions-nor-scripts",
+        ),
+        pytest.param(
+            ("-@scripting",),
+            ("*",),
+            lambda backend: backend.sweep_many([(KEY, 1), ("concurrency:j", 1)]),  # pipelined
+            "'script.load'",
+            id="pipelined",
+        ),
+        pytest.param(("-get",), ("*",), lambda backend: backend.get_limit(KEY), "'get'", id="command"),
+        pytest.param(
+            (),
+            ("other:*",),
+            lambda backend: backend.get_limit(KEY),
+            "access one of the keys",
+            id="key",
+        ),
+    ],
+)
+def test_a_call_the_acl_refuses_fails_closed_naming_the_permission(
+    private_redis: RedisServer,
+    admin: redis.Redis,
+    rules: tuple[str, ...],
+    keys: tuple[str, ...],
+    run: Callable[[RedisBackend], object],
+    missing: str,
+) -> None:
+    """NOPERM is the backend being unavailable to this process (fail closed, fail_open applies), said so."""
+    backend = RedisBackend(user_client(private_redis, admin, "guard", *rules, keys=keys), namespace="t")
+    with pytest.raises(BackendUnavailable, match=rf"refused.*{missing}.*ACL user") as refused:
+        run(backend)
+    assert str(refused.value).count("\n") == 0
+
+
 def test_a_full_noeviction_redis_still_inspects_and_releases(
     private_redis: RedisServer, admin: redis.Redis
 ) -> None:
@@ -210,6 +347,7 @@ def test_the_command_lists_loads_and_prunes_the_libraries(
     assert status == 0 and json.loads(out) == {
         "this_version": ours.library,
         "libraries": {ours.library: len(PRELUDE_SCRIPTS) + len(LEAN_SCRIPTS), older: 14},
+        "processes": {},  # no worker recorded
     }
     status, out = run("prune")
     assert status == 0 and out.startswith(f"{older}: deleted")
@@ -219,6 +357,78 @@ def test_the_command_lists_loads_and_prunes_the_libraries(
     private_redis.stop()
     status, _ = run("list")
     assert status == 1  # Redis unreachable: an operational error
+
+
+def test_prune_refuses_while_workers_of_another_version_run(
+    private_redis: RedisServer, admin: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A worker's sweep records the library it runs; prune deletes none while one of another version lives."""
+    theirs = another_version()
+    theirs.load_functions(admin)
+    worker = RedisBackend(private_redis.client(), namespace="dramatiq-guard")
+    worker.scripts = theirs
+    redis_watch.watch(worker)  # a pass of that worker's sweep
+    process = f"{socket.gethostname()}:{os.getpid()}"
+
+    def prune(*argv: str) -> tuple[int, str, str]:
+        status = main(["--redis", private_redis.url, "functions", "prune", *argv])
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    status, out, err = prune()
+    assert (status, out) == (2, "") and err.count("\n") == 1
+    assert theirs.library in err and process in err and "--force" in err
+    assert theirs.library in {entry[1].decode() for entry in admin.function_list()}
+    assert main(["--redis", private_redis.url, "functions", "list"]) == 0
+    assert (
+        f"{theirs.library}: {len(PRELUDE_SCRIPTS) + len(LEAN_SCRIPTS)} functions, run by {process}"
+        in capsys.readouterr().out
+    )
+
+    redis_watch.leave(worker)  # the worker stops: its sweep withdraws the record
+    status, out, err = prune()
+    assert (status, err) == (0, "") and out.startswith(f"{theirs.library}: deleted")
+
+    theirs.load_functions(admin)
+    redis_watch.watch(worker)
+    status, out, err = prune("--force")
+    assert status == 0 and out.startswith(f"{theirs.library}: deleted") and process in out
+    assert [entry[1].decode() for entry in admin.function_list()] == []
+
+
+WORKER = """
+import dramatiq
+from harness import broker_from_env
+import dramatiq_guard
+
+broker = broker_from_env()
+dramatiq_guard.install(broker, sweep_interval=100)
+dramatiq.set_broker(broker)
+
+
+@dramatiq.actor(concurrency=1)
+def noop():
+    pass
+"""
+
+
+def test_a_worker_records_the_library_it_runs_while_it_runs(
+    actor_module: Callable[..., ModuleType],
+    dramatiq_worker: Callable[..., DramatiqWorker],
+    redisdb: redis.Redis,
+) -> None:
+    """The record prune reads is kept by each worker process's sweep, and withdrawn when it stops."""
+    actor_module(WORKER)
+    worker = dramatiq_worker("actors", processes=2)
+    library = ScriptLibrary().library
+    processes = {f"{socket.gethostname()}:{pid}" for pid in worker.worker_pids}
+
+    def recorded() -> set[str]:  # of this worker's (a sweep of this test process may record itself too)
+        return processes.intersection(ScriptLibrary.running(redisdb, "dramatiq-guard").get(library, []))
+
+    wait_until(lambda: recorded() == processes, what="both processes recorded", redis=redisdb)
+    assert worker.stop() == 0
+    assert recorded() == set()
 
 
 def test_as_a_script_the_fast_paths_still_run_before_the_prelude_is_set_up() -> None:

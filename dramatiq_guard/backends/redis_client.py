@@ -26,7 +26,7 @@ import redis
 import redis.cluster
 
 from dramatiq_guard.backends.redis_scripts import LuaScript, ScriptLibrary
-from dramatiq_guard.errors import BackendUnavailable, ReplicasBehind
+from dramatiq_guard.errors import BackendRefused, BackendUnavailable, ReplicasBehind
 
 __all__ = [
     "DEFAULT_SOCKET_TIMEOUT_S",
@@ -125,24 +125,34 @@ def data(value: bytes | str) -> bytes:
 
 
 class _Reachable:
-    """Turn redis-py's connection-level errors into :class:`BackendUnavailable` (see :func:`reachable`).
+    """Turn redis-py's connection-level errors, and refusals (NOPERM), into :class:`BackendUnavailable`.
 
-    A class, not a generator-based context manager: it wraps every call, several per message.
+    See :func:`reachable`. A class, not a generator-based context manager: it
+    wraps every call, several per message.
     """
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        if exc is not None and isinstance(exc, _UNAVAILABLE):
+        if exc is None:
+            return
+        if isinstance(exc, _UNAVAILABLE):
             raise BackendUnavailable(f"the guard's Redis backend is unavailable: {exc}") from exc
+        if isinstance(exc, redis.exceptions.NoPermissionError):
+            raise BackendRefused(str(exc)) from exc
 
 
 _REACHABLE = _Reachable()
 
 
 def reachable() -> _Reachable:
-    """Turn redis-py's connection-level errors into :class:`BackendUnavailable`: ``with reachable(): ...``."""
+    """Turn redis-py's connection-level errors into :class:`BackendUnavailable`: ``with reachable(): ...``.
+
+    A call the ACL user may not make (``NOPERM``) raises :class:`BackendRefused`
+    (a :class:`BackendUnavailable`): this process cannot use the backend until
+    an operator grants it, so it fails closed, and ``fail_open`` applies.
+    """
     return _REACHABLE
 
 

@@ -15,7 +15,19 @@ same sources:
 * **As a script** (``EVALSHA``), when the server refuses functions: an older
   Redis (no ``FCALL``), or an ACL user not allowed ``FUNCTION LOAD`` or
   ``FCALL``. The first refusal switches the backend to scripts for the life of
-  the process, with a warning that says why.
+  the process, with a warning that says why. A user allowed ``FCALL`` but
+  neither ``FUNCTION LOAD`` nor scripts (the restricted user of
+  ``docs/redis.md``) stays on functions: while its library is missing, every
+  call fails closed (:class:`~dramatiq_guard.errors.BackendRefused`, naming
+  the cure), and the first call after an operator loads it runs.
+
+A call the ACL user may not make (``NOPERM``) fails closed the same way,
+wherever it is made (:func:`~dramatiq_guard.backends.redis_client.reachable`).
+
+Which processes run which library: each worker's sweep records its own, per
+namespace (``<namespace>:processes``, :meth:`ScriptLibrary.announce`), so
+``dramatiq-guard functions prune`` refuses to delete a library that live
+workers still call (:meth:`ScriptLibrary.running`).
 
 A call refused because its code is not on the server (``NOSCRIPT``,
 ``Function not found``: a restart without persistence, ``SCRIPT FLUSH``,
@@ -42,13 +54,18 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
+import socket
+import time
 from collections.abc import Iterable
 from importlib import resources
 from typing import Any, NamedTuple
 
 from redis.exceptions import NoPermissionError, NoScriptError, RedisError, ResponseError
 
-__all__ = ["LuaScript", "ScriptLibrary", "load_lua"]
+from dramatiq_guard.errors import BackendRefused
+
+__all__ = ["PROCESS_TTL_MS", "LuaScript", "ScriptLibrary", "load_lua", "processes_key"]
 
 logger = logging.getLogger("dramatiq_guard.backends.redis")
 
@@ -74,6 +91,16 @@ FLAGS = {
     **dict.fromkeys(("inspect", "summaries", "due"), "no-writes"),
     **dict.fromkeys(("release", "cancel_wait", "sweep", "unindex"), "allow-oom"),
 }
+
+
+#: How long a process's record of the library it runs lasts after its sweep last refreshed it (at
+#: least; three sweep intervals if longer): a worker that died stops counting as alive then.
+PROCESS_TTL_MS = 60_000
+
+
+def processes_key(namespace: str) -> str:
+    """The key of the processes that run each library: zset ``"<library> <host>:<pid>"`` -> until (ms)."""
+    return f"{namespace}:processes"
 
 
 def load_lua(name: str) -> str:
@@ -196,7 +223,13 @@ class ScriptLibrary:
         loads on every primary). A server that refuses ``FUNCTION LOAD``
         switches the backend to scripts.
 
+        A user allowed ``FCALL`` but not ``FUNCTION LOAD`` switches only if it
+        may run scripts; else the backend stays on functions (an operator may
+        load the library at any time) and the call fails closed.
+
         Raises:
+          BackendRefused: If the library is missing and this user may neither
+            load it nor run scripts.
           redis.RedisError: If the server cannot be reached, or refuses to
             load a script.
         """
@@ -207,9 +240,33 @@ class ScriptLibrary:
             except ResponseError as exc:
                 if not _refuses_functions(exc):
                     raise
-                self._use_scripts(str(exc))
+                if not isinstance(exc, NoPermissionError):  # a server without functions
+                    self._use_scripts(str(exc))
+                else:
+                    try:
+                        self._load_scripts(client, scripts)
+                    except NoPermissionError as refused:
+                        raise self._missing(exc, refused) from refused
+                    self._use_scripts(str(exc))
+                    return
+        self._load_scripts(client, scripts)
+
+    @staticmethod
+    def _load_scripts(client: Any, scripts: Iterable[LuaScript]) -> None:
         for script in {script.name: script for script in scripts}.values():
             client.script_load(script.source)
+
+    def _missing(self, load: RedisError, scripts: RedisError) -> BackendRefused:
+        """Why a call fails while this library is missing and may not be loaded by this user."""
+        return BackendRefused(
+            f"this version's function library {self.library} is not on the server, and the guard's ACL "
+            f"user may neither load it (FUNCTION LOAD: {load}) nor run its scripts instead ({scripts})",
+            cure=(
+                "have an operator load it with this version of dramatiq-guard: 'dramatiq-guard --redis "
+                "redis://<admin>@<host>:<port>/<db> functions load' (calls fail closed until then, and "
+                "run again from the next one after)"
+            ),
+        )
 
     def load_functions(self, client: Any) -> None:
         """``FUNCTION LOAD REPLACE`` this version's library (a library of that name holds this very code).
@@ -235,14 +292,65 @@ class ScriptLibrary:
     def prune(self, client: Any) -> list[str]:
         """Delete the dramatiq-guard libraries of other versions from the server; return their names.
 
-        Never unsafe: a process still running another version finds its
-        library missing at its next call and loads it again (the call did
-        nothing); prune once every application runs this version.
+        A process still running another version finds its library missing at
+        its next call (which did nothing) and loads it again, if its ACL user
+        may; the restricted user of ``docs/redis.md`` may not, and fails
+        every call closed until an operator loads it again. So prune once
+        every application runs this version: :meth:`running` says which
+        workers still run which library (``dramatiq-guard functions prune``
+        refuses while any does).
         """
         others = sorted(name for name in self.libraries(client) if name != self.library)
         for name in others:
             client.function_delete(name)
         return others
+
+    def announce(self, client: Any, namespace: str, ttl_ms: int = PROCESS_TTL_MS) -> None:
+        """Record that this process runs this library, until ``ttl_ms`` from now (see :meth:`running`).
+
+        One pipelined round trip, made by each worker's sweep every
+        ``ttl_ms / 4`` (:mod:`~dramatiq_guard.backends.redis_watch`): drop the
+        records that lapsed, add or refresh this one, and expire the key with
+        it (nothing is left once the workers are gone). Deadlines are on the
+        clock of each process: the clocks' skew must stay well below
+        ``ttl_ms``.
+
+        Raises:
+          redis.RedisError: If the server cannot be reached, or refuses it.
+        """
+        now = int(time.time() * 1000)
+        key = processes_key(namespace)
+        pipe = client.pipeline(transaction=False)
+        pipe.zremrangebyscore(key, "-inf", now)
+        pipe.zadd(key, {self._record(): now + ttl_ms})
+        pipe.pexpire(key, ttl_ms)
+        pipe.execute()
+
+    def withdraw(self, client: Any, namespace: str) -> None:
+        """Remove this process's record (its sweep stopped).
+
+        Raises:
+          redis.RedisError: If the server cannot be reached, or refuses it.
+        """
+        client.zrem(processes_key(namespace), self._record())
+
+    @staticmethod
+    def running(client: Any, namespace: str) -> dict[str, list[str]]:
+        """The processes (``host:pid``) whose workers run each library, by library, per their records.
+
+        Only workers record themselves (their sweep does), and only in their
+        namespace; a worker that died counts until its record lapses
+        (:data:`PROCESS_TTL_MS`).
+        """
+        now = int(time.time() * 1000)
+        found: dict[str, list[str]] = {}
+        for record in client.zrangebyscore(processes_key(namespace), now, "+inf"):
+            library, _, process = (record.decode() if isinstance(record, bytes) else record).partition(" ")
+            found.setdefault(library, []).append(process)
+        return {library: sorted(processes) for library, processes in found.items()}
+
+    def _record(self) -> str:
+        return f"{self.library} {socket.gethostname()}:{os.getpid()}"
 
     def _use_scripts(self, why: str) -> None:
         if self.functions:

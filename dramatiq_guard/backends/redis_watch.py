@@ -20,6 +20,11 @@ checks the waiters of every waiting key, which costs O(waiting keys): every
 * the server's ``evicted_keys`` grew: a warning (it may be the guard's keys
   or any other key of that server).
 
+Each pass also keeps this process's record of the function library it runs
+(:meth:`ScriptLibrary.announce <dramatiq_guard.backends.redis_scripts.ScriptLibrary.announce>`,
+refreshed every quarter of its lifetime), which ``dramatiq-guard functions
+prune`` reads; :func:`leave` withdraws it when the sweep stops.
+
 Each loss is one ERROR log line naming what was lost, and counted by
 :func:`dramatiq_guard.events.redis_state_lost` (the metric
 ``dramatiq_guard_redis_state_lost_total``, by reason). The worker keeps
@@ -50,9 +55,10 @@ from dramatiq_guard.backends.redis_health import (
     known_settings,
     where,
 )
+from dramatiq_guard.backends.redis_scripts import PROCESS_TTL_MS
 from dramatiq_guard.errors import BackendUnavailable, EvictingRedis
 
-__all__ = ["KEYS_EVERY_S", "KEYS_PER_S", "StateWatch", "watch"]
+__all__ = ["KEYS_EVERY_S", "KEYS_PER_S", "StateWatch", "leave", "watch"]
 
 #: What a state check that could not reach Redis raises (redis-py's errors, or the health script's).
 _UNAVAILABLE: tuple[type[Exception], ...] = (*UNREACHABLE, BackendUnavailable)
@@ -97,6 +103,8 @@ class StateWatch:
         self.keys_every_s = keys_every_s
         self.keys_checked: float | None = None  # time.monotonic() of the last waiters check
         self._cluster = isinstance(backend.client, redis.cluster.RedisCluster)
+        self.announced: float | None = None  # time.monotonic() of this process's last record
+        self._announce_refused = False
 
     @property
     def backend(self) -> RedisBackend:
@@ -207,6 +215,32 @@ class StateWatch:
         self.waiting = indexed
         return losses
 
+    def announce(self, interval_s: float) -> None:
+        """Record, or refresh once a quarter of its lifetime passed, the library this process runs.
+
+        The record lasts :data:`~dramatiq_guard.backends.redis_scripts.PROCESS_TTL_MS`,
+        or three passes (``interval_s``) if longer. Never raises: a record
+        refused (an ACL user without rights on ``<namespace>:processes``) is
+        logged once, as ``functions prune`` then cannot see this process.
+        """
+        ttl_ms = max(PROCESS_TTL_MS, int(interval_s * 3000))
+        now = time.monotonic()
+        if self.announced is not None and now - self.announced < ttl_ms / 4000:
+            return
+        backend = self.backend
+        try:
+            backend.scripts.announce(backend.client, backend.namespace, ttl_ms)
+        except redis.RedisError as e:
+            if isinstance(e, redis.exceptions.ResponseError) and not self._announce_refused:
+                self._announce_refused = True
+                logger.warning(
+                    "dramatiq-guard: could not record which function library this worker runs (%s): "
+                    "'dramatiq-guard functions prune' will not see it.",
+                    e,
+                )
+            return
+        self.announced = now
+
     def _keys_interval_s(self) -> float:
         """How long between two waiters checks: ``keys_every_s``, longer with many keys (0: every check)."""
         if self.keys_every_s <= 0:
@@ -258,14 +292,15 @@ def _keys(keys: list[str], most: int = 20) -> str:
 _watches: weakref.WeakKeyDictionary[GuardBackend, StateWatch] = weakref.WeakKeyDictionary()
 
 
-def watch(backend: GuardBackend) -> None:
+def watch(backend: GuardBackend, interval_s: float = 1.0) -> None:
     """One check of ``backend``'s state (:class:`StateWatch`); the slot sweep calls it once per pass.
 
     Does nothing for a backend that is not Redis. Never raises: a check that
     fails (Redis unreachable) is logged at DEBUG and compared at the next
     one. The first check of a backend whose settings were not read yet
     (Redis was unreachable at install) reads them, and logs an evicting
-    policy as an error.
+    policy as an error. Also keeps this process's record of the library it
+    runs (:meth:`StateWatch.announce`; ``interval_s``: the sweep's).
     """
     if not isinstance(backend, RedisBackend):
         return
@@ -273,6 +308,7 @@ def watch(backend: GuardBackend) -> None:
         state = _watches.get(backend)
         if state is None:
             state = _watches[backend] = StateWatch(backend)
+        state.announce(interval_s)
         if known_settings(backend) is None:
             try:
                 check(backend)
@@ -283,3 +319,15 @@ def watch(backend: GuardBackend) -> None:
         logger.debug("The guard's Redis state check could not reach Redis; retrying.", exc_info=True)
     except Exception:
         logger.warning("The guard's Redis state check failed; retrying.", exc_info=True)
+
+
+def leave(backend: GuardBackend) -> None:
+    """Withdraw this process's record of the library it runs (its sweep stopped). Never raises."""
+    state = _watches.get(backend)
+    if state is None or state.announced is None:
+        return
+    state.announced = None
+    try:
+        state.backend.scripts.withdraw(state.backend.client, state.backend.namespace)
+    except Exception:  # it lapses by itself
+        logger.debug("Could not withdraw this worker's record of its library.", exc_info=True)

@@ -8,7 +8,7 @@ Usage (``dramatiq-guard COMMAND --help`` for each)::
   dramatiq-guard limit set --actor NAME N
   dramatiq-guard limit clear KEY
   dramatiq-guard release KEY [--yes] [--broker MODULE:ATTR]
-  dramatiq-guard functions list|load|prune [--json]
+  dramatiq-guard functions list [--json] | load | prune [--force]
   dramatiq-guard ledger prune --older-than 30d [--ledger URL]
   dramatiq-guard ledger show KEY [--ledger URL] [--json]
   dramatiq-guard ledger list [--state S] [--ledger URL] [--json]
@@ -246,23 +246,36 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "The guard runs its scripts as functions of one Redis library per version of "
             "dramatiq-guard (dramatiq_guard_<digest>), loaded by its first call. List the libraries "
-            "on the server, load this version's (for applications whose ACL user may call functions "
-            "but not load them), or delete other versions' (safe: a process still running one loads "
-            "it again on its next call). On a Redis Cluster, run it against each primary."
+            "on the server and the workers that run them, load this version's (for applications whose "
+            "ACL user may call functions but not load them), or delete other versions' once no worker "
+            "runs them (a worker of --namespace records the library it runs). On a Redis Cluster, run "
+            "it against each primary."
         ),
     )
     functions_actions = functions.add_subparsers(dest="functions_command", metavar="ACTION", required=True)
     functions_list = functions_actions.add_parser(
-        "list", parents=[common], help="the dramatiq-guard libraries on the server"
+        "list", parents=[common], help="the dramatiq-guard libraries on the server, and who runs them"
     )
     functions_list.add_argument("--json", action="store_true", help="print JSON")
     functions_list.set_defaults(run=_cmd_functions_list)
     functions_actions.add_parser(
         "load", parents=[common], help="load this version's library (FUNCTION LOAD REPLACE)"
     ).set_defaults(run=_cmd_functions_load)
-    functions_actions.add_parser(
-        "prune", parents=[common], help="delete every dramatiq-guard library but this version's"
-    ).set_defaults(run=_cmd_functions_prune)
+    functions_prune = functions_actions.add_parser(
+        "prune",
+        parents=[common],
+        help="delete every dramatiq-guard library but this version's, unless a worker still runs one",
+        description=(
+            "Delete every dramatiq-guard library but this version's. Refused (exit status 2) while a "
+            "worker of --namespace still runs one of them: a worker whose ACL user may not load "
+            "functions would fail every call until an operator loads it again. A worker that died "
+            "counts for up to a minute."
+        ),
+    )
+    functions_prune.add_argument(
+        "--force", action="store_true", help="delete them even while workers still run them"
+    )
+    functions_prune.set_defaults(run=_cmd_functions_prune)
 
     ledger = commands.add_parser(
         "ledger",
@@ -364,10 +377,14 @@ def main(
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 1
     except Exception as e:
-        from redis.exceptions import RedisError
+        from redis.exceptions import NoPermissionError, RedisError
 
-        from dramatiq_guard.errors import BackendUnavailable
+        from dramatiq_guard.errors import BackendRefused, BackendUnavailable
 
+        if isinstance(e, (BackendRefused, NoPermissionError)):  # reached, but this user may not
+            said = e if isinstance(e, BackendRefused) else f"refused: {e}"
+            print(f"{PROG}: error: Redis at {_redacted(ctx.redis_url)}: {said}", file=sys.stderr)
+            return 1
         if isinstance(e, (BackendUnavailable, RedisError)):
             print(f"{PROG}: error: cannot reach Redis at {_redacted(ctx.redis_url)}: {e}", file=sys.stderr)
             return 1

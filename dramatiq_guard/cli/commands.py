@@ -327,41 +327,66 @@ def _cmd_ledger_list(ctx: Context) -> int:
     return 0
 
 
-def _scripts(ctx: Context) -> tuple[RedisClient, ScriptLibrary]:
-    """The Redis client and the script library of the command's backend."""
+def _scripts(ctx: Context) -> tuple[RedisClient, ScriptLibrary, str]:
+    """The Redis client, the script library and the namespace of the command's backend."""
     from dramatiq_guard.backends.redis import RedisBackend
 
     backend = ctx.backend
     if not isinstance(backend, RedisBackend):  # pragma: no cover - the command always makes one
         raise UsageError("functions: the guard's backend is not Redis")
-    return backend.client, backend.scripts
+    return backend.client, backend.scripts, backend.namespace
+
+
+def _processes(processes: list[str], most: int = 5) -> str:
+    """``host:pid, ...`` (the first ``most``)."""
+    more = f" and {len(processes) - most} more" if len(processes) > most else ""
+    return ", ".join(processes[:most]) + more
 
 
 def _cmd_functions_list(ctx: Context) -> int:
-    client, scripts = _scripts(ctx)
+    client, scripts, namespace = _scripts(ctx)
     found = scripts.libraries(client)
+    running = scripts.running(client, namespace)
     if ctx.args.json:
-        ctx.print(json.dumps({"this_version": scripts.library, "libraries": found}))
+        report = {"this_version": scripts.library, "libraries": found, "processes": running}
+        ctx.print(json.dumps(report))
         return 0
     if not found:
         ctx.print(f"no dramatiq-guard library here (this version's, {scripts.library}, loads on first use)")
     for name, count in sorted(found.items()):
-        ctx.print(f"{name}: {count} functions" + (" (this version)" if name == scripts.library else ""))
+        ours = " (this version)" if name == scripts.library else ""
+        run_by = f", run by {_processes(running[name])}" if name in running else ""
+        ctx.print(f"{name}: {count} functions{ours}{run_by}")
     return 0
 
 
 def _cmd_functions_load(ctx: Context) -> int:
-    client, scripts = _scripts(ctx)
+    client, scripts, _ = _scripts(ctx)
     scripts.load_functions(client)
     ctx.print(f"{scripts.library}: loaded")
     return 0
 
 
 def _cmd_functions_prune(ctx: Context) -> int:
-    client, scripts = _scripts(ctx)
+    client, scripts, namespace = _scripts(ctx)
+    others = set(scripts.libraries(client)) - {scripts.library}
+    running = {name: found for name, found in scripts.running(client, namespace).items() if name in others}
+    if running and not ctx.args.force:
+        live = "; ".join(f"{name} by {_processes(processes)}" for name, processes in sorted(running.items()))
+        raise UsageError(
+            f"functions prune: refused: workers of namespace {namespace!r} still run another version's "
+            f"library ({live}), and would fail every call if their ACL user may not load it; stop or "
+            f"upgrade them first, or pass --force"
+        )
     deleted = scripts.prune(client)
     for name in deleted:
-        ctx.print(f"{name}: deleted (a process still running that version loads it again on its next call)")
+        if name in running:
+            ctx.print(
+                f"{name}: deleted while {_processes(running[name])} still run it (--force): they load it "
+                f"again on their next call, or fail closed until an operator does if their ACL user may not"
+            )
+        else:
+            ctx.print(f"{name}: deleted (no worker of namespace {namespace!r} runs it)")
     if not deleted:
         ctx.print(f"nothing to prune: no dramatiq-guard library but this version's ({scripts.library})")
     return 0

@@ -58,7 +58,9 @@ class Sweeper:
 
         while not self.stop_event.wait(self.interval_s):
             sweep_all(self.backend, list(self.members.values()))
-            redis_watch.watch(self.backend)  # state the guard's Redis lost since the last pass
+            # State the guard's Redis lost since the last pass; and the record of the library we run.
+            redis_watch.watch(self.backend, self.interval_s)
+        redis_watch.leave(self.backend)  # again, if a pass ran after leave_sweep's
 
 
 def sweep_all(backend: GuardBackend, members: list[Member]) -> None:
@@ -106,10 +108,20 @@ def join_sweep(middleware: Sweepable, broker: Broker, interval_ms: int) -> Sweep
 
 
 def leave_sweep(middleware: Sweepable, sweeper: Sweeper) -> None:
-    """Remove ``middleware`` from ``sweeper``; the last one out stops it."""
+    """Remove ``middleware`` from ``sweeper``; the last one out stops it.
+
+    The last one also withdraws the process's record of the library it runs
+    (``dramatiq-guard functions prune`` reads them): here, as the sweep
+    thread is a daemon that may not get to it before the process exits.
+    """
+    from dramatiq_guard.backends import redis_watch
+
     with _sweepers_lock:
         sweeper.members.pop(id(middleware), None)
-        if not sweeper.members:
+        stopped = not sweeper.members
+        if stopped:
             sweeper.stop_event.set()
             if _sweepers.get(id(sweeper.backend)) is sweeper:
                 del _sweepers[id(sweeper.backend)]
+    if stopped:
+        redis_watch.leave(sweeper.backend)

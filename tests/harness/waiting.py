@@ -116,7 +116,9 @@ def guard_leftovers(
     (``<namespace>:{K}:token``) and waiters' generation records
     (``<namespace>:{K}:gens:<waiter>``, written when a copy parked after pickup),
     which expire ``stale_ttl_ms`` after their last write (left out only while
-    they have an expiry), and ``<namespace>:waiting`` are left out;
+    they have an expiry), the live workers' records of the function library
+    they run (``<namespace>:processes``, also only while it has an expiry),
+    and ``<namespace>:waiting`` are left out;
     ``<namespace>:limits`` too with ``keep_limits_index``, for a test that set
     limits. Once the work drained, anything else is guard state left behind.
     """
@@ -128,7 +130,10 @@ def guard_leftovers(
         for k in client.scan_iter(f"{namespace}:*".encode())
         if not k.endswith(b":limit")
         and k not in kept
-        and not ((k.endswith(b":token") or b"}:gens:" in k) and int(client.pttl(k)) >= 0)
+        and not (
+            (k.endswith(b":token") or b"}:gens:" in k or k == f"{namespace}:processes".encode())
+            and int(client.pttl(k)) >= 0
+        )
     )
 
 
