@@ -330,9 +330,9 @@ def test_the_history_keeps_a_ring_per_key_and_draws_it() -> None:
         now[0] = t
         history.record([("a", int(t), 1)])
     assert [s[0] for s in history.of("a")] == [5.0, 10.0, 15.0]
-    history.record([("b", 0, 0)])
+    history.record([("b", 1, 0)])
     now[0] = 20.0
-    history.record([("c", 0, 0)])
+    history.record([("c", 0, 1)])
     assert history.of("a") == [] and history.of("b") and history.of("c")  # the least recent forgotten
     line = sparkline([(0.0, 0, 4), (1.0, 2, 0)], width=10, height=10)
     assert line == {"holders": "0.0,9.0 10.0,5.0", "waiters": "0.0,1.0 10.0,9.0", "max": "4"}

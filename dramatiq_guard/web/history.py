@@ -4,6 +4,12 @@ Nothing of this is stored in Redis: each process serving the dashboard keeps,
 per key, a ring of ``(time, holders, waiters)`` samples, taken whenever a page
 reads the key (the overview and the key page poll while they are open), at
 most one per ``interval_s``.
+
+What it remembers is bounded, whatever readers ask for: a key read with
+neither holders nor waiters starts no ring (a made-up key costs nothing; a
+key already charted is sampled on, down to zero), and at most ``max_keys``
+rings of ``size`` samples are kept (about 12.5 KB a ring of 120, plus the
+key: some 27 MB at most by default), the least recently sampled forgotten.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ class History:
     Parameters:
       size(int): Samples kept per key (default 120: 10 minutes at one per 5 s).
       interval_s(float): At most one sample per key per this many seconds.
-      max_keys(int): Keys remembered at most; the least recently sampled are forgotten.
+      max_keys(int): Keys remembered at most (default 2,000, 40 pages of the overview); the
+        least recently sampled are forgotten.
       clock(Callable[[], float]): The clock (``time.monotonic``).
     """
 
@@ -33,7 +40,7 @@ class History:
         *,
         size: int = 120,
         interval_s: float = 5.0,
-        max_keys: int = 20_000,
+        max_keys: int = 2_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.size = size
@@ -44,12 +51,17 @@ class History:
         self._lock = threading.Lock()
 
     def record(self, rows: Iterable[tuple[str, int, int]]) -> None:
-        """Sample ``(key, holders, waiters)`` rows (skipping keys sampled less than ``interval_s`` ago)."""
+        """Sample ``(key, holders, waiters)`` rows (skipping keys sampled less than ``interval_s`` ago).
+
+        A row of a key not remembered yet, with neither holders nor waiters, is skipped.
+        """
         now = self.clock()
         with self._lock:
             for key, holders, waiters in rows:
                 ring = self._samples.get(key)
                 if ring is None:
+                    if not (holders or waiters):
+                        continue
                     ring = self._samples[key] = collections.deque(maxlen=self.size)
                 elif ring and now - ring[-1][0] < self.interval_s:
                     continue
@@ -57,6 +69,11 @@ class History:
                 self._samples.move_to_end(key)
             while len(self._samples) > self.max_keys:
                 self._samples.popitem(last=False)
+
+    def __len__(self) -> int:
+        """How many keys are remembered."""
+        with self._lock:
+            return len(self._samples)
 
     def of(self, key: str) -> list[Sample]:
         """The samples of ``key``, oldest first."""
