@@ -15,24 +15,39 @@ and ``ledger list --json`` show (the same view functions,
 :mod:`dramatiq_guard.admin`), plus small charts of holders and waiters per key
 since the page server started (:mod:`dramatiq_guard.web.history`).
 
-Safe by default. It is read-only unless given a ``write_secret`` (a browser
-session unlocks writes with it) or an ``authorize(environ)`` callable (the
-host application's own auth). Every POST must carry the session's CSRF token
-(a double-submit cookie, ``SameSite=Strict``) and come from the same origin
-(``Origin``, else ``Referer``). Keys, actor names and arguments come from
-messages: the templates escape everything (Jinja2 autoescape), and a strict
-Content-Security-Policy allows no inline script. Reads are not protected:
-bind it to localhost, or protect its prefix in the host application. Behind a
-reverse proxy, pass the browser's ``Host`` on (or apply Werkzeug's
-``ProxyFix``), or the same-origin check refuses every write.
+Safe by default. It answers only to the Host names it is given
+(``allowed_hosts``, :mod:`~dramatiq_guard.web.hosts`; by default the
+loopback names ``localhost``, ``127.0.0.1``, ``[::1]``): any other Host gets
+a 400 before anything is read, which is what keeps a DNS-rebinding page out.
+Mounted in a site served under another name, pass the site's names (a Django
+site may pass ``settings.ALLOWED_HOSTS``), or ``["*"]`` if something in front
+already checks Host (Django's own check does not run for a prefix that
+Werkzeug's ``DispatcherMiddleware`` sends to the dashboard). It is read-only
+unless given a ``write_secret`` (a browser session unlocks writes with it; a
+client that gives a wrong one 5 times in a minute waits, :mod:`~dramatiq_guard.web.unlocks`)
+or an ``authorize(environ)`` callable (the host application's own auth).
+Every POST must carry the session's CSRF token (a double-submit cookie,
+``SameSite=Strict``) and come from the same origin (``Origin``, else
+``Referer``, compared with the checked Host). Keys, actor names and
+arguments come from messages: the templates escape everything (Jinja2
+autoescape), and a strict Content-Security-Policy allows no inline script. A
+key or search longer than :data:`~dramatiq_guard.web.app.MAX_KEY_CHARS` is
+refused, and the charts remember only keys that exist, so what a reader asks
+for costs the server no lasting memory. Reads are not protected: bind it to
+localhost, or protect its prefix in the host application. Behind a reverse
+proxy, pass the browser's ``Host`` on (or apply Werkzeug's ``ProxyFix``), or
+the Host check and the same-origin check refuse it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from dramatiq_guard.web.app import Authorize, Dashboard
+from dramatiq_guard.web.app import MAX_KEY_CHARS, Authorize, Dashboard
 from dramatiq_guard.web.history import History
+from dramatiq_guard.web.hosts import LOCAL_HOSTS, AllowedHosts
+from dramatiq_guard.web.unlocks import UnlockLimit
 
 if TYPE_CHECKING:
     from dramatiq import Broker
@@ -40,7 +55,17 @@ if TYPE_CHECKING:
     from dramatiq_guard.backends.base import GuardBackend
     from dramatiq_guard.ledger import Ledger
 
-__all__ = ["DEFAULT_PORT", "Dashboard", "History", "make_app", "serve"]
+__all__ = [
+    "DEFAULT_PORT",
+    "LOCAL_HOSTS",
+    "MAX_KEY_CHARS",
+    "AllowedHosts",
+    "Dashboard",
+    "History",
+    "UnlockLimit",
+    "make_app",
+    "serve",
+]
 
 #: The port ``dramatiq-guard serve`` binds by default.
 DEFAULT_PORT = 8470
@@ -57,6 +82,7 @@ def make_app(
     authorize: Authorize | None = None,
     refresh_ms: int = 1500,
     per_page: int = 50,
+    allowed_hosts: Iterable[str] = LOCAL_HOSTS,
 ) -> Dashboard:
     """Make the dashboard's WSGI application.
 
@@ -75,9 +101,16 @@ def make_app(
         request may write (your site's own auth, e.g. staff only).
       refresh_ms(int): How often an open page updates itself.
       per_page(int): Keys per page of the overview.
+      allowed_hosts(Iterable[str]): The Host names it answers to, as Django's
+        ``ALLOWED_HOSTS``: names or IP addresses, ``.example.com`` for a
+        domain and its subdomains, ``"*"`` for any (default: ``localhost``,
+        ``127.0.0.1``, ``[::1]``). Another Host gets a 400.
 
     Returns:
       Dashboard: The WSGI application.
+
+    Raises:
+      ValueError: If ``broker`` or an entry of ``allowed_hosts`` is not one of their forms.
     """
     if backend is None:
         backend = _backend(redis, namespace)
@@ -100,6 +133,7 @@ def make_app(
         authorize=authorize,
         refresh_ms=refresh_ms,
         per_page=per_page,
+        allowed_hosts=allowed_hosts,
     )
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import jinja2
-from werkzeug.exceptions import BadRequest, Forbidden, HTTPException, NotFound
+from werkzeug.exceptions import BadRequest, Forbidden, HTTPException, NotFound, TooManyRequests
 from werkzeug.routing import Map, Rule
 from werkzeug.utils import redirect
 from werkzeug.wrappers import Request, Response
@@ -22,13 +22,21 @@ from dramatiq_guard.backends.base import GuardBackend, check_key
 from dramatiq_guard.bounds import MAX_COUNT
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.web.history import History, sparkline
+from dramatiq_guard.web.hosts import LOCAL_HOSTS, AllowedHosts
+from dramatiq_guard.web.unlocks import UnlockLimit
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
     from dramatiq_guard.ledger import Ledger
 
-__all__ = ["Dashboard"]
+__all__ = ["MAX_KEY_CHARS", "Dashboard"]
+
+#: The longest guard key (or search pattern) a request may name. Guard keys are short (an actor's
+#: name and a digest, or what a key callable returns); a longer one is refused before it reaches the
+#: backend, so a reader cannot make the server hold large made-up strings. ``dramatiq-guard inspect``
+#: shows a key of any length.
+MAX_KEY_CHARS = 1024
 
 CSRF_COOKIE = "dg_csrf"
 WRITE_COOKIE = "dg_write"
@@ -57,6 +65,13 @@ class Dashboard:
       refresh_ms(int): How often an open page updates itself.
       per_page(int): Keys per page of the overview.
       history(History|None): Where the charts' samples are kept.
+      allowed_hosts(Iterable[str]): The Host names it answers to
+        (:class:`~dramatiq_guard.web.hosts.AllowedHosts`; default: the loopback names).
+      unlock_limit(UnlockLimit|None): How often a client may give a wrong write
+        secret (default: :class:`~dramatiq_guard.web.unlocks.UnlockLimit`'s).
+
+    Raises:
+      ValueError: If an entry of ``allowed_hosts`` is not a host name.
     """
 
     def __init__(
@@ -70,15 +85,19 @@ class Dashboard:
         refresh_ms: int = 1500,
         per_page: int = 50,
         history: History | None = None,
+        allowed_hosts: Iterable[str] = LOCAL_HOSTS,
+        unlock_limit: UnlockLimit | None = None,
     ) -> None:
         self.backend = backend
+        self.allowed_hosts = AllowedHosts(allowed_hosts)
+        self.unlock_limit = UnlockLimit() if unlock_limit is None else unlock_limit
         self.requeue = requeue
         self.ledger = ledger
         self.write_secret = write_secret or None
         self.authorize = authorize
         self.refresh_ms = refresh_ms
         self.per_page = per_page
-        self.history = history or History()
+        self.history = History() if history is None else history
         self.jinja = jinja2.Environment(
             loader=jinja2.PackageLoader("dramatiq_guard.web", "templates"),
             autoescape=True,
@@ -108,22 +127,31 @@ class Dashboard:
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         request = Request(environ)
-        try:
-            response = self.dispatch(request)
-        except HTTPException as e:
-            response = self.render(
-                request, "message.html", status=e.code or 500, title=e.name, text=e.description
-            )
-        except BackendUnavailable as e:
-            response = self.render(
-                request, "message.html", status=503, title="Redis unreachable", text=str(e)
-            )
+        if self.allowed_hosts.allows(request.host):
+            response = self.respond(request)
+        else:
+            response = self.wrong_host(request)
         response.headers["Content-Security-Policy"] = CSP
         response.headers["X-Content-Type-Options"] = "nosniff"
         response.headers["X-Frame-Options"] = "DENY"
         response.headers["Referrer-Policy"] = "same-origin"
         response.headers.setdefault("Cache-Control", "no-store")
         return response(environ, start_response)
+
+    def respond(self, request: Request) -> Response:
+        """The response to a request for an allowed Host: its page, or a page that says what went wrong."""
+        try:
+            return self.dispatch(request)
+        except HTTPException as e:
+            response = self.render(
+                request, "message.html", status=e.code or 500, title=e.name, text=e.description
+            )
+            for name, value in e.get_headers():  # e.g. Retry-After
+                if name.lower() != "content-type":
+                    response.headers[name] = value
+            return response
+        except BackendUnavailable as e:
+            return self.render(request, "message.html", status=503, title="Redis unreachable", text=str(e))
 
     def dispatch(self, request: Request) -> Response:
         adapter = self.urls.bind_to_environ(request.environ)
@@ -135,6 +163,15 @@ class Dashboard:
 
     # -- security ---------------------------------------------------------------
 
+    def wrong_host(self, request: Request) -> Response:
+        """A request for a Host name not allowed: 400, before anything is read (see :mod:`.hosts`)."""
+        given = request.headers.get("Host", "")
+        text = (
+            f"This dashboard does not answer to the Host {given[:200]!r}. To allow a name, start it with "
+            "--allowed-host NAME, or pass make_app(allowed_hosts=[...]).\n"
+        )
+        return Response(text, status=400, mimetype="text/plain")
+
     def csrf_token(self, request: Request) -> str:
         """The session's CSRF token: its cookie, or a new one (set by :meth:`render`)."""
         token = request.cookies.get(CSRF_COOKIE, "")
@@ -144,7 +181,11 @@ class Dashboard:
         return token
 
     def check_post(self, request: Request) -> None:
-        """Refuse a cross-site POST: the Origin (else Referer) must be ours, the form token the cookie's."""
+        """Refuse a cross-site POST: the Origin (else Referer) must be ours, the form token the cookie's.
+
+        "Ours" is the request's Host, already checked against ``allowed_hosts``
+        (an attacker's page sends its own name as Host and as Origin).
+        """
         here = urllib.parse.urlsplit(request.host_url)
         origin = request.headers.get("Origin") or request.headers.get("Referer")
         if not origin:
@@ -219,7 +260,7 @@ class Dashboard:
 
     def _key_arg(self, request: Request, values: Any = None) -> str:
         """The guard key named by the ``k`` field (of the query, or of ``values``)."""
-        key = str((request.args if values is None else values).get("k", ""))
+        key = _bounded(str((request.args if values is None else values).get("k", "")), "key")
         try:
             check_key(key)
         except ValueError as e:
@@ -234,7 +275,7 @@ class Dashboard:
             page = 1
         view = admin.overview(
             self.backend,
-            pattern=request.args.get("q") or "*",
+            pattern=_bounded(request.args.get("q") or "*", "search pattern"),
             kind=kind if kind in admin.KINDS else None,
             page=page,
             per_page=self.per_page,
@@ -282,7 +323,7 @@ class Dashboard:
     def on_ledger(self, request: Request) -> Response:
         if self.ledger is None:
             raise NotFound("No ledger is configured for this dashboard (start it with --ledger URL).")
-        key = request.args.get("k", "")
+        key = _bounded(request.args.get("k", ""), "key")
         row = admin.ledger_row(self.ledger, key) if key else None
         fields = (
             None if row is None else [(name, json.dumps(value, default=str)) for name, value in row.items()]
@@ -387,12 +428,22 @@ class Dashboard:
     def on_unlock(self, request: Request) -> Response:
         if self.write_secret is None:
             raise Forbidden("This dashboard has no write secret: it is read-only.")
+        client = request.remote_addr or ""
+        wait = self.unlock_limit.retry_after(client)
+        if wait:
+            raise TooManyRequests(
+                f"Too many wrong write secrets from {client or 'this address'}: try again in {wait} s.",
+                retry_after=wait,
+            )
         given = request.form.get("secret", "")
         back = request.form.get("next", "")
         if not back.startswith("/") or back.startswith("//"):
             back = "/"
-        if not hmac.compare_digest(given.encode(), self.write_secret.encode()):
+        # Digests of equal length: the comparison's time says nothing of the secret, its length included.
+        if not hmac.compare_digest(_digest(given), _digest(self.write_secret)):
+            self.unlock_limit.failed(client)
             raise Forbidden("Wrong write secret.")
+        self.unlock_limit.succeeded(client)
         response = redirect(request.script_root + back, code=303)
         response.set_cookie(
             WRITE_COOKIE,
@@ -407,6 +458,20 @@ class Dashboard:
         response = redirect(request.script_root + "/", code=303)
         response.delete_cookie(WRITE_COOKIE, path=request.script_root or "/")
         return response
+
+
+def _bounded(text: str, what: str) -> str:
+    """``text``, a key or pattern from a request, if it is at most :data:`MAX_KEY_CHARS` long."""
+    if len(text) > MAX_KEY_CHARS:
+        raise BadRequest(
+            f"A {what} must be at most {MAX_KEY_CHARS} characters long, got {len(text)} "
+            "(dramatiq-guard inspect shows a key of any length)."
+        )
+    return text
+
+
+def _digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode()).digest()
 
 
 def _json(value: Any) -> Response:

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+from django.conf import settings
 from django.core.wsgi import get_wsgi_application
 from werkzeug.middleware.dispatcher import DispatcherMiddleware
 
@@ -38,7 +39,6 @@ site = get_wsgi_application()
 
 def is_staff(environ: WSGIEnvironment) -> bool:
     """Whether the request comes from an active staff user logged in to this site (its session cookie)."""
-    from django.conf import settings
     from django.contrib.auth import get_user
     from django.core.handlers.wsgi import WSGIRequest
     from django.db import close_old_connections
@@ -69,5 +69,7 @@ guard = make_app(
     redis=os.environ.get("DRAMATIQ_GUARD_REDIS_URL"),
     broker=os.environ.get("EXAMPLE_GUARD_BROKER") or None,
     authorize=is_staff,  # writes (limits, forced releases) for staff, still behind a confirmation
+    # The site's own names: Django checks Host only for the requests it serves, not for /guard/.
+    allowed_hosts=settings.ALLOWED_HOSTS,
 )
 application = DispatcherMiddleware(site, {"/guard": staff_only(guard)})

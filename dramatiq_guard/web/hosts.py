@@ -1,0 +1,113 @@
+"""The Host names the dashboard answers to (``allowed_hosts``): its defence against DNS rebinding.
+
+A page of another site can have its name point at 127.0.0.1 once loaded
+(DNS rebinding); the victim's browser then takes it for the same origin as
+the dashboard and lets it read the dashboard's pages, keys and the arguments
+of parked messages included. What that page cannot change is the ``Host``
+header: it carries the attacker's name. So every request's Host is checked
+against the names the dashboard is configured for, before anything is read,
+and a write's same-origin check compares the ``Origin`` with that checked
+Host.
+
+Entries are written as Django's ``ALLOWED_HOSTS`` (so a Django site may pass
+its own): a host name or IP address (an IPv6 address with or without
+brackets), ``.example.com`` for that domain and every subdomain, or ``*`` for
+any Host (for a site that checks Host itself in front of the dashboard). A
+port is not part of an entry: any port matches.
+
+Werkzeug parses the Host header and checks its characters
+(``Request.host``). The match against the entries is made here, not by
+Werkzeug's ``trusted_hosts``: Werkzeug cuts each trusted name at its first
+colon, so no IPv6 address (``[::1]``) could be allowed.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+
+from werkzeug.sansio.utils import host_is_trusted
+
+__all__ = ["LOCAL_HOSTS", "AllowedHosts"]
+
+#: The names of this machine's loopback interface: the default of ``make_app`` and ``serve``.
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+
+_FORMS = (
+    "each is a host name or IP address without a port ('guard.example.com', '10.0.0.5', '[::1]'), "
+    "'.example.com' for that domain and its subdomains, or '*' for any Host"
+)
+
+
+def _ipv6(text: str) -> str | None:
+    """``[address]`` in its compressed form if ``text`` is an IPv6 address (bracketed or not), else None."""
+    inner = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    try:
+        return f"[{ipaddress.IPv6Address(inner).compressed}]"
+    except ValueError:
+        return None
+
+
+class AllowedHosts:
+    """The Host names a dashboard answers to (see the module docstring).
+
+    Parameters:
+      hosts(Iterable[str]): The entries: names, IP addresses, ``.domain``, or ``*``.
+      what(str): What the entries are called where they come from, for errors.
+
+    Raises:
+      ValueError: If ``hosts`` is a str or empty, or an entry is none of the forms above.
+    """
+
+    def __init__(self, hosts: Iterable[str], *, what: str = "allowed_hosts") -> None:
+        if isinstance(hosts, str):
+            raise ValueError(f"{what} must be a list of host names, not the str {hosts!r}; {_FORMS}")
+        self.what = what
+        self.entries = tuple(hosts)
+        if not self.entries:
+            raise ValueError(f"{what} needs at least one entry; {_FORMS}")
+        self.any = False
+        names: set[str] = set()
+        domains: list[str] = []
+        for entry in self.entries:
+            if entry == "*":
+                self.any = True
+            elif isinstance(entry, str) and entry.startswith("."):
+                domains.append(self._name(entry[1:], entry))
+            else:
+                names.add(self._name(entry, entry))
+        self.names = frozenset(names)
+        self.domains = tuple(domains)
+
+    def _name(self, text: object, entry: object) -> str:
+        """The normalised form of one name or address (``entry`` is what was given, for the error)."""
+        if not isinstance(text, str):
+            raise ValueError(f"{self.what}: {entry!r} is not a str; {_FORMS}")
+        if text.startswith("*."):
+            raise ValueError(f"{self.what}: {entry!r} is not allowed: write '{text[1:]}' instead; {_FORMS}")
+        name = text.lower().removesuffix(".")
+        address = _ipv6(name)
+        if address is not None:
+            return address
+        if ":" in name and name.rpartition(":")[2].isdigit():
+            raise ValueError(f"{self.what}: {entry!r} has a port: give the name without a port; {_FORMS}")
+        if not name or ":" in name or not host_is_trusted(name):
+            raise ValueError(f"{self.what}: {entry!r} is not a host name or IP address; {_FORMS}")
+        return name
+
+    def allows(self, host: str) -> bool:
+        """Whether to answer a request for ``host`` (Werkzeug's ``Request.host``, ``""`` if invalid)."""
+        if not host:
+            return False
+        if host.startswith("["):
+            name = _ipv6(host[: host.find("]") + 1]) or ""
+        else:
+            name = host.partition(":")[0].removesuffix(".")
+        if not name:
+            return False
+        if self.any or name in self.names:
+            return True
+        return any(name == domain or name.endswith("." + domain) for domain in self.domains)
+
+    def __str__(self) -> str:
+        return ", ".join(self.entries)

@@ -1,0 +1,91 @@
+"""How often a client may guess the write secret: failed unlocks per client address.
+
+A client (by its address, ``REMOTE_ADDR``) that gave a wrong secret
+``failures`` times within ``window_s`` seconds is refused (429, with
+``Retry-After``) until the oldest of those failures leaves the window, the
+right secret included: it is not even compared. A right secret clears the
+client's record.
+
+The record is in this process only, and bounded: at most ``failures``
+timestamps for each of at most ``max_clients`` addresses; when a new address
+fails and the table is full, the address that failed least recently is
+forgotten. So a client with many addresses (an IPv6 network) gets
+``failures`` guesses per address it uses; the limit slows guessing down, it
+does not replace a long random secret. Behind a reverse proxy every client
+has the proxy's address (one client for this limit) unless the proxy's
+``X-Forwarded-For`` is applied first (Werkzeug's ``ProxyFix``).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+from collections.abc import Callable
+
+__all__ = ["UnlockLimit"]
+
+
+class UnlockLimit:
+    """Failed unlocks per client address (see the module docstring).
+
+    Parameters:
+      failures(int): Wrong secrets a client may give within ``window_s``.
+      window_s(float): The sliding window, in seconds.
+      max_clients(int): Client addresses remembered at most.
+      clock(Callable[[], float]): The clock, in seconds (``time.monotonic``).
+
+    Raises:
+      ValueError: If a number is not positive.
+    """
+
+    def __init__(
+        self,
+        *,
+        failures: int = 5,
+        window_s: float = 60.0,
+        max_clients: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        for name, value in (("failures", failures), ("window_s", window_s), ("max_clients", max_clients)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"UnlockLimit's {name} must be a positive number, got {value!r}")
+        self.failures = int(failures)
+        self.window_s = float(window_s)
+        self.max_clients = int(max_clients)
+        self.clock = clock
+        self._failed: collections.OrderedDict[str, collections.deque[float]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def retry_after(self, client: str) -> int:
+        """Seconds until ``client`` may try again (rounded up), or 0 if it may try now."""
+        now = self.clock()
+        with self._lock:
+            times = self._failed.get(client)
+            if times is None or len(times) < self.failures:
+                return 0
+            wait = times[0] + self.window_s - now
+        return math.ceil(wait) if wait > 0 else 0
+
+    def failed(self, client: str) -> None:
+        """Count a wrong secret from ``client``."""
+        now = self.clock()
+        with self._lock:
+            times = self._failed.get(client)
+            if times is None:
+                times = self._failed[client] = collections.deque(maxlen=self.failures)
+            times.append(now)
+            self._failed.move_to_end(client)
+            while len(self._failed) > self.max_clients:
+                self._failed.popitem(last=False)
+
+    def succeeded(self, client: str) -> None:
+        """Forget ``client``'s failures: it gave the right secret."""
+        with self._lock:
+            self._failed.pop(client, None)
+
+    def __len__(self) -> int:
+        """How many client addresses are remembered."""
+        with self._lock:
+            return len(self._failed)
