@@ -67,7 +67,7 @@ def _park(backend: RedisBackend, key: str, waiter: str, payload: bytes = b"{}") 
         (["release"], ["KEY", "--yes", "--broker", "confirmation"]),
         (["ledger"], ["prune", "show", "list"]),
         (["ledger", "list"], ["--state", "--ledger", "--json"]),
-        (["serve"], ["--host", "--port", "--broker", "--write-secret", "web extra"]),
+        (["serve"], ["--host", "--port", "--broker", "--write-secret-file", "--allowed-host", "web extra"]),
         (["ledger", "prune"], ["--older-than", "--ledger", "30d"]),
         (["ledger", "show"], ["KEY", "--ledger", "--json"]),
     ],

@@ -1,13 +1,22 @@
-"""``dramatiq-guard serve``: the web dashboard on 127.0.0.1 (see :mod:`dramatiq_guard.web`)."""
+"""``dramatiq-guard serve``: the web dashboard on 127.0.0.1 (see :mod:`dramatiq_guard.web`).
+
+The write secret is never an argument: a command line is readable by every
+user of the machine (``ps``, ``/proc/PID/cmdline``) and kept in shell
+history. It comes from ``--write-secret-file PATH`` or the environment
+variable ``DRAMATIQ_GUARD_WRITE_SECRET``; ``--write-secret`` is refused with
+an error that says so.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+from pathlib import Path
 
 from dramatiq_guard.cli.common import LEDGER_URL_ENV, Context, UsageError
 
-#: Where ``serve`` reads the write secret when ``--write-secret`` is not given.
+#: Where ``serve`` reads the write secret when ``--write-secret-file`` is not given.
 WRITE_SECRET_ENV = "DRAMATIQ_GUARD_WRITE_SECRET"
 
 
@@ -36,9 +45,24 @@ def _serve_parser(
         help="your app's broker, to re-enqueue parked messages that get a slot from the page",
     )
     serve.add_argument(
-        "--write-secret",
-        metavar="SECRET",
-        help=f"allow changes (limit, release) to a browser that gives it (default: ${WRITE_SECRET_ENV})",
+        "--write-secret-file",
+        metavar="PATH",
+        help=(
+            "allow changes (limit, release) to a browser that gives the secret in this file "
+            f"(default: ${WRITE_SECRET_ENV}; without either, read-only)"
+        ),
+    )
+    serve.add_argument("--write-secret", help=argparse.SUPPRESS)  # refused, saying why (_write_secret)
+    serve.add_argument(
+        "--allowed-host",
+        metavar="NAME",
+        action="append",
+        default=[],
+        help=(
+            "also answer to requests for this Host name (repeatable; '.example.com' for a domain and its "
+            "subdomains, '*' for any). By default only the loopback names and the --host address are "
+            "answered; any other Host gets a 400, which keeps DNS-rebinding pages out"
+        ),
     )
     serve.add_argument(
         "--ledger",
@@ -46,6 +70,35 @@ def _serve_parser(
         help=f"the idempotency ledger to show (default: ${LEDGER_URL_ENV}, else none)",
     )
     serve.set_defaults(run=_cmd_serve)
+
+
+def _write_secret(args: argparse.Namespace) -> str | None:
+    """The write secret: ``--write-secret-file``'s (whitespace around it dropped), else the environment's."""
+    if args.write_secret is not None:
+        raise UsageError(
+            "--write-secret is refused: a secret on the command line is readable by every user of this "
+            f"machine (ps, /proc/PID/cmdline) and kept in shell history; set {WRITE_SECRET_ENV} or give "
+            "--write-secret-file PATH"
+        )
+    if args.write_secret_file is None:
+        return os.environ.get(WRITE_SECRET_ENV) or None
+    path = args.write_secret_file
+    try:
+        secret = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read the write secret file {path}: {e}") from None
+    if not secret:
+        raise UsageError(f"the write secret file {path} is empty")
+    return secret
+
+
+def _bound_name(host: str) -> list[str]:
+    """The address ``serve`` binds, as an allowed Host name: none for a wildcard (0.0.0.0, ::)."""
+    try:
+        wildcard = ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        wildcard = not host
+    return [] if wildcard else [host]
 
 
 def _cmd_serve(ctx: Context) -> int:
@@ -56,6 +109,13 @@ def _cmd_serve(ctx: Context) -> int:
     from dramatiq_guard import admin
 
     args = ctx.args
+    secret = _write_secret(args)
+    try:
+        hosts = web.AllowedHosts(
+            [*web.LOCAL_HOSTS, *_bound_name(args.host), *args.allowed_host], what="--allowed-host (or --host)"
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     backend = ctx.backend
     broker = None
     if args.broker is not None:
@@ -64,11 +124,16 @@ def _cmd_serve(ctx: Context) -> int:
         except ValueError as e:
             raise UsageError(str(e)) from None
     ledger_url = args.ledger or os.environ.get(LEDGER_URL_ENV)
-    secret = args.write_secret or os.environ.get(WRITE_SECRET_ENV) or None
-    app = web.make_app(backend, broker=broker, ledger=ledger_url, write_secret=secret)
+    app = web.make_app(
+        backend, broker=broker, ledger=ledger_url, write_secret=secret, allowed_hosts=hosts.entries
+    )
     mode = "writes need the write secret" if secret else "read-only (no write secret)"
     port = web.DEFAULT_PORT if args.port is None else args.port
-    ctx.print(f"dramatiq-guard dashboard on http://{args.host}:{port}/ ({mode}); Ctrl-C stops it")
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    ctx.print(
+        f"dramatiq-guard dashboard on http://{shown}:{port}/ ({mode}; answers to Host {hosts}); "
+        "Ctrl-C stops it"
+    )
     ctx.stdout.flush()
     web.serve(app, host=args.host, port=port)
     return 0
