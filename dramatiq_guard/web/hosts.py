@@ -16,7 +16,8 @@ any Host (for a site that checks Host itself in front of the dashboard). A
 port is not part of an entry: any port matches.
 
 Werkzeug parses the Host header and checks its characters
-(``Request.host``). The match against the entries is made here, not by
+(``Request.host`` is ``""`` for a missing or invalid one since Werkzeug
+3.1.8, the web extra's floor). The match against the entries is made here, not by
 Werkzeug's ``trusted_hosts``: Werkzeug cuts each trusted name at its first
 colon, so no IPv6 address (``[::1]``) could be allowed.
 """
