@@ -12,7 +12,7 @@ Usage (``dramatiq-guard COMMAND --help`` for each)::
   dramatiq-guard ledger prune --older-than 30d [--ledger URL]
   dramatiq-guard ledger show KEY [--ledger URL] [--json]
   dramatiq-guard ledger list [--state S] [--ledger URL] [--json]
-  dramatiq-guard serve [--host 127.0.0.1] [--port 8470] [--broker MODULE:ATTR] [--write-secret S]
+  dramatiq-guard serve [--host 127.0.0.1] [--port 8470] [--broker MODULE:ATTR] [--write-secret-file PATH]
 
 Redis comes from ``--redis`` or ``DRAMATIQ_GUARD_REDIS_URL`` (default
 ``redis://localhost:6379/0``); the ledger's database from ``--ledger`` or
