@@ -45,7 +45,9 @@ Gauges
   :func:`acquired` / :func:`released`
     A message of this process started / stopped holding a slot or lock (the
     holders gauge). Call ``released`` exactly once for each ``acquired``,
-    whether the release succeeded or the lease was found lost.
+    whether the release succeeded or the lease was found lost. Both name the
+    guard key too: a sink that defines ``key_holders(key, delta)`` gets the
+    holders per key (the pytest plugin's ``guard_limits`` peaks).
   :func:`redis_settings`
     What the guard's Redis was found to do when it was checked: whether its
     ``maxmemory-policy`` evicts, whether it persists. Passed to a sink's
@@ -174,18 +176,30 @@ def redis_settings(evicting: bool | None, persistent: bool | None) -> None:
         report(evicting, persistent)
 
 
-def acquired(actor: str) -> None:
-    """A message of ``actor`` in this process started holding a slot or lock."""
-    sink = _sink
-    if sink is not None:
-        sink.holders(actor, 1)
+def acquired(actor: str, key: str | None = None) -> None:
+    """A message of ``actor`` in this process started holding a slot or lock of guard ``key``.
+
+    Given to the sink's ``holders(actor, 1)``, and to its ``key_holders(key, 1)`` if it defines one.
+    """
+    _holders(actor, key, 1)
 
 
-def released(actor: str) -> None:
-    """A message of ``actor`` in this process stopped holding a slot or lock (released or lost)."""
+def released(actor: str, key: str | None = None) -> None:
+    """A message of ``actor`` in this process stopped holding a slot or lock of ``key`` (released or lost).
+
+    Given to the sink's ``holders(actor, -1)``, and to its ``key_holders(key, -1)`` if it defines one.
+    """
+    _holders(actor, key, -1)
+
+
+def _holders(actor: str, key: str | None, delta: int) -> None:
     sink = _sink
-    if sink is not None:
-        sink.holders(actor, -1)
+    if sink is None:
+        return
+    sink.holders(actor, delta)
+    per_key = getattr(sink, "key_holders", None) if key is not None else None
+    if per_key is not None:
+        per_key(key, delta)
 
 
 @contextlib.contextmanager

@@ -54,7 +54,7 @@ class NotRun:
 def hold(message: MessageProxy, state: ExecutionState, option: str, lease: Lease) -> None:
     """Record that this execution holds ``lease``, and expose it as ``current_lease()``."""
     state.data[option] = Held(lease, current_lease_var.set(lease))
-    events.acquired(message.actor_name)
+    events.acquired(message.actor_name, lease.key)
 
 
 def take_held(state: ExecutionState, option: str) -> Held | None:

@@ -433,7 +433,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         if self.on_busy(guard.policy) == "park":
             held_ms = (time.time() - lease.acquired_at) * 1000
             send_ahead, per_slot = self.standbys.after_job(lease.key, held_ms, lease.limit)
-        events.released(actor)
+        events.released(actor, lease.key)
         releaser = self._releaser
         if releaser is not None and lease.key not in self._contended and not starts_follow_ups(message):
 
