@@ -87,12 +87,39 @@ class BackendRefused(BackendUnavailable):
 class ReplicasBehind(BackendUnavailable):
     """Fewer replicas than asked acknowledged a decision in time (``replica_waits``, Redis ``WAIT``).
 
-    The decision was taken on the primary but may not survive a failover, so
-    the operation fails closed, as if Redis had been unreachable: an acquire
-    that raised this may still hold its slot on the primary (its lease lapses
-    after its ``ttl``, unless the message's retry re-enters it: same holder),
-    a park may have stored its message (the retry joins the same entry), a
-    release may have freed the slot (the message is done anyway).
+    Raised after the operation ran on the primary: it may not survive a
+    failover, so it fails closed, as if Redis had been unreachable. What the
+    caller can rely on (the same holds for a connection lost after a call was
+    sent, which is a plain :class:`BackendUnavailable`):
+
+    * ``send()`` that raises this left nothing a retry trips on: a dedup
+      lock, a slot reserved or a message parked for it was taken back, by its
+      message id, before the error reached the caller
+      (:meth:`GuardBackend.take_back
+      <dramatiq_guard.backends.GuardBackend.take_back>`), so a new ``send()``
+      is neither dropped as a duplicate nor run beside a parked copy; with
+      ``fail_open=True`` the message is pushed unguarded and nothing of it is
+      kept. So is a :class:`~dramatiq_guard.lock.Lock`'s acquire. (A
+      ``reschedule_once`` rerun asked for by a duplicate stays asked for: a
+      retry asks for the same one, whose id comes from the holder's.)
+    * If the take-back failed too (logged; Redis gone), what the call may have
+      done lapses on its own: a dedup lock within ``pending_ttl``, a
+      reservation within ``pickup_ttl``, a lock within ``lease_ttl``; a parked
+      message stays parked and runs once. A retry that sends the same message
+      again (``broker.enqueue(message)``: same ``message_id``) joins what is
+      there instead of adding a second copy; a new ``send()`` may not.
+    * A worker's acquire takes nothing back (another copy of the message may
+      hold the key): the message fails and is retried. A slot it got keeps
+      the retry out (deferred) until its lease lapses; a message it parked
+      runs from there, and the retried copy is skipped as stale. A blocking
+      wait (``on_busy="wait"``, a standby, a blocking lock) leaves its place
+      or lapses within seconds.
+    * A release may have freed the slot (the message is done anyway); a
+      renewal, a hand-off's confirmation, a withdrawal, a sweep or a limit
+      may have been done: each is idempotent, and a retry is safe. A
+      hand-off the lost answer carried is nobody's to deliver: its
+      reservation lapses within ``handoff_ttl_ms`` and its message waits
+      again in its place; nothing is lost.
 
     Attributes:
       acknowledged(int): How many replicas acknowledged.

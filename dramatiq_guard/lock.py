@@ -147,7 +147,11 @@ class Lock:
           bool: Whether it was acquired (:attr:`lease` is then set).
 
         Raises:
-          BackendUnavailable: The backend could not be reached.
+          BackendUnavailable: The backend could not be reached, or no replica
+            acknowledged the acquire (:class:`~dramatiq_guard.errors.ReplicasBehind`).
+            Whatever it may have done was taken back first (:meth:`GuardBackend.take_back
+            <dramatiq_guard.backends.GuardBackend.take_back>`), so a retry does not find
+            it; if that failed too, it lapses within ``lease_ttl``.
           RuntimeError: This object already holds the lock.
           ValueError: ``blocking_timeout`` is out of range (0 to 366 days).
         """
@@ -160,18 +164,25 @@ class Lock:
         backend = self.backend()
         holder = uuid.uuid4().hex
         ttl = self.lease_ttl_ms if self.ttl_ms is None else max(1, min(self.lease_ttl_ms, self.ttl_ms))
-        if not blocking:
-            result = backend.acquire(self.key, holder, limit=1, ttl_ms=ttl)
-            self._deliver(result.handoffs)
-        else:
+        try:
+            if not blocking:
+                result = backend.acquire(self.key, holder, limit=1, ttl_ms=ttl)
+            else:
+                wait = Waiter(wait_ms=entry_ms(BACKSTOP_MS if timeout is None else int(timeout * 1000)))
+                result = backend.acquire(self.key, holder, limit=1, ttl_ms=ttl, wait=wait)
+        except BackendUnavailable:
+            # The acquire may have been done (a reply lost, no replica acknowledged it): a holder id
+            # of its own has nothing else in the key, so what it got is taken back at once.
+            undone = backend.take_back(self.key, holder, limit=1)
+            if undone is not None:
+                self._deliver(undone.handoffs)
+            raise
+        self._deliver(result.handoffs)
+        if blocking and not result.acquired:
             deadline = None if timeout is None else time.monotonic() + timeout
-            wait = Waiter(wait_ms=entry_ms(BACKSTOP_MS if timeout is None else int(timeout * 1000)))
-            result = backend.acquire(self.key, holder, limit=1, ttl_ms=ttl, wait=wait)
-            self._deliver(result.handoffs)
-            if not result.acquired:
-                result = wait_for_slot(
-                    backend, self.key, holder, limit=1, ttl_ms=ttl, deadline=deadline, deliver=self._deliver
-                )
+            result = wait_for_slot(
+                backend, self.key, holder, limit=1, ttl_ms=ttl, deadline=deadline, deliver=self._deliver
+            )
         if not result.acquired:
             self._last_holders = result.holders
             return False

@@ -12,10 +12,12 @@ Each test starts its own topology (:mod:`harness.topology`) on loopback ports.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+import dramatiq
 import pytest
 import redis
 from dramatiq.brokers.stub import StubBroker
@@ -26,6 +28,8 @@ import dramatiq_guard
 from dramatiq_guard.backends import RedisBackend, Waiter
 from dramatiq_guard.backends.redis_client import ReplicaWaits
 from dramatiq_guard.errors import BackendUnavailable, ConfigurationError, ReplicasBehind
+from dramatiq_guard.lock import Lock
+from dramatiq_guard.middleware.dedup import Deduplication, deduplicated_by
 
 T = TypeVar("T")
 
@@ -141,6 +145,82 @@ def test_replica_waits_are_checked_and_need_redis() -> None:
         dramatiq_guard.install(StubBroker(), replica_waits=1, replica_wait_timeout_ms=-5)
     with pytest.raises(ConfigurationError, match="replica_waits=1 needs the guard's state on Redis"):
         dramatiq_guard.install(StubBroker(), replica_waits=1)
+
+
+# --- A decision that failed closed leaves nothing a retry trips on --------------------------------
+
+
+@contextlib.contextmanager
+def lagging_replica(broker: StubBroker) -> Iterator[tuple[ReplicatedRedis, RedisBackend]]:
+    """A guard on a primary whose one replica is cut off (replica waits of 1): every decision the
+    primary takes raises ``ReplicasBehind``, after the script ran. ``heal()`` it with
+    :func:`healed`."""
+    with ReplicatedRedis() as pair, pair.primary.client() as client:
+        backend = RedisBackend(client, replica_waits=1, replica_wait_timeout_ms=300)
+        dramatiq_guard.install(broker, redis=backend)
+        yield pair, backend
+
+
+def healed(pair: ReplicatedRedis) -> None:
+    """Reconnect the replica and wait until it acknowledged every write of the primary."""
+    assert pair.link is not None
+    pair.link.thaw()
+    with pair.primary.client() as client:
+        replicate_all(client)
+
+
+def test_with_a_lagging_replica_a_dedup_send_that_raises_leaves_no_lock_for_its_retry(
+    stub_broker: StubBroker,
+) -> None:
+    with lagging_replica(stub_broker) as (pair, _backend):
+
+        @dramatiq.actor(dedup="until_executed")
+        def refresh(user_id: int) -> None: ...
+
+        pair.partition()
+        with pytest.raises(ReplicasBehind):
+            refresh.send(7)
+        healed(pair)
+        retry = refresh.send(7)
+        assert deduplicated_by(retry) is None, "the retry was dropped as a duplicate of a message never sent"
+        assert stub_broker.queues["default"].qsize() == 1
+        next(m for m in stub_broker.middleware if isinstance(m, Deduplication)).flush()  # while Redis is up
+
+
+@pytest.mark.parametrize("fail_open", [False, True], ids=["fail_closed", "fail_open"])
+def test_with_a_lagging_replica_a_send_that_parks_and_raises_leaves_no_parked_copy(
+    stub_broker: StubBroker, fail_open: bool
+) -> None:
+    with lagging_replica(stub_broker) as (pair, backend):
+
+        @dramatiq.actor(concurrency={"limit": 1, "key": lambda n: "k", "fail_open": fail_open})
+        def job(n: int) -> None: ...
+
+        job.send(1)  # reserves the one slot
+        pair.partition()
+        if fail_open:  # sent unguarded: it must not run a second time from the lockwait area
+            job.send(2)
+        else:
+            with pytest.raises(ReplicasBehind):
+                job.send(2)
+        healed(pair)
+        assert backend.inspect("concurrency:k").waiters == ()
+        if not fail_open:
+            job.send(2)  # the caller's retry parks the one copy
+            assert len(backend.inspect("concurrency:k").waiters) == 1
+
+
+def test_with_a_lagging_replica_a_lock_acquire_that_raises_leaves_the_lock_free(
+    stub_broker: StubBroker,
+) -> None:
+    with lagging_replica(stub_broker) as (pair, backend):
+        pair.partition()
+        with pytest.raises(ReplicasBehind):
+            Lock("report", redis=backend).acquire(blocking=False)
+        healed(pair)
+        retry = Lock("report", redis=backend)
+        assert retry.acquire(blocking=False), "the retry found the lock of an acquire that failed"
+        retry.release()
 
 
 # --- Topologies: a Sentinel-managed primary, a Redis Cluster of 3 primaries with 1 replica each -----

@@ -167,6 +167,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 from dramatiq_guard.backends.checks import (
@@ -192,7 +193,7 @@ from dramatiq_guard.backends.values import (
     WaiterPeek,
     Woken,
 )
-from dramatiq_guard.errors import PayloadTooLarge
+from dramatiq_guard.errors import BackendUnavailable, PayloadTooLarge
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
@@ -216,6 +217,8 @@ __all__ = [
     "check_ms",
     "check_per_slot",
 ]
+
+logger = logging.getLogger("dramatiq_guard.backends")
 
 
 class GuardBackend(abc.ABC):
@@ -526,6 +529,41 @@ class GuardBackend(abc.ABC):
         is (``released`` False). Without it the waiter leaves whatever it is
         doing.
         """
+
+    def take_back(self, key: str, holder: str, *, limit: int | None) -> ReleaseResult | None:
+        """Undo an acquire of a new ``holder`` that raised: what the caller does before it reports it.
+
+        An acquire (or :meth:`try_lock`) can raise after it was done: the
+        Redis backend's :class:`~dramatiq_guard.errors.ReplicasBehind` comes
+        after the script ran, and a connection can drop before its answer
+        arrives. A caller told it failed retries, so what it may have left
+        (a held slot or lock, a parked message) must not be there to trip the
+        retry. For a holder that had nothing in ``key`` before the call (a
+        message at ``send()``, a :class:`~dramatiq_guard.lock.Lock`'s fresh
+        holder id) this leaves ``key`` as that holder and as that waiter
+        (:meth:`cancel_wait` without a generation: a slot it got is handed on,
+        a stored payload dropped); for one that had something (a worker's copy
+        of a queued message, whose other copy may hold the key) it would undo
+        more than the call did, and is not for it.
+
+        Returns:
+          ReleaseResult|None: The result (its hand-offs are the caller's to
+          deliver), or None if this call failed too (logged): then what the
+          acquire left lapses on its own (a lease or reservation at its
+          deadline), or, a parked message, stays parked and starts once
+          (a retry that re-enqueues the same message, same id, joins it).
+        """
+        try:
+            return self.cancel_wait(key, holder, limit=limit)
+        except BackendUnavailable:
+            logger.warning(
+                "Could not take back (or make durable the take-back of) what %s may hold or have parked "
+                "in %r after its acquire failed.",
+                holder,
+                key,
+                exc_info=True,
+            )
+            return None
 
     @abc.abstractmethod
     def sweep(self, key: str, *, limit: int | None) -> ReleaseResult:

@@ -26,7 +26,7 @@ from dramatiq.broker import MessageProxy
 from dramatiq.middleware import Retries, SkipMessage
 
 from dramatiq_guard import events
-from dramatiq_guard.backends.base import GuardBackend, Handoff, ReleaseResult, Waiter
+from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Waiter
 from dramatiq_guard.delivery import Courier, generation_of
 from dramatiq_guard.errors import BackendUnavailable, DuplicateMessage, GuardOptionError
 from dramatiq_guard.gate import Diverted, Outcome
@@ -168,9 +168,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         key = PREFIX + self._key(guard, message)
         backend = self.backend(broker)
         try:
-            result = backend.try_lock(
-                key, message.message_id, ttl_ms=self.pending_ttl_ms, info=message.actor_name
-            )
+            result = self._try_lock(broker, backend, key, message)
             self._deliver(broker, result.handoffs)
             if result.acquired:
                 options[LOCK_OPTION] = key
@@ -190,6 +188,26 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
             options[EXEMPT_OPTION] = "backend_unavailable"
             return None
         raise Diverted(message.copy(options=marks), Outcome.DROPPED)
+
+    def _try_lock(
+        self, broker: Broker, backend: GuardBackend, key: str, message: Message[Any]
+    ) -> AcquireResult:
+        """Take the pending lock of ``message`` (a new holder); one that raised is taken back first.
+
+        Raises:
+          BackendUnavailable: The backend could not be reached, or no replica acknowledged the lock
+            (:class:`~dramatiq_guard.errors.ReplicasBehind`): whatever it did was taken back
+            (:meth:`~GuardBackend.take_back`), so the caller's retry is not a duplicate of it.
+        """
+        try:
+            return backend.try_lock(
+                key, message.message_id, ttl_ms=self.pending_ttl_ms, info=message.actor_name
+            )
+        except BackendUnavailable:
+            undone = backend.take_back(key, message.message_id, limit=1)
+            if undone is not None:
+                self._deliver(broker, undone.handoffs)
+            raise
 
     def _exemption(self, message: Message[Any], delay: int | None, policy: DedupPolicy) -> str | None:
         options = message.options

@@ -67,6 +67,9 @@ def reserve_or_park(
     backend = middleware.backend(broker)
     key = middleware.guard_key_of(guard, message)
     limit = middleware.default_limit(guard)
+    # A copy of a hand-off of this key (back from another guard that parked it on its way) is
+    # judged as a worker's copy is: a stale one never starts (contract, *generations*).
+    generation = generation_of(message, key)
     try:
         result = backend.acquire(
             key,
@@ -75,11 +78,17 @@ def reserve_or_park(
             ttl_ms=middleware.pickup_ttl_ms,
             wait=Waiter(payload=message.encode()),
             info=message.actor_name,
-            # A copy of a hand-off of this key (back from another guard that parked it on its way)
-            # is judged as a worker's copy is: a stale one never starts (contract, *generations*).
-            generation=generation_of(message, key),
+            generation=generation,
         )
     except BackendUnavailable as e:
+        if generation is None:
+            # A message being sent had nothing in the key: what the acquire may have done (a
+            # reservation, a park) is taken back, so neither the caller's retry (fail closed) nor
+            # the unguarded push (fail open) runs beside a parked copy. A copy of a hand-off keeps
+            # its entry: it may be its only place.
+            undone = backend.take_back(key, message.message_id, limit=limit)
+            if undone is not None:
+                middleware.deliver(broker, undone.handoffs)
         fail_open(guard.policy.fail_open, e, f"{message} is enqueued unguarded")
         return None
     middleware.deliver(broker, result.handoffs)
