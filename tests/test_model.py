@@ -79,6 +79,7 @@ from dramatiq_guard.backends import (
     Woken,
 )
 from dramatiq_guard.backends.base import ORIGINAL_GENERATION
+from dramatiq_guard.errors import BackendUnavailable
 
 EXAMPLES = int(os.environ.get("DRAMATIQ_GUARD_MODEL_EXAMPLES", "60"))
 STEPS = int(os.environ.get("DRAMATIQ_GUARD_MODEL_STEPS", "30"))
@@ -101,6 +102,9 @@ START_MS = 1_893_456_000_000  # 2030-01-01T00:00:00Z
 #: Keys of a guard key that may not expire, but exist only while something of it is queued
 #: (``info`` holds a ready waiter's too: without a holder, it has no deadline to expire with).
 QUEUED_STATE = {"waiters", "payloads", "reserved", "meta", "deadlines", "ready", "standbys", "info"}
+
+#: Whether an operation's reply is lost (the script ran, the caller got an error): one time in six.
+LOST = st.sampled_from([False] * 5 + [True])
 
 T = TypeVar("T")
 
@@ -181,6 +185,16 @@ class Thread:
     mid: str
     copy: Copy | None
     runner: str  # the thread: the holder's runner once it is handed the slot
+
+
+class ReplyLost(BackendUnavailable):
+    """The operation ran on every backend, but its caller got an error instead of its reply
+    (``ReplicasBehind``, or a connection lost after the script was sent): ``results`` is what it
+    did, for the model's bookkeeping only; the caller goes its error path."""
+
+    def __init__(self, results: Sequence[Any]) -> None:
+        super().__init__("the reply was lost after the operation ran")
+        self.results = list(results)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,8 +319,14 @@ class GuardModel(RuleBasedStateMachine):
         limit = self.memory.get_limit(key)
         return DEFAULTS[key] if limit is None else limit
 
-    def call(self, key: str, operation: Callable[[GuardBackend], T], *, route: str = MAIN) -> list[T]:
-        """One tick, then ``operation`` on every backend (as a process of ``route``); the results agree."""
+    def call(
+        self, key: str, operation: Callable[[GuardBackend], T], *, route: str = MAIN, lost: bool = False
+    ) -> list[T]:
+        """One tick, then ``operation`` on every backend (as a process of ``route``); the results agree.
+
+        Raises:
+          ReplyLost: With ``lost``, after the operation ran everywhere (its results agreed).
+        """
         self.clock.advance(TICK_MS)
         before = self.live_holders(key)
         results: list[T] = []
@@ -324,6 +344,8 @@ class GuardModel(RuleBasedStateMachine):
             assert len(after) <= self.limit_in_force(key), (
                 f"{sorted(after - before)} joined {sorted(before)} over the limit {self.limit_in_force(key)}"
             )
+        if lost:
+            raise ReplyLost(results)
         return results
 
     def check_tokens(self, key: str, results: Sequence[object]) -> None:
@@ -351,9 +373,17 @@ class GuardModel(RuleBasedStateMachine):
                 seen.add(token)
             self.top[(name, key)] = top
 
-    def absorb(self, key: str, results: Sequence[AcquireResult | ReleaseResult], route: str) -> None:
-        """Take the hand-offs and standbys of an operation (the memory backend's: they all agree)."""
+    def absorb(
+        self, key: str, results: Sequence[AcquireResult | ReleaseResult], route: str, *, lost: bool = False
+    ) -> None:
+        """Take the hand-offs and standbys of an operation (the memory backend's: they all agree).
+
+        ``lost``: its reply never reached the caller, so nobody delivers them: the reservations
+        lapse, and the waiters are back in their places (the standbys park again).
+        """
         self.check_tokens(key, results)
+        if lost:
+            return
         first = results[0]
         for handoff in first.handoffs:
             self.runners.pop(handoff.waiter_id, None)  # a slot handed on: no thread runs it yet
@@ -383,28 +413,47 @@ class GuardModel(RuleBasedStateMachine):
         info: str | None = None,
         starts: bool = True,
         runner: str | None = None,
+        lost: bool = False,
     ) -> AcquireResult:
         """``acquire`` everywhere; ``starts``: an acquired message starts (not a running holder's renewal).
 
         ``runner``: the worker thread acquiring, None at enqueue time.
+
+        Raises:
+          ReplyLost: With ``lost`` (its hand-offs are nobody's to deliver).
         """
-        results = self.call(
-            key,
-            lambda b: b.acquire(
-                key, mid, limit=DEFAULTS[key], ttl_ms=LEASE_MS, wait=wait, info=info, generation=generation,
-                runner=runner,
-            ),
-            route=route,
-        )  # fmt: skip
+        try:
+            results = self.call(
+                key,
+                lambda b: b.acquire(
+                    key, mid, limit=DEFAULTS[key], ttl_ms=LEASE_MS, wait=wait, info=info,
+                    generation=generation, runner=runner,
+                ),
+                route=route,
+                lost=lost,
+            )  # fmt: skip
+        except ReplyLost as e:
+            self.absorb(key, e.results, route, lost=True)
+            raise
         self.absorb(key, results, route)
         result = results[0]
         if result.acquired and starts:
             self.started_now(key, mid, runner)
         return result
 
-    def sweep(self, key: str, limit: int | None, route: str) -> None:
+    def sweep(self, key: str, limit: int | None, route: str, *, lost: bool = False) -> None:
         results = self.call(key, lambda b: Swept(b.sweep(key, limit=limit)), route=route)
-        self.absorb(key, [swept.result for swept in results], route)
+        self.absorb(key, [swept.result for swept in results], route, lost=lost)
+
+    def take_back(self, key: str, mid: str, route: str) -> None:
+        """What a caller told its acquire failed does (``send()``, a Lock): leave the key as ``mid``.
+        Nothing of ``mid`` is left there for its retry to trip on."""
+        results = self.call(key, lambda b: b.take_back(key, mid, limit=DEFAULTS[key]), route=route)
+        assert all(result is not None for result in results)
+        self.absorb(key, [result for result in results if result is not None], route)
+        state = self.memory.inspect(key)
+        assert mid not in {holder for holder, _ in state.holders}, f"{mid} still holds {key!r}"
+        assert mid not in {waiter for waiter, _, _ in state.waiters} | set(state.reserved), mid
 
     def release(
         self,
@@ -415,14 +464,16 @@ class GuardModel(RuleBasedStateMachine):
         per_slot: int = 1,
         route: str = MAIN,
         known: bool = True,
+        lost: bool = False,
     ) -> None:
+        """A release; ``lost``: its caller got an error (the message is done all the same)."""
         limit = DEFAULTS[key] if known else None
         results = self.call(
             key,
             lambda b: b.release(key, mid, limit=limit, send_ahead=send_ahead, per_slot=per_slot),
             route=route,
         )
-        self.absorb(key, results, route)
+        self.absorb(key, results, route, lost=lost)
         self.running.pop(mid, None)
         self.runners.pop(mid, None)
 
@@ -432,10 +483,17 @@ class GuardModel(RuleBasedStateMachine):
         key=st.sampled_from(KEYS),
         mode=st.sampled_from(["now", "park", "block"]),
         route=st.sampled_from([MAIN, MAIN, OTHER]),
+        lost=LOST,
+        lock=st.booleans(),
     )
-    def a_message_arrives(self, key: str, mode: str, route: str) -> None:
+    def a_message_arrives(self, key: str, mode: str, route: str, lost: bool, lock: bool) -> None:
         """A new message acquires: without waiting or blocking its worker thread, or parking its
-        payload at enqueue time (no thread: a reservation anyone may take up)."""
+        payload at enqueue time (no thread: a reservation anyone may take up).
+
+        ``lost``: the reply is lost. A send (``park``) or a Lock (``lock``) takes back what it may
+        have got (a new holder has nothing else in the key); a worker does not (another copy of its
+        message may hold the key): its message fails and is retried, and what it got lapses.
+        """
         with self.step():
             mid = next(self.ids)
             wait = {
@@ -444,7 +502,12 @@ class GuardModel(RuleBasedStateMachine):
                 "block": Waiter(wait_ms=BLOCK_MS),
             }[mode]
             runner = None if mode == "park" else next(self.threads_made)
-            result = self.acquire(key, mid, wait=wait, route=route, info=mode, runner=runner)
+            try:
+                result = self.acquire(key, mid, wait=wait, route=route, info=mode, runner=runner, lost=lost)
+            except ReplyLost:
+                if mode == "park" or lock:
+                    self.take_back(key, mid, route)
+                return
             if result.parked and mode == "park":
                 self.parked[mid] = key
             elif result.parked:
@@ -457,32 +520,51 @@ class GuardModel(RuleBasedStateMachine):
         send_ahead=st.sampled_from([0, 0, 1, 2, 8]),
         per_slot=st.sampled_from([1, 1, 2]),
         foreign=st.booleans(),
+        lost=LOST,
     )
-    def a_holder_releases(self, data: st.DataObject, send_ahead: int, per_slot: int, foreign: bool) -> None:
+    def a_holder_releases(
+        self, data: st.DataObject, send_ahead: int, per_slot: int, foreign: bool, lost: bool
+    ) -> None:
         """A holder releases (maybe sending waiters ahead, within a window of ``per_slot`` per slot:
-        after a short job); ``foreign``: forced by another route's process."""
+        after a short job); ``foreign``: forced by another route's process; ``lost``: its reply is
+        lost (what it handed on and sent ahead is nobody's to deliver)."""
         with self.step():
             mid = data.draw(st.sampled_from(sorted(self.running)))
             key = self.running[mid]
             if foreign:
-                self.release(key, mid, send_ahead=send_ahead, per_slot=per_slot, route=OTHER, known=False)
+                self.release(
+                    key, mid, send_ahead=send_ahead, per_slot=per_slot, route=OTHER, known=False, lost=lost
+                )
             else:
-                self.release(key, mid, send_ahead=send_ahead, per_slot=per_slot)
+                self.release(key, mid, send_ahead=send_ahead, per_slot=per_slot, lost=lost)
 
     @precondition(lambda self: self.running)
-    @rule(data=st.data(), again=st.booleans())
-    def a_holder_renews(self, data: st.DataObject, again: bool) -> None:
-        """A holder renews its lease (``again``: by acquiring again, which is re-entrant)."""
+    @rule(data=st.data(), again=st.booleans(), lost=LOST)
+    def a_holder_renews(self, data: st.DataObject, again: bool, lost: bool) -> None:
+        """A holder renews its lease (``again``: by acquiring again, which is re-entrant).
+
+        ``lost``: the reply is lost. A renewal is simply not counted (the lease is lost on time if
+        no later one answers); a holder whose acquire failed stops (its job fails): it does not
+        release, and its lease lapses.
+        """
         with self.step():
             mid = data.draw(st.sampled_from(sorted(self.running)))
             key = self.running[mid]
             if again:
-                result = self.acquire(key, mid, wait=None, starts=False, runner=self.runners.get(mid))
+                try:
+                    result = self.acquire(
+                        key, mid, wait=None, starts=False, runner=self.runners.get(mid), lost=lost
+                    )
+                except ReplyLost:
+                    self.running.pop(mid)
+                    self.runners.pop(mid, None)
+                    return
                 if not result.acquired:
                     self.running.pop(mid)  # its lease had lapsed and the slot was taken
                     self.runners.pop(mid, None)
             else:
-                self.call(key, lambda b: b.renew(key, mid, ttl_ms=LEASE_MS))
+                with contextlib.suppress(ReplyLost):
+                    self.call(key, lambda b: b.renew(key, mid, ttl_ms=LEASE_MS), lost=lost)
 
     @precondition(lambda self: self.runners)
     @rule(data=st.data(), mode=st.sampled_from(["now", "park", "block"]))
@@ -544,26 +626,29 @@ class GuardModel(RuleBasedStateMachine):
                 self.deliver_everything()
             self.clock.advance(ms)
 
-    @rule(key=st.sampled_from(KEYS), known=st.booleans(), route=st.sampled_from([MAIN, OTHER]))
-    def a_process_sweeps(self, key: str, known: bool, route: str) -> None:
-        """A sweep, by a process that knows the key's limit or not (``limit=None``), of either route."""
+    @rule(key=st.sampled_from(KEYS), known=st.booleans(), route=st.sampled_from([MAIN, OTHER]), lost=LOST)
+    def a_process_sweeps(self, key: str, known: bool, route: str, lost: bool) -> None:
+        """A sweep, by a process that knows the key's limit or not (``limit=None``), of either route
+        (``lost``: its reply is lost)."""
         with self.step():
             limit = DEFAULTS[key] if known else None
-            self.sweep(key, limit, route)
+            self.sweep(key, limit, route, lost=lost)
 
     @rule(
         key=st.sampled_from(KEYS),
         limit=st.sampled_from([None, 0, 1, 2, 3]),
         known=st.booleans(),
+        lost=LOST,
     )
-    def the_limit_changes(self, key: str, limit: int | None, known: bool) -> None:
-        """An operator sets, raises, lowers, zeroes or clears a key's run-time limit."""
+    def the_limit_changes(self, key: str, limit: int | None, known: bool, lost: bool) -> None:
+        """An operator sets, raises, lowers, zeroes or clears a key's run-time limit (``lost``: the
+        reply is lost; the limit is set all the same, and what it handed on lapses)."""
         with self.step():
-            self.set_limit(key, limit, DEFAULTS[key] if known else None)
+            self.set_limit(key, limit, DEFAULTS[key] if known else None, lost=lost)
 
-    def set_limit(self, key: str, limit: int | None, default: int | None) -> None:
+    def set_limit(self, key: str, limit: int | None, default: int | None, *, lost: bool = False) -> None:
         results = self.call(key, lambda b: b.set_limit(key, limit, default=default))
-        self.absorb(key, results, MAIN)
+        self.absorb(key, results, MAIN, lost=lost)
         for _, backend in self.backends:
             assert backend.get_limit(key) == limit
 
@@ -572,9 +657,11 @@ class GuardModel(RuleBasedStateMachine):
         count=st.sampled_from([1, 2, 3, 8]),
         per_slot=st.sampled_from([1, 2]),
         route=st.sampled_from([MAIN, OTHER]),
+        lost=LOST,
     )
-    def waiters_are_sent_ahead(self, key: str, count: int, per_slot: int, route: str) -> None:
-        """A process sends the oldest parked waiters ahead as standbys."""
+    def waiters_are_sent_ahead(self, key: str, count: int, per_slot: int, route: str, lost: bool) -> None:
+        """A process sends the oldest parked waiters ahead as standbys (``lost``: the reply is lost,
+        nothing is sent: the standbys park again, the hand-offs lapse)."""
         with self.step():
             results = self.call(
                 key,
@@ -582,6 +669,8 @@ class GuardModel(RuleBasedStateMachine):
                 route=route,
             )
             self.check_tokens(key, results)
+            if lost:
+                return
             handoffs, sent = results[0]
             self.pending += [copy_of(h, route, standby=False) for h in handoffs if h.payload is not None]
             self.pending += [copy_of(standby, route, standby=True) for standby in sent]
@@ -599,9 +688,10 @@ class GuardModel(RuleBasedStateMachine):
             self.owed.append(copy)
 
     @precondition(lambda self: self.owed)
-    @rule(data=st.data(), how=st.sampled_from(["in time", "late", "never"]))
+    @rule(data=st.data(), how=st.sampled_from(["in time", "late", "never", "lost"]))
     def a_caller_confirms(self, data: st.DataObject, how: str) -> None:
-        """A pushed copy is confirmed in time, after its reservation lapsed, or never (its caller died)."""
+        """A pushed copy is confirmed in time, after its reservation lapsed, or never (its caller died);
+        or its confirmation's reply is lost (the caller logs it: the copy is on the broker)."""
         with self.step():
             copy = data.draw(st.sampled_from(self.owed))
             self.owed.remove(copy)
@@ -609,21 +699,24 @@ class GuardModel(RuleBasedStateMachine):
                 return
             if how == "late":
                 self.clock.advance(HANDOFF_MS)
-            self.confirm(copy)
+            with contextlib.suppress(ReplyLost):
+                self.confirm(copy, lost=how == "lost")
 
-    def confirm(self, copy: Copy) -> None:
+    def confirm(self, copy: Copy, *, lost: bool = False) -> None:
         key, mid, generation = copy.key, copy.mid, copy.generation
         if copy.standby:
             self.call(
                 key,
                 lambda b: b.confirm_standby(key, mid, copy.payload, ttl_ms=CONFIRM_MS, generation=generation),
                 route=copy.route,
+                lost=lost,
             )
         else:
             self.call(
                 key,
                 lambda b: b.confirm_handoff(key, mid, ttl_ms=CONFIRM_MS, generation=generation),
                 route=copy.route,
+                lost=lost,
             )
 
     @precondition(lambda self: self.pending)
@@ -638,38 +731,55 @@ class GuardModel(RuleBasedStateMachine):
         self.withdrawals.append(copy)
 
     @precondition(lambda self: self.withdrawals)
-    @rule(data=st.data())
-    def a_caller_withdraws_a_copy_parked_elsewhere(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), lost=LOST)
+    def a_caller_withdraws_a_copy_parked_elsewhere(self, data: st.DataObject, lost: bool) -> None:
+        """``lost``: the withdrawal's reply is lost (the caller logs it)."""
         with self.step():
             copy = data.draw(st.sampled_from(self.withdrawals))
             self.withdrawals.remove(copy)
-            self.withdraw(copy)
+            self.withdraw(copy, lost=lost)
 
-    def withdraw(self, copy: Copy) -> None:
+    def withdraw(self, copy: Copy, *, lost: bool = False) -> None:
         key, mid, generation = copy.key, copy.mid, copy.generation
         results = self.call(
             key,
             lambda b: b.cancel_wait(key, mid, limit=DEFAULTS[key], generation=generation),
             route=copy.route,
         )
-        self.absorb(key, results, copy.route)
+        self.absorb(key, results, copy.route, lost=lost)
 
     @precondition(lambda self: self.away)
-    @rule(data=st.data())
-    def a_copy_comes_back_from_the_other_guard(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), lost=LOST)
+    def a_copy_comes_back_from_the_other_guard(self, data: st.DataObject, lost: bool) -> None:
         """The other guard hands the message on: its enqueue reaches this key's gate again, before
-        or after the withdrawal. It reserves a slot and goes to the broker, or parks in its place."""
+        or after the withdrawal. It reserves a slot and goes to the broker, or parks in its place.
+
+        ``lost``: the gate's acquire raised after it ran. A copy of a hand-off is not taken back (its
+        entry may be its only place); the other guard's hand-off of it failed, so it waits there
+        again and comes back later (parked here meanwhile, it is stale then, and the stored copy runs).
+        """
         with self.step():
             copy = data.draw(st.sampled_from(self.away))
             self.away.remove(copy)
-            self.come_back(copy)
+            try:
+                self.come_back(copy, lost=lost)
+            except ReplyLost as e:
+                if e.results[0].parked:
+                    self.parked.setdefault(copy.mid, copy.key)
+                self.away.append(copy)
 
-    def come_back(self, copy: Copy) -> None:
+    def come_back(self, copy: Copy, *, lost: bool = False) -> None:
         """At the gate, the copy acquires with the generation it carries: stale, it is dropped;
         refused as running (a copy of it runs), it goes to the broker without a slot."""
         wait = Waiter(payload=copy.payload)
         result = self.acquire(
-            copy.key, copy.mid, wait=wait, route=copy.route, generation=copy.generation, starts=False
+            copy.key,
+            copy.mid,
+            wait=wait,
+            route=copy.route,
+            generation=copy.generation,
+            starts=False,
+            lost=lost,
         )
         if result.acquired or result.running:
             self.broker.append(dataclasses.replace(copy, standby=False))
@@ -682,30 +792,45 @@ class GuardModel(RuleBasedStateMachine):
         self.broker.append(Copy(key, mid, f"msg:{mid}".encode(), ORIGINAL_GENERATION, route, standby=False))
 
     @precondition(lambda self: self.broker)
-    @rule(data=st.data(), block=st.booleans(), dies=st.booleans())
-    def a_worker_picks_up_a_copy(self, data: st.DataObject, block: bool, dies: bool) -> None:
+    @rule(data=st.data(), block=st.booleans(), dies=st.booleans(), lost=LOST)
+    def a_worker_picks_up_a_copy(self, data: st.DataObject, block: bool, dies: bool, lost: bool) -> None:
         """A worker of the copy's route gets it and acquires with its generation, parking if refused.
 
         ``block``: with a wait, so a standby blocks in its place instead of parking again.
         ``dies``: a worker whose copy parked dies before the broker's ack: the broker delivers
         the same copy again (it must not start beside the stored one's hand-off).
+        ``lost``: the acquire's reply is lost (see :meth:`pick_up`).
         """
         with self.step():
             copy = data.draw(st.sampled_from(self.broker))
             self.broker.remove(copy)
-            self.pick_up(copy, BLOCK_MS if block else 0, dies=dies)
+            self.pick_up(copy, BLOCK_MS if block else 0, dies=dies, lost=lost)
 
-    def pick_up(self, copy: Copy, wait_ms: int, *, dies: bool = False, runner: str | None = None) -> None:
+    def pick_up(
+        self, copy: Copy, wait_ms: int, *, dies: bool = False, runner: str | None = None, lost: bool = False
+    ) -> None:
         """A worker thread (``runner``: a new one unless given) acquires for the copy it picked up.
 
         Refused as running (its message runs, or waits, on another thread: a thread that died
         blocking for it, whose entry has not lapsed), it is retried: back to the broker.
+
+        ``lost``: the acquire raised after it ran. The worker takes nothing back (another copy of
+        the message may hold the key): the message fails and Retries sends the same copy again. A
+        slot it got keeps that copy out until its lease lapses; a park made the stored payload the
+        copy that runs (the retried one is stale).
         """
         wait = Waiter(payload=copy.payload, wait_ms=wait_ms)
         runner = runner or next(self.threads_made)
-        result = self.acquire(
-            copy.key, copy.mid, wait=wait, route=copy.route, generation=copy.generation, runner=runner
-        )
+        try:
+            result = self.acquire(
+                copy.key, copy.mid, wait=wait, route=copy.route, generation=copy.generation, runner=runner,
+                lost=lost,
+            )  # fmt: skip
+        except ReplyLost as e:
+            if e.results[0].parked and not e.results[0].standby:
+                self.parked.setdefault(copy.mid, copy.key)
+            self.broker.append(copy)
+            return
         if result.running:
             self.broker.append(copy)
         elif result.standby:
@@ -718,16 +843,32 @@ class GuardModel(RuleBasedStateMachine):
     # --- rules: blocked threads ------------------------------------------------------------------
 
     @precondition(lambda self: self.threads)
-    @rule(data=st.data())
-    def a_thread_takes_its_wake(self, data: st.DataObject) -> None:
-        """A blocked thread looks for its wake (the push that handed it the slot, with its token)."""
+    @rule(data=st.data(), lost=LOST)
+    def a_thread_takes_its_wake(self, data: st.DataObject, lost: bool) -> None:
+        """A blocked thread looks for its wake (the push that handed it the slot, with its token).
+
+        ``lost``: the reply is lost (the wake, if any, was popped). The thread's wait raises: a
+        blocking waiter leaves the queue (giving back a slot it was handed), a standby's message
+        fails and Retries sends its copy again.
+        """
         with self.step():
             thread = self.threads[data.draw(st.sampled_from(sorted(self.threads)))]
-            self.take_wake(thread)
+            try:
+                self.take_wake(thread, lost=lost)
+            except ReplyLost:
+                del self.threads[thread.mid]
+                for name, _ in self.backends:
+                    self.wake_floor.pop((name, thread.key, thread.mid), None)
+                if thread.copy is not None:
+                    self.broker.append(thread.copy)
+                else:
+                    key, mid = thread.key, thread.mid
+                    results = self.call(key, lambda b: b.cancel_wait(key, mid, limit=DEFAULTS[key]))
+                    self.absorb(key, results, MAIN)
 
-    def take_wake(self, thread: Thread) -> None:
+    def take_wake(self, thread: Thread, *, lost: bool = False) -> None:
         key, mid = thread.key, thread.mid
-        results = self.call(key, lambda b: b.wait_for_handoff(key, mid, timeout_ms=0))
+        results = self.call(key, lambda b: b.wait_for_handoff(key, mid, timeout_ms=0), lost=lost)
         if results[0] is None:
             return
         for (name, _), woken in zip(self.backends, results, strict=True):
@@ -740,8 +881,8 @@ class GuardModel(RuleBasedStateMachine):
         self.started_now(key, mid, thread.runner)
 
     @precondition(lambda self: self.threads)
-    @rule(data=st.data(), dies=st.booleans(), dies_after_park=st.booleans())
-    def a_thread_gives_up(self, data: st.DataObject, dies: bool, dies_after_park: bool) -> None:
+    @rule(data=st.data(), dies=st.booleans(), dies_after_park=st.booleans(), lost=LOST)
+    def a_thread_gives_up(self, data: st.DataObject, dies: bool, dies_after_park: bool, lost: bool) -> None:
         """A blocked thread gives up: it parks its message again (or cancels its wait), or it dies.
 
         A thread that dies holding a message it picked up leaves it unacknowledged: the broker
@@ -754,11 +895,11 @@ class GuardModel(RuleBasedStateMachine):
                 if thread.copy is not None:
                     self.broker.append(thread.copy)
             elif thread.copy is not None:
-                self.pick_up(thread.copy, 0, dies=dies_after_park, runner=thread.runner)
+                self.pick_up(thread.copy, 0, dies=dies_after_park, runner=thread.runner, lost=lost)
             else:
                 key, mid = thread.key, thread.mid
                 results = self.call(key, lambda b: b.cancel_wait(key, mid, limit=DEFAULTS[key]))
-                self.absorb(key, results, MAIN)
+                self.absorb(key, results, MAIN, lost=lost)
 
     # --- invariants ------------------------------------------------------------------------------
 
@@ -858,8 +999,11 @@ class GuardModel(RuleBasedStateMachine):
         for copy in self.owed:
             self.confirm(copy)
         self.owed.clear()
-        while self.broker:
-            self.pick_up(self.broker.pop(0), 0)
+        # A copy refused as running (its message holds the key on another thread, or did and the
+        # holder's lease has not lapsed) goes back to the broker: it is picked up next round.
+        picked, self.broker = self.broker, []
+        for copy in picked:
+            self.pick_up(copy, 0)
         for mid, key in sorted(self.running.items()):
             self.release(key, mid)
 
