@@ -12,19 +12,32 @@ too::
         deliver_webhook.send(customer_id, n)
     join(stub_broker, deliver_webhook.queue_name)
     worker.join()
+
+:class:`GuardLimits` records, from the guard's events, the most messages
+that held each guard key at once, to assert that a limit held::
+
+    with GuardLimits() as limits:
+        ...  # send, run a worker, join
+    limits.assert_held("webhooks:42", limit=2)
+
+The pytest plugin (:mod:`dramatiq_guard_pytest`, docs/testing.md) offers both as
+fixtures: ``guard_join`` and ``guard_limits``.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from types import TracebackType
 from typing import Any
 
 from dramatiq import Broker
 
-from dramatiq_guard.events import lockwait_condition
-from dramatiq_guard.middleware.slots import SlotsMiddleware
+from dramatiq_guard import events
+from dramatiq_guard.events import EventSink, lockwait_condition
+from dramatiq_guard.middleware.slots import Concurrency, Mutex, SlotsMiddleware
 
-__all__ = ["join", "parked_count"]
+__all__ = ["GuardLimits", "join", "parked_count"]
 
 
 def parked_count(broker: Broker) -> int:
@@ -97,3 +110,145 @@ def _queue_empty(broker: Broker, queue_name: str) -> bool:
         if queue is not None and int(getattr(queue, "unfinished_tasks", 0)):
             return False
     return True
+
+
+class GuardLimits:
+    """The most messages that held each guard key at once, recorded from the guard's events.
+
+    While it records (from :meth:`start`, or entering it as a context
+    manager, to :meth:`stop`), it is the event sink of
+    :mod:`dramatiq_guard.events`; every event also goes on to the sink it
+    replaced (e.g. :class:`~dramatiq_guard.metrics.GuardMetrics`), which is
+    put back when it stops.
+
+    A message counts as a holder of its ``mutex`` or ``concurrency`` key from
+    the moment it holds the slot, before the actor starts, until the actor
+    has finished, before the slot is released: exactly while the actor's own
+    code may run. Only this process's holders are seen, so run the actors in
+    a :class:`dramatiq.Worker` of this process (as with a StubBroker), not in
+    worker processes of their own.
+
+    Keys are the guard keys that ``dramatiq-guard inspect`` shows
+    (``"concurrency:webhooks:42"``, ``"mutex:report"``); the methods also
+    take the key as the actor's ``key`` callable returned it
+    (``"webhooks:42"``). A key derived from argument names is digested: get
+    it with :meth:`Concurrency.key_for
+    <dramatiq_guard.middleware.slots.SlotsMiddleware.key_for>`, or read
+    :attr:`peaks`.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holding: dict[str, int] = {}
+        self._peaks: dict[str, int] = {}
+        self._previous: EventSink | None = None
+        self._recording = False
+        self._replaced_by: EventSink | None = None
+
+    def start(self) -> GuardLimits:
+        """Become the event sink and start recording; returns itself."""
+        if not self._recording:
+            self._previous = events.set_sink(self)
+            self._recording = True
+        return self
+
+    def stop(self) -> None:
+        """Stop recording and put back the sink that was there before (if nothing replaced this one)."""
+        if not self._recording:
+            return
+        self._recording = False
+        current = events.get_sink()
+        if current is self:
+            events.set_sink(self._previous)
+        else:
+            self._replaced_by = current
+
+    def __enter__(self) -> GuardLimits:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    @property
+    def peaks(self) -> dict[str, int]:
+        """The peak number of holders of every guard key held while recording."""
+        self._check_sink()
+        with self._lock:
+            return dict(self._peaks)
+
+    def peak(self, key: str) -> int:
+        """The most messages that held ``key`` at once (0: it was never held)."""
+        peaks = self.peaks
+        return max((peaks[name] for name in _names_of(key) if name in peaks), default=0)
+
+    def assert_held(self, key: str, limit: int) -> None:
+        """Assert that ``key`` was held, and by at most ``limit`` messages at once.
+
+        Raises:
+          AssertionError: Naming the key, its peak and the limit; or, if no
+            message held the key while recording (a mistyped key would pass
+            unseen otherwise), naming the keys that were held.
+        """
+        peaks = self.peaks
+        held = [name for name in _names_of(key) if name in peaks]
+        assert held, (
+            f"no message held the guard key {key!r} while holders were recorded; "
+            f"the keys held were: {', '.join(sorted(peaks)) or 'none'}"
+        )
+        for name in held:
+            assert peaks[name] <= limit, (
+                f"the limit of guard key {name!r} did not hold: "
+                f"peak {peaks[name]} holders at once, over its limit of {limit}"
+            )
+
+    def _check_sink(self) -> None:
+        replaced = self._replaced_by
+        if replaced is None and self._recording and events.get_sink() is not self:
+            replaced = events.get_sink()
+        if replaced is not None:
+            raise RuntimeError(
+                f"the guard's event sink was replaced while GuardLimits recorded (by {replaced!r}, e.g. "
+                f"GuardMetrics.setup()): holders after that were not seen, so peaks may be too low"
+            )
+
+    # The event sink (dramatiq_guard.events.EventSink): holders per key, everything passed on.
+
+    def key_holders(self, key: str, delta: int) -> None:
+        with self._lock:
+            holding = self._holding[key] = self._holding.get(key, 0) + delta
+            if holding > self._peaks.get(key, 0):
+                self._peaks[key] = holding
+        forward = getattr(self._previous, "key_holders", None)
+        if forward is not None:
+            forward(key, delta)
+
+    def count(self, event: str, actor: str) -> None:
+        if self._previous is not None:
+            self._previous.count(event, actor)
+
+    def holders(self, actor: str, delta: int) -> None:
+        if self._previous is not None:
+            self._previous.holders(actor, delta)
+
+    def waiters(self, actor: str, delta: int) -> None:
+        if self._previous is not None:
+            self._previous.waiters(actor, delta)
+
+    def lock_waited(self, actor: str, duration_ms: float) -> None:
+        if self._previous is not None:
+            self._previous.lock_waited(actor, duration_ms)
+
+    def redis_settings(self, evicting: bool | None, persistent: bool | None) -> None:
+        forward = getattr(self._previous, "redis_settings", None)
+        if forward is not None:
+            forward(evicting, persistent)
+
+
+def _names_of(key: str) -> list[str]:
+    """The guard keys ``key`` may stand for: itself, and the key a callable returned under each prefix."""
+    return [key, *(f"{prefix}:{key}" for prefix in (Mutex.prefix, Concurrency.prefix))]
