@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from dramatiq import Broker, Message
+from dramatiq.brokers.redis import RedisBroker
+from dramatiq.brokers.stub import StubBroker
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import ORIGINAL_GENERATION, GuardBackend, Handoff
@@ -31,6 +33,7 @@ from dramatiq_guard.gate import Outcome, gate_for
 __all__ = [
     "GENERATIONS_OPTION",
     "Courier",
+    "acks_are_final",
     "carry_generation",
     "copy_generation",
     "courier_for",
@@ -68,6 +71,18 @@ def copy_generation(message: Message[Any] | Any, key: str) -> int:
     """
     generation = generation_of(message, key)
     return ORIGINAL_GENERATION if generation is None else generation
+
+
+def acks_are_final(broker: Broker) -> bool:
+    """Whether a message ``broker`` acked (``after_ack`` ran) can never be delivered again.
+
+    True for a RedisBroker (its ack is a script that has run when ``after_ack``
+    fires) and a StubBroker; False for any other: RabbitMQ's ``basic_ack`` is
+    not confirmed, and a connection lost just after it redelivers the message.
+    Where it is False, a parked copy's generation record is kept for
+    ``stale_ttl_ms`` (backend contract, *generations*).
+    """
+    return isinstance(broker, (RedisBroker, StubBroker))
 
 
 class Courier:

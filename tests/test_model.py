@@ -294,6 +294,9 @@ class GuardModel(RuleBasedStateMachine):
         self.away: list[Copy] = []  # parked by another guard on the way, not back at its key's gate yet
         self.withdrawals: list[Copy] = []  # parked by another guard, not withdrawn from its key yet
         self.parked: dict[str, str] = {}  # every message that parked -> its key
+        # Messages of which a copy parked after pickup and was never acked (its worker died, or the
+        # acquire's reply was lost): only these may keep a record that the ack would have taken.
+        self.unacked_parks: set[str] = set()
         self.started: Counter[str] = Counter()
         self.top: dict[tuple[str, str], int] = {}  # (backend, key) -> the highest token seen
         self.seen: dict[tuple[str, str], set[int]] = {}  # (backend, key) -> every token seen
@@ -829,6 +832,7 @@ class GuardModel(RuleBasedStateMachine):
         except ReplyLost as e:
             if e.results[0].parked and not e.results[0].standby:
                 self.parked.setdefault(copy.mid, copy.key)
+                self.unacked_parks.add(copy.mid)
             self.broker.append(copy)
             return
         if result.running:
@@ -838,7 +842,11 @@ class GuardModel(RuleBasedStateMachine):
         elif result.parked:
             self.parked.setdefault(copy.mid, copy.key)  # an original that parked after pickup
             if dies:
+                self.unacked_parks.add(copy.mid)
                 self.broker.append(copy)
+            else:  # the broker acked the copy (after_ack): it cannot come back
+                key, mid = copy.key, copy.mid
+                self.call(key, lambda b: b.forget_parked_copy(key, mid))
 
     # --- rules: blocked threads ------------------------------------------------------------------
 
@@ -1032,6 +1040,16 @@ class GuardModel(RuleBasedStateMachine):
         never = sorted(mid for mid in self.parked if not self.started[mid])
         assert not never, f"parked messages never started: {never}"
         self.every_parked_message_is_somewhere_and_started_at_most_once()
+        for client in (self.redis_client, self.cluster_client):
+            for name in self.stored(client):
+                record: Any = client.get(name) if "}:gens:" in name else None
+                if (
+                    record is not None
+                    and (record.decode() if isinstance(record, bytes) else record)[:1] == "~"
+                ):
+                    # Kept for the parked copy only: its ack takes it, so only an unacked one is left.
+                    waiter = name.rpartition("}:gens:")[2]
+                    assert waiter in self.unacked_parks, f"{name} outlived the work of an acked copy"
         self.clock.advance(DAY_MS + 1)
         for client in (self.redis_client, self.cluster_client):
             assert self.stored(client) == [], f"left in Redis after a day: {self.stored(client)}"

@@ -138,7 +138,11 @@ generations
     So at most one copy of a parked message ever starts; a copy that started
     may start again only as a redelivery of itself (Dramatiq's own
     at-least-once). The record of which generation may start is kept per
-    waiter, for ``stale_ttl_ms`` after its last change.
+    waiter, for ``stale_ttl_ms`` after its last change; one written by a
+    park, with no record before, is kept for the copy that parked only, and
+    forgotten when the broker acks that copy (:meth:`~GuardBackend.forget_parked_copy`):
+    then no second copy can exist, and a message that parked after pickup
+    leaves nothing behind once it is done.
 
     A copy of a hand-off or send may also come back to the key's enqueue
     gate (another guard of its actor parked it on its way, and handed it on
@@ -508,6 +512,24 @@ class GuardBackend(abc.ABC):
         Returns:
           Woken|None: The token and the reservation left, or None if no slot
           was handed to the waiter within ``timeout_ms``.
+        """
+
+    @abc.abstractmethod
+    def forget_parked_copy(self, key: str, waiter_id: str) -> bool:
+        """The broker acked the copy of ``waiter_id`` that parked after pickup: it cannot come back.
+
+        The record of which generation may start, written when that copy
+        parked (see *generations*), is forgotten if it was kept for that copy
+        only: no record existed before the park, and no hand-off or standby
+        send of the waiter lapsed since. Any other record stays, for
+        ``stale_ttl_ms`` (a copy that must not start may still be on the
+        broker). Called only for a broker whose ack is known to have landed
+        (:func:`~dramatiq_guard.delivery.acks_are_final`); a copy whose worker
+        died before the ack keeps its record, and the broker's second delivery
+        of it never starts.
+
+        Returns:
+          bool: Whether a record was forgotten.
         """
 
     @abc.abstractmethod

@@ -76,8 +76,9 @@ class _Guard:
     token: int = 0
     token_ms: int = 0  # when the last token was issued: it outlives the key's state by stale_ttl_ms
     default_limit: int | None = None  # recorded when a waiter queues, for callers that do not know it
-    # waiter -> (the one generation of its message that may start, until when it is remembered)
-    live: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # waiter -> (the one generation of its message that may start, until when it is remembered,
+    # whether it is kept only for the copy that parked: that copy's ack forgets it, forget_parked_copy)
+    live: dict[str, tuple[int, int, bool]] = dataclasses.field(default_factory=dict)
     clock: Callable[[], int] = time.time_ns  # the backend's clock, in ns since the epoch
 
     def next_token(self) -> int:
@@ -133,14 +134,14 @@ class _Guard:
     def mark_lapsed(self, waiter: str, entry: _Entry, until: int) -> None:
         """Its hand-off or send lapsed unconfirmed: only that generation's copy may start now."""
         if entry.generation is not None:
-            self.live[waiter] = (entry.generation, until)
+            self.live[waiter] = (entry.generation, until, False)
             entry.generation = None
 
     def new_generation(self, waiter: str, entry: _Entry, until: int) -> int:
         """A new generation for the waiter's hand-off or standby send (see the contract)."""
         entry.generation = self.next_token()
         if waiter in self.live:
-            self.live[waiter] = (entry.generation, until)
+            self.live[waiter] = (entry.generation, until, self.live[waiter][2])
         return entry.generation
 
     def is_stale(self, waiter: str, generation: int | None) -> bool:
@@ -351,7 +352,7 @@ class MemoryBackend(GuardBackend):
                 guard.woken.pop(holder, None)
                 if generation is not None and holder in guard.live:
                     # This copy started: it is the one that may start again (a redelivery).
-                    guard.live[holder] = (generation, now + self.stale_ttl_ms)
+                    guard.live[holder] = (generation, now + self.stale_ttl_ms, guard.live[holder][2])
                 token = guard.next_token() if fenced else None
             elif wait is not None:
                 entry = guard.queue.get(holder)
@@ -377,8 +378,10 @@ class MemoryBackend(GuardBackend):
                         if generation is not None:
                             # A copy from the broker parked in its place: it is the entry now (no
                             # copy on the broker may start, this one included if delivered again,
-                            # and a late confirmation does not take the entry out).
-                            guard.live[holder] = (_REPARKED, now + self.stale_ttl_ms)
+                            # and a late confirmation does not take the entry out). With no record
+                            # before, it is kept for this copy only, until the broker acks it.
+                            only_parked = holder not in guard.live
+                            guard.live[holder] = (_REPARKED, now + self.stale_ttl_ms, only_parked)
                 entry.info = (info or None) if entry.ready else None
                 entry.runner = runner if entry.ready else None
                 parked = True
@@ -527,6 +530,17 @@ class MemoryBackend(GuardBackend):
                 if remaining <= 0:
                     return None
                 self._changed.wait(remaining)
+
+    def forget_parked_copy(self, key: str, waiter_id: str) -> bool:
+        """The broker acked the parked copy of ``waiter_id``; see :meth:`GuardBackend.forget_parked_copy`."""
+        check_key(key)
+        with self._changed:
+            guard = self._guards.get(key)
+            live = guard.live.get(waiter_id) if guard is not None else None
+            if guard is None or live is None or not live[2]:
+                return False
+            del guard.live[waiter_id]
+            return True
 
     def cancel_wait(
         self, key: str, waiter_id: str, *, limit: int | None, generation: int | None = None

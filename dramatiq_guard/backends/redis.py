@@ -596,6 +596,11 @@ class RedisBackend(GuardBackend):
             return None
         return max(socket_timeout - 1.0, socket_timeout / 2)
 
+    def forget_parked_copy(self, key: str, waiter_id: str) -> bool:
+        """The broker acked the parked copy of ``waiter_id``; see :meth:`GuardBackend.forget_parked_copy`."""
+        self._check_waiter(waiter_id)
+        return bool(self._run("forget_copy", key, None, waiter_id))
+
     def cancel_wait(
         self, key: str, waiter_id: str, *, limit: int | None, generation: int | None = None
     ) -> ReleaseResult:

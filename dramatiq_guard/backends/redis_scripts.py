@@ -81,6 +81,7 @@ PRELUDE_SCRIPTS = (
     "set_limit",
     "inspect",
     "standby",
+    "forget_copy",
 )
 #: Scripts with a common path run before the prelude (``lua/<name>_fast.lua``): see docs/redis.md.
 FAST_PATHS = ("acquire", "release")
@@ -89,7 +90,7 @@ LEAN_SCRIPTS = ("lock", "renew", "unindex", "due", "summaries", "health")
 #: The flags of the functions that have any (see above): read-only, or taking state away.
 FLAGS = {
     **dict.fromkeys(("inspect", "summaries", "due"), "no-writes"),
-    **dict.fromkeys(("release", "cancel_wait", "sweep", "unindex"), "allow-oom"),
+    **dict.fromkeys(("release", "cancel_wait", "sweep", "unindex", "forget_copy"), "allow-oom"),
 }
 
 

@@ -34,7 +34,11 @@
 --                    lapsed unconfirmed, or a copy from the broker parked, and may be delivered
 --                    again); 'parked' when no copy on the broker may start. Each outlives the key's
 --                    other state, expiring STALE_TTL after its own last write (so a key that keeps
---                    parking keeps no more than a STALE_TTL's worth)
+--                    parking keeps no more than a STALE_TTL's worth). Prefixed with '~' while the
+--                    one copy it is kept for is the copy that parked (it was written by that park,
+--                    with no record before, and no hand-off or send lapsed since): the broker's ack
+--                    of that copy deletes it then (forget_copy.lua), so it outlives the work only
+--                    where a second copy can exist (the worker died before the ack)
 --   KEYS[12] Q zset  ready waiter -> its place in W (the same members as D, by place: the ready
 --                    waiters at the head of the queue, for choose)
 --   KEYS[13] X zset  the waiting-keys index (guard key -> when it is next due for a sweep, see
@@ -238,14 +242,20 @@ local function unset_ready(list)
   call_many('HDEL', M, prefixed('u:', list))
 end
 
--- The generation of w's message that may start (its record in G), or nil if any may.
+-- The generation of w's message that may start (its record in G), or false if any may; and
+-- whether the record is kept only for the copy that parked (its '~' prefix, see KEYS[11]).
 local function live_generation(w)
-  return redis.call('GET', G .. ':' .. w)
+  local record = redis.call('GET', G .. ':' .. w)
+  if record and string.sub(record, 1, 1) == '~' then
+    return string.sub(record, 2), true
+  end
+  return record, false
 end
 
--- From now on only `gen` of w's message may start ('parked': no copy on the broker), for STALE_TTL.
-local function set_live_generation(w, gen)
-  redis.call('SET', G .. ':' .. w, gen, 'PX', STALE_TTL)
+-- From now on only `gen` of w's message may start ('parked': no copy on the broker), for STALE_TTL;
+-- `only_parked`: the record is kept only for the copy that parked (its ack deletes it).
+local function set_live_generation(w, gen, only_parked)
+  redis.call('SET', G .. ':' .. w, (only_parked and '~' or '') .. gen, 'PX', STALE_TTL)
 end
 
 -- These waiters' hand-offs or standby sends lapsed unconfirmed: their copy (of the generation in
@@ -275,8 +285,9 @@ end
 local function new_generation(w)
   local gen = fmt(next_token())
   redis.call('HSET', M, 'g:' .. w, gen)
-  if live_generation(w) then
-    set_live_generation(w, gen)
+  local live, only_parked = live_generation(w)
+  if live then
+    set_live_generation(w, gen, only_parked)
   end
   return gen
 end

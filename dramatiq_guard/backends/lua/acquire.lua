@@ -42,8 +42,11 @@ OWNED = true
 reclaim()
 local generation = arg(7)
 -- The holder's generation record, read once: whether it exists cannot change below (a hand-off
--- to the holder rewrites an existing one only, new_generation).
-local live = generation ~= '' and live_generation(holder)
+-- to the holder rewrites an existing one only, new_generation); only_parked: see KEYS[11].
+local live, only_parked = false, false
+if generation ~= '' then
+  live, only_parked = live_generation(holder)
+end
 if live and live ~= generation then
   finish()
   return { 0, false, limit_in_force(), 'stale', {}, {} }
@@ -113,7 +116,7 @@ if acquired then
   end
   if live then
     -- This copy started: it is the one that may start again (a redelivery), no older one.
-    set_live_generation(holder, generation)
+    set_live_generation(holder, generation, only_parked)
   end
   if fenced then
     token = next_token()
@@ -140,8 +143,9 @@ elseif mode ~= '' then
       -- A copy from the broker parked in its place: it is the queue entry now. No copy on the
       -- broker may start any more (this one included, if the broker delivers it again: its
       -- worker may die before the ack), and a late confirmation of its own generation must not
-      -- take the entry out (confirm_handoff.lua): that copy is gone.
-      set_live_generation(holder, 'parked')
+      -- take the entry out (confirm_handoff.lua): that copy is gone. With no record before, it
+      -- is kept for this copy only, until the broker acks it (forget_copy.lua).
+      set_live_generation(holder, 'parked', not live)
     end
   else
     set_ready(holder, NOW + tonumber(arg(5)), runner)

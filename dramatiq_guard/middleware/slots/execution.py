@@ -58,10 +58,14 @@ def hold(message: MessageProxy, state: ExecutionState, option: str, lease: Lease
 
 
 def take_held(state: ExecutionState, option: str) -> Held | None:
-    """The lease this execution held, if any, forgotten (and ``current_lease()`` reset)."""
-    held = state.data.pop(option, None)
+    """The lease this execution held, if any, forgotten (and ``current_lease()`` reset).
+
+    Why it did not run (:class:`NotRun`) stays, for ``after_ack``.
+    """
+    held = state.data.get(option)
     if not isinstance(held, Held):
         return None
+    del state.data[option]
     if held.context is not None:
         try:
             current_lease_var.reset(held.context)

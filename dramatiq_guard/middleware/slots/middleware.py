@@ -23,7 +23,7 @@ from dramatiq.brokers.stub import StubBroker
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Waiter
-from dramatiq_guard.delivery import Courier, copy_generation, keep_polling
+from dramatiq_guard.delivery import Courier, acks_are_final, copy_generation, keep_polling
 from dramatiq_guard.errors import BackendUnavailable, GuardError, MutexWaitTimeout
 from dramatiq_guard.lease import Lease, runner_id
 from dramatiq_guard.middleware.base import (
@@ -34,6 +34,7 @@ from dramatiq_guard.middleware.base import (
     fail_open,
 )
 from dramatiq_guard.middleware.slots.execution import (
+    NotRun,
     defer_second_copy,
     hold,
     skip_dropped,
@@ -415,6 +416,20 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         """Release the lease if a later middleware skipped the message after it acquired."""
         self._finish(broker, message)
+
+    def after_ack(self, broker: Broker, message: MessageProxy) -> None:
+        """A copy that parked after pickup was acked: its generation record goes (contract, *generations*).
+
+        Only on a broker whose ack cannot be undone (:func:`~dramatiq_guard.delivery.acks_are_final`):
+        elsewhere, and if the backend cannot be reached, the record lapses after ``stale_ttl_ms``.
+        """
+        not_run = execution_state(message).data.get(self.option)
+        if not (isinstance(not_run, NotRun) and not_run.reason == "parked" and acks_are_final(broker)):
+            return
+        try:
+            self.backend(broker).forget_parked_copy(not_run.key, message.message_id)
+        except BackendUnavailable:
+            logger.debug("Could not forget the parked copy of %s; its record lapses on its own.", message)
 
     def _finish(self, broker: Broker, message: MessageProxy) -> None:
         guard = self.guard_of(message)
