@@ -496,8 +496,14 @@ def wait_for(predicate: Any, timeout: float, pause: float = 0.2) -> float | None
         time.sleep(pause)
 
 
+#: The namespace-wide keys that stay: the limits and waiting-keys indexes, the layout record, and the
+#: live workers' records (expiring a minute after the last one stopped).
+KEPT = ("limits", "waiting", "layout", "processes")
+
+
 def guard_keys(client: Any) -> dict[str, list[tuple[str, str, int]]]:
-    """The guard's keys by kind: ``kept`` (limits, the waiting index), ``gens`` (a waiter's
+    """The guard's keys by kind: ``kept`` (limits, the waiting index, the layout record, the live
+    workers' records), ``gens`` (a waiter's
     generation record, expiring a day after its last write), ``tokens`` (a
     key's last fencing token, expiring a day after it was issued), ``other``; each as (key, type,
     ttl in ms, -1 for none). ``client``: a Redis or RedisCluster client."""
@@ -505,7 +511,7 @@ def guard_keys(client: Any) -> dict[str, list[tuple[str, str, int]]]:
     for raw in sorted(client.scan_iter(f"{GUARD_NS}:*".encode())):
         key = raw.decode()
         kind = "other"
-        if key.endswith(":limit") or key in {f"{GUARD_NS}:limits", f"{GUARD_NS}:waiting"}:
+        if key.endswith(":limit") or key in {f"{GUARD_NS}:{name}" for name in KEPT}:
             kind = "kept"
         elif "}:gens:" in key and int(client.pttl(raw)) >= 0:
             kind = "gens"

@@ -236,6 +236,34 @@ class EvictingRedis(ConfigurationError):
         self.policy = policy
 
 
+class LayoutTooNew(ConfigurationError):
+    """The guard's Redis holds state in a layout newer than this version reads (a downgrade).
+
+    Each namespace records the layout of its state (``<namespace>:layout``,
+    see :data:`dramatiq_guard.backends.redis_health.LAYOUT`); a process whose
+    version knows only older layouts would misread parked messages, holders
+    and dedup locks, so it refuses to start instead.
+
+    Parameters:
+      stored(int): The layout recorded in Redis.
+      known(int): The newest layout this version reads.
+      where(str): Which server and namespace (for the message).
+      key(str): The Redis key of the record.
+    """
+
+    def __init__(self, stored: int, known: int, where: str, key: str) -> None:
+        from dramatiq_guard import __version__
+
+        super().__init__(
+            f"the guard's state in {where} is in layout {stored}, written by a newer dramatiq-guard; "
+            f"this one ({__version__}) reads layouts up to {known} only and would misread it: run the "
+            f"newer version, or another namespace; to go back to this version, let the namespace drain "
+            f"(no parked message, holder or dedup lock left) and delete the key {key!r}"
+        )
+        self.stored = stored
+        self.known = known
+
+
 class PayloadTooLarge(GuardError, ValueError):
     """A message that would park is larger than the backend's ``max_payload_bytes``.
 

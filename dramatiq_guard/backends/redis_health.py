@@ -24,6 +24,12 @@ renamed it) logs a note and is not an error; a Redis that cannot be reached
 at install is checked on first use instead. Each backend is read once per
 process.
 
+The layout of the guard's state is checked at the same time (:func:`check_layout`): each namespace
+records, in ``<namespace>:layout``, the layout its state is written in (:data:`LAYOUT`); a process
+of a version that knows only older layouts refuses to start
+(:class:`~dramatiq_guard.errors.LayoutTooNew`) rather than misread parked messages, holders and
+dedup locks. The record is written once (``SET NX``) and stays, as run-time limits do.
+
 What is lost while workers run is detected by :mod:`dramatiq_guard.backends.redis_watch`.
 """
 
@@ -43,13 +49,15 @@ from dramatiq_guard import events
 from dramatiq_guard.backends.base import GuardBackend
 from dramatiq_guard.backends.redis import RedisBackend
 from dramatiq_guard.backends.redis_client import RedisClient, text
-from dramatiq_guard.errors import EvictingRedis
+from dramatiq_guard.errors import EvictingRedis, LayoutTooNew
 
 __all__ = [
     "ALLOW_EVICTING_ENV",
+    "LAYOUT",
     "RESTART_LOSES",
     "RedisSettings",
     "check",
+    "check_layout",
     "forget_settings",
     "known_settings",
     "read_settings",
@@ -66,6 +74,12 @@ RESTART_LOSES = (
     "every parked message (the lockwait area: they are never run), every dedup lock (a duplicate "
     "gets in) and every holder (a limit can be exceeded while the holders from before still run)"
 )
+
+#: The layout of the guard's state in Redis that this version reads and writes. It rises only with a
+#: version whose state an older one would misread; such a version reads the layout before it too,
+#: and writes it until every process of the namespace runs the new one (a rolling deploy), then
+#: records its own. A process never starts on a namespace recorded in a newer layout.
+LAYOUT = 1
 
 UNREACHABLE: tuple[type[Exception], ...] = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
@@ -235,6 +249,8 @@ def check(backend: GuardBackend, *, allow_evicting: bool | None = None) -> Redis
     Raises:
       EvictingRedis: If the server's ``maxmemory-policy`` may evict keys and
         evicting was not allowed.
+      LayoutTooNew: If the namespace's state is in a layout newer than
+        :data:`LAYOUT` (see :func:`check_layout`).
     """
     if not isinstance(backend, RedisBackend):
         return None
@@ -247,6 +263,7 @@ def check(backend: GuardBackend, *, allow_evicting: bool | None = None) -> Redis
         if settings is None:
             try:
                 settings = read_settings(backend.client)
+                check_layout(backend)
             except UNREACHABLE as e:
                 logger.warning(
                     "Could not check the guard's Redis settings (%s); they are checked when it answers.", e
@@ -271,6 +288,38 @@ def check(backend: GuardBackend, *, allow_evicting: bool | None = None) -> Redis
                 ALLOW_EVICTING_ENV,
             )
     return settings
+
+
+def check_layout(backend: RedisBackend, *, record: bool = True) -> int:
+    """Refuse a namespace whose state is in a layout newer than :data:`LAYOUT`.
+
+    Parameters:
+      backend(RedisBackend): The backend.
+      record(bool): Record :data:`LAYOUT` if no layout is recorded yet
+        (``SET NX``, the same round trip); False only reads (the command
+        line leaves nothing behind).
+
+    Returns:
+      int: The layout recorded (:data:`LAYOUT` if none is).
+
+    Raises:
+      LayoutTooNew: If the recorded layout is newer than :data:`LAYOUT`.
+      redis.exceptions.ConnectionError: If Redis cannot be reached.
+    """
+    key = f"{backend.namespace}:layout"
+    if record:
+        pipe = backend.client.pipeline(transaction=False)
+        pipe.set(key, LAYOUT, nx=True)
+        pipe.get(key)
+        stored = pipe.execute()[1]
+    else:
+        stored = backend.client.get(key)
+    layout = LAYOUT if stored is None else int(stored)
+    if layout > LAYOUT:
+        client = backend.client
+        server = "a Redis Cluster" if isinstance(client, redis.cluster.RedisCluster) else where(client)
+        raise LayoutTooNew(layout, LAYOUT, f"namespace {backend.namespace!r} of {server}", key)
+    return layout
 
 
 def _report(settings: RedisSettings) -> None:

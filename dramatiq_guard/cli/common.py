@@ -111,9 +111,18 @@ class Context:
 
             namespace = getattr(self.args, "namespace", None) or DEFAULT_NAMESPACE
             try:
-                self._backend = RedisBackend.from_url(self.redis_url, namespace=namespace)
+                backend = RedisBackend.from_url(self.redis_url, namespace=namespace)
             except ValueError as e:
                 raise UsageError(f"bad Redis URL or namespace: {e}") from None
+            from dramatiq_guard.backends.redis_health import check_layout
+            from dramatiq_guard.errors import LayoutTooNew
+
+            try:  # state of a newer version would be misread (and nothing is recorded: a read)
+                check_layout(backend, record=False)
+            except LayoutTooNew as e:
+                backend.close()
+                raise OperationalError(str(e)) from None
+            self._backend = backend
         return self._backend
 
     def print(self, text: str = "") -> None:

@@ -118,11 +118,11 @@ def guard_leftovers(
     which expire ``stale_ttl_ms`` after their last write (left out only while
     they have an expiry), the live workers' records of the function library
     they run (``<namespace>:processes``, also only while it has an expiry),
-    and ``<namespace>:waiting`` are left out;
+    ``<namespace>:waiting`` and the layout record (``<namespace>:layout``) are left out;
     ``<namespace>:limits`` too with ``keep_limits_index``, for a test that set
     limits. Once the work drained, anything else is guard state left behind.
     """
-    kept = {f"{namespace}:waiting".encode()}
+    kept = {f"{namespace}:waiting".encode(), f"{namespace}:layout".encode()}
     if keep_limits_index:
         kept.add(f"{namespace}:limits".encode())
     return sorted(
