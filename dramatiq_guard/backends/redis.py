@@ -92,16 +92,20 @@ class _KeyNames(NamedTuple):
     ready: str
 
 
-@functools.lru_cache(maxsize=4096)
 def _key_names(namespace: str, key: str) -> _KeyNames:
-    """The Redis keys of guard key ``key`` (cached: a message's acquire and release both need them).
+    """The Redis keys of guard key ``key``.
 
     Raises:
-      ValueError: If ``key`` is not allowed (never cached).
+      ValueError: If ``key`` is not allowed.
     """
     check_key(key)
     prefix = f"{namespace}:{{{key}}}:"
     return _KeyNames._make([prefix + suffix for suffix in _KeyNames._fields])
+
+
+#: The same, cached for the keys messages use (a message's acquire and release both need them); reads
+#: (inspect, get_limit: the command, the dashboard) do not cache, so made-up keys cost nothing kept.
+_used_key_names = functools.lru_cache(maxsize=4096)(_key_names)
 
 
 class RedisBackend(GuardBackend):
@@ -250,11 +254,11 @@ class RedisBackend(GuardBackend):
         return self._cluster
 
     def _names(self, key: str) -> _KeyNames:
-        return _key_names(self.namespace, key)
+        return _used_key_names(self.namespace, key)
 
-    def _keys(self, key: str) -> list[str]:
+    def _keys(self, key: str, *, cached: bool = True) -> list[str]:
         """The KEYS of a per-key script: the key's names, then the waiting-keys index (standalone only)."""
-        names = _key_names(self.namespace, key)
+        names = (_used_key_names if cached else _key_names)(self.namespace, key)
         return list(names) if self._in_cluster() else [*names, self._index]
 
     def _wake_prefix(self, key: str) -> str:
@@ -680,7 +684,7 @@ class RedisBackend(GuardBackend):
     def get_limit(self, key: str) -> int | None:
         """The run-time limit of ``key``, or None."""
         with reachable():
-            value = self.client.get(self._names(key).limit)
+            value = self.client.get(_key_names(self.namespace, key).limit)
         return None if value is None else int(value)
 
     def inspect(self, key: str, *, waiters: int | None = None) -> KeyState:
@@ -691,7 +695,8 @@ class RedisBackend(GuardBackend):
         """
         if waiters is not None:
             check_count(waiters, "waiters")
-        return self._inspect_reply(self._run("inspect", key, 0, "" if waiters is None else waiters))
+        args = self._args(key, 0, "" if waiters is None else waiters)
+        return self._inspect_reply(self._call(self.scripts["inspect"], self._keys(key, cached=False), args))
 
     def waiting_keys(self) -> list[str]:
         """Keys in the waiting-keys index (see the module docstring).
