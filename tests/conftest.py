@@ -83,6 +83,7 @@ from harness import (  # noqa: E402
     DramatiqWorker,
     Recorder,
     RedisServer,
+    redis_server_executable,
     services,
     unavailable,
 )
@@ -173,8 +174,9 @@ def restore_global_broker() -> Iterator[None]:
 
 # --- Redis ----------------------------------------------------------------------------------
 
-#: pytest-redis's process fixture, on a random free port (overrides the plugin's default).
-redis_proc = factories.redis_proc(port=None)  # type: ignore[arg-type]  # None: a random free port
+#: pytest-redis's process fixture, on a random free port (overrides the plugin's default); the
+#: server is ``$DRAMATIQ_GUARD_TEST_REDIS_SERVER`` if set, else pytest-redis's ``redis_exec``.
+redis_proc = factories.redis_proc(port=None, executable=redis_server_executable())  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="session")

@@ -51,7 +51,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS_DIR))
 
 from backend_procs import contend  # noqa: E402
-from harness import free_port, wait_until  # noqa: E402
+from harness import free_port, redis_server_executable, wait_until  # noqa: E402
 
 KEY = "slots:webhooks:42"
 #: How long a bounded wait on time may take beyond what it waits for.
@@ -144,7 +144,8 @@ def _start_cluster_node(directory: Path) -> tuple[subprocess.Popen[bytes], int]:
     # Both ports explicit: the default bus port (port + 10000) may be taken or out of range.
     port, bus_port = free_port(), free_port()
     server = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--cluster-port", str(bus_port), "--bind", "127.0.0.1",
+        [redis_server_executable() or "redis-server",
+         "--port", str(port), "--cluster-port", str(bus_port), "--bind", "127.0.0.1",
          "--save", "", "--appendonly", "no", "--cluster-enabled", "yes",
          "--cluster-config-file", str(directory / f"nodes-{port}.conf"), "--dir", str(directory),
          "--loglevel", "warning", "--logfile", str(log)],

@@ -27,7 +27,7 @@ from .env import (
 from .fake_clock import FakeClock, libfaketime
 from .proxy import SilentProxy
 from .recorder import Gate, Recorder
-from .redis_server import RedisServer, free_port
+from .redis_server import REDIS_SERVER_ENV, RedisServer, free_port, redis_server_executable
 from .waiting import (
     WaitTimeout,
     guard_leftovers,
@@ -44,6 +44,7 @@ __all__ = [
     "MARIADB_URL_ENV",
     "POSTGRES_URL_ENV",
     "RABBITMQ_URL_ENV",
+    "REDIS_SERVER_ENV",
     "REDIS_URL_ENV",
     "DramatiqWorker",
     "FakeClock",
@@ -63,6 +64,7 @@ __all__ = [
     "redis_broker_dead",
     "redis_broker_pending",
     "redis_client_from_env",
+    "redis_server_executable",
     "redis_url_from_env",
     "unavailable",
     "wait_for_redis_broker_drain",

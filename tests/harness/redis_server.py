@@ -19,6 +19,15 @@ from pathlib import Path
 
 import redis
 
+#: The ``redis-server`` (or ``valkey-server``) the tests start, if not the one on PATH; the
+#: version matrix (``noxfile.py``) runs the same tests on other servers through it.
+REDIS_SERVER_ENV = "DRAMATIQ_GUARD_TEST_REDIS_SERVER"
+
+
+def redis_server_executable() -> str | None:
+    """The server executable the tests start: ``$DRAMATIQ_GUARD_TEST_REDIS_SERVER``, else None."""
+    return os.environ.get(REDIS_SERVER_ENV) or None
+
 
 def free_port() -> int:
     """A TCP port that was free on 127.0.0.1 a moment ago."""
@@ -45,9 +54,11 @@ class RedisServer:
         args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
     ) -> None:
-        found = executable or shutil.which("redis-server")
+        found = executable or redis_server_executable() or shutil.which("redis-server")
         if found is None:
-            raise RuntimeError("redis-server is not on PATH (apt-get install redis-server)")
+            raise RuntimeError(
+                f"redis-server is not on PATH (apt-get install redis-server) and ${REDIS_SERVER_ENV} is unset"
+            )
         self.executable = found
         self.port = port or free_port()
         self.host = "127.0.0.1"
