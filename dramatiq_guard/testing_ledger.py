@@ -115,7 +115,7 @@ def assert_idempotent(
 
     Parameters:
       actor: The actor (declared on the broker it will run on).
-      *args, **kwargs: Its arguments.
+      *args: Its positional arguments.
       effects: Returns a comparable snapshot of the actor's effects (rows,
         balances, sent emails...). Called before, after the first and after
         the second run.
@@ -127,6 +127,7 @@ def assert_idempotent(
       worker: A running worker on the actor's broker; default: one started
         (with one thread) for the call and stopped after.
       timeout: Seconds to wait for each run.
+      **kwargs: Its keyword arguments.
 
     Returns:
       The effects after the first run.
