@@ -227,7 +227,7 @@ def write_apps(
     replica_waits: int = 0,
 ) -> tuple[App, App]:
     base = server.url.rsplit("/", 1)[0]
-    # The guard's own client, its calls bounded below the 3 s lease (see README, "A silent Redis").
+    # The guard's own client, its calls bounded below the 3 s lease (docs/failure-model.md, "A silent Redis").
     guard = repr(f"{base}/0?socket_timeout=2&socket_connect_timeout=2")
     records_url = f"{base}/2"
     a = App("a", f"chaos_app_a_{run_tag}", "chaos_a", "redis", f"{base}/1")
@@ -245,8 +245,8 @@ def write_apps(
             broker_setup=template.format(url=app.broker_url),
             guard=guard,
             replica_waits=replica_waits,
-            # Two applications on one RabbitMQ vhost would have the same route (README, "Two
-            # applications on one guard Redis"): named apart.
+            # Two applications on one RabbitMQ vhost would have the same route (docs/failure-model.md,
+            # "Two applications on one guard Redis"): named apart.
             route=None if cluster is None else f"chaos-{app.name}",
             records_url=records_url,
             records_key=RECORDS_KEY,

@@ -98,15 +98,16 @@ def install(
         None: the ``DRAMATIQ_GUARD_ROUTE`` environment variable, else the
         broker as configured (:func:`dramatiq_guard.resolve.route_of`: host
         names as written, never resolved). Every process of one application
-        must have the same route, and no other application's (see README,
-        "Two applications on one guard Redis"). It is required where the
-        guard cannot describe the broker: a broker other than Redis, RabbitMQ
-        or Stub, or a RedisBroker whose connection pool names no server.
+        must have the same route, and no other application's (see
+        docs/failure-model.md, "Two applications on one guard Redis"). It
+        is required where the guard cannot describe the broker: a broker
+        other than Redis, RabbitMQ or Stub, or a RedisBroker whose
+        connection pool names no server.
       replica_waits(int): How many replicas of the guard's Redis must
         acknowledge every decision before it stands (Redis ``WAIT`` after
         each script; see :class:`~dramatiq_guard.backends.RedisBackend`). 0
         (the default): none; a failover may then lose the last decisions
-        (README, "Scaling out").
+        (docs/scaling.md).
       replica_wait_timeout_ms(int): How long to wait for them; if fewer
         acknowledge in time, the operation fails closed
         (:class:`~dramatiq_guard.errors.ReplicasBehind`, a

@@ -21,7 +21,7 @@ from dramatiq.brokers.stub import StubBroker
 from dramatiq_guard.middleware.dedup import deduplicated_by
 from dramatiq_guard.testing import join
 
-#: As a Django settings module would list them (README, "Operating it").
+#: As a Django settings module would list them (docs/django.md).
 GUARD_MIDDLEWARE = [
     "dramatiq_guard.middleware.slots.Mutex",
     "dramatiq_guard.middleware.slots.Concurrency",

@@ -1,7 +1,7 @@
 """Failover of the guard's Redis: what a promoted replica knows, and the tokens it issues.
 
 Replication is asynchronous: a failover loses what the replica had not received. What is promised
-(README "Scaling out", ``docs/redis.md``):
+(``docs/scaling.md``, ``docs/redis.md``):
 
 * fencing tokens never go backwards for a key across a failover, whatever the new primary's clock
   says, for a key used within ``stale_ttl_ms`` (its last token outlives its state that long);

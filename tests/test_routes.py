@@ -1,10 +1,10 @@
 """Routes: every process of one application names its broker alike, and no other application does.
 
 A parked message records the route of the process that parked it, and only a process of that
-route puts it back on a broker (README, "Two applications on one guard Redis"). So a route must
-not change when an application's processes restart somewhere else, and must differ between two
-applications; where the guard cannot tell them apart, ``install()`` refuses and asks for
-``route=``.
+route puts it back on a broker (docs/failure-model.md, "Two applications on one guard Redis").
+So a route must not change when an application's processes restart somewhere else, and must
+differ between two applications; where the guard cannot tell them apart, ``install()`` refuses
+and asks for ``route=``.
 """
 
 from __future__ import annotations

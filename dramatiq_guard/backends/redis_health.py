@@ -164,7 +164,7 @@ def _config(client: redis.Redis, name: str, notes: list[str]) -> str | None:
     except redis.exceptions.ResponseError as e:  # NOPERM, or CONFIG renamed or disabled
         notes.append(
             f"CONFIG GET {name} was refused by {where(client)} ({e}); check it by hand "
-            f"(see the README, 'Failure model')"
+            f"(see docs/failure-model.md in dramatiq-guard's repository)"
         )
         return None
     for key, value in reply.items():
