@@ -317,7 +317,7 @@ def test_a_mariadb_table_with_the_old_padded_key_is_named_and_converts_in_place(
     assert "ALTER TABLE dramatiq_guard_ledger MODIFY idempotency_key VARBINARY(1020) NOT NULL" in caplog.text
 
     caplog.clear()
-    with mariadb_engine.begin() as conn:  # the statement the CHANGELOG and the README give
+    with mariadb_engine.begin() as conn:  # the statement the CHANGELOG and docs/ledger.md give
         conn.execute(
             sa.text("ALTER TABLE dramatiq_guard_ledger MODIFY idempotency_key VARBINARY(1020) NOT NULL")
         )

@@ -40,7 +40,8 @@ must have started exactly once, and after a day nothing of the namespace is left
 
 Budget: ``DRAMATIQ_GUARD_MODEL_EXAMPLES`` runs (default 60) of up to
 ``DRAMATIQ_GUARD_MODEL_STEPS`` steps (default 30), derandomized (the same runs every time) unless
-``DRAMATIQ_GUARD_MODEL_RANDOM=1``. README's "Running the tests" gives the longer run for a release.
+``DRAMATIQ_GUARD_MODEL_RANDOM=1``. docs/development.md ("Running the tests") gives the longer run for a
+release.
 """
 
 from __future__ import annotations
