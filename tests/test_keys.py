@@ -238,7 +238,8 @@ def test_a_send_with_unkeyable_arguments_is_refused_leaving_nothing_in_redis(
         pay.send(*args)
     assert raised.value.option == option
     assert broker.queues["keys"].qsize() == 0
-    assert redisdb.keys("*") == [], "a refused send left something in Redis"
+    left = [k for k in redisdb.keys("*") if k != b"dramatiq-guard:layout"]  # recorded when installed
+    assert left == [], "a refused send left something in Redis"
 
 
 def test_a_send_of_a_ledger_actor_with_unkeyable_arguments_is_refused(

@@ -35,7 +35,7 @@ RUN = ("-p", "no:cacheprovider", "-q")
 def test_a_session_that_names_no_fixture_sees_no_change(pytester: pytest.Pytester) -> None:
     """Loaded by its entry point, the plugin imports no broker, no Redis client, no pytest-redis."""
     pytester.makepyfile(
-        test_plain="""
+        test_users_plain="""
         import sys
 
         def test_untouched(request):
@@ -63,7 +63,7 @@ def test_it_reads_the_environment_variable_install_reads() -> None:
 
 
 def test_its_fixtures_are_listed_by_name(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_nothing="def test_nothing(): pass")
+    pytester.makepyfile(test_users_nothing="def test_nothing(): pass")
     result = pytester.runpytest(*RUN, "--fixtures")
     assert result.ret == 0
     listed = result.stdout.str()
@@ -77,7 +77,7 @@ def test_deduplication_stays_on_in_tests(pytester: pytest.Pytester) -> None:
     """A duplicate send is dropped, the actor runs once; the global broker and sink are put back."""
     saved_broker, saved_sink = dramatiq.broker.global_broker, events.get_sink()
     pytester.makepyfile(
-        test_dedup="""
+        test_users_dedup="""
         import dramatiq
         import dramatiq.broker
         import dramatiq_guard
@@ -165,7 +165,7 @@ def test_a_key_never_held_fails(guarded_stub_broker, guard_worker, guard_join, g
 
 
 def test_a_limit_held_and_a_limit_exceeded(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_limits=LIMITS)
+    pytester.makepyfile(test_users_limits=LIMITS)
     result = pytester.runpytest(*RUN)
     result.assert_outcomes(passed=1, failed=2)
     out = result.stdout.str()
@@ -226,11 +226,11 @@ def test_an_actor_without_idempotency(guarded_stub_broker, guard_assert_idempote
 
 
 def test_assert_idempotent_passes_and_fails(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_idempotency=IDEMPOTENCY)
+    pytester.makepyfile(test_users_idempotency=IDEMPOTENCY)
     result = pytester.runpytest(*RUN)
     result.assert_outcomes(passed=1, failed=1)
     out = result.stdout.str()
-    assert "FAILED test_idempotency.py::test_an_actor_without_idempotency" in out, out
+    assert "FAILED test_users_idempotency.py::test_an_actor_without_idempotency" in out, out
     assert "triage is not idempotent: its effects changed again on the second run" in out, out
     assert "after one run:  ['T-1']" in out, out
     assert "after two runs: ['T-1', 'T-1']" in out, out
@@ -283,7 +283,7 @@ def test_a_guarded_broker_on_a_real_redis(
     """``--guard-redis-url``: the test's keys live under a namespace of its own, deleted after it."""
     monkeypatch.delenv("DRAMATIQ_GUARD_REDIS_URL", raising=False)
     redisdb.set("someone-else", "kept")
-    pytester.makepyfile(test_on_redis=ON_REDIS)
+    pytester.makepyfile(test_users_on_redis=ON_REDIS)
     result = pytester.runpytest(*RUN, f"--guard-redis-url={redis_url}")
     result.assert_outcomes(passed=1)
     assert redisdb.keys("*") == [b"someone-else"]
@@ -295,7 +295,7 @@ def test_a_private_redis_from_pytest_redis(
 ) -> None:
     """Without a URL, pytest-redis (the ``pytest`` extra) starts a private redis-server."""
     monkeypatch.delenv("DRAMATIQ_GUARD_REDIS_URL", raising=False)
-    pytester.makepyfile(test_on_redis=ON_REDIS)
+    pytester.makepyfile(test_users_on_redis=ON_REDIS)
     result = pytester.runpytest(*RUN)
     result.assert_outcomes(passed=1)
 
@@ -304,7 +304,7 @@ def test_no_redis_to_be_had_says_what_to_do(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("DRAMATIQ_GUARD_REDIS_URL", raising=False)
-    pytester.makepyfile(test_on_redis=ON_REDIS)
+    pytester.makepyfile(test_users_on_redis=ON_REDIS)
     result = pytester.runpytest(*RUN, "-p", "no:pytest_redis")
     result.assert_outcomes(errors=1)
     out = result.stdout.str()

@@ -49,7 +49,7 @@ from dramatiq_guard import events
 from dramatiq_guard.backends.base import GuardBackend
 from dramatiq_guard.backends.redis import RedisBackend
 from dramatiq_guard.backends.redis_client import RedisClient, text
-from dramatiq_guard.errors import EvictingRedis, LayoutTooNew
+from dramatiq_guard.errors import BackendRefused, EvictingRedis, LayoutTooNew
 
 __all__ = [
     "ALLOW_EVICTING_ENV",
@@ -304,16 +304,22 @@ def check_layout(backend: RedisBackend, *, record: bool = True) -> int:
 
     Raises:
       LayoutTooNew: If the recorded layout is newer than :data:`LAYOUT`.
+      BackendRefused: If the guard's ACL user may not read (or write) the record.
       redis.exceptions.ConnectionError: If Redis cannot be reached.
     """
     key = f"{backend.namespace}:layout"
-    if record:
-        pipe = backend.client.pipeline(transaction=False)
-        pipe.set(key, LAYOUT, nx=True)
-        pipe.get(key)
-        stored = pipe.execute()[1]
-    else:
-        stored = backend.client.get(key)
+    try:
+        if record:
+            pipe = backend.client.pipeline(transaction=False)
+            pipe.set(key, LAYOUT, nx=True)
+            pipe.get(key)
+            stored = pipe.execute()[1]
+        else:
+            stored = backend.client.get(key)
+    except redis.exceptions.NoPermissionError as e:
+        raise BackendRefused(
+            f"{key}: {e}", f"allow the guard's ACL user the keys {backend.namespace}:*"
+        ) from None
     layout = LAYOUT if stored is None else int(stored)
     if layout > LAYOUT:
         client = backend.client

@@ -115,13 +115,15 @@ class Context:
             except ValueError as e:
                 raise UsageError(f"bad Redis URL or namespace: {e}") from None
             from dramatiq_guard.backends.redis_health import check_layout
-            from dramatiq_guard.errors import LayoutTooNew
+            from dramatiq_guard.errors import BackendRefused, LayoutTooNew
 
             try:  # state of a newer version would be misread (and nothing is recorded: a read)
                 check_layout(backend, record=False)
             except LayoutTooNew as e:
                 backend.close()
                 raise OperationalError(str(e)) from None
+            except BackendRefused:
+                pass  # a user of another namespace (functions load): each call is refused if it may not
             self._backend = backend
         return self._backend
 
