@@ -278,7 +278,7 @@ def release() -> Release:
     venv = cache / key
     ready = venv / "release.json"
     with file_lock(cache / f"{key}.lock"):
-        if not ready.exists():
+        if not (ready.exists() and (venv / "bin" / "python").exists()):
             shutil.rmtree(venv, ignore_errors=True)  # a build that was interrupted
             build_release(commit, venv)
             describe = (
