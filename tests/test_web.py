@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,7 +12,8 @@ from typing import Any
 import pytest
 import redis
 from dramatiq import Message
-from harness import free_port, wait_until
+from harness import wait_until
+from harness.dashboard import serving
 from werkzeug.test import Client, TestResponse
 
 from dramatiq_guard import admin
@@ -365,20 +362,10 @@ def test_make_app_builds_its_backend_broker_and_ledger(redis_url: str, tmp_path:
 
 
 def test_serve_runs_the_dashboard_on_localhost(redis_url: str, tmp_path: Path) -> None:
-    port = free_port()
-    env = {**os.environ, "DRAMATIQ_GUARD_WRITE_SECRET": SECRET, "DRAMATIQ_GUARD_REDIS_URL": redis_url}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dramatiq_guard.cli", "serve", "--port", str(port)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
+    import urllib.request
+
+    with serving(redis_url, env={"DRAMATIQ_GUARD_WRITE_SECRET": SECRET}) as (_, port, line):
         assert f"http://127.0.0.1:{port}/" in line and "writes need the write secret" in line
-        import urllib.request
 
         def fetch() -> str | None:
             try:
@@ -389,12 +376,6 @@ def test_serve_runs_the_dashboard_on_localhost(redis_url: str, tmp_path: Path) -
 
         page = wait_until(fetch, timeout=30, what="the dashboard to answer")
         assert "Unlock writes" in page and "No guard key has holders" in page
-        proc.send_signal(signal.SIGINT)  # as Ctrl-C: waitress stops, the command exits 0
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
 
 
 def test_serve_refuses_a_bad_broker(capsys: pytest.CaptureFixture[str]) -> None:

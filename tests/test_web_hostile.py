@@ -10,11 +10,7 @@ from __future__ import annotations
 import fnmatch
 import http.client
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +18,7 @@ from typing import Any
 import pytest
 from dramatiq import Message
 from harness import free_port, wait_until
+from harness.dashboard import serving
 from werkzeug.test import Client, TestResponse
 
 from dramatiq_guard.backends import RedisBackend, Waiter
@@ -237,20 +234,8 @@ def test_serve_reads_the_write_secret_from_a_file_and_answers_only_its_host_name
 ) -> None:
     secret_file = tmp_path / "write-secret"
     secret_file.write_text(SECRET + "\n")
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "DRAMATIQ_GUARD_WRITE_SECRET"}
-    env["DRAMATIQ_GUARD_REDIS_URL"] = redis_url
-    command = ["serve", "--port", str(port), "--write-secret-file", str(secret_file)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dramatiq_guard.cli", *command, "--allowed-host", "guard.internal"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
+    args = ["--write-secret-file", str(secret_file), "--allowed-host", "guard.internal"]
+    with serving(redis_url, args, env={"DRAMATIQ_GUARD_WRITE_SECRET": None}) as (_, port, line):
         assert "writes need the write secret" in line and "guard.internal" in line, line
 
         def answers() -> bool:
@@ -274,12 +259,6 @@ def test_serve_reads_the_write_secret_from_a_file_and_answers_only_its_host_name
             port, "POST", "/unlock", host=f"localhost:{port}", body=form, headers=origin
         )
         assert status == 303 and "dg_write=" in headers["Set-Cookie"]
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
 
 
 # -- (d) guessing the write secret --------------------------------------------------------------
