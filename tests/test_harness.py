@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -171,12 +172,13 @@ def test_unreachable_service_fails_in_ci_and_skips_elsewhere(tmp_path: Path) -> 
             run_env["CI"] = ci
         return subprocess.run(cmd, env=run_env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
 
-    in_ci = run("true")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two pytest sessions, side by side
+        in_ci_run, locally_run = pool.submit(run, "true"), pool.submit(run, None)
+        in_ci, locally = in_ci_run.result(), locally_run.result()
     assert in_ci.returncode == 1, in_ci.stdout + in_ci.stderr
     assert "PostgreSQL is unreachable at postgresql+psycopg://postgres@127.0.0.1:1/nowhere" in in_ci.stdout
     assert "1 error" in in_ci.stdout and "skipped" not in in_ci.stdout
 
-    locally = run(None)
     assert locally.returncode == 0, locally.stdout + locally.stderr
     assert "1 skipped" in locally.stdout and "PostgreSQL is unreachable" in locally.stdout
 

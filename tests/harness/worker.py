@@ -150,6 +150,7 @@ class DramatiqWorker:
         self._cond = threading.Condition()
         self._eof = False
         self._reader: threading.Thread | None = None
+        self._terminated = False
 
     @property
     def command(self) -> list[str]:
@@ -242,6 +243,18 @@ class DramatiqWorker:
                 raise WaitTimeout(f"worker process {pid} alive {timeout:g}s after signal {sig}:\n{self.log}")
         return pid
 
+    def terminate(self) -> None:
+        """Ask the CLI to stop gracefully (SIGTERM, once) without waiting; :meth:`stop` waits.
+
+        Lets several workers shut down side by side (the ``dramatiq_worker`` fixture's teardown).
+        A second SIGTERM would make dramatiq's worker processes exit at once, so it is sent once.
+        """
+        if self.proc is None or self._terminated or self.proc.poll() is not None:
+            return
+        self._terminated = True
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 15.0) -> int | None:
         """Stop gracefully (SIGTERM), then SIGKILL the whole process group after ``timeout``.
 
@@ -251,8 +264,7 @@ class DramatiqWorker:
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
