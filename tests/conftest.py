@@ -46,6 +46,11 @@ RabbitMQ
                                  (the server is shared with other test runs).
 
 An unreachable PostgreSQL / MariaDB / RabbitMQ skips the test, or fails it when ``CI=true``.
+
+The suite runs in parallel (pytest-xdist, ``-n auto`` in pyproject.toml): each test process has
+its own session fixtures (its own private Redis, Redis Cluster node, browser), and everything on
+the shared services is named per test (schemas, databases, queues from ``unique_name``), so tests
+never depend on which process runs them. ``-n 0`` runs them in this process (e.g. for ``--pdb``).
 Markers (``redis``, ``postgres``, ``mariadb``, ``rabbitmq``, ``worker``) are added to each
 test from the fixtures it uses, so ``-m "not worker"`` etc. work without marking by hand.
 """
@@ -323,6 +328,8 @@ def dramatiq_worker(
         return worker
 
     yield start
+    for worker in workers:  # all at once: each takes a second or more to drain and exit
+        worker.terminate()
     for worker in workers:
         worker.stop()
 
