@@ -47,7 +47,8 @@ RabbitMQ
 
 An unreachable PostgreSQL / MariaDB / RabbitMQ skips the test, or fails it when ``CI=true``.
 
-The suite runs in parallel (pytest-xdist, ``-n auto`` in pyproject.toml): each test process has
+The suite runs in parallel (pytest-xdist, ``-n auto`` in pyproject.toml: two test processes per
+core, see ``pytest_xdist_auto_num_workers``): each test process has
 its own session fixtures (its own private Redis, Redis Cluster node, browser), and everything on
 the shared services is named per test (schemas, databases, queues from ``unique_name``), so tests
 never depend on which process runs them. ``-n 0`` runs them in this process (e.g. for ``--pdb``).
@@ -126,6 +127,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for fixture, marker in FIXTURE_MARKERS.items():
             if fixture in names and item.get_closest_marker(marker) is None:
                 item.add_marker(getattr(pytest.mark, marker))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: two test processes per core, as most tests wait on worker processes and services.
+
+    (Measured on two cores: the CPUs are busy less than half of a run with one process per core.)
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still overrides this.
+    """
+    override = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if override:
+        return int(override)
+    return 2 * (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
 _WORKERS = pytest.StashKey[list[DramatiqWorker]]()
