@@ -30,7 +30,7 @@ from dramatiq_guard.middleware.idempotency import Idempotency
 from dramatiq_guard.middleware.slots import Concurrency, Mutex, MutexWaitTimeout
 from dramatiq_guard.policies import ConcurrencyPolicy, DedupPolicy, IdempotencyPolicy, MutexPolicy
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [  # noqa: RUF022 - grouped by capability, not sorted
     # Setting up
