@@ -21,7 +21,7 @@ therefore the same across processes, machines and Python versions; the test
 vectors in ``tests/data/key_vectors.json`` pin it.
 
 Arguments a key cannot be derived from (a NaN or an infinity, a str with a lone
-surrogate, a value JSON cannot encode, arguments that do not fit the actor),
+surrogate, a value JSON cannot encode or nested too deeply, arguments that do not fit the actor),
 and a key callable that raises or returns anything but a str of valid Unicode,
 raise :class:`~dramatiq_guard.errors.GuardKeyError`, naming the actor, the
 option, the argument and what is wrong: at ``send()``, before anything is
@@ -211,8 +211,14 @@ class KeyResolver:
             arguments = dict(bound.arguments)
         if self.spec is not None:
             arguments = {name: arguments[name] for name in self.spec}
+        return f"{self.actor_name}:{self._digest(arguments)}"
+
+    def _digest(self, arguments: dict[str, Any]) -> str:
+        """:func:`digest` of ``arguments``, or the GuardKeyError that names what it cannot take."""
         try:
-            return f"{self.actor_name}:{digest(arguments)}"
+            return digest(arguments)
+        except RecursionError:
+            raise self._error("the arguments are nested too deeply to encode", DIGEST_ALLOWS) from None
         except (TypeError, ValueError) as e:  # UnicodeEncodeError is a ValueError
             found = next((f for name, v in arguments.items() if (f := flaw(v, f"argument {name!r}"))), None)
             raise self._error(found or str(e), DIGEST_ALLOWS) from None

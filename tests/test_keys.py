@@ -186,8 +186,17 @@ def test_arguments_that_do_not_fit_the_signature_raise_the_guards_error() -> Non
     assert "transfer(account, amount, meta=None)" in str(raised.value)
 
 
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 SENDS_REFUSED = [
     # (the actor's options, the option whose key fails, the arguments sent)
+    pytest.param({"dedup": "until_executed"}, "dedup", ("a", _nested(5000)), id="dedup-too-deep"),
+    pytest.param({"mutex": {"on_busy": "park"}}, "mutex", ("a", _nested(5000)), id="mutex-too-deep"),
     pytest.param({"dedup": "until_executed"}, "dedup", ("a\udc80", 1.0), id="dedup-surrogate"),
     pytest.param({"dedup": "until_executed"}, "dedup", ("a", float("nan")), id="dedup-nan"),
     pytest.param({"mutex": {"on_busy": "park"}}, "mutex", ("a", float("inf")), id="mutex-infinity"),

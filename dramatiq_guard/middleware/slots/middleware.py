@@ -24,7 +24,7 @@ from dramatiq.brokers.stub import StubBroker
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Waiter
 from dramatiq_guard.delivery import Courier, acks_are_final, copy_generation, keep_polling
-from dramatiq_guard.errors import BackendUnavailable, GuardError, MutexWaitTimeout
+from dramatiq_guard.errors import BackendUnavailable, MutexWaitTimeout
 from dramatiq_guard.lease import Lease, runner_id
 from dramatiq_guard.middleware.base import (
     ActorGuard,
@@ -166,15 +166,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
           GuardKeyError: If the key cannot be computed (a key callable failed,
             an argument cannot be digested, or the arguments do not fit the actor).
         """
-        try:
-            key = f"{self.prefix}:{guard.key_of(message)}"
-        except GuardError:
-            raise
-        except Exception as e:
-            raise GuardError(
-                f"the {self.option} key of message {message.message_id} ({message.actor_name}) "
-                f"could not be computed: {e}"
-            ) from e
+        key = f"{self.prefix}:{guard.key_of(message)}"
         if callable(guard.resolve_key.spec):  # a digested key names its actor (KeyDirectory.guard_of)
             self.keys.remember(key, guard.actor_name)
         return key
@@ -270,7 +262,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             (:func:`.execution.defer_second_copy`).
           MutexWaitTimeout: ``on_busy="wait"`` gave up (Retries retries it).
           BackendUnavailable: The backend could not be reached (unless ``fail_open``).
-          GuardError: The key could not be computed.
+          GuardKeyError: The key could not be computed.
         """
         guard = self.guard_of(message)
         if guard is None or message.failed:

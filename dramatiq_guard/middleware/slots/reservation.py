@@ -61,8 +61,8 @@ def reserve_or_park(
     Raises:
       Diverted: The message was parked (``Outcome.PARKED``): ``send()`` returns it; or it is a
         stale copy of a hand-off of this key (``Outcome.DROPPED``): a newer copy runs instead.
-      GuardError: The key could not be computed, or the backend is
-        unavailable (unless ``fail_open``).
+      GuardKeyError: The key could not be computed.
+      GuardError: The backend is unavailable (unless ``fail_open``).
     """
     backend = middleware.backend(broker)
     key = middleware.guard_key_of(guard, message)
