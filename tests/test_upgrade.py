@@ -1,6 +1,8 @@
 """A rolling deploy from the released version to the working tree, and a refused downgrade.
 
-The release is the wheel of the tag :data:`TAG`, built from ``git archive`` and installed (not
+The release is the wheel of the commit that released :data:`RELEASED` (the newest commit in the
+history whose ``dramatiq_guard/__init__.py`` declares that version; tags do not travel with every
+clone), built from ``git archive`` and installed (not
 editable, with its dependencies) into a virtualenv of its own, cached per commit (see the
 ``release`` fixture). Its ``dramatiq`` workers and producers run with that virtualenv's Python
 and see nothing of the working tree but the actor module and ``tests/harness``; the working
@@ -15,7 +17,7 @@ message runs once, no limit is exceeded, no dedup key is admitted twice while it
 nothing of the guard is left and the layout record is the release's. The downgrade: the release
 refuses to start on a namespace a newer layout was recorded in.
 
-Without the tag in the clone (``git fetch --tags``) the tests are skipped, and fail with
+Without that commit in the clone (a shallow clone) the tests are skipped, and fail with
 ``CI=true``.
 """
 
@@ -63,7 +65,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 
 #: The release the working tree must be able to replace, worker by worker.
-TAG = "v0.1.0"
+RELEASED = "0.1.0"
 #: Where built releases are kept between runs (default: a directory in the system's temp dir).
 RELEASE_CACHE_ENV = "DRAMATIQ_GUARD_TEST_RELEASE_CACHE"
 #: Tells an actor module which worker runs it (``old``, ``new``, ``new2``; producers: ``producer``).
@@ -174,18 +176,29 @@ class Release:
     package: str
 
 
-def tag_commit(tag: str) -> str | None:
-    """The commit ``tag`` names in the repository, or None (no tag, no git, not a clone)."""
+def release_commit(version: str) -> str | None:
+    """The newest commit in ``HEAD``'s history that declares ``version``, or None (no git, shallow).
+
+    The commits that add or remove the line ``__version__ = "<version>"`` are candidates; the
+    newest whose ``dramatiq_guard/__init__.py`` holds it is the release (the next one moved on).
+    """
+    line = f'__version__ = "{version}"'
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        command = ["git", "-C", str(REPO_ROOT), *args]
+        return subprocess.run(command, capture_output=True, text=True, check=False)
+
     try:
-        done = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "--verify", "--quiet", f"refs/tags/{tag}^{{commit}}"],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        found = git("log", "--format=%H", "-G", re.escape(line), "HEAD", "--", "dramatiq_guard/__init__.py")
+        if found.returncode != 0:
+            return None
+        for commit in found.stdout.split():
+            shown = git("show", f"{commit}:dramatiq_guard/__init__.py")
+            if shown.returncode == 0 and line in shown.stdout.splitlines():
+                return commit
     except OSError:
         return None
-    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else None
+    return None
 
 
 @contextlib.contextmanager
@@ -260,19 +273,19 @@ def build_release(commit: str, venv: Path) -> None:
 
 @pytest.fixture(scope="session")
 def release() -> Release:
-    """The release :data:`TAG`, built once per commit and Python, then reused from the cache.
+    """The release :data:`RELEASED`, built once per commit and Python, then reused from the cache.
 
     The cache is ``$DRAMATIQ_GUARD_TEST_RELEASE_CACHE``, else ``dramatiq-guard-releases`` in the
     system's temp directory; a file lock lets parallel test processes share it.
     """
-    commit = tag_commit(TAG)
+    commit = release_commit(RELEASED)
     if commit is None:
         unavailable(
-            f"the tag {TAG} is not in this clone ({REPO_ROOT}); the upgrade tests run its wheel beside "
-            f"the working tree: fetch it (git fetch --tags)"
+            f"no commit declaring version {RELEASED} is in the history of this clone ({REPO_ROOT}); the "
+            f"upgrade tests run that release's wheel beside the working tree: clone the full history"
         )
     base = hashlib.sha256(os.path.realpath(sys.base_prefix).encode()).hexdigest()[:8]
-    key = f"{TAG}-{commit[:12]}-py{sys.version_info.major}{sys.version_info.minor}-{base}"
+    key = f"v{RELEASED}-{commit[:12]}-py{sys.version_info.major}{sys.version_info.minor}-{base}"
     cache = Path(os.environ.get(RELEASE_CACHE_ENV) or Path(tempfile.gettempdir()) / "dramatiq-guard-releases")
     cache.mkdir(parents=True, exist_ok=True)
     venv = cache / key
@@ -362,7 +375,7 @@ def released_worker(
     yield start
     for worker in workers:
         worker.stop()
-        print(f"--- dramatiq worker of the release {release.version} ({TAG}) log:\n{worker.log}")
+        print(f"--- dramatiq worker of the release {release.version} log:\n{worker.log}")
 
 
 class ReleasedProducer:
