@@ -10,9 +10,7 @@ at once do, and why the transaction is the lease: ``docs/ledger.md``.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import json
 import logging
 import threading
 from collections.abc import Callable
@@ -29,6 +27,16 @@ from dramatiq_guard.errors import LeaseLost
 from dramatiq_guard.ledger.engine import resolve_engine
 from dramatiq_guard.ledger.errors import IdempotencyConflict, LedgerError, UnstorableResult
 from dramatiq_guard.ledger.records import Claim, LedgerRecord, _claim_var, current_claim
+from dramatiq_guard.ledger.rows import (
+    Plan,
+    Run,
+    Stored,
+    check_storable,
+    expiry,
+    insert_ignore,
+    record_of,
+    utcnow,
+)
 from dramatiq_guard.ledger.schema import (
     COMPLETED,
     DEFAULT_TABLE_NAME,
@@ -46,23 +54,6 @@ __all__ = ["DEFAULT_RETENTION", "Claim", "Ledger", "LedgerRecord", "current_clai
 DEFAULT_RETENTION = datetime.timedelta(days=7)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    expected_token: int
-    new_token: int
-    attempts: int
-    reset: bool  # the row expired: the run takes it over as if it were new
-
-
-@dataclasses.dataclass(frozen=True)
-class _Stored:
-    result: Any
-
-
-def _utcnow() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None)
 
 
 class Ledger:
@@ -231,76 +222,67 @@ class Ledger:
         """
         self.prepare()
         retention = self.retention_ms if retention_ms is None else retention_ms
-        row_key = storage_key(key)
+        run = Run(key, storage_key(key), actor_name, payload, fingerprint, holder, retention)
         with self.engine.connect() as conn:
             tx = conn.begin()
             try:
-                plan = self._claim(conn, row_key, key, actor_name, payload, fingerprint, holder)
+                plan = self._claim(conn, run)
             except BaseException:
                 tx.rollback()
                 raise
-            if isinstance(plan, _Stored):
+            if isinstance(plan, Stored):
                 tx.rollback()  # nothing was written; this ends the row lock
                 events.ledger_hit(actor_name)
                 return plan.result
+            return self._run_claimed(conn, tx, run, plan, fn)
 
-            claim = Claim(key, holder, plan.new_token, plan.attempts)
-            session = Session(bind=conn)  # joins `tx`: its commit() does not end it
-            session_token = ledger_session_var.set(session)
-            claim_token = _claim_var.set(claim)
+    def _run_claimed(
+        self, conn: sa.Connection, tx: sa.RootTransaction, run: Run, plan: Plan, fn: Callable[[], Any]
+    ) -> Any:
+        """Run ``fn`` on the claimed row's transaction ``tx`` and complete the row in its commit."""
+        session = Session(bind=conn)  # joins `tx`: its commit() does not end it
+        session_token = ledger_session_var.set(session)
+        claim_token = _claim_var.set(Claim(run.key, run.holder, plan.new_token, plan.attempts))
+        try:
             try:
-                try:
-                    result = fn()
-                    session.flush()
-                finally:
-                    ledger_session_var.reset(session_token)
-                    _claim_var.reset(claim_token)
-                _check_storable(result)
-                if not tx.is_active:
-                    raise LedgerError(
-                        f"the ledger transaction of key {key!r} was rolled back inside the actor "
-                        f"(ledger_session().rollback()?): raise an exception to abort instead"
-                    )
-                self._complete(
-                    conn, row_key, key, plan, holder, result, retention, actor_name, payload, fingerprint
+                result = fn()
+                session.flush()
+            finally:
+                ledger_session_var.reset(session_token)
+                _claim_var.reset(claim_token)
+            check_storable(result)
+            if not tx.is_active:
+                raise LedgerError(
+                    f"the ledger transaction of key {run.key!r} was rolled back inside the actor "
+                    f"(ledger_session().rollback()?): raise an exception to abort instead"
                 )
-                tx.commit()
-            except BaseException as e:
-                if tx.is_active:
-                    tx.rollback()
-                session.close()
-                if isinstance(e, LeaseLost):
-                    events.lease_lost(actor_name)
-                elif not isinstance(e, UnstorableResult):
-                    self._record_failure(
-                        conn, row_key, actor_name, payload, fingerprint, holder, e, retention
-                    )
-                raise
+            self._complete(conn, run, plan, result)
+            tx.commit()
+        except BaseException as e:
+            if tx.is_active:
+                tx.rollback()
             session.close()
-            return result
+            if isinstance(e, LeaseLost):
+                events.lease_lost(run.actor_name)
+            elif not isinstance(e, UnstorableResult):
+                self._record_failure(conn, run, e)
+            raise
+        session.close()
+        return result
 
-    def _claim(
-        self,
-        conn: sa.Connection,
-        row_key: str,
-        key: str,
-        actor_name: str,
-        payload: Any,
-        fingerprint: str,
-        holder: str,
-    ) -> _Plan | _Stored:
+    def _claim(self, conn: sa.Connection, run: Run) -> Plan | Stored:
+        """Insert the key's row, or lock the existing one, and decide what this run does."""
         t = self.table
-        now = _utcnow()
-        values = _row(
-            row_key, IN_PROGRESS, actor_name, payload, fingerprint, holder, now, attempts=1, token=1
-        )
+        now = utcnow()
+        values = run.row(IN_PROGRESS, now)
+        row_key = run.row_key
         dialect = conn.dialect.name
         if dialect in ("postgresql", "sqlite"):
             inserted = conn.execute(
                 self._stmt_claim(dialect), values, execution_options={"preserve_rowcount": True}
             )
             if inserted.rowcount == 1:
-                return _Plan(expected_token=1, new_token=1, attempts=1, reset=False)
+                return Plan(expected_token=1, new_token=1, attempts=1, reset=False)
         elif dialect in ("mysql", "mariadb"):
             conn.execute(self._stmt_claim(dialect), values)
         else:  # generic SQL: lock an existing row, else insert in a savepoint
@@ -308,106 +290,87 @@ class Ledger:
                 try:
                     with conn.begin_nested():
                         conn.execute(sa.insert(t), values)
-                    return _Plan(expected_token=1, new_token=1, attempts=1, reset=False)
+                    return Plan(expected_token=1, new_token=1, attempts=1, reset=False)
                 except sa.exc.IntegrityError:
                     pass  # inserted meanwhile by another transaction, now committed: read it
         row = conn.execute(self._select_for_update, {"row_key": row_key}).one()
         if row.state == IN_PROGRESS:
             # Only this transaction's own fresh insert can be in progress: another
             # transaction's uncommitted row would have blocked the insert above.
-            return _Plan(
+            return Plan(
                 expected_token=row.fencing_token, new_token=row.fencing_token, attempts=1, reset=False
             )
         if row.expires_at is not None and row.expires_at <= now:
-            return _Plan(row.fencing_token, row.fencing_token + 1, attempts=1, reset=True)
-        if row.fingerprint != fingerprint:
+            return Plan(row.fencing_token, row.fencing_token + 1, attempts=1, reset=True)
+        if row.fingerprint != run.fingerprint:
             raise IdempotencyConflict(
-                key,
+                run.key,
                 stored_fingerprint=row.fingerprint,
-                fingerprint=fingerprint,
+                fingerprint=run.fingerprint,
                 stored_payload=row.payload,
-                payload=payload,
+                payload=run.payload,
                 holder=row.holder,
             )
         if row.state == COMPLETED:
-            return _Stored(row.result)
-        return _Plan(row.fencing_token, row.fencing_token + 1, attempts=row.attempts + 1, reset=False)
+            return Stored(row.result)
+        return Plan(row.fencing_token, row.fencing_token + 1, attempts=row.attempts + 1, reset=False)
 
-    def _complete(
-        self,
-        conn: sa.Connection,
-        row_key: str,
-        key: str,
-        plan: _Plan,
-        holder: str,
-        result: Any,
-        retention_ms: int | None,
-        actor_name: str,
-        payload: Any,
-        fingerprint: str,
-    ) -> None:
-        now = _utcnow()
+    def _complete(self, conn: sa.Connection, run: Run, plan: Plan, result: Any) -> None:
+        """Mark the row completed with ``result``, fenced on the token read at the claim."""
+        now = utcnow()
         values: dict[str, Any] = {
             "state": COMPLETED,
             "result": result,
             "error": None,
             "attempts": plan.attempts,
-            "holder": holder,
+            "holder": run.holder,
             "fencing_token": plan.new_token,
             "updated_at": now,
             "completed_at": now,
-            "expires_at": _expiry(now, retention_ms),
+            "expires_at": expiry(now, run.retention_ms),
         }
         if plan.reset:
-            values.update(actor_name=actor_name, payload=payload, fingerprint=fingerprint, created_at=now)
-        values.update(b_row_key=row_key, b_expected_token=plan.expected_token)
+            values.update(
+                actor_name=run.actor_name, payload=run.payload, fingerprint=run.fingerprint, created_at=now
+            )
+        values.update(b_row_key=run.row_key, b_expected_token=plan.expected_token)
         if conn.execute(self._fenced_update, values).rowcount != 1:
-            raise LeaseLost(key, holder)
+            raise LeaseLost(run.key, run.holder)
 
-    def _record_failure(
-        self,
-        conn: sa.Connection,
-        row_key: str,
-        actor_name: str,
-        payload: Any,
-        fingerprint: str,
-        holder: str,
-        exc: BaseException,
-        retention_ms: int | None,
-    ) -> None:
+    def _record_failure(self, conn: sa.Connection, run: Run, exc: BaseException) -> None:
         """Mark the key failed (state, error, attempts) in a short transaction of its own.
 
         Best effort: the run was already rolled back, so a failure here changes
         nothing that matters and is only logged.
         """
         t = self.table
-        now = _utcnow()
+        now = utcnow()
         error = f"{type(exc).__name__}: {exc}"[:2000]
+        expires_at = expiry(now, run.retention_ms)
         try:
             with conn.begin():
                 failed = (
                     sa.update(t)
                     .where(
-                        t.c.idempotency_key == row_key, t.c.state != COMPLETED, t.c.fingerprint == fingerprint
+                        t.c.idempotency_key == run.row_key,
+                        t.c.state != COMPLETED,
+                        t.c.fingerprint == run.fingerprint,
                     )
                     .values(
                         state=FAILED,
                         error=error,
                         attempts=t.c.attempts + 1,
-                        holder=holder,
+                        holder=run.holder,
                         fencing_token=t.c.fencing_token + 1,
                         updated_at=now,
-                        expires_at=_expiry(now, retention_ms),
+                        expires_at=expires_at,
                     )
                 )
                 if conn.execute(failed).rowcount == 0:
-                    values = _row(
-                        row_key, FAILED, actor_name, payload, fingerprint, holder, now, attempts=1, token=1
-                    )
-                    values.update(error=error, expires_at=_expiry(now, retention_ms))
-                    _insert_ignore(conn, t, values)
+                    values = {**run.row(FAILED, now), "error": error, "expires_at": expires_at}
+                    insert_ignore(conn, t, values)
         except Exception:
-            logger.warning("Could not record the failure of idempotency key %r.", row_key, exc_info=True)
+            logger.warning("Could not record the failure of idempotency key %r.", run.key, exc_info=True)
 
     # --- inspection and retention ---------------------------------------------------------
 
@@ -417,7 +380,7 @@ class Ledger:
         t = self.table
         with self.engine.connect() as conn:
             row = conn.execute(sa.select(t).where(t.c.idempotency_key == storage_key(key))).first()
-        return None if row is None else _record(row)
+        return None if row is None else record_of(row)
 
     def counts(self) -> dict[str, int]:
         """How many rows the ledger has in each state (expired rows not yet pruned included)."""
@@ -435,7 +398,7 @@ class Ledger:
         if state is not None:
             query = query.where(t.c.state == state)
         with self.engine.connect() as conn:
-            return [_record(row) for row in conn.execute(query)]
+            return [record_of(row) for row in conn.execute(query)]
 
     def prune(self, older_than: Duration | None = None) -> int:
         """Delete the rows that no longer protect their key; return how many.
@@ -451,7 +414,7 @@ class Ledger:
         """
         self.prepare()
         t = self.table
-        now = _utcnow()
+        now = utcnow()
         condition: sa.ColumnElement[bool] = sa.and_(t.c.expires_at.is_not(None), t.c.expires_at <= now)
         age = duration_ms(older_than, what="older_than", allow_none=True, maximum=MAX_RETENTION_MS)
         if age is not None:
@@ -459,84 +422,3 @@ class Ledger:
             condition = sa.or_(condition, sa.and_(t.c.state != IN_PROGRESS, t.c.updated_at <= cutoff))
         with self.engine.begin() as conn:
             return int(conn.execute(sa.delete(t).where(condition)).rowcount)
-
-
-def _record(row: Any) -> LedgerRecord:
-    """A row of the table as a :class:`LedgerRecord`."""
-    return LedgerRecord(
-        key=row.idempotency_key,
-        state=row.state,
-        actor_name=row.actor_name,
-        fingerprint=row.fingerprint,
-        payload=row.payload,
-        result=row.result,
-        error=row.error,
-        attempts=row.attempts,
-        holder=row.holder,
-        fencing_token=row.fencing_token,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
-        completed_at=row.completed_at,
-        expires_at=row.expires_at,
-    )
-
-
-def _row(
-    row_key: str,
-    state: str,
-    actor_name: str,
-    payload: Any,
-    fingerprint: str,
-    holder: str,
-    now: datetime.datetime,
-    *,
-    attempts: int,
-    token: int,
-) -> dict[str, Any]:
-    return {
-        "idempotency_key": row_key,
-        "state": state,
-        "actor_name": actor_name,
-        "fingerprint": fingerprint,
-        "payload": payload,
-        "result": None,
-        "error": None,
-        "attempts": attempts,
-        "holder": holder,
-        "fencing_token": token,
-        "created_at": now,
-        "updated_at": now,
-        "completed_at": None,
-        "expires_at": None,
-    }
-
-
-def _insert_ignore(conn: sa.Connection, table: sa.Table, values: dict[str, Any]) -> None:
-    """Insert a row unless its key exists."""
-    dialect = conn.dialect.name
-    if dialect == "postgresql":
-        conn.execute(postgresql.insert(table).values(values).on_conflict_do_nothing())
-    elif dialect == "sqlite":
-        conn.execute(sqlite.insert(table).values(values).on_conflict_do_nothing())
-    elif dialect in ("mysql", "mariadb"):
-        conn.execute(mysql.insert(table).values(values).prefix_with("IGNORE"))
-    else:
-        try:
-            with conn.begin_nested():
-                conn.execute(sa.insert(table).values(values))
-        except sa.exc.IntegrityError:
-            pass
-
-
-def _expiry(now: datetime.datetime, retention_ms: int | None) -> datetime.datetime | None:
-    return None if retention_ms is None else now + datetime.timedelta(milliseconds=retention_ms)
-
-
-def _check_storable(result: Any) -> None:
-    try:
-        json.dumps(result, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise UnstorableResult(
-            f"the actor returned {type(result).__name__} {result!r:.200}, which the idempotency ledger "
-            f"cannot store as JSON ({e}); nothing was committed"
-        ) from e
