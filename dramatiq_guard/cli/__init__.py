@@ -141,6 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
     _connection_options(parser)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
+    _add_inspect(commands, common)
+    _add_limit(commands, common)
+    _add_release(commands, common)
+    _add_functions(commands, common)
+    _add_ledger(commands, common)
+    _serve_parser(commands, common)
+    return parser
+
+
+def _add_inspect(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """The ``inspect`` command."""
     inspect = commands.add_parser(
         "inspect",
         parents=[common],
@@ -170,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.set_defaults(run=_cmd_inspect)
 
+
+def _add_limit(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """The ``limit get|set|clear`` commands."""
     limit = commands.add_parser(
         "limit",
         parents=[common],
@@ -223,6 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     clear.add_argument("--actor", metavar="NAME", help="clear the default limit of this actor's keys")
     clear.set_defaults(run=_cmd_limit_clear)
 
+
+def _add_release(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """The ``release`` command."""
     release = commands.add_parser(
         "release",
         parents=[common],
@@ -239,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     _broker_option(release)
     release.set_defaults(run=_cmd_release)
 
+
+def _add_functions(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """The ``functions list|load|prune`` commands."""
     functions = commands.add_parser(
         "functions",
         parents=[common],
@@ -277,6 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     functions_prune.set_defaults(run=_cmd_functions_prune)
 
+
+def _add_ledger(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """The ``ledger prune|show|list`` commands."""
     ledger = commands.add_parser(
         "ledger",
         help="show or prune the idempotency ledger",
@@ -341,8 +374,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     list_.add_argument("--json", action="store_true", help="print JSON")
     list_.set_defaults(run=_cmd_ledger_list)
-    _serve_parser(commands, common)
-    return parser
 
 
 # -- running ------------------------------------------------------------------
