@@ -162,6 +162,11 @@ class GuardMetrics(dramatiq.Middleware):
             buckets=(*BUCKETS, float("inf")),
             registry=self.registry,
         )
+        self._make_gauges(prom, labels)
+        events.set_sink(self)
+
+    def _make_gauges(self, prom: Any, labels: list[str]) -> None:
+        """The gauges (and the counter of lost state) of :meth:`setup`."""
         self.holder_gauge = prom.Gauge(
             "dramatiq_guard_holders",
             "Messages holding a guard slot or lock.",
@@ -194,7 +199,6 @@ class GuardMetrics(dramatiq.Middleware):
             registry=self.registry,
             multiprocess_mode="livesum",
         )
-        events.set_sink(self)
 
     # The event sink (dramatiq_guard.events.EventSink).
 

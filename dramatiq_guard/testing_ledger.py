@@ -30,9 +30,10 @@ message enqueued again (a redelivery); pass ``same_message=`` to choose.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import dramatiq
@@ -100,6 +101,20 @@ def _run(broker: Broker, message: Message[Any], timeout: float, which: str) -> A
     return value
 
 
+@contextlib.contextmanager
+def _running(broker: dramatiq.Broker, worker: dramatiq.Worker | None) -> Iterator[None]:
+    """``worker`` as it is, or a worker of one thread started for the block and stopped after."""
+    if worker is not None:
+        yield
+        return
+    own = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
+    own.start()
+    try:
+        yield
+    finally:
+        own.stop()
+
+
 def assert_idempotent(
     actor: dramatiq.Actor[Any, Any],
     *args: Any,
@@ -145,11 +160,7 @@ def assert_idempotent(
     first = actor.message_with_options(args=args, kwargs=kwargs, **options)
     second = first if same_message else actor.message_with_options(args=args, kwargs=kwargs, **options)
     _outcomes_of(broker)
-    own_worker = worker is None
-    if worker is None:
-        worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
-        worker.start()
-    try:
+    with _running(broker, worker):
         before = effects()
         _run(broker, first, timeout, "first")
         once = effects()
@@ -157,9 +168,6 @@ def assert_idempotent(
             assert once != before, f"the first run of {actor.actor_name} changed nothing: {once!r}"
         _run(broker, second, timeout, "second")
         twice = effects()
-    finally:
-        if own_worker:
-            worker.stop()
     assert twice == once, (
         f"{actor.actor_name} is not idempotent: its effects changed again on the second run "
         f"({'the same message' if same_message else 'a new message with the same arguments'}):\n"
