@@ -1355,7 +1355,7 @@ def test_a_lowered_limit_evicts_nobody(env: Env) -> None:
 
 
 def test_nothing_is_left_after_the_work_drains_but_the_limit(env: Env) -> None:
-    backend = env.backend(handoff_ttl_ms=200)
+    backend = env.backend(handoff_ttl_ms=10_000)
     backend.set_limit(KEY, 1)
     assert backend.acquire(KEY, "a", limit=5, ttl_ms=60_000).acquired
     park(backend, "p1")
