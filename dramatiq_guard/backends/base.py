@@ -182,6 +182,7 @@ from dramatiq_guard.backends.checks import (
     check_max_payload_bytes,
     check_ms,
     check_per_slot,
+    check_replica_waits,
 )
 from dramatiq_guard.backends.values import (
     HOLDERS_SHOWN,
@@ -197,7 +198,7 @@ from dramatiq_guard.backends.values import (
     WaiterPeek,
     Woken,
 )
-from dramatiq_guard.errors import BackendUnavailable, PayloadTooLarge
+from dramatiq_guard.errors import BackendUnavailable, ConfigurationError, PayloadTooLarge
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
@@ -694,6 +695,73 @@ class GuardBackend(abc.ABC):
           str|None: The warning, naming what to set, or None.
         """
         return None
+
+    # -- what the store needs from its process: health, watching, replicas ------------------
+
+    def check_health(self, *, allow_evicting: bool | None = None) -> None:
+        """Refuse a store that would lose the guard's state silently; called when a process resolves it.
+
+        :func:`dramatiq_guard.install` calls it, and so does a guard middleware
+        used without it when it first resolves its backend, so both refuse
+        alike. The Redis backend reads its server's settings once per process
+        (:func:`dramatiq_guard.backends.redis_health.check`): an evicting
+        ``maxmemory-policy`` is refused, no persistence is a warning, and
+        state written in a newer layout is refused. The default checks
+        nothing (an in-process store loses nothing while its process runs).
+
+        Parameters:
+          allow_evicting(bool|None): True: run on a store that may evict keys,
+            with a warning (remembered for this backend). None: as decided
+            before for it, else as ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` says.
+
+        Raises:
+          EvictingRedis: If the store may evict keys and that was not allowed.
+          LayoutTooNew: If its state is in a layout this version cannot read.
+        """
+        return
+
+    def watch(self, interval_s: float) -> None:
+        """One look at the store while workers run; each worker process's sweep calls it once a pass.
+
+        The Redis backend (:func:`dramatiq_guard.backends.redis_watch.watch`)
+        logs and counts state its server lost since the previous look (a
+        restart, a flush, an evicted key), reads settings it could not read
+        when the process started, and keeps this process's record of the
+        function library it runs (``interval_s``, the sweep's, sets how long
+        the record lasts). The default does nothing. Never raises: a look that
+        fails is logged, and the next one compares with the last that ran.
+        """
+        return
+
+    def stop_watching(self) -> None:
+        """This process's sweep stopped: withdraw what :meth:`watch` recorded of it. Never raises.
+
+        The Redis backend withdraws the process's record of its function
+        library (``dramatiq-guard functions prune`` reads them); the default
+        does nothing.
+        """
+        return
+
+    def wait_for_replicas(self, count: int, timeout_ms: int) -> None:
+        """From now on, make every decision wait until ``count`` replicas of the store acknowledge it.
+
+        The Redis backend follows each script with ``WAIT`` (see
+        :class:`~dramatiq_guard.backends.RedisBackend`'s ``replica_waits``);
+        fewer acknowledgements within ``timeout_ms`` fail the operation
+        closed (:class:`~dramatiq_guard.errors.ReplicasBehind`). A count of 0
+        asks for nothing and changes nothing. The default has no replicas,
+        and refuses any other count.
+
+        Raises:
+          ValueError: If ``count`` or ``timeout_ms`` is out of range
+            (:func:`~dramatiq_guard.backends.checks.check_replica_waits`).
+          ConfigurationError: If ``count`` is not 0 and the store has no replicas.
+        """
+        check_replica_waits(count, timeout_ms)
+        if count:
+            raise ConfigurationError(
+                f"replica_waits={count} needs the guard's state on Redis, not on a {type(self).__name__}"
+            )
 
     @abc.abstractmethod
     def close(self) -> None:
