@@ -696,23 +696,20 @@ class GuardBackend(abc.ABC):
         """
         return None
 
-    # -- what the store needs from its process: health, watching, replicas ------------------
+    # -- what a process asks of the store beyond the operations -----------------------------
 
     def check_health(self, *, allow_evicting: bool | None = None) -> None:
-        """Refuse a store that would lose the guard's state silently; called when a process resolves it.
+        """Refuse a store that would lose the guard's state silently; the default checks nothing.
 
-        :func:`dramatiq_guard.install` calls it, and so does a guard middleware
-        used without it when it first resolves its backend, so both refuse
-        alike. The Redis backend reads its server's settings once per process
-        (:func:`dramatiq_guard.backends.redis_health.check`): an evicting
-        ``maxmemory-policy`` is refused, no persistence is a warning, and
-        state written in a newer layout is refused. The default checks
-        nothing (an in-process store loses nothing while its process runs).
+        Called by :func:`dramatiq_guard.install`, and by a guard middleware used
+        without it when it first resolves its backend. The Redis backend
+        (:mod:`~dramatiq_guard.backends.redis_health`) refuses an evicting
+        ``maxmemory-policy`` and state in a newer layout, and warns of no persistence.
 
         Parameters:
-          allow_evicting(bool|None): True: run on a store that may evict keys,
-            with a warning (remembered for this backend). None: as decided
-            before for it, else as ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` says.
+          allow_evicting(bool|None): True: run on a store that may evict keys, with
+            a warning. None: as decided before for this backend, else as
+            ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` says.
 
         Raises:
           EvictingRedis: If the store may evict keys and that was not allowed.
@@ -721,40 +718,28 @@ class GuardBackend(abc.ABC):
         return
 
     def watch(self, interval_s: float) -> None:
-        """One look at the store while workers run; each worker process's sweep calls it once a pass.
+        """One look at the store, by each worker process's sweep after each pass; the default does nothing.
 
-        The Redis backend (:func:`dramatiq_guard.backends.redis_watch.watch`)
-        logs and counts state its server lost since the previous look (a
-        restart, a flush, an evicted key), reads settings it could not read
-        when the process started, and keeps this process's record of the
-        function library it runs (``interval_s``, the sweep's, sets how long
-        the record lasts). The default does nothing. Never raises: a look that
-        fails is logged, and the next one compares with the last that ran.
+        The Redis backend (:mod:`~dramatiq_guard.backends.redis_watch`) reports
+        state its server lost since the last look (a restart, a flush, an evicted
+        key) and keeps this process's record of the library it runs (for three
+        sweep passes of ``interval_s`` at least). Never raises: a failed look is logged.
         """
         return
 
     def stop_watching(self) -> None:
-        """This process's sweep stopped: withdraw what :meth:`watch` recorded of it. Never raises.
-
-        The Redis backend withdraws the process's record of its function
-        library (``dramatiq-guard functions prune`` reads them); the default
-        does nothing.
-        """
+        """The sweep stopped: withdraw what :meth:`watch` recorded of this process. Never raises."""
         return
 
     def wait_for_replicas(self, count: int, timeout_ms: int) -> None:
-        """From now on, make every decision wait until ``count`` replicas of the store acknowledge it.
+        """Make every decision from now on wait until ``count`` replicas acknowledge it (0: nothing changes).
 
-        The Redis backend follows each script with ``WAIT`` (see
-        :class:`~dramatiq_guard.backends.RedisBackend`'s ``replica_waits``);
-        fewer acknowledgements within ``timeout_ms`` fail the operation
-        closed (:class:`~dramatiq_guard.errors.ReplicasBehind`). A count of 0
-        asks for nothing and changes nothing. The default has no replicas,
-        and refuses any other count.
+        The Redis backend follows each script with ``WAIT`` (its ``replica_waits``):
+        fewer acknowledgements within ``timeout_ms`` fail the operation closed
+        (:class:`~dramatiq_guard.errors.ReplicasBehind`). The default has no replicas.
 
         Raises:
-          ValueError: If ``count`` or ``timeout_ms`` is out of range
-            (:func:`~dramatiq_guard.backends.checks.check_replica_waits`).
+          ValueError: If ``count`` or ``timeout_ms`` is out of range (:func:`check_replica_waits`).
           ConfigurationError: If ``count`` is not 0 and the store has no replicas.
         """
         check_replica_waits(count, timeout_ms)
