@@ -10,7 +10,6 @@ from typing import Any
 from dramatiq import Broker, Middleware
 from dramatiq.middleware import Retries
 
-from dramatiq_guard.backends import redis_health
 from dramatiq_guard.backends.base import GuardBackend, check_max_payload_bytes
 from dramatiq_guard.errors import ConfigurationError
 from dramatiq_guard.gate import gate_for
@@ -105,7 +104,8 @@ def install(
         connection pool names no server.
       replica_waits(int): How many replicas of the guard's Redis must
         acknowledge every decision before it stands (Redis ``WAIT`` after
-        each script; see :class:`~dramatiq_guard.backends.RedisBackend`). 0
+        each script; see :class:`~dramatiq_guard.backends.RedisBackend` and
+        :meth:`~dramatiq_guard.backends.GuardBackend.wait_for_replicas`). 0
         (the default): none; a failover may then lose the last decisions
         (docs/scaling.md).
       replica_wait_timeout_ms(int): How long to wait for them; if fewer
@@ -117,7 +117,8 @@ def install(
 
     The guard's Redis is checked here (its ``maxmemory-policy`` and
     persistence, best effort: a Redis that forbids ``CONFIG`` gets a logged
-    note). Without persistence, a warning says what a restart would lose.
+    note; :meth:`~dramatiq_guard.backends.GuardBackend.check_health`).
+    Without persistence, a warning says what a restart would lose.
     A WARNING is logged if one call to the backend could block longer than
     the shortest lease when Redis stops answering (a client without
     ``socket_timeout``, such as a RedisBroker's made without one; see
@@ -128,7 +129,8 @@ def install(
         no middleware (the error lists the settings that exist), or no route
         is given where the guard cannot describe the broker (two applications
         on such brokers would deliver each other's parked messages; the error
-        asks for ``route=``). Nothing is installed.
+        asks for ``route=``), or ``replica_waits`` is not 0 for a backend
+        with no replicas (not Redis). Nothing is installed.
       EvictingRedis: If the guard's Redis may evict keys and
         ``allow_evicting_redis`` is False (the error says what to set).
       ValueError: If ``max_payload_bytes`` is not a positive int, or
@@ -155,8 +157,8 @@ def install(
         )
 
     backend = _backend(broker, redis, route, max_payload_bytes)
-    _wait_for_replicas(backend, replica_waits, replica_wait_timeout_ms)
-    redis_health.check(backend, allow_evicting=allow_evicting_redis)
+    backend.wait_for_replicas(replica_waits, replica_wait_timeout_ms)
+    backend.check_health(allow_evicting=allow_evicting_redis)
     retries = next((m for m in broker.middleware if isinstance(m, Retries)), None)
     installed: list[Middleware] = []
     for cls in classes:
@@ -190,18 +192,3 @@ def _backend(broker: Broker, redis: Any, route: str | None, max_payload_bytes: i
     if max_payload_bytes is not None:
         backend.max_payload_bytes = check_max_payload_bytes(max_payload_bytes)
     return backend
-
-
-def _wait_for_replicas(backend: GuardBackend, count: int, timeout_ms: int) -> None:
-    """Make ``backend`` wait for ``count`` replicas after every decision (a Redis backend only)."""
-    from dramatiq_guard.backends.redis import RedisBackend, replica_waits_of
-
-    replicas = replica_waits_of(count, timeout_ms)
-    if isinstance(backend, RedisBackend):
-        if replicas is not None:
-            backend.replicas = replicas
-    elif replicas is not None:
-        raise ConfigurationError(
-            f"dramatiq_guard.install(): replica_waits={count} needs the guard's state on Redis, "
-            f"not on a {type(backend).__name__}"
-        )

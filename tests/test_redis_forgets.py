@@ -368,12 +368,12 @@ def test_the_waiters_check_reads_every_waiting_key_only_every_keys_every_s(
 def test_the_watch_ignores_other_backends_and_survives_an_unreachable_redis(
     servers: Callable[..., RedisServer],
 ) -> None:
-    redis_watch.watch(MemoryBackend())  # not Redis: nothing to do
+    MemoryBackend().watch(1.0)  # the contract's default: nothing to watch
     server = servers()
     backend = RedisBackend.from_url(server.url)
     try:
         server.stop()
-        redis_watch.watch(backend)  # logged, not raised: the sweep goes on
+        backend.watch(1.0)  # logged, not raised: the sweep goes on
     finally:
         backend.close()
 

@@ -182,6 +182,7 @@ from dramatiq_guard.backends.checks import (
     check_max_payload_bytes,
     check_ms,
     check_per_slot,
+    check_replica_waits,
 )
 from dramatiq_guard.backends.values import (
     HOLDERS_SHOWN,
@@ -197,7 +198,7 @@ from dramatiq_guard.backends.values import (
     WaiterPeek,
     Woken,
 )
-from dramatiq_guard.errors import BackendUnavailable, PayloadTooLarge
+from dramatiq_guard.errors import BackendUnavailable, ConfigurationError, PayloadTooLarge
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
@@ -694,6 +695,58 @@ class GuardBackend(abc.ABC):
           str|None: The warning, naming what to set, or None.
         """
         return None
+
+    # -- what a process asks of the store beyond the operations -----------------------------
+
+    def check_health(self, *, allow_evicting: bool | None = None) -> None:
+        """Refuse a store that would lose the guard's state silently; the default checks nothing.
+
+        Called by :func:`dramatiq_guard.install`, and by a guard middleware used
+        without it when it first resolves its backend. The Redis backend
+        (:mod:`~dramatiq_guard.backends.redis_health`) refuses an evicting
+        ``maxmemory-policy`` and state in a newer layout, and warns of no persistence.
+
+        Parameters:
+          allow_evicting(bool|None): True: run on a store that may evict keys, with
+            a warning. None: as decided before for this backend, else as
+            ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` says.
+
+        Raises:
+          EvictingRedis: If the store may evict keys and that was not allowed.
+          LayoutTooNew: If its state is in a layout this version cannot read.
+        """
+        return
+
+    def watch(self, interval_s: float) -> None:
+        """One look at the store, by each worker process's sweep after each pass; the default does nothing.
+
+        The Redis backend (:mod:`~dramatiq_guard.backends.redis_watch`) reports
+        state its server lost since the last look (a restart, a flush, an evicted
+        key) and keeps this process's record of the library it runs (for three
+        sweep passes of ``interval_s`` at least). Never raises: a failed look is logged.
+        """
+        return
+
+    def stop_watching(self) -> None:
+        """The sweep stopped: withdraw what :meth:`watch` recorded of this process. Never raises."""
+        return
+
+    def wait_for_replicas(self, count: int, timeout_ms: int) -> None:
+        """Make every decision from now on wait until ``count`` replicas acknowledge it (0: nothing changes).
+
+        The Redis backend follows each script with ``WAIT`` (its ``replica_waits``):
+        fewer acknowledgements within ``timeout_ms`` fail the operation closed
+        (:class:`~dramatiq_guard.errors.ReplicasBehind`). The default has no replicas.
+
+        Raises:
+          ValueError: If ``count`` or ``timeout_ms`` is out of range (:func:`check_replica_waits`).
+          ConfigurationError: If ``count`` is not 0 and the store has no replicas.
+        """
+        check_replica_waits(count, timeout_ms)
+        if count:
+            raise ConfigurationError(
+                f"replica_waits={count} needs the guard's state on Redis, not on a {type(self).__name__}"
+            )
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -24,6 +24,7 @@ __all__ = [
     "check_max_payload_bytes",
     "check_ms",
     "check_per_slot",
+    "check_replica_waits",
 ]
 
 #: The default bound on a parked message's encoded size (:attr:`GuardBackend.max_payload_bytes`).
@@ -122,3 +123,15 @@ def check_max_payload_bytes(value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"max_payload_bytes must be a positive int (bytes), not {value!r}")
     return value
+
+
+def check_replica_waits(count: int, timeout_ms: int) -> None:
+    """Reject replica waits no backend accepts (:meth:`GuardBackend.wait_for_replicas`).
+
+    Raises:
+      ValueError: If ``count`` is not an int from 0 to 2**31 - 1, or
+        ``timeout_ms`` not a duration from 1 ms (:func:`check_ms`; Redis's
+        ``WAIT`` with 0 would wait without end).
+    """
+    check_count(count, "replica_waits")
+    check_ms(timeout_ms, "replica_wait_timeout_ms")

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, cast
 import redis
 import redis.cluster
 
+from dramatiq_guard.backends import redis_health, redis_watch
 from dramatiq_guard.backends.base import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     HOLDERS_SHOWN,
@@ -39,6 +40,7 @@ from dramatiq_guard.backends.base import (
     check_ms,
     check_per_slot,
 )
+from dramatiq_guard.backends.checks import check_replica_waits
 from dramatiq_guard.backends.redis_client import (
     DEFAULT_SOCKET_TIMEOUT_S,
     RedisClient,
@@ -66,12 +68,9 @@ def replica_waits_of(count: int, timeout_ms: int) -> ReplicaWaits | None:
     """The replica waits asked for, checked: None for a count of 0.
 
     Raises:
-      ValueError: If ``count`` is not an int from 0 to 2**31 - 1, or
-        ``timeout_ms`` not a duration from 1 ms (:func:`check_ms`; Redis's
-        ``WAIT`` with 0 would wait without end).
+      ValueError: If ``count`` or ``timeout_ms`` is out of range (:func:`check_replica_waits`).
     """
-    check_count(count, "replica_waits")
-    check_ms(timeout_ms, "replica_wait_timeout_ms")
+    check_replica_waits(count, timeout_ms)
     return ReplicaWaits(count, timeout_ms) if count else None
 
 
@@ -239,6 +238,24 @@ class RedisBackend(GuardBackend):
             )
         found = [warning for warning in warnings if warning is not None]
         return " ".join(found) if found else None
+
+    def check_health(self, *, allow_evicting: bool | None = None) -> None:
+        """Refuse an evicting Redis, warn of one that does not persist (``redis_health.check``)."""
+        redis_health.check(self, allow_evicting=allow_evicting)
+
+    def watch(self, interval_s: float) -> None:
+        """Find state Redis lost, keep this process's record of its library (``redis_watch.watch``)."""
+        redis_watch.watch(self, interval_s)
+
+    def stop_watching(self) -> None:
+        """Withdraw this process's record of its function library (``redis_watch.leave``)."""
+        redis_watch.leave(self)
+
+    def wait_for_replicas(self, count: int, timeout_ms: int) -> None:
+        """Follow every script with ``WAIT count timeout_ms`` (0: keep the waits set before)."""
+        replicas = replica_waits_of(count, timeout_ms)
+        if replicas is not None:
+            self.replicas = replicas
 
     # -- keys ---------------------------------------------------------------
 

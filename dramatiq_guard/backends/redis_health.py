@@ -10,8 +10,10 @@ Redis. Two Redis setups lose them silently:
 * no persistence (``appendonly no`` and no RDB ``save`` schedule): a restart
   comes back empty.
 
-At install (:func:`check`, called by :func:`dramatiq_guard.install` and by a
-standalone middleware when it first resolves its backend) the server's
+At install (:func:`check`, the backend's
+:meth:`~dramatiq_guard.backends.GuardBackend.check_health`, called by
+:func:`dramatiq_guard.install` and by a standalone middleware when it first
+resolves its backend) the server's
 ``maxmemory-policy``, ``appendonly`` and ``save`` are read with ``CONFIG GET``
 (on a Redis Cluster, from every primary). An evicting policy raises
 :class:`~dramatiq_guard.errors.EvictingRedis`, unless the user opted out
@@ -40,21 +42,21 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import redis
 import redis.cluster
 
 from dramatiq_guard import events
-from dramatiq_guard.backends.base import GuardBackend
-from dramatiq_guard.backends.redis import RedisBackend
 from dramatiq_guard.backends.redis_client import RedisClient, text
+from dramatiq_guard.backends.redis_scripts import ScriptLibrary
 from dramatiq_guard.errors import BackendRefused, EvictingRedis, LayoutTooNew
 
 __all__ = [
     "ALLOW_EVICTING_ENV",
     "LAYOUT",
     "RESTART_LOSES",
+    "RedisBackendLike",
     "RedisSettings",
     "check",
     "check_layout",
@@ -82,6 +84,18 @@ RESTART_LOSES = (
 LAYOUT = 1
 
 UNREACHABLE: tuple[type[Exception], ...] = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+class RedisBackendLike(Protocol):
+    """What this module and :mod:`~dramatiq_guard.backends.redis_watch` use of a RedisBackend.
+
+    :class:`~dramatiq_guard.backends.RedisBackend` calls them (its health and
+    watch hooks), so they do not import it back.
+    """
+
+    client: RedisClient
+    namespace: str
+    scripts: ScriptLibrary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,32 +233,32 @@ def read_settings(client: RedisClient) -> RedisSettings:
 # -- the check at install -------------------------------------------------------
 
 _lock = threading.Lock()
-_settings: weakref.WeakKeyDictionary[GuardBackend, RedisSettings] = weakref.WeakKeyDictionary()
-_allowed: weakref.WeakSet[GuardBackend] = weakref.WeakSet()
-_warned: weakref.WeakSet[GuardBackend] = weakref.WeakSet()
+_settings: weakref.WeakKeyDictionary[RedisBackendLike, RedisSettings] = weakref.WeakKeyDictionary()
+_allowed: weakref.WeakSet[RedisBackendLike] = weakref.WeakSet()
+_warned: weakref.WeakSet[RedisBackendLike] = weakref.WeakSet()
 
 
 def _env_allows() -> bool:
     return os.environ.get(ALLOW_EVICTING_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
-def check(backend: GuardBackend, *, allow_evicting: bool | None = None) -> RedisSettings | None:
+def check(backend: RedisBackendLike, *, allow_evicting: bool | None = None) -> RedisSettings | None:
     """Check that ``backend``'s Redis keeps the guard's keys (see the module docstring).
 
+    What :meth:`RedisBackend.check_health <dramatiq_guard.backends.RedisBackend.check_health>` does.
     The server is read once per backend and process; the verdict is given
     again at each call (cheaply), so every middleware that resolves the
     backend is refused alike.
 
     Parameters:
-      backend(GuardBackend): The backend; anything but a
-        :class:`~dramatiq_guard.backends.RedisBackend` passes unchecked.
+      backend(RedisBackendLike): The backend.
       allow_evicting(bool|None): True: run on an evicting Redis with a
         warning (remembered for the backend). None: as decided before for
         this backend, else as ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` says.
 
     Returns:
-      RedisSettings|None: What was read, or None (not Redis, or unreachable
-      for now: checked again at the next call).
+      RedisSettings|None: What was read, or None (unreachable for now:
+      checked again at the next call).
 
     Raises:
       EvictingRedis: If the server's ``maxmemory-policy`` may evict keys and
@@ -252,8 +266,6 @@ def check(backend: GuardBackend, *, allow_evicting: bool | None = None) -> Redis
       LayoutTooNew: If the namespace's state is in a layout newer than
         :data:`LAYOUT` (see :func:`check_layout`).
     """
-    if not isinstance(backend, RedisBackend):
-        return None
     with _lock:
         if allow_evicting:
             _allowed.add(backend)
@@ -290,11 +302,11 @@ def check(backend: GuardBackend, *, allow_evicting: bool | None = None) -> Redis
     return settings
 
 
-def check_layout(backend: RedisBackend, *, record: bool = True) -> int:
+def check_layout(backend: RedisBackendLike, *, record: bool = True) -> int:
     """Refuse a namespace whose state is in a layout newer than :data:`LAYOUT`.
 
     Parameters:
-      backend(RedisBackend): The backend.
+      backend(RedisBackendLike): The backend.
       record(bool): Record :data:`LAYOUT` if no layout is recorded yet
         (``SET NX``, the same round trip); False only reads (the command
         line leaves nothing behind).
@@ -343,13 +355,13 @@ def _report(settings: RedisSettings) -> None:
     events.redis_settings(settings.evicting, settings.persistent)
 
 
-def known_settings(backend: GuardBackend) -> RedisSettings | None:
+def known_settings(backend: RedisBackendLike) -> RedisSettings | None:
     """The settings read from ``backend``'s Redis, if they were read already."""
     with _lock:
         return _settings.get(backend)
 
 
-def forget_settings(backend: GuardBackend) -> None:
+def forget_settings(backend: RedisBackendLike) -> None:
     """Read the settings again at the next :func:`check` (after a restart: they may have changed)."""
     with _lock:
         _settings.pop(backend, None)

@@ -1,8 +1,9 @@
 """State the guard's Redis lost while workers run: a restart, a flush, a key evicted.
 
-While workers run (:func:`watch`, called once per pass by each worker
-process's slot sweep), a :class:`StateWatch` per backend compares what it
-sees with what it saw at its previous pass, in one round trip (two when it
+While workers run (:func:`watch`, the backend's
+:meth:`~dramatiq_guard.backends.GuardBackend.watch`, called once per pass by
+each worker process's slot sweep), a :class:`StateWatch` per backend compares
+what it sees with what it saw at its previous pass, in one round trip (two when it
 checks the waiters of every waiting key, which costs O(waiting keys): every
 :data:`KEYS_EVERY_S` or slower with many keys, and at once after a restart or a flush):
 
@@ -23,7 +24,8 @@ checks the waiters of every waiting key, which costs O(waiting keys): every
 Each pass also keeps this process's record of the function library it runs
 (:meth:`ScriptLibrary.announce <dramatiq_guard.backends.redis_scripts.ScriptLibrary.announce>`,
 refreshed every quarter of its lifetime), which ``dramatiq-guard functions
-prune`` reads; :func:`leave` withdraws it when the sweep stops.
+prune`` reads; :func:`leave` (:meth:`~dramatiq_guard.backends.GuardBackend.stop_watching`)
+withdraws it when the sweep stops.
 
 Each loss is one ERROR log line naming what was lost, and counted by
 :func:`dramatiq_guard.events.redis_state_lost` (the metric
@@ -44,12 +46,11 @@ from typing import Any
 import redis
 
 from dramatiq_guard import events
-from dramatiq_guard.backends.base import GuardBackend
-from dramatiq_guard.backends.redis import RedisBackend
 from dramatiq_guard.backends.redis_client import run_script, text
 from dramatiq_guard.backends.redis_health import (
     RESTART_LOSES,
     UNREACHABLE,
+    RedisBackendLike,
     check,
     forget_settings,
     known_settings,
@@ -82,7 +83,7 @@ class StateWatch:
     thread-safe (the sweep thread calls it).
 
     Parameters:
-      backend(RedisBackend): The backend to watch.
+      backend(RedisBackendLike): The backend to watch.
       keys_every_s(float): How often the waiters check (which reads every
         waiting key, so costs O(waiting keys)) runs, and with more than
         ``keys_every_s * KEYS_PER_S`` waiting keys, every ``keys / KEYS_PER_S``
@@ -92,7 +93,7 @@ class StateWatch:
         flush triggers the waiters check at once. 0: at every check.
     """
 
-    def __init__(self, backend: RedisBackend, *, keys_every_s: float = KEYS_EVERY_S) -> None:
+    def __init__(self, backend: RedisBackendLike, *, keys_every_s: float = KEYS_EVERY_S) -> None:
         # Weak: the watches are kept in a WeakKeyDictionary keyed by the backend.
         self._backend = weakref.ref(backend)
         self.run_id: str | None = None
@@ -107,7 +108,7 @@ class StateWatch:
         self._announce_refused = False
 
     @property
-    def backend(self) -> RedisBackend:
+    def backend(self) -> RedisBackendLike:
         """The backend watched.
 
         Raises:
@@ -289,21 +290,18 @@ def _keys(keys: list[str], most: int = 20) -> str:
     return shown if len(keys) <= most else f"{shown} and {len(keys) - most} more"
 
 
-_watches: weakref.WeakKeyDictionary[GuardBackend, StateWatch] = weakref.WeakKeyDictionary()
+_watches: weakref.WeakKeyDictionary[RedisBackendLike, StateWatch] = weakref.WeakKeyDictionary()
 
 
-def watch(backend: GuardBackend, interval_s: float = 1.0) -> None:
+def watch(backend: RedisBackendLike, interval_s: float = 1.0) -> None:
     """One check of ``backend``'s state (:class:`StateWatch`); the slot sweep calls it once per pass.
 
-    Does nothing for a backend that is not Redis. Never raises: a check that
-    fails (Redis unreachable) is logged at DEBUG and compared at the next
-    one. The first check of a backend whose settings were not read yet
+    Never raises: a check that fails (Redis unreachable) is logged at DEBUG
+    and compared at the next one. The first check of a backend whose settings were not read yet
     (Redis was unreachable at install) reads them, and logs an evicting
     policy as an error. Also keeps this process's record of the library it
     runs (:meth:`StateWatch.announce`; ``interval_s``: the sweep's).
     """
-    if not isinstance(backend, RedisBackend):
-        return
     try:
         state = _watches.get(backend)
         if state is None:
@@ -321,7 +319,7 @@ def watch(backend: GuardBackend, interval_s: float = 1.0) -> None:
         logger.warning("The guard's Redis state check failed; retrying.", exc_info=True)
 
 
-def leave(backend: GuardBackend) -> None:
+def leave(backend: RedisBackendLike) -> None:
     """Withdraw this process's record of the library it runs (its sweep stopped). Never raises."""
     state = _watches.get(backend)
     if state is None or state.announced is None:

@@ -26,7 +26,6 @@ import dramatiq
 from dramatiq import Broker, Message
 from dramatiq.broker import MessageProxy
 
-from dramatiq_guard.backends import redis_health
 from dramatiq_guard.backends.base import GuardBackend
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.gate import gate_for
@@ -129,9 +128,9 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
     def backend(self, broker: Broker) -> GuardBackend:
         """The guard backend, resolved on first use.
 
-        A Redis backend is checked the first time (as :func:`dramatiq_guard.install`
-        does; see :mod:`dramatiq_guard.backends.redis_health`), so a middleware
-        used without ``install()`` refuses an evicting Redis too.
+        The backend is checked the first time (:meth:`GuardBackend.check_health`,
+        as :func:`dramatiq_guard.install` does), so a middleware used without
+        ``install()`` refuses an evicting Redis too.
 
         Raises:
           ConfigurationError: If no backend can be found.
@@ -143,7 +142,7 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
             with self._backend_lock:
                 if self._backend is None:
                     backend = resolve_backend(broker, self._redis)
-                    redis_health.check(backend)
+                    backend.check_health()
                     self._backend = backend
         return self._backend
 

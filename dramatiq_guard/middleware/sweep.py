@@ -54,13 +54,11 @@ class Sweeper:
         self.thread = threading.Thread(target=self._run, name="dramatiq-guard-sweep", daemon=True)
 
     def _run(self) -> None:
-        from dramatiq_guard.backends import redis_watch
-
         while not self.stop_event.wait(self.interval_s):
             sweep_all(self.backend, list(self.members.values()))
-            # State the guard's Redis lost since the last pass; and the record of the library we run.
-            redis_watch.watch(self.backend, self.interval_s)
-        redis_watch.leave(self.backend)  # again, if a pass ran after leave_sweep's
+            # State the store lost since the last pass (Redis: and the record of the library we run).
+            self.backend.watch(self.interval_s)
+        self.backend.stop_watching()  # again, if a pass ran after leave_sweep's
 
 
 def sweep_all(backend: GuardBackend, members: list[Member]) -> None:
@@ -110,12 +108,11 @@ def join_sweep(middleware: Sweepable, broker: Broker, interval_ms: int) -> Sweep
 def leave_sweep(middleware: Sweepable, sweeper: Sweeper) -> None:
     """Remove ``middleware`` from ``sweeper``; the last one out stops it.
 
-    The last one also withdraws the process's record of the library it runs
-    (``dramatiq-guard functions prune`` reads them): here, as the sweep
-    thread is a daemon that may not get to it before the process exits.
+    The last one also withdraws what the backend's watch recorded of this
+    process (:meth:`GuardBackend.stop_watching`; Redis: the record of the
+    library it runs, which ``dramatiq-guard functions prune`` reads): here, as
+    the sweep thread is a daemon that may not get to it before the process exits.
     """
-    from dramatiq_guard.backends import redis_watch
-
     with _sweepers_lock:
         sweeper.members.pop(id(middleware), None)
         stopped = not sweeper.members
@@ -124,4 +121,4 @@ def leave_sweep(middleware: Sweepable, sweeper: Sweeper) -> None:
             if _sweepers.get(id(sweeper.backend)) is sweeper:
                 del _sweepers[id(sweeper.backend)]
     if stopped:
-        redis_watch.leave(sweeper.backend)
+        sweeper.backend.stop_watching()
