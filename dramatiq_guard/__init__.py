@@ -11,6 +11,7 @@ Register it on your broker before importing your actors::
     dramatiq.set_broker(broker)
 """
 
+from dramatiq_guard._version import __version__ as __version__
 from dramatiq_guard.context import current_lease, ledger_session
 from dramatiq_guard.errors import (
     BackendUnavailable,
@@ -29,8 +30,6 @@ from dramatiq_guard.middleware.dedup import Deduplication, DuplicateMessage, ded
 from dramatiq_guard.middleware.idempotency import Idempotency
 from dramatiq_guard.middleware.slots import Concurrency, Mutex, MutexWaitTimeout
 from dramatiq_guard.policies import ConcurrencyPolicy, DedupPolicy, IdempotencyPolicy, MutexPolicy
-
-__version__ = "0.2.0.dev0"
 
 __all__ = [  # noqa: RUF022 - grouped by capability, not sorted
     # Setting up

@@ -13,6 +13,8 @@ from typing import Any
 
 from dramatiq.middleware import MiddlewareError
 
+from dramatiq_guard._version import __version__
+
 
 class GuardError(MiddlewareError):
     """Base class for every dramatiq-guard error."""
@@ -252,8 +254,6 @@ class LayoutTooNew(ConfigurationError):
     """
 
     def __init__(self, stored: int, known: int, where: str, key: str) -> None:
-        from dramatiq_guard import __version__
-
         super().__init__(
             f"the guard's state in {where} is in layout {stored}, written by a newer dramatiq-guard; "
             f"this one ({__version__}) reads layouts up to {known} only and would misread it: run the "

@@ -66,6 +66,8 @@ REPO_ROOT = TESTS_DIR.parent
 
 #: The release the working tree must be able to replace, worker by worker.
 RELEASED = "0.1.0"
+#: Where a version declared its ``__version__`` (``__init__.py`` up to 0.1.0).
+VERSION_FILES = ("dramatiq_guard/_version.py", "dramatiq_guard/__init__.py")
 #: Where built releases are kept between runs (default: a directory in the system's temp dir).
 RELEASE_CACHE_ENV = "DRAMATIQ_GUARD_TEST_RELEASE_CACHE"
 #: Tells an actor module which worker runs it (``old``, ``new``, ``new2``; producers: ``producer``).
@@ -179,8 +181,9 @@ class Release:
 def release_commit(version: str) -> str | None:
     """The newest commit in ``HEAD``'s history that declares ``version``, or None (no git, shallow).
 
-    The commits that add or remove the line ``__version__ = "<version>"`` are candidates; the
-    newest whose ``dramatiq_guard/__init__.py`` holds it is the release (the next one moved on).
+    The commits that add or remove the line ``__version__ = "<version>"`` in one of
+    :data:`VERSION_FILES` are candidates; the newest whose file holds it is the release (the next
+    one moved on).
     """
     line = f'__version__ = "{version}"'
 
@@ -189,13 +192,14 @@ def release_commit(version: str) -> str | None:
         return subprocess.run(command, capture_output=True, text=True, check=False)
 
     try:
-        found = git("log", "--format=%H", "-G", re.escape(line), "HEAD", "--", "dramatiq_guard/__init__.py")
+        found = git("log", "--format=%H", "-G", re.escape(line), "HEAD", "--", *VERSION_FILES)
         if found.returncode != 0:
             return None
         for commit in found.stdout.split():
-            shown = git("show", f"{commit}:dramatiq_guard/__init__.py")
-            if shown.returncode == 0 and line in shown.stdout.splitlines():
-                return commit
+            for path in VERSION_FILES:
+                shown = git("show", f"{commit}:{path}")
+                if shown.returncode == 0 and line in shown.stdout.splitlines():
+                    return commit
     except OSError:
         return None
     return None

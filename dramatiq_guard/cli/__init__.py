@@ -306,6 +306,26 @@ def _add_functions(
     functions_prune.set_defaults(run=_cmd_functions_prune)
 
 
+def _ledger_options() -> argparse.ArgumentParser:
+    """The options of every ``ledger`` action: which database and table."""
+    options = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    options.add_argument(
+        "--ledger",
+        metavar="URL",
+        help=f"the ledger's SQLAlchemy URL (default: ${LEDGER_URL_ENV}, else the default SQLite file)",
+    )
+    options.add_argument(
+        "--table",
+        metavar="NAME",
+        default="dramatiq_guard_ledger",
+        help="the ledger's table (default: %(default)s)",
+    )
+    options.add_argument(
+        "--schema", metavar="NAME", default=None, help="the table's schema, if not the default"
+    )
+    return options
+
+
 def _add_ledger(
     commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
 ) -> None:
@@ -315,21 +335,7 @@ def _add_ledger(
         help="show or prune the idempotency ledger",
         description="Show or prune the rows of the SQL idempotency ledger.",
     )
-    ledger_common = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
-    ledger_common.add_argument(
-        "--ledger",
-        metavar="URL",
-        help=f"the ledger's SQLAlchemy URL (default: ${LEDGER_URL_ENV}, else the default SQLite file)",
-    )
-    ledger_common.add_argument(
-        "--table",
-        metavar="NAME",
-        default="dramatiq_guard_ledger",
-        help="the ledger's table (default: %(default)s)",
-    )
-    ledger_common.add_argument(
-        "--schema", metavar="NAME", default=None, help="the table's schema, if not the default"
-    )
+    ledger_common = _ledger_options()
     ledgers = ledger.add_subparsers(dest="ledger_command", metavar="ACTION", required=True)
     prune = ledgers.add_parser(
         "prune",
