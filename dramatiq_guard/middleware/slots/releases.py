@@ -9,8 +9,7 @@ trip of the message's end. A key this process saw waiters on lately
 (:class:`ContendedKeys`: its last release here handed the slot on or sent
 standbys, or a message of it here did not get a slot at once) is released on the
 worker thread: there the next holder is waiting for the slot, and the hop to
-another thread would only delay it (measured: the slot drain and the hand-off
-both slower by a third).
+another thread would only delay it (docs/slots.md, "Execution").
 
 Invariant: every lease handed here is released (or, if the backend cannot be
 reached, stops being renewed and lapses within ``lease_ttl``), and what each

@@ -10,8 +10,7 @@ Long jobs: a release sends only the standbys expected to get a slot within ``sta
 (:meth:`Standbys.count_after`). Slots of a limit of ``L`` free about every ``held / L``, so the
 ``k``-th standby waits about ``k x held / L``; one that waits longer only blocks its thread for
 ``standby_wait``, parks again, and is sent again by the next release, a broker pickup each time
-(3.8 pickups per message on a mutex whose 1 s jobs outlasted a 200 ms ``standby_wait``, where every
-slot went to a parked message anyway, 2026-11-26).
+(docs/slots.md, "Long jobs").
 """
 
 from __future__ import annotations
@@ -32,8 +31,8 @@ __all__ = ["DEFAULT_LOOKAHEAD", "StandbySeats", "Standbys", "wait_as_standby"]
 #: How many waiters per key are kept on the broker ahead when ``lookahead`` is None: the key's
 #: standby window (its limit, at least ``MIN_STANDBY_WINDOW``), at most this. A release reads that
 #: many waiters to find the ones to send, so the window costs Redis time on every release of a key
-#: with waiters: 16 keeps it flat in the limit (a limit of 10,000 with the whole limit as the window
-#: took 24 ms of Redis time per release), and covers 16 hand-offs of a worker's pickup latency.
+#: with waiters: 16 keeps it flat in the limit (docs/slots.md, "Standbys"), and covers 16
+#: hand-offs of a worker's pickup latency.
 DEFAULT_LOOKAHEAD = 16
 
 
