@@ -244,13 +244,11 @@ def keep_polling(worker: Any, queue_name: str) -> None:
     ``worker_timeout``, a second by default), and it counts a fetch it skips because its
     prefetch is full as empty. A key's waiters are parked, so its queue on the broker holds
     little but the standbys and hand-offs sent to it, and a consumer deep in its back-off left
-    a freed slot idle until its next poll (measured on the slot drain: 60-70 % of the slots
-    went to a standby not yet picked up, 2.2-2.9 ms after the release against 1.0 ms for a
-    standby a thread was blocked on). A process that pushes a hand-off or a standby resets its
-    own consumer's count of empty fetches, so it keeps polling at the shortest back-off while
-    the key's messages flow, and backs off again once they stop. The sleep under way is not cut
-    short. A consumer without that count (another broker's: RabbitMQ's pushes its messages)
-    and a process without a worker are left alone.
+    a freed slot idle until its next poll (docs/slots.md, "Standbys"). A process that pushes a
+    hand-off or a standby resets its own consumer's count of empty fetches, so it keeps polling
+    at the shortest back-off while the key's messages flow, and backs off again once they stop.
+    The sleep under way is not cut short. A consumer without that count (another broker's:
+    RabbitMQ's pushes its messages) and a process without a worker are left alone.
     """
     thread = getattr(worker, "consumers", {}).get(queue_name)
     consumer: Any = getattr(thread, "consumer", None)

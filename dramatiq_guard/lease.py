@@ -215,13 +215,13 @@ class Lease:
         """
         return self._lost.wait(timeout) or self.lost
 
-    def release(self, *, send_ahead: int = 0, per_slot: int = 1) -> ReleaseResult:
+    def release(self, *, send_ahead: int = 0) -> ReleaseResult:
         """Stop renewing the lease and give the slot back (checked: only this holder's own).
 
         The freed slot is handed to the oldest waiter of the key; the result's
         ``handoffs`` with a payload must be re-enqueued by the caller (the
         middlewares and the lock do it), and its ``standbys`` (sent ahead when
-        ``send_ahead`` > 0, within a window of ``per_slot`` standbys per slot, see
+        ``send_ahead`` > 0, see
         :meth:`~dramatiq_guard.backends.GuardBackend.release`) enqueued and
         confirmed. If ``released`` is False the lease had been lost before it
         was released: :attr:`lost` is then True. :attr:`lost` is also True
@@ -243,9 +243,7 @@ class Lease:
             return self.release_result
         self._stop()
         return self._released_as(
-            self.backend.release(
-                self.key, self.holder, limit=self.limit, send_ahead=send_ahead, per_slot=per_slot
-            )
+            self.backend.release(self.key, self.holder, limit=self.limit, send_ahead=send_ahead)
         )
 
     def _stop(self) -> None:
@@ -297,8 +295,8 @@ class Lease:
         return f"Lease(key={self.key!r}, holder={self.holder!r}, token={self.token}, {state})"
 
 
-def release_leases(backend: GuardBackend, releases: Sequence[tuple[Lease, int, int]]) -> list[ReleaseResult]:
-    """:meth:`Lease.release` for several ``(lease, send_ahead, per_slot)`` of ``backend``, in one call.
+def release_leases(backend: GuardBackend, releases: Sequence[tuple[Lease, int]]) -> list[ReleaseResult]:
+    """:meth:`Lease.release` for several ``(lease, send_ahead)`` of ``backend``, in one backend call.
 
     One pipelined round trip on Redis (:meth:`GuardBackend.release_many
     <dramatiq_guard.backends.GuardBackend.release_many>`). A lease released
@@ -308,15 +306,13 @@ def release_leases(backend: GuardBackend, releases: Sequence[tuple[Lease, int, i
       BackendUnavailable: The backend could not be reached; none of them is
         renewed any more, and each lapses within one lease duration.
     """
-    pending = [release for release in releases if release[0].release_result is None]
-    for lease, _, _ in pending:
+    pending = [(lease, send_ahead) for lease, send_ahead in releases if lease.release_result is None]
+    for lease, _ in pending:
         lease._stop()
-    results = backend.release_many(
-        [(lease.key, lease.holder, lease.limit, n, per_slot) for lease, n, per_slot in pending]
-    )
-    for (lease, _, _), result in zip(pending, results, strict=True):
+    results = backend.release_many([(lease.key, lease.holder, lease.limit, n) for lease, n in pending])
+    for (lease, _), result in zip(pending, results, strict=True):
         lease._released_as(result)
-    return [cast(ReleaseResult, lease.release_result) for lease, _, _ in releases]  # each has one now
+    return [cast(ReleaseResult, lease.release_result) for lease, _ in releases]  # each has one now
 
 
 class _Expirer:

@@ -437,12 +437,7 @@ def test_release_many_is_each_release_in_order(env: Env) -> None:
     park(backend, "p")
     assert backend.acquire(other, "b", limit=2, ttl_ms=60_000).acquired
     handed, freed, refused, empty = backend.release_many(
-        [
-            (KEY, "a", 1, 0, 1),
-            (other, "b", 2, 0, 1),
-            (other, "intruder", 2, 0, 1),
-            (f"{KEY}:none", "c", 1, 0, 1),
-        ]
+        [(KEY, "a", 1, 0), (other, "b", 2, 0), (other, "intruder", 2, 0), (f"{KEY}:none", "c", 1, 0)]
     )
     assert handed.released and [h.waiter_id for h in handed.handoffs] == ["p"]  # the waiter gets the slot
     assert handed.handoffs[0].payload == b"msg:p"
@@ -468,7 +463,7 @@ def test_leases_released_together_report_as_each_would_alone(env: Env) -> None:
     first = leases[1].release()  # released before: keeps its first result
     wait_lapsed(env, backend, f"{KEY}:3", "c")
     assert backend.acquire(f"{KEY}:3", "d", limit=1, ttl_ms=60_000).acquired  # c lapsed and was taken
-    results = release_leases(backend, [(lease, 0, 1) for lease in leases])
+    results = release_leases(backend, [(lease, 0) for lease in leases])
     assert [r.released for r in results] == [True, True, False]
     assert results[1] is first
     assert [lease.lost for lease in leases] == [False, False, True]
@@ -1823,52 +1818,6 @@ def test_with_more_ready_waiters_than_the_window_a_slot_goes_to_the_first_ready_
     assert backend.release(KEY, "b0", limit=2).handoffs == ()  # b1 and b2 hold the 2 slots
     [handed] = backend.release(KEY, "b1", limit=2).handoffs
     assert (handed.waiter_id, handed.payload) == ("p1", b"msg:p1")
-
-
-def test_a_release_that_asks_for_two_standbys_per_slot_prefers_the_ready_waiters_of_that_window(
-    env: Env,
-) -> None:
-    """With ``per_slot=2`` the window of a release is twice the limit: a ready waiter there goes
-    before older parked ones; behind it, or in a release of one per slot, it waits its turn."""
-    backend = env.backend()
-    for holder in ("h1", "h2"):
-        assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired
-    for waiter in ("p1", "p2", "p3"):
-        park(backend, waiter, limit=2)
-    block(backend, "b0", limit=2)  # the 4th waiter: in a window of 2 x 2, not in one of 2
-    block(backend, "b1", limit=2)  # the 5th: in neither
-    # One per slot: the window is p1, p2, with no ready waiter: the oldest, p1, is handed the slot.
-    [handed] = backend.release(KEY, "h1", limit=2).handoffs
-    assert (handed.waiter_id, handed.payload) == ("p1", b"msg:p1")
-    # Two per slot: the window is p2, p3, b0, b1: b0 goes first.
-    assert backend.release(KEY, "h2", limit=2, per_slot=2).handoffs == (Handoff(KEY, "b0", None),)
-    assert waiter_ids(backend.inspect(KEY)) == ["p2", "p3", "b1"]
-
-
-def test_a_send_of_two_standbys_per_slot_covers_twice_the_limit(env: Env) -> None:
-    """``per_slot=2`` sends up to twice the limit in force ahead (MIN_STANDBY_WINDOW for a smaller
-    limit), and a release of one per slot sends none of those beyond the limit again."""
-    backend = env.backend()
-    limit = MIN_STANDBY_WINDOW
-    for holder in range(limit):
-        assert backend.acquire(KEY, f"h{holder}", limit=limit, ttl_ms=60_000).acquired
-    waiters = [f"p{i}" for i in range(3 * limit)]
-    for waiter in waiters:
-        park(backend, waiter, limit=limit)
-    _, sent = backend.send_standbys(KEY, limit=limit, count=100, per_slot=2)
-    assert [s.waiter_id for s in sent] == waiters[: 2 * limit]  # the first ones, in FIFO order
-    assert backend.send_standbys(KEY, limit=limit, count=100) == ((), ())  # already sent
-    # The slot goes to the oldest (none is ready); the window moves on by one.
-    released = backend.release(KEY, "h0", limit=limit, send_ahead=100, per_slot=2)
-    assert [h.waiter_id for h in released.handoffs] == ["p0"]
-    assert [s.waiter_id for s in released.standbys] == [waiters[2 * limit]]
-    # A mutex's window stays MIN_STANDBY_WINDOW (twice its limit is smaller).
-    mutex = f"{KEY}-mutex"
-    assert backend.acquire(mutex, "h", limit=1, ttl_ms=60_000).acquired
-    for waiter in waiters:
-        park(backend, waiter, key=mutex)
-    _, sent = backend.send_standbys(mutex, limit=1, count=100, per_slot=2)
-    assert [s.waiter_id for s in sent] == waiters[:MIN_STANDBY_WINDOW]
 
 
 def test_a_hand_off_costs_the_same_whatever_the_number_of_ready_waiters(redis_env: Env) -> None:

@@ -28,7 +28,7 @@ from test_backend_contract import KEY, Env, _env, env, redis_cluster_url
 
 import dramatiq_guard
 from dramatiq_guard.backends import GuardBackend, MemoryBackend, RedisBackend, Waiter
-from dramatiq_guard.backends.base import HOLDERS_SHOWN, MIN_STANDBY_WINDOW, STANDBYS_PER_SLOT
+from dramatiq_guard.backends.base import HOLDERS_SHOWN, MIN_STANDBY_WINDOW
 from dramatiq_guard.cli import main
 from dramatiq_guard.errors import GuardOptionError
 from dramatiq_guard.ledger import Ledger
@@ -177,20 +177,8 @@ BAD_CALLS: list[tuple[str, Callable[[GuardBackend], object], str]] = [
     ("renew negative", lambda b: b.renew(KEY, "h", ttl_ms=-1), "ttl_ms"),
     ("renew_many absurd", lambda b: b.renew_many([(KEY, "h", 1000), (KEY, "h", ABSURD)]), "ttl_ms"),
     ("release send_ahead", lambda b: b.release(KEY, "h", limit=1, send_ahead=-1), "send_ahead"),
-    ("release per_slot 0", lambda b: b.release(KEY, "h", limit=1, send_ahead=1, per_slot=0), "per_slot"),
-    (
-        "release per_slot too many",
-        lambda b: b.release(KEY, "h", limit=1, per_slot=STANDBYS_PER_SLOT + 1),
-        "per_slot",
-    ),
-    ("release_many per_slot", lambda b: b.release_many([(KEY, "h", 1, 1, 0)]), "per_slot"),
     ("confirm_handoff", lambda b: b.confirm_handoff(KEY, "h", ttl_ms=ABSURD), "ttl_ms"),
     ("send_standbys", lambda b: b.send_standbys(KEY, limit=1, count=-1), "count"),
-    (
-        "send_standbys per_slot",
-        lambda b: b.send_standbys(KEY, limit=1, count=1, per_slot=STANDBYS_PER_SLOT + 1),
-        "per_slot",
-    ),
     ("confirm_standby", lambda b: b.confirm_standby(KEY, "h", b"m", ttl_ms=0), "ttl_ms"),
     ("wait_for_handoff", lambda b: b.wait_for_handoff(KEY, "h", timeout_ms=ABSURD), "timeout_ms"),
     ("cancel_wait", lambda b: b.cancel_wait(KEY, "h", limit=-1), "limit"),
@@ -268,10 +256,7 @@ def test_the_send_lock_with_an_insane_ttl_writes_nothing(redis_env: Env, ttl: st
         ("acquire", ("h", 1000, "block", b"", str(ABSURD), ""), "wait_ms"),
         ("confirm_handoff", ("h", str(ABSURD)), "ttl_ms"),
         ("release", ("h", "-1"), "send_ahead"),
-        ("release", ("h", "1", "0"), "per_slot"),
-        ("release", ("h", "1", str(STANDBYS_PER_SLOT + 1)), "per_slot"),
         ("standby", ("send", "1e9"), "count"),
-        ("standby", ("send", "1", "1.5"), "per_slot"),
         ("standby", ("confirm", "h", str(ABSURD), b"m"), "ttl_ms"),
         ("set_limit", (str(ABSURD),), "limit"),
         ("set_limit", ("1e3",), "limit"),
@@ -339,7 +324,6 @@ def test_the_scripts_bounds_are_the_python_ones() -> None:
     prelude = (lua / "_prelude.lua").read_text()
     assert f"local HOLDERS_SHOWN = {HOLDERS_SHOWN}\n" in prelude  # how many holders a refusal names
     assert f"local MIN_STANDBY_WINDOW = {MIN_STANDBY_WINDOW}\n" in prelude  # the smallest standby window
-    assert f"local STANDBYS_PER_SLOT = {STANDBYS_PER_SLOT}\n" in prelude  # the widest standby window
     for own in ("lock", "renew"):  # the scripts without the prelude
         script = (lua / f"{own}.lua").read_text()
         assert f"local MAX_DURATION_MS = {bounds.MAX_DURATION_MS}\n" in script

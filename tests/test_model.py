@@ -465,7 +465,6 @@ class GuardModel(RuleBasedStateMachine):
         mid: str,
         *,
         send_ahead: int = 0,
-        per_slot: int = 1,
         route: str = MAIN,
         known: bool = True,
         lost: bool = False,
@@ -473,9 +472,7 @@ class GuardModel(RuleBasedStateMachine):
         """A release; ``lost``: its caller got an error (the message is done all the same)."""
         limit = DEFAULTS[key] if known else None
         results = self.call(
-            key,
-            lambda b: b.release(key, mid, limit=limit, send_ahead=send_ahead, per_slot=per_slot),
-            route=route,
+            key, lambda b: b.release(key, mid, limit=limit, send_ahead=send_ahead), route=route
         )
         self.absorb(key, results, route, lost=lost)
         self.running.pop(mid, None)
@@ -519,28 +516,17 @@ class GuardModel(RuleBasedStateMachine):
                 self.threads[mid] = Thread(key, mid, None, runner)
 
     @precondition(lambda self: self.running)
-    @rule(
-        data=st.data(),
-        send_ahead=st.sampled_from([0, 0, 1, 2, 8]),
-        per_slot=st.sampled_from([1, 1, 2]),
-        foreign=st.booleans(),
-        lost=LOST,
-    )
-    def a_holder_releases(
-        self, data: st.DataObject, send_ahead: int, per_slot: int, foreign: bool, lost: bool
-    ) -> None:
-        """A holder releases (maybe sending waiters ahead, within a window of ``per_slot`` per slot:
-        after a short job); ``foreign``: forced by another route's process; ``lost``: its reply is
-        lost (what it handed on and sent ahead is nobody's to deliver)."""
+    @rule(data=st.data(), send_ahead=st.sampled_from([0, 0, 1, 2, 8]), foreign=st.booleans(), lost=LOST)
+    def a_holder_releases(self, data: st.DataObject, send_ahead: int, foreign: bool, lost: bool) -> None:
+        """A holder releases (maybe sending waiters ahead); ``foreign``: forced by another route's
+        process; ``lost``: its reply is lost (what it handed on and sent ahead is nobody's to deliver)."""
         with self.step():
             mid = data.draw(st.sampled_from(sorted(self.running)))
             key = self.running[mid]
             if foreign:
-                self.release(
-                    key, mid, send_ahead=send_ahead, per_slot=per_slot, route=OTHER, known=False, lost=lost
-                )
+                self.release(key, mid, send_ahead=send_ahead, route=OTHER, known=False, lost=lost)
             else:
-                self.release(key, mid, send_ahead=send_ahead, per_slot=per_slot, lost=lost)
+                self.release(key, mid, send_ahead=send_ahead, lost=lost)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), again=st.booleans(), lost=LOST)
@@ -659,18 +645,15 @@ class GuardModel(RuleBasedStateMachine):
     @rule(
         key=st.sampled_from(KEYS),
         count=st.sampled_from([1, 2, 3, 8]),
-        per_slot=st.sampled_from([1, 2]),
         route=st.sampled_from([MAIN, OTHER]),
         lost=LOST,
     )
-    def waiters_are_sent_ahead(self, key: str, count: int, per_slot: int, route: str, lost: bool) -> None:
+    def waiters_are_sent_ahead(self, key: str, count: int, route: str, lost: bool) -> None:
         """A process sends the oldest parked waiters ahead as standbys (``lost``: the reply is lost,
         nothing is sent: the standbys park again, the hand-offs lapse)."""
         with self.step():
             results = self.call(
-                key,
-                lambda b: b.send_standbys(key, limit=DEFAULTS[key], count=count, per_slot=per_slot),
-                route=route,
+                key, lambda b: b.send_standbys(key, limit=DEFAULTS[key], count=count), route=route
             )
             self.check_tokens(key, results)
             if lost:

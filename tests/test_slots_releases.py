@@ -226,7 +226,7 @@ def test_releases_the_backend_cannot_take_are_reported_and_stop_being_renewed(
     private_redis.stop()
     results: list[object] = []
     releaser = Releaser()
-    assert releaser.send([(lease, 0, 1, results.append) for lease in leases]) is True  # never retried
+    assert releaser.send([(lease, 0, results.append) for lease in leases]) is True  # never retried
     assert results == [None, None, None]
     assert all(lease.released for lease in leases)
     assert get_renewer().leases == renewing  # no longer renewed: each lapses within its ttl

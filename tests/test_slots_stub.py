@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,12 +17,11 @@ from dramatiq.results.backends import StubBackend
 from harness import wait_until
 
 from dramatiq_guard import current_lease, events
-from dramatiq_guard.backends.base import STANDBYS_PER_SLOT
 from dramatiq_guard.backends.memory import MemoryBackend
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.slots import Concurrency, Mutex, MutexWaitTimeout
-from dramatiq_guard.middleware.slots.standbys import DEFAULT_LOOKAHEAD, SHORT_HOLD_MS, Standbys
+from dramatiq_guard.middleware.slots.standbys import DEFAULT_LOOKAHEAD, Standbys
 from dramatiq_guard.testing import join, parked_count
 
 
@@ -98,6 +96,14 @@ def env(restore_global_broker: None) -> Iterator[Env]:
     env = Env()
     yield env
     env.close()
+
+
+def send_standbys(middleware: Concurrency, broker: dramatiq.Broker, key: str, limit: int) -> None:
+    """Send the first waiters of ``key`` ahead as standbys, as a release of it would (up to ``lookahead``)."""
+    backend = middleware.backend(broker)
+    handoffs, sent = backend.send_standbys(key, limit=limit, count=middleware.standbys.count())
+    middleware.deliver(broker, handoffs)
+    middleware.courier(broker).send_ahead(sent)
 
 
 def test_a_burst_reserves_the_limit_and_parks_the_rest_at_enqueue(env: Env) -> None:
@@ -494,7 +500,7 @@ def test_a_standby_never_woken_parks_again_first_in_line_without_a_retry_or_a_re
     holder = job.send(0)
     assert started.wait(10)
     first, second = job.send(1), job.send(2)  # parked at enqueue: the key is full
-    env.concurrency.send_standbys(env.broker, "concurrency:k", 1)
+    send_standbys(env.concurrency, env.broker, "concurrency:k", 1)
     assert [(w, parked) for w, _, parked in env.backend.inspect("concurrency:k").waiters] == [
         (first.message_id, False),  # standbys (a limit of 1 keeps MIN_STANDBY_WINDOW), on the
         (second.message_id, False),  # broker, in their places
@@ -613,43 +619,12 @@ def test_the_default_lookahead_sends_16_standbys_ahead_however_wide_the_limit(en
     queue = env.broker.queues[job.queue_name]
     assert queue.qsize() == limit
     env.concurrency.standbys.seats.seats = 4  # as a started worker of 8 threads allows
-    env.concurrency.send_standbys(env.broker, "concurrency:wide", limit)
+    send_standbys(env.concurrency, env.broker, "concurrency:wide", limit)
     waiters = env.backend.inspect("concurrency:wide").waiters
     assert [(w, parked) for w, _, parked in waiters] == [
         (m.message_id, i >= DEFAULT_LOOKAHEAD) for i, m in enumerate(messages[limit:])
     ]
     assert queue.qsize() == limit + DEFAULT_LOOKAHEAD
-
-
-def test_a_short_job_sends_two_standbys_per_slot_and_a_long_one_one(env: Env) -> None:
-    """After a job that held its slot under SHORT_HOLD_MS, the release asks for a standby window of
-    two per slot (a standby then has two jobs' runs to reach a worker thread); after a longer one,
-    of one per slot (its standbys would block threads for nothing)."""
-    asked: list[tuple[str, int]] = []
-    release = env.concurrency.release
-
-    def spy(broker: Any, lease: Lease, **options: Any) -> Any:
-        asked.append((lease.holder, options["per_slot"]))
-        return release(broker, lease, **options)
-
-    env.concurrency.release = spy  # type: ignore[method-assign]
-
-    @dramatiq.actor(concurrency={"limit": 2, "key": lambda n: "k"}, max_retries=0)
-    def job(n: int) -> None:
-        if n == 1:
-            time.sleep((SHORT_HOLD_MS + 20) / 1000)  # the job's work: a long job
-
-    short, long = job.send(0), job.send(1)
-    env.start(threads=2)
-    join(env.broker, job.queue_name, timeout=10_000)
-    env.worker.join()  # type: ignore[union-attr]
-    assert sorted(asked) == sorted([(short.message_id, STANDBYS_PER_SLOT), (long.message_id, 1)])
-    # A process remembers it per key: its standbys may take the seats of a short job's.
-    assert not env.concurrency.standbys.short("concurrency:k")  # the last one here was long
-    job.send(2)
-    join(env.broker, job.queue_name, timeout=10_000)
-    env.worker.join()  # type: ignore[union-attr]
-    assert env.concurrency.standbys.short("concurrency:k")
 
 
 def test_a_release_keeps_only_the_standbys_that_can_get_a_slot_within_standby_wait() -> None:
@@ -667,14 +642,12 @@ def test_a_release_keeps_only_the_standbys_that_can_get_a_slot_within_standby_wa
     assert Standbys(lookahead=None, seats=0).count_after(10, 8) == 0  # no seat, no standby
 
 
-def test_a_worker_lets_half_its_threads_block_as_standbys_and_all_but_one_for_short_jobs(env: Env) -> None:
+def test_a_worker_lets_half_its_threads_block_as_standbys(env: Env) -> None:
     env.start(threads=8)
     seats = env.concurrency.standbys.seats
-    assert (seats.seats, seats.short_seats) == (4, 7)
     assert [seats.take() for _ in range(5)] == [True, True, True, True, False]
-    assert [seats.take(short=True) for _ in range(4)] == [True, True, True, False]
     seats.give_back()
-    assert seats.take() is False and seats.take(short=True) is True
+    assert seats.take() is True
 
 
 def test_standby_threads_given_is_the_most_for_every_standby(restore_global_broker: None) -> None:
@@ -685,8 +658,7 @@ def test_standby_threads_given_is_the_most_for_every_standby(restore_global_brok
     worker.start()
     try:
         seats = concurrency.standbys.seats
-        assert (seats.seats, seats.short_seats) == (3, 3)
-        assert [seats.take(short=True) for _ in range(4)] == [True, True, True, False]
+        assert [seats.take() for _ in range(4)] == [True, True, True, False]
     finally:
         worker.stop()
         broker.close()

@@ -21,6 +21,7 @@ from harness import (
     wait_for_redis_broker_drain,
     wait_until,
 )
+from test_slots_stub import send_standbys
 
 SOURCE = """
 import os
@@ -280,7 +281,7 @@ def test_a_sigkilled_standby_loses_nothing_and_runs_once(
         module.standby_job.send(n)  # parked at enqueue
     # The next two waiters go to the broker ahead as standbys; the doomed worker picks them up,
     # and they block there for a slot.
-    module.concurrency.send_standbys(module.broker, "concurrency:shared", 2)
+    send_standbys(module.concurrency, module.broker, "concurrency:shared", 2)
     picked = recorder.take(2)
     assert {r["n"] for r in picked} == {0, 1} and {r["pid"] for r in picked} == {doomed.worker_pids[0]}
     kill(doomed.worker_pids[0])  # RabbitMQ redelivers the two unacked standbys

@@ -53,12 +53,10 @@ waiters
 hand-off
     Whenever a slot is free and a waiter is queued, a waiter is given the
     slot *atomically in the same operation that freed it*: the oldest, except
-    that among the first ``limit`` waiters (the limit in force; ``per_slot``
-    x ``limit`` in a release or standby send that asks for that standby
-    window) the ready ones go first, oldest first, unless every slot is free
-    (so the order is strict FIFO for a limit of one). A slot handed to a
-    waiter no thread holds yet (a standby still on the broker) would stand
-    idle until a worker fetches it. The waiter
+    that among the first ``limit`` waiters (the limit in force) the ready
+    ones go first, oldest first (so the order is strict FIFO for a limit of
+    one). A slot handed to a waiter no thread holds yet (a standby still on
+    the broker) would stand idle until a worker fetches it. The waiter
     becomes a holder with a short *reservation* deadline
     (``handoff_ttl_ms``), so the limit is never exceeded and no other
     acquirer can steal the slot. A blocking waiter is woken by a push (its
@@ -82,9 +80,8 @@ standbys
     So that a freed slot does not wait for the broker to deliver the next
     message, the oldest parked waiters can be sent to the broker *ahead*, as
     standbys (:meth:`~GuardBackend.send_standbys`), within the *standby
-    window*: the first waiters, as many as the limit in force (or, if the
-    caller asks, up to :data:`STANDBYS_PER_SLOT` times as many: ``per_slot``),
-    or :data:`MIN_STANDBY_WINDOW` if that is smaller (none while it is 0). A
+    window*: the first waiters, as many as the limit in force, or
+    :data:`MIN_STANDBY_WINDOW` if the limit is smaller (none while it is 0). A
     standby keeps its place in the queue. Until its sender confirms the
     enqueue (:meth:`~GuardBackend.confirm_standby`) it keeps its payload too:
     if the sender dies, it becomes a parked waiter again after
@@ -162,8 +159,7 @@ Every number is checked before anything is touched, with the same
 :class:`ValueError` in every backend (:func:`check_ms`, :func:`check_count`):
 a duration is an integer from 0 (1 for a lease or reservation being taken) to
 366 days, a limit or count an integer from 0 to 2**31 - 1
-(:mod:`dramatiq_guard.bounds`), ``per_slot`` from 1 to :data:`STANDBYS_PER_SLOT`
-(:func:`check_per_slot`). The Redis backend's scripts check them again
+(:mod:`dramatiq_guard.bounds`). The Redis backend's scripts check them again
 before their first write, for callers that reach them without this module.
 """
 
@@ -181,14 +177,12 @@ from dramatiq_guard.backends.checks import (
     check_key,
     check_max_payload_bytes,
     check_ms,
-    check_per_slot,
     check_replica_waits,
 )
 from dramatiq_guard.backends.values import (
     HOLDERS_SHOWN,
     MIN_STANDBY_WINDOW,
     ORIGINAL_GENERATION,
-    STANDBYS_PER_SLOT,
     AcquireResult,
     Handoff,
     KeyState,
@@ -205,7 +199,6 @@ __all__ = [
     "HOLDERS_SHOWN",
     "MIN_STANDBY_WINDOW",
     "ORIGINAL_GENERATION",
-    "STANDBYS_PER_SLOT",
     "AcquireResult",
     "GuardBackend",
     "Handoff",
@@ -220,7 +213,6 @@ __all__ = [
     "check_key",
     "check_max_payload_bytes",
     "check_ms",
-    "check_per_slot",
 ]
 
 logger = logging.getLogger("dramatiq_guard.backends")
@@ -410,9 +402,7 @@ class GuardBackend(abc.ABC):
         return [self.renew(key, holder, ttl_ms=ttl_ms) for key, holder, ttl_ms in leases]
 
     @abc.abstractmethod
-    def release(
-        self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0, per_slot: int = 1
-    ) -> ReleaseResult:
+    def release(self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0) -> ReleaseResult:
         """Give up ``holder``'s slot (checked: only the holder itself releases it).
 
         Frees the slot and hands it to a waiter if any (see *hand-off* in the
@@ -426,21 +416,17 @@ class GuardBackend(abc.ABC):
             as :meth:`send_standbys` with ``count=send_ahead`` would (0: none);
             they are the result's ``standbys``. One operation where a
             releasing worker would otherwise need two.
-          per_slot(int): The standby window of this operation, in standbys
-            per slot, from 1 to :data:`STANDBYS_PER_SLOT` (see
-            :meth:`send_standbys`); the freed slot prefers the ready waiters
-            of that window (see *hand-off*).
         """
 
-    def release_many(self, releases: Sequence[tuple[str, str, int | None, int, int]]) -> list[ReleaseResult]:
-        """Release several ``(key, holder, limit, send_ahead, per_slot)`` holders, in few round trips.
+    def release_many(self, releases: Sequence[tuple[str, str, int | None, int]]) -> list[ReleaseResult]:
+        """Release several ``(key, holder, limit, send_ahead)`` holders, in as few round trips as possible.
 
         Each is :meth:`release` with those arguments, in order; the default
         calls it for each, the Redis backend pipelines them (one round trip).
         """
         return [
-            self.release(key, holder, limit=limit, send_ahead=send_ahead, per_slot=per_slot)
-            for key, holder, limit, send_ahead, per_slot in releases
+            self.release(key, holder, limit=limit, send_ahead=send_ahead)
+            for key, holder, limit, send_ahead in releases
         ]
 
     @abc.abstractmethod
@@ -461,15 +447,14 @@ class GuardBackend(abc.ABC):
 
     @abc.abstractmethod
     def send_standbys(
-        self, key: str, *, limit: int | None, count: int, per_slot: int = 1
+        self, key: str, *, limit: int | None, count: int
     ) -> tuple[tuple[Handoff, ...], tuple[Handoff, ...]]:
         """Send the oldest parked waiters ahead as standbys, up to ``count`` of them.
 
         Makes the first ``min(count, window)`` waiters of the queue
-        standbys (or other blocking waiters), the window being ``per_slot``
-        (1 to :data:`STANDBYS_PER_SLOT`) times the limit in force, or
-        :data:`MIN_STANDBY_WINDOW` if that is smaller (none while it is 0):
-        each parked one among them is
+        standbys (or other blocking waiters), the window being the limit in
+        force, or :data:`MIN_STANDBY_WINDOW` if it is smaller (none while it
+        is 0): each parked one among them is
         returned with its payload, which the caller must enqueue on the
         broker and then confirm with :meth:`confirm_standby`. It keeps its
         place and, until confirmed, its payload (see the module docstring).

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dramatiq_guard.backends.values import STANDBYS_PER_SLOT
 from dramatiq_guard.bounds import MAX_COUNT, MAX_DURATION_MS
 
 if TYPE_CHECKING:
@@ -23,7 +22,6 @@ __all__ = [
     "check_key",
     "check_max_payload_bytes",
     "check_ms",
-    "check_per_slot",
     "check_replica_waits",
 ]
 
@@ -63,16 +61,6 @@ def check_count(value: int | None, what: str) -> None:
         return
     if not _is_int(value) or not 0 <= value <= MAX_COUNT:
         raise ValueError(f"{what} must be an integer from 0 to {MAX_COUNT}, got {value!r}")
-
-
-def check_per_slot(value: int) -> None:
-    """Reject a standby window of ``per_slot`` standbys per slot that no backend accepts.
-
-    Raises:
-      ValueError: If ``value`` is not an int from 1 to :data:`STANDBYS_PER_SLOT`.
-    """
-    if not _is_int(value) or not 1 <= value <= STANDBYS_PER_SLOT:
-        raise ValueError(f"per_slot must be an integer from 1 to {STANDBYS_PER_SLOT}, got {value!r}")
 
 
 #: The longest runner id :meth:`GuardBackend.acquire` takes.

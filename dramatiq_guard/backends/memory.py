@@ -31,7 +31,6 @@ from dramatiq_guard.backends.base import (
     check_count,
     check_key,
     check_ms,
-    check_per_slot,
 )
 from dramatiq_guard.backends.values import standby_window
 
@@ -148,14 +147,11 @@ class _Guard:
         live = self.live.get(waiter)
         return generation is not None and live is not None and live[0] != generation
 
-    def choose(self, free: int, limit: int, per_slot: int = 1) -> list[str]:
-        """Who ``free`` slots go to, oldest first: among the first ``per_slot`` x ``limit`` waiters,
-        the ready ones first (the first ``free`` when every slot is free: strict FIFO then, and
-        always for a mutex)."""
+    def choose(self, free: int, limit: int) -> list[str]:
+        """Who ``free`` slots go to, oldest first: among the first ``limit`` waiters, the ready ones first."""
         if free <= 0:
             return []
-        span = free if free >= limit else per_slot * limit
-        window = sorted(self.queue, key=lambda w: self.queue[w].place)[:span]
+        window = sorted(self.queue, key=lambda w: self.queue[w].place)[: max(free, limit)]
         ready = [w for w in window if self.queue[w].ready][:free]
         others = [w for w in window if w not in ready][: free - len(ready)]
         return sorted(ready + others, key=lambda w: self.queue[w].place)
@@ -234,10 +230,10 @@ class MemoryBackend(GuardBackend):
         default = limit if limit is not None else (guard.default_limit or 0)
         return self._limits.get(key, default)
 
-    def _hand_off(self, key: str, guard: _Guard, limit: int, now: int, per_slot: int = 1) -> list[Handoff]:
+    def _hand_off(self, key: str, guard: _Guard, limit: int, now: int) -> list[Handoff]:
         handed: list[Handoff] = []
         stopped = False
-        for waiter in guard.choose(limit - len(guard.holders), limit, per_slot):
+        for waiter in guard.choose(limit - len(guard.holders), limit):
             entry = guard.queue[waiter]
             if entry.payload is not None and not entry.on_broker:
                 # A parked waiter of another route stops the parked ones (its owner's sweep hands it on).
@@ -263,15 +259,13 @@ class MemoryBackend(GuardBackend):
             handed.append(Handoff(key, waiter, payload, generation))
         return handed
 
-    def _send_ahead(
-        self, key: str, guard: _Guard, count: int, limit: int, now: int, per_slot: int
-    ) -> tuple[Handoff, ...]:
+    def _send_ahead(self, key: str, guard: _Guard, count: int, limit: int, now: int) -> tuple[Handoff, ...]:
         """Mark the parked waiters of this route among the first ``count`` as standbys being sent.
 
         At most the standby window of ``limit``, the limit in force (:func:`standby_window`).
         """
         sent = []
-        window = standby_window(count, limit, per_slot)
+        window = standby_window(count, limit)
         for waiter, entry in sorted(guard.queue.items(), key=lambda item: item[1].place)[: max(0, window)]:
             if entry.payload is not None and not entry.on_broker and guard.deliverable(entry, self.route):
                 entry.drop_at_ms = now + self.handoff_ttl_ms
@@ -427,13 +421,10 @@ class MemoryBackend(GuardBackend):
             guard.holders[holder] = now + ttl_ms
             return True
 
-    def release(
-        self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0, per_slot: int = 1
-    ) -> ReleaseResult:
+    def release(self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0) -> ReleaseResult:
         """Give up ``holder``'s slot; see :meth:`GuardBackend.release`."""
         check_count(limit, "limit")
         check_count(send_ahead, "send_ahead")
-        check_per_slot(per_slot)
         with self._changed:
             guard, now = self._begin(key)
             released = guard.holders.pop(holder, None) is not None
@@ -441,8 +432,8 @@ class MemoryBackend(GuardBackend):
             if released:
                 guard.reserved.pop(holder, None)
             in_force = self._in_force(key, guard, limit)
-            handoffs = self._hand_off(key, guard, in_force, now, per_slot)
-            standbys = self._send_ahead(key, guard, send_ahead, in_force, now, per_slot)
+            handoffs = self._hand_off(key, guard, in_force, now)
+            standbys = self._send_ahead(key, guard, send_ahead, in_force, now)
             self._end(key, guard)
             return ReleaseResult(released, tuple(handoffs), standbys)
 
@@ -473,17 +464,16 @@ class MemoryBackend(GuardBackend):
             return held
 
     def send_standbys(
-        self, key: str, *, limit: int | None, count: int, per_slot: int = 1
+        self, key: str, *, limit: int | None, count: int
     ) -> tuple[tuple[Handoff, ...], tuple[Handoff, ...]]:
         """Send the oldest parked waiters ahead as standbys; see :meth:`GuardBackend.send_standbys`."""
         check_count(limit, "limit")
         check_count(count, "count")
-        check_per_slot(per_slot)
         with self._changed:
             guard, now = self._begin(key)
             in_force = self._in_force(key, guard, limit)
-            handoffs = self._hand_off(key, guard, in_force, now, per_slot)
-            sent = self._send_ahead(key, guard, count, in_force, now, per_slot)
+            handoffs = self._hand_off(key, guard, in_force, now)
+            sent = self._send_ahead(key, guard, count, in_force, now)
             self._end(key, guard)
             return tuple(handoffs), sent
 

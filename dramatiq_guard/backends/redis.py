@@ -38,7 +38,6 @@ from dramatiq_guard.backends.base import (
     check_count,
     check_key,
     check_ms,
-    check_per_slot,
 )
 from dramatiq_guard.backends.checks import check_replica_waits
 from dramatiq_guard.backends.redis_client import (
@@ -528,15 +527,11 @@ class RedisBackend(GuardBackend):
         names = self._names(key)
         return [names.holders, names.token, names.info]
 
-    def release(
-        self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0, per_slot: int = 1
-    ) -> ReleaseResult:
+    def release(self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0) -> ReleaseResult:
         """Give up ``holder``'s slot; see :meth:`GuardBackend.release`."""
-        return self._release_reply(
-            key, self._call(*self._release_call(key, holder, limit, send_ahead, per_slot))
-        )
+        return self._release_reply(key, self._call(*self._release_call(key, holder, limit, send_ahead)))
 
-    def release_many(self, releases: Sequence[tuple[str, str, int | None, int, int]]) -> list[ReleaseResult]:
+    def release_many(self, releases: Sequence[tuple[str, str, int | None, int]]) -> list[ReleaseResult]:
         """Release several holders in one pipelined round trip; see :meth:`GuardBackend.release_many`."""
         if not releases:
             return []
@@ -545,13 +540,12 @@ class RedisBackend(GuardBackend):
         return [self._release_reply(key, reply) for (key, *_), reply in zip(releases, replies, strict=True)]
 
     def _release_call(
-        self, key: str, holder: str, limit: int | None, send_ahead: int, per_slot: int
+        self, key: str, holder: str, limit: int | None, send_ahead: int
     ) -> tuple[LuaScript, list[str], list[str | int | bytes]]:
         """The checked ``release.lua`` call of one release (run alone, or pipelined with others)."""
         check_count(limit, "limit")
         check_count(send_ahead, "send_ahead")
-        check_per_slot(per_slot)
-        return self.scripts["release"], self._keys(key), self._args(key, limit, holder, send_ahead, per_slot)
+        return self.scripts["release"], self._keys(key), self._args(key, limit, holder, send_ahead)
 
     def confirm_handoff(
         self, key: str, waiter_id: str, *, ttl_ms: int, generation: int | None = None
@@ -562,13 +556,12 @@ class RedisBackend(GuardBackend):
         return bool(self._run("confirm_handoff", key, 0, waiter_id, ttl_ms, gen))
 
     def send_standbys(
-        self, key: str, *, limit: int | None, count: int, per_slot: int = 1
+        self, key: str, *, limit: int | None, count: int
     ) -> tuple[tuple[Handoff, ...], tuple[Handoff, ...]]:
         """Send the oldest parked waiters ahead as standbys; see :meth:`GuardBackend.send_standbys`."""
         check_count(limit, "limit")
         check_count(count, "count")
-        check_per_slot(per_slot)
-        handoffs, sent = self._run("standby", key, limit, "send", count, per_slot)  # {handoffs, standbys}
+        handoffs, sent = self._run("standby", key, limit, "send", count)  # {handoffs, standbys}
         return self._handoffs(key, handoffs), self._handoffs(key, sent)
 
     def confirm_standby(

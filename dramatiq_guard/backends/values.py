@@ -9,7 +9,6 @@ __all__ = [
     "HOLDERS_SHOWN",
     "MIN_STANDBY_WINDOW",
     "ORIGINAL_GENERATION",
-    "STANDBYS_PER_SLOT",
     "AcquireResult",
     "Handoff",
     "KeyState",
@@ -40,23 +39,13 @@ ORIGINAL_GENERATION = 0
 MIN_STANDBY_WINDOW = 4
 
 
-#: The most standbys per slot a standby window may hold: a caller may ask for a window of up to
-#: this many times a key's limit in force (``per_slot``; the default is one per slot); the Redis
-#: scripts' ``STANDBYS_PER_SLOT`` is the same (a test keeps them equal). A window of one per slot
-#: gives a standby one job's run to get from the broker to a worker thread: a standby sent as a job
-#: ends is needed when the limit's next job ends. For jobs of a few ms that is about as long as
-#: Dramatiq takes (its consumer polls every 5-10 ms while busy, and a fetched message waits for a
-#: free thread), so the slot middlewares ask for two per slot after a short job.
-STANDBYS_PER_SLOT = 2
-
-
-def standby_window(count: int, limit: int, per_slot: int = 1) -> int:
+def standby_window(count: int, limit: int) -> int:
     """How many of a key's first waiters a send ahead of ``count`` covers, with ``limit`` in force.
 
-    ``count`` but at most ``per_slot`` standbys per slot of the limit, or :data:`MIN_STANDBY_WINDOW`
-    if that is smaller (none for a halted key, limit 0).
+    ``count`` but at most the limit, or :data:`MIN_STANDBY_WINDOW` if the limit is smaller (none
+    for a halted key, limit 0).
     """
-    return 0 if limit <= 0 else min(count, max(per_slot * limit, MIN_STANDBY_WINDOW))
+    return 0 if limit <= 0 else min(count, max(limit, MIN_STANDBY_WINDOW))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -124,8 +124,6 @@ end
 local HOLDERS_SHOWN = 10
 -- How many of the first waiters may be standbys when the limit in force is smaller (values.py).
 local MIN_STANDBY_WINDOW = 4
--- The most standbys per slot a caller may ask the standby window to hold (values.py).
-local STANDBYS_PER_SLOT = 2
 -- The latest a key with waiters is due for a sweep, whatever its deadlines say (ms).
 local DUE_BACKSTOP_MS = 30000
 
@@ -432,20 +430,19 @@ local function reclaim()
 end
 
 -- The waiters the next `free` slots go to, oldest first, with their places: among the first
--- `window` waiters of the FIFO (the limit, or the standby window of a release that asked for more
--- than one standby per slot), the ready ones (a thread is blocked on them, in D) are chosen first,
--- then the oldest others. A ready waiter starts on a push; any other needs a worker to fetch its
--- message first, and a slot handed to it stands idle until then. So the FIFO order is relaxed
--- within that window only (not at all for a mutex, nor when every slot is free).
+-- `limit` waiters of the FIFO, the ready ones (a thread is blocked on them, in D) are chosen
+-- first, then the oldest others. A ready waiter starts on a push; any other needs a worker
+-- to fetch its message first, and a slot handed to it stands idle until then. So the FIFO
+-- order is relaxed within a window of the limit's size only (not at all for a mutex).
 -- Cost: O(log n) plus the waiters chosen: the first ready waiters within the window are read
 -- from Q, bounded by the place of the window's last waiter; the window itself is never read (it
 -- may hold thousands), nor are the ready waiters behind it.
-local function choose(free, limit, window)
+local function choose(free, limit)
   if free >= limit or redis.call('EXISTS', Q) == 0 then
     return redis.call('ZRANGE', W, 0, free - 1, 'WITHSCORES')
   end
   -- The first ready waiters within the window, by their places.
-  local last = redis.call('ZRANGE', W, window - 1, window - 1, 'WITHSCORES')
+  local last = redis.call('ZRANGE', W, limit - 1, limit - 1, 'WITHSCORES')
   local bound = #last > 0 and last[2] or '+inf'
   local flat = redis.call('ZRANGEBYSCORE', Q, '-inf', bound, 'WITHSCORES', 'LIMIT', 0, free)
   local ready, members = {}, {}
@@ -502,9 +499,8 @@ end
 -- lease. A parked waiter of another route (another application's broker) is
 -- left for a process of its route, and so are the parked waiters after it:
 -- its slot stays free until that process's sweep hands it over.
--- Appends waiter, payload-or-false, generation-or-false triples to `out`. `per_slot` (default 1):
--- the standby window of the operation, in standbys per slot (see choose).
-local function handoff(limit, out, per_slot)
+-- Appends waiter, payload-or-false, generation-or-false triples to `out`.
+local function handoff(limit, out)
   if not (QUEUED or PARKED) then
     return
   end
@@ -512,7 +508,7 @@ local function handoff(limit, out, per_slot)
   if free <= 0 then
     return
   end
-  local heads = choose(free, limit, (per_slot or 1) * limit)
+  local heads = choose(free, limit)
   if #heads == 0 then
     return
   end
@@ -585,21 +581,20 @@ local function handoff(limit, out, per_slot)
 end
 
 -- Send the first `count` waiters of the FIFO ahead as standbys (see standby.lua), at most the
--- standby window (MIN_STANDBY_WINDOW or `per_slot` x the limit in force, whichever is larger):
--- each parked one among them of the caller's route (a payload, not in S) gets a deadline in S and
--- a new generation, and its waiter, payload, generation triple is appended to `out`; ready
--- waiters, standbys already sent and other routes' waiters are left as they are.
-local function send_ahead(count, out, per_slot)
+-- standby window (MIN_STANDBY_WINDOW or the limit in force, whichever is larger): each parked
+-- one among them of the caller's route (a payload, not in S) gets a deadline in S and a new
+-- generation, and its waiter, payload, generation triple is appended to `out`; ready waiters,
+-- standbys already sent and other routes' waiters are left as they are.
+local function send_ahead(count, out)
   if not (QUEUED and count > 0) then
     return
   end
-  -- At most `per_slot` x the limit in force, or MIN_STANDBY_WINDOW if that is smaller; none for a
-  -- halted key.
+  -- At most the limit in force, or MIN_STANDBY_WINDOW if it is smaller; none for a halted key.
   local limit = limit_in_force()
   if limit <= 0 then
     return
   end
-  count = math.min(count, math.max(per_slot * limit, MIN_STANDBY_WINDOW))
+  count = math.min(count, math.max(limit, MIN_STANDBY_WINDOW))
   local heads = redis.call('ZRANGE', W, 0, count - 1)
   local sent = #heads > 0 and call_many('ZMSCORE', S, heads) or {}
   for i, w in ipairs(heads) do

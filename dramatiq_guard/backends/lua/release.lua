@@ -1,12 +1,7 @@
--- release(holder, send_ahead, per_slot) -> {released, handoffs, standbys}
+-- release(holder, send_ahead) -> {released, handoffs, standbys}
 --   With send_ahead > 0, then sends the first send_ahead waiters ahead as standbys, as
---   standby('send', send_ahead, per_slot) would (within the standby window of per_slot standbys
---   per slot, default 1; the freed slot prefers the ready waiters of that window too): the caller
---   enqueues and confirms them.
-local refused = validate_args(
-  { 'send_ahead', arg(2) or '0', 0, MAX_COUNT },
-  { 'per_slot', arg(3) or '1', 1, STANDBYS_PER_SLOT }
-)
+--   standby('send') would (within the standby window): the caller enqueues and confirms them.
+local refused = validate_args({ 'send_ahead', arg(2) or '0', 0, MAX_COUNT })
 if refused then
   return refused
 end
@@ -30,8 +25,7 @@ if holds(holder) then
 end
 local handoffs, standbys = {}, {}
 local limit = limit_in_force()
-local per_slot = tonumber(arg(3) or '1')
-handoff(limit, handoffs, per_slot)
-send_ahead(tonumber(arg(2) or '0'), standbys, per_slot)
+handoff(limit, handoffs)
+send_ahead(tonumber(arg(2) or '0'), standbys)
 finish()
 return { released, handoffs, standbys }

@@ -1,13 +1,11 @@
--- standby('send', count, per_slot) -> {handoffs, standbys}
---   Sends the oldest parked waiters ahead as standbys, so that the first min(count,
---   max(per_slot x limit, MIN_STANDBY_WINDOW)) waiters of the FIFO (none if the limit is 0) are
---   all standbys (or ready waiters); per_slot (1 to STANDBYS_PER_SLOT, default 1) also widens the
---   window in which a slot freed here prefers ready waiters. A sent standby keeps its place and
---   its payload, and gets a deadline in S (a payload and a deadline in S together mark "sent,
---   unconfirmed"): if it is not confirmed by then, reclaim makes it a parked waiter again; if a
---   slot is handed to it meanwhile, handoff reserves the slot (in R, as for a parked waiter)
---   without returning its payload (its sender enqueues it). Returns the hand-offs of this
---   operation and the waiter, payload pairs sent.
+-- standby('send', count) -> {handoffs, standbys}
+--   Sends the oldest parked waiters ahead as standbys, so that the first min(count, max(limit,
+--   MIN_STANDBY_WINDOW)) waiters of the FIFO (none if the limit is 0) are all standbys (or ready
+--   waiters). A sent standby keeps its place and its payload, and gets a deadline in S (a payload
+--   and a deadline in S together mark "sent, unconfirmed"): if it is not confirmed by then, reclaim
+--   makes it a parked waiter again; if a slot is handed to it meanwhile, handoff reserves the slot
+--   (in R, as for a parked waiter) without returning its payload (its sender enqueues it). Returns
+--   the hand-offs of this operation and the waiter, payload pairs sent.
 -- standby('confirm', waiter, ttl_ms, payload, generation) -> 1 if the standby (or its slot) holds
 --   (generation: the one the sent copy carries; a confirmation of an older one changes nothing)
 --   Its copy is on the broker now. If the stored payload is still the one sent
@@ -19,10 +17,7 @@
 --   is left parked (its enqueued copy parks into the same entry when picked up).
 local refused
 if arg(1) == 'send' then
-  refused = validate_args(
-    { 'count', arg(2), 0, MAX_COUNT },
-    { 'per_slot', arg(3) or '1', 1, STANDBYS_PER_SLOT }
-  )
+  refused = validate_args({ 'count', arg(2), 0, MAX_COUNT })
 else
   refused = validate_args(
     { 'ttl_ms', arg(3), 1, MAX_DURATION_MS },
@@ -37,9 +32,8 @@ reclaim()
 if arg(1) == 'send' then
   local handoffs, sent = {}, {}
   local limit = limit_in_force()
-  local per_slot = tonumber(arg(3) or '1')
-  handoff(limit, handoffs, per_slot)
-  send_ahead(tonumber(arg(2)), sent, per_slot)
+  handoff(limit, handoffs)
+  send_ahead(tonumber(arg(2)), sent)
   finish()
   return { handoffs, sent }
 end

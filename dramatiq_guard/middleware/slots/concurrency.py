@@ -8,7 +8,7 @@ import dramatiq
 from dramatiq import Broker
 
 from dramatiq_guard.middleware.base import ActorGuard
-from dramatiq_guard.middleware.slots.limits import ACTOR_LIMIT_PREFIX, ActorLimits
+from dramatiq_guard.middleware.slots.limits import ActorLimits
 from dramatiq_guard.middleware.slots.middleware import SlotsMiddleware
 from dramatiq_guard.middleware.sweep import sweep_all
 from dramatiq_guard.policies import ConcurrencyPolicy, OnBusy
@@ -27,8 +27,6 @@ class Concurrency(SlotsMiddleware[ConcurrencyPolicy]):
 
     policy_class = ConcurrencyPolicy
     prefix = "concurrency"
-    #: The pseudo-key whose run-time limit is an actor's default limit.
-    actor_limit_prefix = ACTOR_LIMIT_PREFIX
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

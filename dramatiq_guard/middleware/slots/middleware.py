@@ -22,7 +22,7 @@ from dramatiq.broker import MessageProxy
 from dramatiq.brokers.stub import StubBroker
 
 from dramatiq_guard import events
-from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Waiter
+from dramatiq_guard.backends.base import AcquireResult, Handoff, ReleaseResult, Waiter
 from dramatiq_guard.delivery import Courier, acks_are_final, copy_generation, keep_polling
 from dramatiq_guard.errors import BackendUnavailable, MutexWaitTimeout
 from dramatiq_guard.lease import Lease, runner_id
@@ -43,7 +43,7 @@ from dramatiq_guard.middleware.slots.execution import (
     take_held,
 )
 from dramatiq_guard.middleware.slots.limits import KeyDirectory
-from dramatiq_guard.middleware.slots.releases import MarkedKeys, Releaser, starts_follow_ups
+from dramatiq_guard.middleware.slots.releases import ContendedKeys, Releaser, starts_follow_ups
 from dramatiq_guard.middleware.slots.reservation import ReservationTicket, reserve_or_park
 from dramatiq_guard.middleware.slots.standbys import Standbys, wait_as_standby
 from dramatiq_guard.middleware.slots.waits import wait_for_mutex
@@ -78,8 +78,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
       sweep_interval: How often each worker sweeps keys with waiters. Default 1 s.
       limit_cache: How long a process caches a per-actor default limit. Default 1 s.
       lookahead(int|None): How many parked waiters per key are sent to the
-        broker ahead of a free slot, as standbys: at most the key's limit
-        (twice that after a short job, see ``standby_threads``), or
+        broker ahead of a free slot, as standbys: at most the key's limit, or
         :data:`~dramatiq_guard.backends.base.MIN_STANDBY_WINDOW` (4) for a
         smaller limit (a mutex's), so that a short job's next waiter has been
         picked up by the time the slot frees. None (the default): 16
@@ -91,11 +90,8 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         to get a slot within it (none after a mutex's job that held longer).
       standby_threads(int|None): How many worker threads of a process may
         block as standbys at once (a standby picked up beyond that parks
-        again). None (the default): half the worker's threads, and all but
-        one for the standbys of a key whose last job here held its slot under
-        :data:`~dramatiq_guard.middleware.slots.standbys.SHORT_HOLD_MS` (100
-        ms: such a standby waits a job's run or two). A process that allows
-        none sends no standbys.
+        again). None (the default): half the worker's threads. A process that
+        allows none sends no standbys.
     """
 
     #: The guard key prefix (``"mutex"`` or ``"concurrency"``).
@@ -134,7 +130,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         self._sweeper: Sweeper | None = None
         self._releaser: Releaser | None = None
         self._worker: Worker | None = None  # this process's, once it boots (see keep_polling)
-        self._contended = MarkedKeys()
+        self._contended = ContendedKeys()
 
     # -- what the two capabilities differ in ----------------------------------
 
@@ -207,9 +203,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         self.broker = broker
         self._worker = worker
         if self.standby_threads is None:
-            threads = int(getattr(worker, "worker_threads", 0))
-            self.standbys.seats.seats = threads // 2
-            self.standbys.seats.short_seats = max(threads // 2, threads - 1)
+            self.standbys.seats.seats = int(getattr(worker, "worker_threads", 0)) // 2
         if not isinstance(broker, StubBroker) and self._releaser is None:
             self._releaser = Releaser()
         self._sweeper = join_sweep(self, broker, self.sweep_interval_ms)
@@ -339,7 +333,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             return wait_as_standby(
                 broker, backend, message, key, wait.payload, self.standbys.seats,
                 limit=limit, ttl_ms=ttl_ms, wait_ms=wait_ms, deliver=deliver, generation=generation,
-                runner=runner, short=self.standbys.short(key),
+                runner=runner,
             )  # fmt: skip
         if not result.acquired and on_busy == "wait" and result.parked:
             wait_ms = self.wait_ms(guard.policy)
@@ -433,13 +427,13 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         with self._inflight_lock:
             self._inflight.discard(message.message_id)
         # If the key has waiters, the release keeps the next ones on the broker ahead of the next
-        # free slot, as standbys: twice as many after a short job, only those expected to get a
-        # slot within standby_wait after a long one (see standbys.py).
+        # free slot, as standbys: only those expected to get a slot within standby_wait after a
+        # long job (see standbys.py).
         lease, actor = held.lease, message.actor_name
-        send_ahead, per_slot = 0, 1
+        send_ahead = 0
         if self.on_busy(guard.policy) == "park":
             held_ms = (time.time() - lease.acquired_at) * 1000
-            send_ahead, per_slot = self.standbys.after_job(lease.key, held_ms, lease.limit)
+            send_ahead = self.standbys.count_after(held_ms, lease.limit)
         events.released(actor, lease.key)
         releaser = self._releaser
         if releaser is not None and lease.key not in self._contended and not starts_follow_ups(message):
@@ -447,24 +441,18 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             def then(result: ReleaseResult | None) -> None:
                 self._report_release(broker, lease, result, actor)
 
-            releaser.add((lease, send_ahead, per_slot, then))
+            releaser.add((lease, send_ahead, then))
             return
-        self.release(broker, lease, send_ahead=send_ahead, per_slot=per_slot, actor=actor)
+        self.release(broker, lease, send_ahead=send_ahead, actor=actor)
 
     def release(
-        self,
-        broker: Broker,
-        lease: Lease,
-        *,
-        send_ahead: int = 0,
-        per_slot: int = 1,
-        actor: str | None = None,
+        self, broker: Broker, lease: Lease, *, send_ahead: int = 0, actor: str | None = None
     ) -> ReleaseResult | None:
         """Release ``lease``, deliver the waiters it hands the slot to, and send its standbys.
 
         ``send_ahead``: how many waiters the same backend operation sends ahead
-        as standbys (see :meth:`send_standbys`), within a window of
-        ``per_slot`` standbys per slot. A lease that was lost
+        as standbys (see :meth:`GuardBackend.release
+        <dramatiq_guard.backends.GuardBackend.release>`). A lease that was lost
         (:attr:`Lease.lost <dramatiq_guard.lease.Lease.lost>`: it lapsed and
         was reclaimed, or its known-valid time passed while the backend did
         not answer) is reported (an error is logged with the lease and the
@@ -478,7 +466,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
           unreachable (the lease then lapses within ``lease_ttl``).
         """
         try:
-            result: ReleaseResult | None = lease.release(send_ahead=send_ahead, per_slot=per_slot)
+            result: ReleaseResult | None = lease.release(send_ahead=send_ahead)
         except BackendUnavailable:
             result = None
         self._report_release(broker, lease, result, actor)
@@ -553,15 +541,6 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
                     events.handed_off(guard.actor_name)
         self.courier(broker).deliver(handoffs)
 
-    def send_standbys(self, broker: Broker, key: str, limit: int) -> None:
-        """Send the oldest parked waiters of ``key`` to the broker ahead, as standbys (up to ``lookahead``).
-
-        Nothing is sent if this process lets no standby block (``standby_threads``).
-        """
-        self.standbys.send(
-            self.backend(broker), self.courier(broker), lambda h: self.deliver(broker, h), key, limit
-        )
-
     def sweep_limit(self, key: str) -> int | None:
         """The default limit the sweep hands ``key`` on with (None if no actor here declares it)."""
         return self.limit_for_key(key)
@@ -603,11 +582,6 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         if broker is None:
             broker = dramatiq.get_broker()
         return broker
-
-    def backend_or_raise(self) -> GuardBackend:
-        """The backend already resolved (it is, once a hook ran)."""
-        assert self._backend is not None
-        return self._backend
 
 
 def _count(value: int | None, what: str) -> int | None:

@@ -6,11 +6,10 @@ takes its next message at once; the thread releases every lease handed to it
 meanwhile in one backend call (one pipelined round trip on Redis), then
 delivers what those releases handed on. A release lands within about one round
 trip of the message's end. A key this process saw waiters on lately
-(:class:`MarkedKeys`: its last release here handed the slot on or sent
+(:class:`ContendedKeys`: its last release here handed the slot on or sent
 standbys, or a message of it here did not get a slot at once) is released on the
 worker thread: there the next holder is waiting for the slot, and the hop to
-another thread would only delay it (measured: the slot drain and the hand-off
-both slower by a third).
+another thread would only delay it (docs/slots.md, "Execution").
 
 Invariant: every lease handed here is released (or, if the backend cannot be
 reached, stops being renewed and lapses within ``lease_ttl``), and what each
@@ -40,7 +39,7 @@ from dramatiq_guard.batching import Batcher
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.lease import Lease, release_leases
 
-__all__ = ["FOLLOW_UP_OPTIONS", "MarkedKeys", "Releaser", "starts_follow_ups"]
+__all__ = ["FOLLOW_UP_OPTIONS", "ContendedKeys", "Releaser", "starts_follow_ups"]
 
 logger = logging.getLogger("dramatiq_guard.middleware.slots")
 
@@ -48,9 +47,9 @@ logger = logging.getLogger("dramatiq_guard.middleware.slots")
 #: Pipelines and Callbacks middleware, which run after the guard's release).
 FOLLOW_UP_OPTIONS = ("pipe_target", "on_success", "on_failure")
 
-#: A lease to release: (lease, how many waiters to send ahead, within a window of how many
-#: standbys per slot, what to do with the result; None when the backend could not be reached).
-Release = tuple[Lease, int, int, Callable[[ReleaseResult | None], None]]
+#: A lease to release: (lease, how many waiters to send ahead, what to do with the result;
+#: None when the backend could not be reached).
+Release = tuple[Lease, int, Callable[[ReleaseResult | None], None]]
 
 
 def starts_follow_ups(message: Message[object] | MessageProxy) -> bool:
@@ -72,11 +71,10 @@ class Releaser(Batcher[Release]):
         for group in groups.values():
             results: list[ReleaseResult | None]
             try:
-                releases = [(lease, n, per_slot) for lease, n, per_slot, _ in group]
-                results = list(release_leases(group[0][0].backend, releases))
+                results = list(release_leases(group[0][0].backend, [(lease, n) for lease, n, _ in group]))
             except BackendUnavailable:
                 results = [None] * len(group)
-            for (lease, _, _, then), result in zip(group, results, strict=True):
+            for (lease, _, then), result in zip(group, results, strict=True):
                 try:
                     then(result)
                 except Exception:
@@ -84,16 +82,14 @@ class Releaser(Batcher[Release]):
         return True
 
 
-class MarkedKeys:
-    """A set of guard keys this process marked lately, at most ``most`` of them.
+class ContendedKeys:
+    """The guard keys this process saw waiters on lately (their releases stay on the worker thread).
 
-    Past ``most`` the marks start over: a mark is a hint for speed, and a key
-    unmarked by mistake costs what its mark saves, nothing more. The *contended*
-    keys are marked so (their releases stay on the worker thread): a key is
-    marked when a message of it did not get a slot at once here (it parked,
-    waited, was dropped, or took a slot handed to it), and when a release here
-    handed the slot on or sent standbys; a release that handed nothing on
-    unmarks it. So are the keys of short jobs (:class:`~dramatiq_guard.middleware.slots.standbys.Standbys`).
+    A key is marked when a message of it did not get a slot at once here (it
+    parked, waited, was dropped, or took a slot handed to it), and when a
+    release here handed the slot on or sent standbys; a release that handed
+    nothing on unmarks it. At most ``most`` keys are kept (past that the marks
+    start over: a key unmarked by mistake costs one release's hop, nothing more).
     """
 
     def __init__(self, most: int = 10_000) -> None:
