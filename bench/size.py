@@ -38,6 +38,7 @@ from harness import RedisServer  # noqa: E402
 
 from dramatiq_guard.backends import RedisBackend  # noqa: E402
 from dramatiq_guard.backends.redis_client import run_scripts  # noqa: E402
+from dramatiq_guard.backends.redis_layout import AcquireArgs  # noqa: E402
 
 LEASE_MS = 3_600_000
 BATCH = 200
@@ -78,11 +79,18 @@ class Sizer:
             for k, key in enumerate(keys):
                 i = j * len(keys) + k
                 holder = f"{key}:w{j}"
-                if payload:
-                    mode: list[Any] = ["park", typical_message(i), 0, "deliver_webhook", "", "1"]
-                else:
-                    mode = ["block", b"", LEASE_MS, "deliver_webhook", "", "1"]
-                args = self.backend._args(key, 1, holder, LEASE_MS, *mode)
+                own = AcquireArgs(
+                    holder=holder,
+                    ttl_ms=LEASE_MS,
+                    mode="park" if payload else "block",
+                    payload=typical_message(i) if payload else b"",
+                    wait_ms=0 if payload else LEASE_MS,
+                    info="deliver_webhook",
+                    generation="",
+                    fenced="1",
+                    runner="",
+                )
+                args = self.backend._args(key, 1, *own)
                 calls.append((script, self.backend._keys(key), args))
                 if len(calls) == BATCH:
                     run_scripts(self.client, self.backend.scripts, calls)

@@ -28,7 +28,6 @@ from test_backend_contract import KEY, Env, _env, env, redis_cluster_url
 
 import dramatiq_guard
 from dramatiq_guard.backends import GuardBackend, MemoryBackend, RedisBackend, Waiter
-from dramatiq_guard.backends.base import HOLDERS_SHOWN, MIN_STANDBY_WINDOW
 from dramatiq_guard.cli import main
 from dramatiq_guard.errors import GuardOptionError
 from dramatiq_guard.ledger import Ledger
@@ -314,17 +313,8 @@ def test_a_renewal_batch_with_one_insane_ttl_renews_none_of_it(redis_env: Env) -
     assert backend.inspect(KEY) == before
 
 
-def test_the_scripts_bounds_are_the_python_ones() -> None:
+def test_the_bounds_are_366_days_and_the_largest_32_bit_integer() -> None:
+    """The Lua scripts get them from the same module (backends/redis_layout.py, test_redis_layout.py)."""
     from dramatiq_guard import bounds
 
-    lua = Path(dramatiq_guard.__file__).parent / "backends" / "lua"
-    shared = (lua / "_bounds.lua").read_text()  # in front of the fast paths and the prelude
-    assert f"local MAX_DURATION_MS = {bounds.MAX_DURATION_MS}\n" in shared
-    assert f"local MAX_COUNT = {bounds.MAX_COUNT}\n" in shared
-    prelude = (lua / "_prelude.lua").read_text()
-    assert f"local HOLDERS_SHOWN = {HOLDERS_SHOWN}\n" in prelude  # how many holders a refusal names
-    assert f"local MIN_STANDBY_WINDOW = {MIN_STANDBY_WINDOW}\n" in prelude  # the smallest standby window
-    for own in ("lock", "renew"):  # the scripts without the prelude
-        script = (lua / f"{own}.lua").read_text()
-        assert f"local MAX_DURATION_MS = {bounds.MAX_DURATION_MS}\n" in script
     assert bounds.MAX_DURATION_MS == MAX_MS and bounds.MAX_COUNT == 2**31 - 1

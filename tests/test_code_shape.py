@@ -20,10 +20,10 @@ FUNCTION_LINES = 60
 
 #: Modules over MODULE_LINES today, with their lines: each may only shrink.
 LONG_MODULES: dict[str, int] = {
-    "backends/redis.py": 860,
+    "backends/redis.py": 855,
     "backends/base.py": 760,
     "backends/memory.py": 667,
-    "backends/lua/_prelude.lua": 738,
+    "backends/lua/_prelude.lua": 678,
     "middleware/slots/middleware.py": 624,
     "middleware/dedup.py": 506,
 }

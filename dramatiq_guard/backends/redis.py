@@ -16,12 +16,13 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import redis
 import redis.cluster
 
 from dramatiq_guard.backends import redis_health, redis_watch
+from dramatiq_guard.backends import redis_layout as layout
 from dramatiq_guard.backends.base import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     HOLDERS_SHOWN,
@@ -53,6 +54,7 @@ from dramatiq_guard.backends.redis_client import (
     text,
     timeouts_of,
 )
+from dramatiq_guard.backends.redis_layout import KeyNames
 from dramatiq_guard.backends.redis_scripts import LuaScript, ScriptLibrary
 
 __all__ = ["DEFAULT_SOCKET_TIMEOUT_S", "RedisBackend", "RedisClient", "replica_waits_of"]
@@ -73,24 +75,7 @@ def replica_waits_of(count: int, timeout_ms: int) -> ReplicaWaits | None:
     return ReplicaWaits(count, timeout_ms) if count else None
 
 
-class _KeyNames(NamedTuple):
-    """The Redis keys of one guard key, in the order the scripts get them (KEYS[1..12], _prelude.lua)."""
-
-    holders: str
-    waiters: str
-    payloads: str
-    reserved: str
-    deadlines: str
-    token: str
-    limit: str
-    info: str
-    standbys: str
-    meta: str
-    gens: str  # the prefix of the per-waiter generation records (gens:<waiter>)
-    ready: str
-
-
-def _key_names(namespace: str, key: str) -> _KeyNames:
+def _key_names(namespace: str, key: str) -> KeyNames:
     """The Redis keys of guard key ``key``.
 
     Raises:
@@ -98,7 +83,7 @@ def _key_names(namespace: str, key: str) -> _KeyNames:
     """
     check_key(key)
     prefix = f"{namespace}:{{{key}}}:"
-    return _KeyNames._make([prefix + suffix for suffix in _KeyNames._fields])
+    return KeyNames._make([prefix + suffix for suffix in KeyNames._fields])
 
 
 #: The same, cached for the keys messages use (a message's acquire and release both need them); reads
@@ -269,7 +254,7 @@ class RedisBackend(GuardBackend):
             self._cluster = bool(info.get("cluster_enabled"))
         return self._cluster
 
-    def _names(self, key: str) -> _KeyNames:
+    def _names(self, key: str) -> KeyNames:
         return _used_key_names(self.namespace, key)
 
     def _keys(self, key: str, *, cached: bool = True) -> list[str]:
@@ -286,31 +271,29 @@ class RedisBackend(GuardBackend):
             raise ValueError(f"a waiter id must not contain '}}', got {waiter_id!r}")
 
     def _args(self, key: str, default_limit: int | None, *args: str | int | bytes) -> list[str | int | bytes]:
-        """The ARGV of a per-key script: the values Python owns (see _prelude.lua), then its own."""
+        """The ARGV of a per-key script: the values Python owns (``redis_layout.CallArgs``), then its own."""
         limit: str | int = "" if default_limit is None else default_limit
         return [
-            self._wake_prefix(key),
-            self.handoff_ttl_ms,
-            self.wake_ttl_ms,
-            key,
-            limit,
-            self.route,
-            self.stale_ttl_ms,
+            *layout.CallArgs(
+                wake=self._wake_prefix(key),
+                handoff_ttl_ms=self.handoff_ttl_ms,
+                wake_ttl_ms=self.wake_ttl_ms,
+                key=key,
+                default_limit=limit,
+                route=self.route,
+                stale_ttl_ms=self.stale_ttl_ms,
+            ),
             *args,
         ]
 
     def _run(
-        self,
-        name: str,
-        key: str,
-        default_limit: int | None,
-        *args: str | int | bytes,
-        extra_key: str | None = None,
+        self, key: str, default_limit: int | None, own: tuple[Any, ...], extra_key: str | None = None
     ) -> Any:
+        """Run the per-key script whose own arguments are ``own`` (a ``redis_layout`` tuple)."""
         keys = self._keys(key)
         if extra_key is not None and not self._in_cluster():
             keys.append(extra_key)
-        return self._call(self.scripts[name], keys, self._args(key, default_limit, *args))
+        return self._call(self.scripts[layout.SCRIPTS[type(own)]], keys, self._args(key, default_limit, *own))
 
     def _call(self, script: LuaScript, keys: list[str], args: list[Any]) -> Any:
         """Run one script; with replica waits, followed by a ``WAIT`` on its connection."""
@@ -420,29 +403,30 @@ class RedisBackend(GuardBackend):
         """Run ``acquire.lua``; unless ``fenced``, no token is issued nor kept (:meth:`try_lock`)."""
         check_acquire(limit, ttl_ms, wait, runner)
         self.check_payload(key, holder, wait)
-        gen: str | int = "" if generation is None else generation
-        fence = "1" if fenced else "0"
-        run = runner or ""
-        sent = time.monotonic()  # the result's valid_from: Redis counts the ttl from later
-        if wait is None:
-            mode: list[str | int | bytes] = ["", b"", 0, info or "", gen, fence, run]
-            reply = self._run("acquire", key, limit, holder, ttl_ms, *mode)
-        else:
+        if wait is not None:
             self._check_waiter(holder)
-            kind = "park" if wait.payload is not None else "block"
-            payload = b"" if wait.payload is None else wait.payload
-            mode = [kind, payload, wait.wait_ms, info or "", gen, fence, run]
-            if self._in_cluster():
-                script = self.scripts["acquire"]
-                [reply] = run_scripts(
-                    self.client,
-                    self.scripts,
-                    [(script, self._keys(key), self._args(key, limit, holder, ttl_ms, *mode))],
-                    zadd_first=(self._index, key),
-                    replicas=self.replicas,
-                )
-            else:
-                reply = self._run("acquire", key, limit, holder, ttl_ms, *mode)
+        own = layout.AcquireArgs(
+            holder=holder,
+            ttl_ms=ttl_ms,
+            mode="" if wait is None else "park" if wait.payload is not None else "block",
+            payload=b"" if wait is None or wait.payload is None else wait.payload,
+            wait_ms=0 if wait is None else wait.wait_ms,
+            info=info or "",
+            generation="" if generation is None else generation,
+            fenced="1" if fenced else "0",
+            runner=runner or "",
+        )
+        sent = time.monotonic()  # the result's valid_from: Redis counts the ttl from later
+        if wait is not None and self._in_cluster():
+            [reply] = run_scripts(
+                self.client,
+                self.scripts,
+                [(self.scripts["acquire"], self._keys(key), self._args(key, limit, *own))],
+                zadd_first=(self._index, key),
+                replicas=self.replicas,
+            )
+        else:
+            reply = self._run(key, limit, own)
         return self._acquire_reply(key, reply, sent)
 
     def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:
@@ -461,9 +445,12 @@ class RedisBackend(GuardBackend):
         """
         check_ms(ttl_ms, "ttl_ms")
         names = self._names(key)
-        keys = [names.holders, names.waiters, names.reserved, names.limit, names.token, names.info]
         sent = time.monotonic()
-        status, holders = self._call(self.scripts["lock"], keys, [holder, ttl_ms, info or ""])
+        status, holders = self._call(
+            self.scripts["lock"],
+            list(layout.lock_keys(names)),
+            list(layout.LockArgs(holder=holder, ttl_ms=ttl_ms, info=info or "")),
+        )
         if int(status) < 0:
             return self._acquire(key, holder, 1, ttl_ms, None, info, None, fenced=False)
         acquired = int(status) == 1
@@ -482,7 +469,9 @@ class RedisBackend(GuardBackend):
         it touches only the holder's entry and the expiry of its key.
         """
         check_ms(ttl_ms, "ttl_ms", minimum=0)
-        [renewed] = self._call(self.scripts["renew"], self._renew_keys(key), [holder, ttl_ms])
+        [renewed] = self._call(
+            self.scripts["renew"], self._renew_keys(key), [*layout.LeaseArgs(holder=holder, ttl_ms=ttl_ms)]
+        )
         return bool(renewed)
 
     def renew_many(self, leases: Sequence[tuple[str, str, int]]) -> list[bool]:
@@ -513,7 +502,7 @@ class RedisBackend(GuardBackend):
             for i in chunk:
                 key, holder, ttl_ms = leases[i]
                 keys += self._renew_keys(key)
-                args += (holder, ttl_ms)
+                args += layout.LeaseArgs(holder=holder, ttl_ms=ttl_ms)
             calls.append((self.scripts["renew"], keys, args))
         renewed = [False] * len(leases)
         for chunk, reply in zip(
@@ -524,8 +513,7 @@ class RedisBackend(GuardBackend):
         return renewed
 
     def _renew_keys(self, key: str) -> list[str]:
-        names = self._names(key)
-        return [names.holders, names.token, names.info]
+        return list(layout.lease_keys(self._names(key)))
 
     def release(self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0) -> ReleaseResult:
         """Give up ``holder``'s slot; see :meth:`GuardBackend.release`."""
@@ -545,7 +533,11 @@ class RedisBackend(GuardBackend):
         """The checked ``release.lua`` call of one release (run alone, or pipelined with others)."""
         check_count(limit, "limit")
         check_count(send_ahead, "send_ahead")
-        return self.scripts["release"], self._keys(key), self._args(key, limit, holder, send_ahead)
+        return (
+            self.scripts["release"],
+            self._keys(key),
+            self._args(key, limit, *layout.ReleaseArgs(holder=holder, standbys=send_ahead)),
+        )
 
     def confirm_handoff(
         self, key: str, waiter_id: str, *, ttl_ms: int, generation: int | None = None
@@ -553,7 +545,8 @@ class RedisBackend(GuardBackend):
         """Confirm a handed-off parked message was re-enqueued; see :meth:`GuardBackend.confirm_handoff`."""
         check_ms(ttl_ms, "ttl_ms")
         gen = "" if generation is None else generation
-        return bool(self._run("confirm_handoff", key, 0, waiter_id, ttl_ms, gen))
+        own = layout.ConfirmHandoffArgs(waiter=waiter_id, ttl_ms=ttl_ms, generation=gen)
+        return bool(self._run(key, 0, own))
 
     def send_standbys(
         self, key: str, *, limit: int | None, count: int
@@ -561,7 +554,7 @@ class RedisBackend(GuardBackend):
         """Send the oldest parked waiters ahead as standbys; see :meth:`GuardBackend.send_standbys`."""
         check_count(limit, "limit")
         check_count(count, "count")
-        handoffs, sent = self._run("standby", key, limit, "send", count)  # {handoffs, standbys}
+        handoffs, sent = self._run(key, limit, layout.StandbyArgs(op="send", standbys=count))
         return self._handoffs(key, handoffs), self._handoffs(key, sent)
 
     def confirm_standby(
@@ -570,7 +563,10 @@ class RedisBackend(GuardBackend):
         """Confirm a standby was enqueued; see :meth:`GuardBackend.confirm_standby`."""
         check_ms(ttl_ms, "ttl_ms")
         gen = "" if generation is None else generation
-        return bool(self._run("standby", key, 0, "confirm", waiter_id, ttl_ms, payload, gen))
+        own = layout.StandbyArgs(
+            op="confirm", waiter=waiter_id, ttl_ms=ttl_ms, payload=payload, generation=gen
+        )
+        return bool(self._run(key, 0, own))
 
     def wait_for_handoff(self, key: str, waiter_id: str, *, timeout_ms: int) -> Woken | None:
         """Block on the waiter's wake list (BLPOP); see :meth:`GuardBackend.wait_for_handoff`.
@@ -613,7 +609,7 @@ class RedisBackend(GuardBackend):
     def forget_parked_copy(self, key: str, waiter_id: str) -> bool:
         """The broker acked the parked copy of ``waiter_id``; see :meth:`GuardBackend.forget_parked_copy`."""
         self._check_waiter(waiter_id)
-        return bool(self._run("forget_copy", key, None, waiter_id))
+        return bool(self._run(key, None, layout.ForgetCopyArgs(waiter=waiter_id)))
 
     def cancel_wait(
         self, key: str, waiter_id: str, *, limit: int | None, generation: int | None = None
@@ -622,7 +618,8 @@ class RedisBackend(GuardBackend):
         self._check_waiter(waiter_id)
         check_count(limit, "limit")
         gen = "" if generation is None else generation
-        return self._release_reply(key, self._run("cancel_wait", key, limit, waiter_id, gen))
+        own = layout.CancelWaitArgs(waiter=waiter_id, generation=gen)
+        return self._release_reply(key, self._run(key, limit, own))
 
     def sweep(self, key: str, *, limit: int | None) -> ReleaseResult:
         """Reclaim lapsed holders and hand free slots on; see :meth:`GuardBackend.sweep`.
@@ -634,7 +631,7 @@ class RedisBackend(GuardBackend):
           queue).
         """
         check_count(limit, "limit")
-        return self._release_reply(key, self._run("sweep", key, limit))
+        return self._release_reply(key, self._run(key, limit, layout.SweepArgs()))
 
     def sweep_many(self, keys: Sequence[tuple[str, int | None]]) -> list[ReleaseResult]:
         """:meth:`sweep` each ``(key, limit)`` in pipelined batches of :attr:`SWEEP_BATCH`."""
@@ -644,7 +641,9 @@ class RedisBackend(GuardBackend):
             batch = keys[first : first + self.SWEEP_BATCH]
             for _, limit in batch:
                 check_count(limit, "limit")
-            calls = [(script, self._keys(key), self._args(key, limit)) for key, limit in batch]
+            calls = [
+                (script, self._keys(key), self._args(key, limit, *layout.SweepArgs())) for key, limit in batch
+            ]
             replies = run_scripts(self.client, self.scripts, calls)
             results.extend(self._release_reply(key, r) for (key, _), r in zip(batch, replies, strict=True))
         return results
@@ -676,7 +675,8 @@ class RedisBackend(GuardBackend):
         value = "" if limit is None else limit
         if not self._in_cluster():
             return self._release_reply(
-                key, self._run("set_limit", key, default, value, extra_key=self._limits_index)
+                key,
+                self._run(key, default, layout.SetLimitArgs(limit=value), extra_key=self._limits_index),
             )
         # A cluster: the index is in another slot. The key is added before its
         # limit is set and removed after it is cleared, so a limit is never
@@ -685,7 +685,7 @@ class RedisBackend(GuardBackend):
         if limit is not None:
             with reachable():
                 self.client.sadd(self._limits_index, key)
-        result = self._release_reply(key, self._run("set_limit", key, default, value))
+        result = self._release_reply(key, self._run(key, default, layout.SetLimitArgs(limit=value)))
         if limit is None:
             with reachable():
                 self.client.srem(self._limits_index, key)
@@ -705,7 +705,7 @@ class RedisBackend(GuardBackend):
         """
         if waiters is not None:
             check_count(waiters, "waiters")
-        args = self._args(key, 0, "" if waiters is None else waiters)
+        args = self._args(key, 0, *layout.InspectArgs(waiters="" if waiters is None else waiters))
         return self._inspect_reply(self._call(self.scripts["inspect"], self._keys(key, cached=False), args))
 
     def waiting_keys(self) -> list[str]:
@@ -737,7 +737,12 @@ class RedisBackend(GuardBackend):
             counts = pipe.execute()
             empty = [k for i, k in enumerate(stale) if counts[2 * i] == 0 and counts[2 * i + 1] == 0]
         dropped = run_scripts(
-            self.client, self.scripts, [(self.scripts["unindex"], [self._index], [k, cutoff]) for k in empty]
+            self.client,
+            self.scripts,
+            [
+                (self.scripts["unindex"], [self._index], [*layout.UnindexArgs(member=k, cutoff_ms=cutoff)])
+                for k in empty
+            ],
         )
         gone = {k for k, result in zip(empty, dropped, strict=True) if result}
         return [k for k, _ in entries if k not in gone]
@@ -777,10 +782,12 @@ class RedisBackend(GuardBackend):
         whole chunk; on a cluster, whose keys are in many slots, a pipeline.
         """
         if not self._in_cluster():
-            keys = [
-                p + suffix for _, p in chunk for suffix in ("holders", "waiters", "reserved", "limit", "meta")
-            ]
-            [reply] = run_scripts(self.client, self.scripts, [(self.scripts["summaries"], keys, [first])])
+            keys = [p + suffix for _, p in chunk for suffix in layout.LAYOUTS["summaries"].each_keys]
+            [reply] = run_scripts(
+                self.client,
+                self.scripts,
+                [(self.scripts["summaries"], keys, [*layout.SummariesArgs(first=first)])],
+            )
             if isinstance(reply, Exception):
                 raise reply
             flat: list[Any] = []

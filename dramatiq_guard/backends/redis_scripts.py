@@ -7,8 +7,9 @@ same sources:
   functions of one library, loaded once per server (``FUNCTION LOAD``), named
   after a digest of their code (``dramatiq_guard_<digest>``; its functions
   ``dramatiq_guard_<digest>_<script>``), so two versions of dramatiq-guard on
-  one Redis each call their own. The shared prelude (``_bounds.lua``,
-  ``_prelude.lua``: ~120 locals and closures) is set up once, when the library
+  one Redis each call their own. The shared prelude (the layout generated
+  by :mod:`~dramatiq_guard.backends.redis_layout`, ``_bounds.lua``,
+  ``_prelude.lua``: ~140 locals and closures) is set up once, when the library
   loads; each call only resets its per-call values (``begin()`` in
   ``_prelude.lua``). As a script, that set-up is paid on every call that gets
   past a fast path: ~15 us of Redis time, a quarter of a contended hand-off's.
@@ -63,6 +64,7 @@ from typing import Any, NamedTuple
 
 from redis.exceptions import NoPermissionError, NoScriptError, RedisError, ResponseError
 
+from dramatiq_guard.backends.redis_layout import lua_binding, lua_constants, lua_prologue
 from dramatiq_guard.errors import BackendRefused
 
 __all__ = ["PROCESS_TTL_MS", "LuaScript", "ScriptLibrary", "load_lua", "processes_key"]
@@ -71,7 +73,7 @@ logger = logging.getLogger("dramatiq_guard.backends.redis")
 
 #: What the name of every version's library starts with.
 LIBRARY_PREFIX = "dramatiq_guard_"
-#: The per-key scripts: ``_bounds.lua``, the fast path if any, ``_prelude.lua``, then the script.
+#: The per-key scripts: the shared text, the fast path if any, ``_prelude.lua``, then the script (see _code).
 PRELUDE_SCRIPTS = (
     "acquire",
     "release",
@@ -125,28 +127,31 @@ class _Code(NamedTuple):
 
 
 def _fast_and_rest(name: str) -> tuple[str, str]:
-    """A script's fast path ('' if none: it returns early, or falls through), and what runs after it."""
+    """A script's prologue and fast path (which returns early, or falls through), and what runs after it."""
+    top = lua_prologue(name)
     if name not in PRELUDE_SCRIPTS:
-        return "", load_lua(name)
+        return top, load_lua(name)
     fast = load_lua(f"{name}_fast") + "\n" if name in FAST_PATHS else ""
-    return fast, "begin()\n" + load_lua(name)
+    return top + fast, "begin()\n" + load_lua(name)
 
 
 @functools.cache
 def _code() -> _Code:
-    """The scripts' texts and the library's (read once per process: they are the package's files).
+    """The scripts' texts and the library's (made once per process: from the package's files).
 
-    A per-key script as a script: ``_bounds.lua``, its fast path, ``_prelude.lua``, ``begin()``,
-    the script (the fast path runs before the prelude is set up). As a function: ``_bounds.lua``
-    and ``_prelude.lua`` once, at the top of the library, and per call the fast path, ``begin()``,
-    the script.
+    A per-key script as a script: the generated constants and binding (:mod:`redis_layout`),
+    ``_bounds.lua``, its prologue and fast path, ``_prelude.lua``, ``begin()``, the script (the fast
+    path runs before the prelude is set up); another script: the constants, its prologue, the
+    script. As a function: the constants, ``_bounds.lua``, the binding and ``_prelude.lua`` once, at
+    the top of the library, and per call the prologue, the fast path, ``begin()``, the script.
     """
-    bounds, prelude = load_lua("_bounds") + "\n", load_lua("_prelude") + "\n"
+    constants, shared = lua_constants(), load_lua("_bounds") + "\n" + lua_binding()
+    prelude = load_lua("_prelude") + "\n"
     split = {name: _fast_and_rest(name) for name in (*PRELUDE_SCRIPTS, *LEAN_SCRIPTS)}
     # KEYS and ARGV are the library's own locals (a function gets them as arguments; the prelude and
     # the scripts read them as they would a script's globals), set first by every call. The names
     # carry a digest of the code, which is made with a placeholder in their place.
-    parts = ["#!lua name=@LIBRARY@\nlocal KEYS, ARGV\n", bounds, prelude]
+    parts = ["#!lua name=@LIBRARY@\nlocal KEYS, ARGV\n", constants, shared, prelude]
     for name, (fast, rest) in split.items():
         flags = f"{{'{FLAGS[name]}'}}" if name in FLAGS else "{}"
         parts.append(
@@ -157,7 +162,7 @@ def _code() -> _Code:
     library = LIBRARY_PREFIX + hashlib.sha1(code.encode()).hexdigest()[:16]
     scripts: dict[str, LuaScript] = {}
     for name, (fast, rest) in split.items():
-        source = bounds + fast + prelude + rest if name in PRELUDE_SCRIPTS else rest
+        source = constants + (shared + fast + prelude + rest if name in PRELUDE_SCRIPTS else fast + rest)
         scripts[name] = LuaScript(
             name, source, hashlib.sha1(source.encode()).hexdigest(), f"{library}_{name}"
         )

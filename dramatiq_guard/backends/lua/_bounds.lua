@@ -1,12 +1,10 @@
--- In front of every per-key script but lock.lua and renew.lua, before even the fast paths
--- (acquire_fast.lua, release_fast.lua) and _prelude.lua: the argument bounds they check, and
--- how a holder's runner is kept (runner_of, holder_entry, below).
+-- In front of every per-key script, before even the fast paths (acquire_fast.lua,
+-- release_fast.lua) and _prelude.lua: how arguments are checked against the bounds (MAX_DURATION_MS,
+-- MAX_COUNT, ...: generated from backends/redis_layout.py, in front of this), and how a holder's
+-- runner is kept (runner_of, holder_entry, below).
 -- Redis does not roll back a script that fails half-way, so a number a script cannot use must
 -- be refused before its first write, not found out by a command in the middle (which would
--- leave, say, a holder without an expiry). The bounds are dramatiq_guard/bounds.py's (a test
--- keeps them equal): durations from 0 to 366 days in ms, limits and counts from 0 to 2^31 - 1.
-local MAX_DURATION_MS = 31622400000
-local MAX_COUNT = 2147483647
+-- leave, say, a holder without an expiry).
 
 -- value as a whole number from low to high, else nil: a string of decimal digits only (no
 -- sign, exponent, fraction, hex, blank, inf or nan: a limit is stored as given), or a number

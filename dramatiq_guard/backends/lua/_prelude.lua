@@ -4,57 +4,10 @@
 -- The contract these scripts implement is GuardBackend's (backends/base.py: holders, limit,
 -- fencing token, waiters, hand-off, standbys); the comments here say how, not what.
 --
--- Every script of a guard key K gets the same KEYS, all under one hash tag so
--- they live in one Redis Cluster slot:
---   KEYS[1] H  zset  holder -> deadline (ms)
---   KEYS[2] W  zset  waiter -> place in the FIFO (a sequence in us, see park)
---   KEYS[3] P  hash  waiter -> payload (parked waiters, and reservations not yet confirmed)
---   KEYS[4] R  hash  waiter -> its place in W, while it holds an unconfirmed reservation
---   KEYS[5] D  zset  ready waiter -> deadline (ms) after which its entry is dropped: a waiter
---                    a thread is blocked on (a blocking acquire, or a standby picked up)
---   KEYS[6] T  string  the last fencing token; outlives the key's other state, expiring no earlier
---                    than STALE_TTL after its last write (store_token)
---   KEYS[7] L  string  the run-time limit
---   KEYS[8] I  hash  holder -> "<since_ms>[@<runner>]|<info>": when it acquired, the worker thread
---                    it runs on (see acquire.lua), and what the caller said of it;
---                    a ready waiter -> "|<info>" (so a hand-off can record it)
---   KEYS[9] S  zset  standby -> deadline (ms): a waiter sent ahead to the broker and not picked
---                    up yet (standby.lua); with a payload in P it is not confirmed yet
---   KEYS[10] M hash  what the key's waiters need from other processes, kept while anything is
---                    queued (deleted with the queue, holders or not): 'limit' -> the default limit, recorded by a process that knows it
---                    when a waiter queues (a process that does not, e.g. one sweeping a key of
---                    another application, uses it); 'r:<w>' -> the route (the broker) of parked
---                    waiter w, which only a process of that route delivers; 'g:<w>' -> the
---                    generation of w's hand-off or standby send that is not confirmed yet;
---                    'u:<w>' -> the runner of ready waiter w (see acquire.lua), kept here as long
---                    as w waits (I may expire with the holders before)
---   KEYS[11] G  the prefix of the per-waiter generation records: G .. ':' .. w, a string, the
---                    one generation of w's message that may start, for waiters of which a copy
---                    that must not start may be on the broker (w's hand-off or standby send
---                    lapsed unconfirmed, or a copy from the broker parked, and may be delivered
---                    again); 'parked' when no copy on the broker may start. Each outlives the key's
---                    other state, expiring STALE_TTL after its own last write (so a key that keeps
---                    parking keeps no more than a STALE_TTL's worth). Prefixed with '~' while the
---                    one copy it is kept for is the copy that parked (it was written by that park,
---                    with no record before, and no hand-off or send lapsed since): the broker's ack
---                    of that copy deletes it then (forget_copy.lua), so it outlives the work only
---                    where a second copy can exist (the worker died before the ack)
---   KEYS[12] Q zset  ready waiter -> its place in W (the same members as D, by place: the ready
---                    waiters at the head of the queue, for choose)
---   KEYS[13] X zset  the waiting-keys index (guard key -> when it is next due for a sweep, see
---                    next_due), given on a standalone Redis only: it is in another Cluster
---                    slot. With it, the index is kept here, atomically: K is in it exactly
---                    while W or R is not empty, and its score is never later than the key's
---                    earliest deadline, so the sweeps read only the keys that are due.
--- and the same leading ARGV, values the Python side owns (RedisBackend._args):
---   ARGV[1] the prefix of the per-waiter wake lists (WAKE .. waiter_id)
---   ARGV[2] handoff_ttl_ms
---   ARGV[3] how long a wake waits to be taken (GuardBackend.wake_ttl_ms)
---   ARGV[4] the guard key K itself (for the indexes)
---   ARGV[5] the default limit, or '' if the caller does not know it (then the recorded one, else 0)
---   ARGV[6] the caller's route: the broker it delivers parked messages to
---   ARGV[7] STALE_TTL, how long G and T outlive their last write (ms)
--- A script's own arguments follow; it reads them with arg(1), arg(2), ...
+-- Every script of a guard key K gets the same KEYS and leading ARGV, named by the layout that
+-- backends/redis_layout.py defines (KeyNames, CallArgs) and generates in front of this: bind(),
+-- called first by every call, sets H, W, P, ... X and ARG_WAKE, ... ARG_STALE_TTL_MS; a script's own
+-- arguments are locals of their own name, read at its top.
 -- Times come from the server's clock only.
 --
 -- Invariants the scripts keep, which let the common paths skip work:
@@ -78,7 +31,6 @@
 -- runs first): as a script (EVALSHA) the prelude runs on every call; as a function (FCALL, see
 -- redis_scripts.py) it runs once, when the library loads, and begin() resets every one of them, so
 -- no call sees another's. A value a call changes belongs in this list.
-local H, W, P, R, D, T, L, I, S, M, G, Q, X
 local WAKE, HANDOFF_TTL, WAKE_TTL, KEY, KNOWN_DEFAULT, DEFAULT_LIMIT, ROUTE, STALE_TTL
 local NOW_US, NOW
 local HN -- how many members H has (kept by set_holders / drop_holders)
@@ -97,16 +49,14 @@ local EARLIEST -- the earliest deadline this script wrote (in H, D or S): K is d
 local SWEEPING -- set by sweep.lua: K's due time in X is recomputed, not only moved earlier
 
 local function begin()
-  H, W, P, R, D, T, L, I = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-  S, M, G, Q, X = KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
-  WAKE = ARGV[1]
-  HANDOFF_TTL = tonumber(ARGV[2])
-  WAKE_TTL = tonumber(ARGV[3])
-  KEY = ARGV[4]
-  KNOWN_DEFAULT = ARGV[5] ~= ''
-  DEFAULT_LIMIT = tonumber(ARGV[5]) -- nil until read from M (see default_limit)
-  ROUTE = ARGV[6]
-  STALE_TTL = tonumber(ARGV[7])
+  WAKE = ARG_WAKE
+  HANDOFF_TTL = tonumber(ARG_HANDOFF_TTL_MS)
+  WAKE_TTL = tonumber(ARG_WAKE_TTL_MS)
+  KEY = ARG_KEY
+  KNOWN_DEFAULT = ARG_DEFAULT_LIMIT ~= ''
+  DEFAULT_LIMIT = tonumber(ARG_DEFAULT_LIMIT) -- nil until read from M (see default_limit)
+  ROUTE = ARG_ROUTE
+  STALE_TTL = tonumber(ARG_STALE_TTL_MS)
   local clock = redis.call('TIME')
   NOW_US = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
   NOW = math.floor(NOW_US / 1000)
@@ -114,18 +64,6 @@ local function begin()
   EXISTED, QUEUED, PARKED, PASSED_OVER, LOADED, OWNED, RAISED = false, false, false, false, false, false, false
   META_AT, LIMIT, TOKEN, EARLIEST, SWEEPING = nil, nil, nil, nil, false
 end
-
--- The script's own i-th argument.
-local function arg(i)
-  return ARGV[7 + i]
-end
-
--- How many holders a refused acquire names (AcquireResult.holders).
-local HOLDERS_SHOWN = 10
--- How many of the first waiters may be standbys when the limit in force is smaller (values.py).
-local MIN_STANDBY_WINDOW = 4
--- The latest a key with waiters is due for a sweep, whatever its deadlines say (ms).
-local DUE_BACKSTOP_MS = 30000
 
 -- Integers up to 2^53 as decimal strings (tostring would use an exponent).
 local function fmt(n)
@@ -241,7 +179,14 @@ local function unset_ready(list)
 end
 
 -- The generation of w's message that may start (its record in G), or false if any may; and
--- whether the record is kept only for the copy that parked (its '~' prefix, see KEYS[11]).
+-- whether the record is kept only for the copy that parked (its '~' prefix).
+-- G .. ':' .. w is kept for waiters of which a copy that must not start may be on the broker (w's
+-- hand-off or standby send lapsed unconfirmed, or a copy from the broker parked, and may be
+-- delivered again): the one generation that may start, 'parked' when no copy on the broker may.
+-- Each expires STALE_TTL after its own last write (so a key that keeps parking keeps no more than
+-- a STALE_TTL's worth). '~' marks a record written by a park with no record before, and no
+-- hand-off or send lapsed since: kept only for the copy that parked, whose ack by the broker
+-- deletes it (forget_copy.lua), so it outlives the work only where a second copy can exist.
 local function live_generation(w)
   local record = redis.call('GET', G .. ':' .. w)
   if record and string.sub(record, 1, 1) == '~' then
@@ -707,7 +652,7 @@ local function finish()
 end
 
 -- Argument checks, run by every per-key script before anything else (the bounds and
--- whole_number are _bounds.lua's, in front of the script).
+-- whole_number are generated and _bounds.lua's, in front of the script).
 -- validate_args({name, value, low, high}, ...) -> nil, or an error reply naming the first
 -- value that is not a whole number in its range. The prelude's own numbers (handoff_ttl_ms,
 -- wake_ttl_ms, stale_ttl_ms, the default limit if given) are checked first. A script starts with:

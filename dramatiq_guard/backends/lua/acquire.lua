@@ -22,27 +22,24 @@
 -- (a newer hand-off of the same message exists), and nothing was done; or 'running': the holder
 -- already holds the key (or blocks for it) for another runner, and nothing was done.
 local refused = validate_args(
-  { 'ttl_ms', arg(2), 1, MAX_DURATION_MS },
-  { 'wait_ms', arg(5), 0, MAX_DURATION_MS },
-  { 'generation', arg(7) == '' and 0 or arg(7), 0, 2 ^ 53 }
+  { 'ttl_ms', ttl_ms, 1, MAX_DURATION_MS },
+  { 'wait_ms', wait_ms, 0, MAX_DURATION_MS },
+  { 'generation', generation == '' and 0 or generation, 0, MAX_GENERATION }
 )
 if refused then
   return refused
 end
-local holder = arg(1)
-local ttl = tonumber(arg(2))
-local mode = arg(3)
-local fenced = arg(8) ~= '0'
-local runner = arg(9) or ''
+local ttl = tonumber(ttl_ms)
+local fences = fenced ~= '0'
+runner = runner or ''
 if string.find(runner, '[|@]') then
   return redis.error_reply("runner must not contain '|' or '@', got " .. runner)
 end
 OWNED = true
 
 reclaim()
-local generation = arg(7)
 -- The holder's generation record, read once: whether it exists cannot change below (a hand-off
--- to the holder rewrites an existing one only, new_generation); only_parked: see KEYS[11].
+-- to the holder rewrites an existing one only, new_generation); only_parked: see live_generation.
 local live, only_parked = false, false
 if generation ~= '' then
   live, only_parked = live_generation(holder)
@@ -98,7 +95,7 @@ if acquired then
   -- A re-entrant acquire (or a reservation taken up): the first since and info stay, and a runner
   -- given is recorded (holder_entry).
   local first = held_entry or (was_holder and redis.call('HGET', I, holder) or nil)
-  local entry = holder_entry(first, NOW, runner, arg(6))
+  local entry = holder_entry(first, NOW, runner, info)
   if entry then
     redis.call('HSET', I, holder, entry)
   end
@@ -118,7 +115,7 @@ if acquired then
     -- This copy started: it is the one that may start again (a redelivery), no older one.
     set_live_generation(holder, generation, only_parked)
   end
-  if fenced then
+  if fences then
     token = next_token()
     META_AT = store_token()
   end
@@ -127,13 +124,13 @@ elseif mode ~= '' then
   -- A standby sent ahead (standby.lua) that was picked up, or one already blocking in its place
   -- that asks again, blocks (on) in its place, ready.
   local sent = not added and redis.call('ZREM', S, holder) == 1
-  local standby = mode == 'park' and tonumber(arg(5)) > 0 and not added
+  local standby = mode == 'park' and tonumber(wait_ms) > 0 and not added
     and (sent or redis.call('ZSCORE', D, holder))
   if standby then
-    set_ready(holder, NOW + tonumber(arg(5)), runner)
+    set_ready(holder, NOW + tonumber(wait_ms), runner)
     redis.call('HDEL', P, holder)
   elseif mode == 'park' then
-    redis.call('HSET', P, holder, arg(4))
+    redis.call('HSET', P, holder, payload)
     redis.call('HSET', M, 'r:' .. holder, ROUTE)
     if not added then
       unset_ready({ holder })
@@ -148,14 +145,14 @@ elseif mode ~= '' then
       set_live_generation(holder, 'parked', not live)
     end
   else
-    set_ready(holder, NOW + tonumber(arg(5)), runner)
+    set_ready(holder, NOW + tonumber(wait_ms), runner)
     if not added then
       redis.call('HDEL', P, holder)
     end
   end
-  if (standby or mode == 'block') and arg(6) ~= '' then
+  if (standby or mode == 'block') and info ~= '' then
     -- Ready: a hand-off records it as the holder's info.
-    redis.call('HSET', I, holder, '|' .. arg(6))
+    redis.call('HSET', I, holder, '|' .. info)
   end
   queued = standby and 'standby' or 'queued'
 end

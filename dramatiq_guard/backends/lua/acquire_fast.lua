@@ -14,18 +14,18 @@
 -- Anything else (a waiter to hand to or to queue behind, a lapsed holder to reclaim, a full key,
 -- a generation to check, a holder running for another runner), or a number or runner it cannot
 -- use, falls through to the prelude and acquire.lua (which refuses a bad one before any write).
--- KEYS and ARGV as _prelude.lua; acquire's own arguments from ARGV[8] (see acquire.lua).
+-- KEYS and ARGV named by the layout (backends/redis_layout.py), read by the prologue before this.
 do
   -- Only numbers validate_args accepts (_bounds.lua); the full path refuses the others.
-  local ttl = whole_number(ARGV[9], 1, MAX_DURATION_MS)
-  local stale = whole_number(ARGV[7], 1, MAX_DURATION_MS)
-  if ttl and stale and whole_number(ARGV[2], 1, MAX_DURATION_MS)
-    and whole_number(ARGV[3], 1, MAX_DURATION_MS) and whole_number(ARGV[12], 0, MAX_DURATION_MS)
-    and (ARGV[5] == '' or whole_number(ARGV[5], 0, MAX_COUNT))
-    and (ARGV[14] == '' or ARGV[14] == '0' and redis.call('EXISTS', KEYS[11] .. ':' .. ARGV[8]) == 0)
-    and not string.find(ARGV[16] or '', '[|@]')
-    and redis.call('EXISTS', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[9]) == 0 then
-    local H, T, L, I, holder, runner = KEYS[1], KEYS[6], KEYS[7], KEYS[8], ARGV[8], ARGV[16] or ''
+  local ttl = whole_number(ttl_ms, 1, MAX_DURATION_MS)
+  local stale = whole_number(ARG_STALE_TTL_MS, 1, MAX_DURATION_MS)
+  if ttl and stale and whole_number(ARG_HANDOFF_TTL_MS, 1, MAX_DURATION_MS)
+    and whole_number(ARG_WAKE_TTL_MS, 1, MAX_DURATION_MS) and whole_number(wait_ms, 0, MAX_DURATION_MS)
+    and (ARG_DEFAULT_LIMIT == '' or whole_number(ARG_DEFAULT_LIMIT, 0, MAX_COUNT))
+    and (generation == '' or generation == '0' and redis.call('EXISTS', G .. ':' .. holder) == 0)
+    and not string.find(runner or '', '[|@]')
+    and redis.call('EXISTS', W, P, R, D, S) == 0 then
+    local runner = runner or ''
     local clock = redis.call('TIME')
     local now_us = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
     local now = math.floor(now_us / 1000)
@@ -33,21 +33,21 @@ do
     local n = #top > 0 and redis.call('ZCARD', H) or 0
     if n == 0 or #redis.call('ZRANGEBYSCORE', H, '-inf', now, 'LIMIT', 0, 1) == 0 then
       local values = redis.call('MGET', L, T)
-      local limit = values[1] and tonumber(values[1]) or (ARGV[5] ~= '' and tonumber(ARGV[5]) or 0)
+      local limit = values[1] and tonumber(values[1]) or (ARG_DEFAULT_LIMIT ~= '' and tonumber(ARG_DEFAULT_LIMIT) or 0)
       local own = n > 0 and redis.call('ZSCORE', H, holder)
       local first = own and redis.call('HGET', I, holder)
       local other = runner_of(first or nil)
       if not (other and other ~= runner) and (own or n < limit) then
-        local fenced = ARGV[15] ~= '0'
+        local fences = fenced ~= '0'
         local highest = #top > 0 and tonumber(top[2]) or 0
         local deadline = now + ttl
         redis.call('ZADD', H, deadline, holder)
-        local entry = holder_entry(first or nil, now, runner, ARGV[13])
+        local entry = holder_entry(first or nil, now, runner, info)
         if entry then
           redis.call('HSET', I, holder, entry)
         end
         if own then
-          redis.call('DEL', ARGV[1] .. holder)
+          redis.call('DEL', ARG_WAKE .. holder)
         end
         local raised = deadline > highest
         local latest = deadline
@@ -56,17 +56,17 @@ do
           latest = tonumber(redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')[2])
         end
         local token = false
-        if fenced then
+        if fences then
           token = math.max(tonumber(values[2] or '0') + 1, now_us)
           redis.call('SET', T, string.format('%.0f', token), 'PXAT', math.max(latest, now + stale))
         end
         if raised then
           redis.call('PEXPIREAT', H, latest)
-          if not fenced and redis.call('PTTL', T) < latest - now then
+          if not fences and redis.call('PTTL', T) < latest - now then
             redis.call('PEXPIREAT', T, latest) -- later, never sooner: T may outlive the holders
           end
         end
-        if raised or fenced then
+        if raised or fences then
           redis.call('PEXPIREAT', I, latest)
         end
         return { 1, token, limit, '', {}, {} }

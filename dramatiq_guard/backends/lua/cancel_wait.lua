@@ -3,12 +3,11 @@
 --   of that generation is withdrawn, while it is unconfirmed (M's 'g:' entry) and current (the
 --   waiter reserved in R, or being sent in S): a message parked elsewhere on its way that came
 --   back to the key meanwhile (parked again, or holding the slot) keeps its entry.
-local refused = validate_args({ 'generation', (arg(2) or '') == '' and 0 or arg(2), 0, 2 ^ 53 })
+local refused = validate_args({ 'generation', (generation or '') == '' and 0 or generation, 0, MAX_GENERATION })
 if refused then
   return refused
 end
-local waiter = arg(1)
-local generation = arg(2) or ''
+generation = generation or ''
 OWNED = true
 reclaim()
 local released = 0

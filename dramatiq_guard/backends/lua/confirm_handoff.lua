@@ -2,14 +2,12 @@
 -- generation: the one the re-enqueued copy carries ('' for any). A confirmation of an older
 -- generation than the waiter's latest hand-off changes nothing: that copy will not start.
 local refused = validate_args(
-  { 'ttl_ms', arg(2), 1, MAX_DURATION_MS },
-  { 'generation', arg(3) == '' and 0 or arg(3), 0, 2 ^ 53 }
+  { 'ttl_ms', ttl_ms, 1, MAX_DURATION_MS },
+  { 'generation', generation == '' and 0 or generation, 0, MAX_GENERATION }
 )
 if refused then
   return refused
 end
-local waiter = arg(1)
-local generation = arg(3)
 OWNED = true
 reclaim()
 local held = 0
@@ -22,7 +20,7 @@ local in_flight = QUEUED and redis.call('HGET', M, 'g:' .. waiter)
 if QUEUED and (generation == '' or not in_flight or in_flight == generation)
   and redis.call('HDEL', R, waiter) == 1 then
   -- A live reservation: the payload is on the broker now.
-  set_holders({ NOW + tonumber(arg(2)), waiter })
+  set_holders({ NOW + tonumber(ttl_ms), waiter })
   redis.call('HDEL', P, waiter)
   forget(waiter)
   held = 1

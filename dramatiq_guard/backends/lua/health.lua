@@ -5,9 +5,9 @@
 -- while its waiters (W) or its unconfirmed reservations (R) are not empty. A break of it was
 -- made from outside the guard's scripts: a key evicted, deleted or flushed.
 --
---   KEYS[1] X     the waiting-keys index
---   ARGV[1]       the namespace
---   ARGV[2..n]    guard keys the caller saw in the index at its previous check
+--   KEYS: X, the waiting-keys index
+--   ARGV: namespace, then (from SEEN_FROM) the guard keys the caller saw in the index at its
+--   previous check
 --
 -- Returns {indexed, vanished, payloads, unindexed}:
 --   indexed    the keys in X now
@@ -17,8 +17,7 @@
 --   payloads   for each vanished key, how many payloads it still has
 --   unindexed  keys of ARGV no longer in X that still have W or R: the index entry was lost.
 --              It is put back, so the workers' sweeps find the key again.
-local X = KEYS[1]
-local prefix = ARGV[1] .. ':{'
+local prefix = namespace .. ':{'
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
@@ -33,7 +32,7 @@ for _, k in ipairs(indexed) do
     redis.call('ZREM', X, k)
   end
 end
-for i = 2, #ARGV do
+for i = SEEN_FROM, #ARGV do
   local k = ARGV[i]
   if not seen[k] then
     seen[k] = true

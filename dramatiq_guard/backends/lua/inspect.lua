@@ -1,22 +1,22 @@
--- inspect(count) -> {holders+deadlines, waiters+places, parked flags, reserved, limit, token, info}.
--- Read only. count: at most this many of the first waiters ('' for all: the one read of a whole
+-- inspect(waiters) -> {holders+deadlines, waiters+places, parked flags, reserved, limit, token, info}.
+-- Read only. waiters: at most this many of the first waiters ('' for all: the one read of a whole
 -- queue, O(n)).
-local refused = validate_args({ 'waiters', arg(1) == '' and 0 or arg(1), 0, MAX_COUNT })
+local refused = validate_args({ 'waiters', waiters == '' and 0 or waiters, 0, MAX_COUNT })
 if refused then
   return refused
 end
-local last = arg(1) == '' and -1 or tonumber(arg(1)) - 1
-local waiters = {}
-if last >= 0 or arg(1) == '' then
-  waiters = redis.call('ZRANGE', W, 0, last, 'WITHSCORES')
+local last = waiters == '' and -1 or tonumber(waiters) - 1
+local queue = {}
+if last >= 0 or waiters == '' then
+  queue = redis.call('ZRANGE', W, 0, last, 'WITHSCORES')
 end
 local parked = {}
-for i = 1, #waiters, 2 do
-  parked[#parked + 1] = redis.call('HEXISTS', P, waiters[i])
+for i = 1, #queue, 2 do
+  parked[#parked + 1] = redis.call('HEXISTS', P, queue[i])
 end
 return {
   redis.call('ZRANGE', H, 0, -1, 'WITHSCORES'),
-  waiters,
+  queue,
   parked,
   redis.call('HKEYS', R),
   redis.call('GET', L),

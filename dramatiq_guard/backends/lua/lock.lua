@@ -2,8 +2,7 @@
 -- without _prelude.lua: it decides only the two common cases, in at most 6 commands, and leaves
 -- every other to the generic acquire (acquire.lua), which the caller then runs.
 --
--- KEYS: H W R L T I of the guard key, the layout of _prelude.lua (one hash tag, one slot).
--- ARGV: holder, ttl_ms, info.
+-- KEYS: H W R L T I of the guard key; ARGV: holder, ttl_ms, info (backends/redis_layout.py).
 -- Returns {1, {}}: acquired; {0, holders}: refused, held by these live holders (oldest deadline
 -- first), none of them the caller, with no run-time limit; {-1, {}}: not decided here.
 --
@@ -18,15 +17,11 @@
 --   * Anything else (a waiter or reservation with a free slot, a run-time limit, a lapsed holder
 --     to reclaim, the caller re-entering, a token left behind): -1.
 -- Times come from the server's clock only.
-local MAX_DURATION_MS = 31622400000
-local H, W, R, L, T, I = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local holder, ttl_arg = ARGV[1], ARGV[2]
-
 -- Checked before the first write (see validate_args in _prelude.lua).
-local ttl = #ttl_arg <= 16 and string.match(ttl_arg, '^%d+$') and tonumber(ttl_arg)
+local ttl = #ttl_ms <= 16 and string.match(ttl_ms, '^%d+$') and tonumber(ttl_ms)
 if not (ttl and ttl >= 1 and ttl <= MAX_DURATION_MS) then
   return redis.error_reply(
-    'ttl_ms must be an integer from 1 to ' .. string.format('%.0f', MAX_DURATION_MS) .. ', got ' .. tostring(ttl_arg)
+    'ttl_ms must be an integer from 1 to ' .. string.format('%.0f', MAX_DURATION_MS) .. ', got ' .. tostring(ttl_ms)
   )
 end
 
@@ -37,7 +32,7 @@ local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 if present == 0 then
   local deadline = now + ttl
   redis.call('ZADD', H, deadline, holder)
-  redis.call('HSET', I, holder, string.format('%.0f', now) .. '|' .. ARGV[3])
+  redis.call('HSET', I, holder, string.format('%.0f', now) .. '|' .. info)
   redis.call('PEXPIREAT', H, deadline)
   redis.call('PEXPIREAT', I, deadline)
   return { 1, {} }

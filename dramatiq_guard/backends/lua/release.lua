@@ -1,11 +1,10 @@
--- release(holder, send_ahead) -> {released, handoffs, standbys}
---   With send_ahead > 0, then sends the first send_ahead waiters ahead as standbys, as
+-- release(holder, standbys) -> {released, handoffs, standbys}
+--   With standbys > 0, then sends the first standbys waiters ahead as standbys, as
 --   standby('send') would (within the standby window): the caller enqueues and confirms them.
-local refused = validate_args({ 'send_ahead', arg(2) or '0', 0, MAX_COUNT })
+local refused = validate_args({ 'send_ahead', standbys or '0', 0, MAX_COUNT })
 if refused then
   return refused
 end
-local holder = arg(1)
 OWNED = true
 reclaim()
 local released = 0
@@ -23,9 +22,9 @@ if holds(holder) then
     end
   end
 end
-local handoffs, standbys = {}, {}
+local handoffs, sent = {}, {}
 local limit = limit_in_force()
 handoff(limit, handoffs)
-send_ahead(tonumber(arg(2) or '0'), standbys)
+send_ahead(tonumber(standbys or '0'), sent)
 finish()
-return { released, handoffs, standbys }
+return { released, handoffs, sent }

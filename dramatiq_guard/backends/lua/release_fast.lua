@@ -4,26 +4,26 @@
 -- run-time limit, G and T, which expire by themselves); one of several, when no holder has
 -- lapsed, leaves in 6 (its entries in H and I; their expiries stay no earlier than the latest
 -- deadline). Either way exactly what release.lua would leave, with the same reply. Anything else
--- (a lapsed holder to reclaim, a waiter to hand to), or a send_ahead it cannot use, falls through
+-- (a lapsed holder to reclaim, a waiter to hand to), or a standbys count it cannot use, falls through
 -- to the prelude and release.lua.
--- KEYS and ARGV as _prelude.lua; release's own arguments from ARGV[8] (see release.lua).
+-- KEYS and ARGV named by the layout (backends/redis_layout.py), read by the prologue before this.
 do
   -- Only numbers validate_args accepts (_bounds.lua); the full path refuses the others.
-  if whole_number(ARGV[9] or '0', 0, MAX_COUNT) and whole_number(ARGV[2], 1, MAX_DURATION_MS)
-    and whole_number(ARGV[3], 1, MAX_DURATION_MS) and whole_number(ARGV[7], 1, MAX_DURATION_MS)
-    and (ARGV[5] == '' or whole_number(ARGV[5], 0, MAX_COUNT))
-    and redis.call('EXISTS', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[9]) == 0 then
-    local deadline = redis.call('ZSCORE', KEYS[1], ARGV[8])
+  if whole_number(standbys or '0', 0, MAX_COUNT) and whole_number(ARG_HANDOFF_TTL_MS, 1, MAX_DURATION_MS)
+    and whole_number(ARG_WAKE_TTL_MS, 1, MAX_DURATION_MS) and whole_number(ARG_STALE_TTL_MS, 1, MAX_DURATION_MS)
+    and (ARG_DEFAULT_LIMIT == '' or whole_number(ARG_DEFAULT_LIMIT, 0, MAX_COUNT))
+    and redis.call('EXISTS', W, P, R, D, S) == 0 then
+    local deadline = redis.call('ZSCORE', H, holder)
     local clock = redis.call('TIME')
     local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
     if deadline and tonumber(deadline) > now then
-      if redis.call('ZCARD', KEYS[1]) == 1 then
-        redis.call('DEL', KEYS[1], KEYS[8], KEYS[10])
+      if redis.call('ZCARD', H) == 1 then
+        redis.call('DEL', H, I, M)
         return { 1, {}, {} }
       end
-      if #redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 1) == 0 then
-        redis.call('ZREM', KEYS[1], ARGV[8])
-        redis.call('HDEL', KEYS[8], ARGV[8])
+      if #redis.call('ZRANGEBYSCORE', H, '-inf', now, 'LIMIT', 0, 1) == 0 then
+        redis.call('ZREM', H, holder)
+        redis.call('HDEL', I, holder)
         return { 1, {}, {} }
       end
     end

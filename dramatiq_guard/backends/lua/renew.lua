@@ -7,24 +7,23 @@
 -- left to the next reclaim, which hands its slot on, never revived), so it needs none of the
 -- prelude's machinery.
 --
--- KEYS: H T I of each lease's guard key, the layout of _prelude.lua (one hash tag per key), in
--- the order of ARGV's pairs.
--- ARGV: holder, ttl_ms, per lease.
+-- KEYS: H T I of each lease's guard key (one hash tag per key); ARGV: holder, ttl_ms, per lease
+-- (backends/redis_layout.py: lease(n) reads the n-th).
 -- Keeps the prelude's invariant: H, T and I, when they exist, expire no earlier than the
 -- largest deadline in H (PEXPIREAT GT: never sooner than they already do; on a server without
 -- GT, Redis < 7, from the latest deadline, and T only later). Times come from the server's clock
 -- only.
-local MAX_DURATION_MS = 31622400000
-
 -- Checked before the first write (see validate_args in _prelude.lua): every lease's ttl, and
 -- that KEYS and ARGV agree, so a bad batch writes nothing.
-local count = #ARGV / 2
-if count % 1 ~= 0 or #KEYS ~= count * 3 then
-  return redis.error_reply('renew takes 3 KEYS and 2 ARGV per lease, got ' .. #KEYS .. ' and ' .. #ARGV)
+local count = #ARGV / ARGV_PER_LEASE
+if count % 1 ~= 0 or #KEYS ~= count * KEYS_PER_LEASE then
+  return redis.error_reply(
+    'renew takes ' .. KEYS_PER_LEASE .. ' KEYS and ' .. ARGV_PER_LEASE .. ' ARGV per lease, got ' .. #KEYS .. ' and ' .. #ARGV
+  )
 end
 local ttls = {}
 for n = 1, count do
-  local ttl_arg = ARGV[n * 2]
+  local _, _, _, _, ttl_arg = lease(n)
   local ttl = #ttl_arg <= 16 and string.match(ttl_arg, '^%d+$') and tonumber(ttl_arg)
   if not (ttl and ttl <= MAX_DURATION_MS) then
     return redis.error_reply(
@@ -62,7 +61,7 @@ end
 
 local renewed = {}
 for n = 1, count do
-  local k = n * 3
-  renewed[n] = renew(KEYS[k - 2], KEYS[k - 1], KEYS[k], ARGV[n * 2 - 1], ttls[n])
+  local H, T, I, holder = lease(n)
+  renewed[n] = renew(H, T, I, holder, ttls[n])
 end
 return renewed

@@ -1,12 +1,12 @@
--- standby('send', count) -> {handoffs, standbys}
---   Sends the oldest parked waiters ahead as standbys, so that the first min(count, max(limit,
+-- standby(op='send', standbys) -> {handoffs, standbys}
+--   Sends the oldest parked waiters ahead as standbys, so that the first min(standbys, max(limit,
 --   MIN_STANDBY_WINDOW)) waiters of the FIFO (none if the limit is 0) are all standbys (or ready
 --   waiters). A sent standby keeps its place and its payload, and gets a deadline in S (a payload
 --   and a deadline in S together mark "sent, unconfirmed"): if it is not confirmed by then, reclaim
 --   makes it a parked waiter again; if a slot is handed to it meanwhile, handoff reserves the slot
 --   (in R, as for a parked waiter) without returning its payload (its sender enqueues it). Returns
 --   the hand-offs of this operation and the waiter, payload pairs sent.
--- standby('confirm', waiter, ttl_ms, payload, generation) -> 1 if the standby (or its slot) holds
+-- standby(op='confirm', waiter, ttl_ms, payload, generation) -> 1 if the standby (or its slot) holds
 --   (generation: the one the sent copy carries; a confirmation of an older one changes nothing)
 --   Its copy is on the broker now. If the stored payload is still the one sent
 --   (else the message parked itself again meanwhile, and its entry is left
@@ -16,12 +16,12 @@
 --   (as confirm_handoff). One that reclaim already made a parked waiter again
 --   is left parked (its enqueued copy parks into the same entry when picked up).
 local refused
-if arg(1) == 'send' then
-  refused = validate_args({ 'count', arg(2), 0, MAX_COUNT })
+if op == 'send' then
+  refused = validate_args({ 'count', standbys, 0, MAX_COUNT })
 else
   refused = validate_args(
-    { 'ttl_ms', arg(3), 1, MAX_DURATION_MS },
-    { 'generation', (arg(5) or '') == '' and 0 or arg(5), 0, 2 ^ 53 }
+    { 'ttl_ms', ttl_ms, 1, MAX_DURATION_MS },
+    { 'generation', (generation or '') == '' and 0 or generation, 0, MAX_GENERATION }
   )
 end
 if refused then
@@ -29,17 +29,15 @@ if refused then
 end
 OWNED = true
 reclaim()
-if arg(1) == 'send' then
+if op == 'send' then
   local handoffs, sent = {}, {}
   local limit = limit_in_force()
   handoff(limit, handoffs)
-  send_ahead(tonumber(arg(2)), sent)
+  send_ahead(tonumber(standbys), sent)
   finish()
   return { handoffs, sent }
 end
-local waiter = arg(2)
-local ttl = tonumber(arg(3))
-local generation = arg(5)
+local ttl = tonumber(ttl_ms)
 local held = 0
 local in_flight = QUEUED and redis.call('HGET', M, 'g:' .. waiter)
 if generation ~= '' and in_flight and in_flight ~= generation then
@@ -47,7 +45,7 @@ if generation ~= '' and in_flight and in_flight ~= generation then
   finish()
   return 0
 end
-if QUEUED and redis.call('HGET', P, waiter) == arg(4) then
+if QUEUED and redis.call('HGET', P, waiter) == payload then
   if redis.call('HDEL', R, waiter) == 1 then
     set_holders({ NOW + ttl, waiter })
     redis.call('HDEL', P, waiter)

@@ -1,0 +1,272 @@
+"""What the Redis backend's Lua scripts are given, defined once: their KEYS, their ARGV, their constants.
+
+The Python side builds every script call from these definitions
+(:class:`KeyNames`, :class:`CallArgs`, the ``*Args`` tuples, built by
+keyword), and the Lua side reads them through text generated from them
+(:func:`lua_constants`, :func:`lua_binding`, :func:`lua_prologue`, put in
+front of the scripts by :mod:`~dramatiq_guard.backends.redis_scripts`), so
+the two cannot disagree on an order or a number. The scripts name every key
+and argument they read: a per-key script's keys by their letter (``H``,
+``W``, ...), the leading ARGV as ``ARG_<NAME>``, its own arguments as locals
+of their own name, read once at its top.
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+from typing import Annotated, Any, NamedTuple, get_type_hints
+
+from dramatiq_guard import bounds
+from dramatiq_guard.backends.values import HOLDERS_SHOWN, MIN_STANDBY_WINDOW
+
+__all__ = ["LAYOUTS", "CallArgs", "KeyNames", "Layout", "lua_binding", "lua_constants", "lua_prologue"]
+
+#: The latest a key with waiters is due for a sweep, whatever its deadlines say (ms).
+DUE_BACKSTOP_MS = 30_000
+
+#: The numbers the scripts use, by their Lua name.
+CONSTANTS: dict[str, int] = {
+    "MAX_DURATION_MS": bounds.MAX_DURATION_MS,
+    "MAX_COUNT": bounds.MAX_COUNT,
+    "MAX_GENERATION": 2**53,  # a generation is a fencing token, exact in Lua's doubles
+    "HOLDERS_SHOWN": HOLDERS_SHOWN,
+    "MIN_STANDBY_WINDOW": MIN_STANDBY_WINDOW,
+    "DUE_BACKSTOP_MS": DUE_BACKSTOP_MS,
+}
+
+
+class KeyNames(NamedTuple):
+    """The Redis keys of one guard key K, in the order a per-key script gets them (its KEYS).
+
+    Each is ``<namespace>:{K}:<field>``: one hash tag, one Redis Cluster slot.
+    Its annotation gives its name in the scripts and what it holds.
+    """
+
+    holders: Annotated[str, "H", "zset holder -> deadline (ms)"]
+    waiters: Annotated[str, "W", "zset waiter -> place in the FIFO (a sequence in us, see enqueue)"]
+    payloads: Annotated[str, "P", "hash waiter -> payload (parked waiters, reservations not confirmed yet)"]
+    reserved: Annotated[str, "R", "hash waiter -> its place in W, while it holds an unconfirmed reservation"]
+    deadlines: Annotated[
+        str, "D", "zset ready waiter (a thread blocks on it) -> when its entry is dropped (ms)"
+    ]
+    token: Annotated[str, "T", "string the last fencing token; outlives the rest by STALE_TTL (store_token)"]
+    limit: Annotated[str, "L", "string the run-time limit"]
+    info: Annotated[str, "I", "hash holder -> '<since_ms>[@<runner>]|<info>'; ready waiter -> '|<info>'"]
+    standbys: Annotated[
+        str, "S", "zset standby -> deadline (ms): sent ahead to the broker, not picked up yet"
+    ]
+    meta: Annotated[str, "M", "hash while queued: 'limit', 'r:<w>' route, 'g:<w>' generation, 'u:<w>' runner"]
+    gens: Annotated[
+        str, "G", "prefix of the strings G:<w>: the one generation of w that may start (live_generation)"
+    ]
+    ready: Annotated[str, "Q", "zset ready waiter -> its place in W (D's members by place, for choose)"]
+
+
+#: The KEYS after a guard key's own, on a standalone Redis only (each is in another Cluster slot):
+#: name in the scripts, what it holds.
+INDEX_KEYS = (
+    ("X", "zset the waiting-keys index: guard key -> when it is next due for a sweep (next_due)"),
+    ("LIMITS", "set the limits index: the guard keys with a run-time limit (set_limit.lua only)"),
+)
+
+
+class CallArgs(NamedTuple):
+    """The leading ARGV of every per-key script: values the Python side owns. Lua: ``ARG_<NAME>``."""
+
+    wake: Annotated[str, "the prefix of the per-waiter wake lists (wake .. waiter id)"]
+    handoff_ttl_ms: Annotated[int, "how long a slot handed to a waiter stays reserved"]
+    wake_ttl_ms: Annotated[int, "how long a wake waits to be taken (GuardBackend.wake_ttl_ms)"]
+    key: Annotated[str, "the guard key K itself (for the indexes)"]
+    default_limit: Annotated[int | str, "the default limit, or '' if the caller does not know it"]
+    route: Annotated[str, "the caller's route: the broker it delivers parked messages to"]
+    stale_ttl_ms: Annotated[int, "how long G and T outlive their last write"]
+
+
+# Each per-key script's own arguments, after the leading ones (its comment says what each means).
+
+
+class AcquireArgs(NamedTuple):
+    holder: str
+    ttl_ms: int
+    mode: str
+    payload: bytes
+    wait_ms: int
+    info: str
+    generation: int | str
+    fenced: str
+    runner: str
+
+
+class ReleaseArgs(NamedTuple):
+    holder: str
+    standbys: int
+
+
+class ConfirmHandoffArgs(NamedTuple):
+    waiter: str
+    ttl_ms: int
+    generation: int | str
+
+
+class CancelWaitArgs(NamedTuple):
+    waiter: str
+    generation: int | str
+
+
+class SweepArgs(NamedTuple):
+    pass
+
+
+class SetLimitArgs(NamedTuple):
+    limit: int | str
+
+
+class InspectArgs(NamedTuple):
+    waiters: int | str
+
+
+class StandbyArgs(NamedTuple):
+    op: str
+    standbys: int | str = ""
+    waiter: str = ""
+    ttl_ms: int | str = ""
+    payload: bytes = b""
+    generation: int | str = ""
+
+
+class ForgetCopyArgs(NamedTuple):
+    waiter: str
+
+
+class LockArgs(NamedTuple):
+    holder: str
+    ttl_ms: int
+    info: str
+
+
+class LeaseArgs(NamedTuple):
+    holder: str
+    ttl_ms: int
+
+
+class UnindexArgs(NamedTuple):
+    member: str
+    cutoff_ms: int
+
+
+class SummariesArgs(NamedTuple):
+    first: int
+
+
+class Layout(NamedTuple):
+    """A script's KEYS and ARGV by name, in order.
+
+    ``keys``: :class:`KeyNames` fields (``index``: the waiting-keys index).
+    ``per_key``: the script gets a guard key's KEYS and :class:`CallArgs` first.
+    ``each``: KEYS ``each_keys`` and ARGV ``each_args`` repeat per item, read by
+    ``<each>(n)``. ``rest``: the name of the ARGV after ``args`` (any number).
+    """
+
+    args: tuple[str, ...] = ()
+    keys: tuple[str, ...] = ()
+    per_key: bool = False
+    each: str = ""
+    each_keys: tuple[str, ...] = ()
+    each_args: tuple[str, ...] = ()
+    rest: str = ""
+
+
+#: The per-key script of each own-arguments tuple.
+SCRIPTS: dict[Any, str] = {
+    AcquireArgs: "acquire",
+    ReleaseArgs: "release",
+    ConfirmHandoffArgs: "confirm_handoff",
+    CancelWaitArgs: "cancel_wait",
+    SweepArgs: "sweep",
+    SetLimitArgs: "set_limit",
+    InspectArgs: "inspect",
+    StandbyArgs: "standby",
+    ForgetCopyArgs: "forget_copy",
+}
+
+#: Every script's layout, by name.
+LAYOUTS: dict[str, Layout] = {
+    **{name: Layout(args=args._fields, per_key=True) for args, name in SCRIPTS.items()},
+    "lock": Layout(args=LockArgs._fields, keys=("holders", "waiters", "reserved", "limit", "token", "info")),
+    "renew": Layout(each="lease", each_keys=("holders", "token", "info"), each_args=LeaseArgs._fields),
+    "unindex": Layout(args=UnindexArgs._fields, keys=("index",)),
+    "due": Layout(keys=("index",)),
+    "summaries": Layout(
+        args=SummariesArgs._fields,
+        each="guard_key",
+        each_keys=("holders", "waiters", "reserved", "limit", "meta"),
+    ),
+    "health": Layout(args=("namespace",), keys=("index",), rest="seen"),
+}
+
+#: The keys of a ``lock.lua`` call, and of one lease of a ``renew.lua`` call, from a :class:`KeyNames`.
+lock_keys = attrgetter(*LAYOUTS["lock"].keys)
+lease_keys = attrgetter(*LAYOUTS["renew"].each_keys)
+
+
+def _annotations(cls: type) -> dict[str, tuple[str, ...]]:
+    return {name: hint.__metadata__ for name, hint in get_type_hints(cls, include_extras=True).items()}
+
+
+#: A :class:`KeyNames` field's name in the scripts (and the index's).
+LETTERS = {name: meta[0] for name, meta in _annotations(KeyNames).items()} | {"index": "X"}
+
+
+def lua_constants() -> str:
+    """The constants, in front of every script (and at the top of the library)."""
+    lines = ["-- Generated from dramatiq_guard/backends/redis_layout.py (the layout, defined once).\n"]
+    lines += [f"local {name} = {value}\n" for name, value in CONSTANTS.items()]
+    return "".join(lines)
+
+
+def lua_binding() -> str:
+    """A per-key script's KEYS and leading ARGV as locals, set by ``bind()`` (its prologue calls it)."""
+    keys = [
+        (meta[0], meta[1], f"KEYS[{i}] {name}")
+        for i, (name, meta) in enumerate(_annotations(KeyNames).items(), 1)
+    ]
+    keys += [(letter, meaning, f"KEYS[{i}]") for i, (letter, meaning) in enumerate(INDEX_KEYS, len(keys) + 1)]
+    args = [
+        (f"ARG_{name.upper()}", meta[0], f"ARGV[{i}]")
+        for i, (name, meta) in enumerate(_annotations(CallArgs).items(), 1)
+    ]
+    lines = [f"-- {where} {lua}: {meaning}\n" for lua, meaning, where in keys + args]
+    names = [lua for lua, _, _ in keys], [lua for lua, _, _ in args]
+    lines += [f"local {', '.join(names[0])}\n", f"local {', '.join(names[1])}\n", "local function bind()\n"]
+    lines += [f"  {', '.join(names[0])} = {', '.join(f'KEYS[{i}]' for i in range(1, len(names[0]) + 1))}\n"]
+    lines += [f"  {', '.join(names[1])} = {', '.join(f'ARGV[{i}]' for i in range(1, len(names[1]) + 1))}\n"]
+    return "".join([*lines, "end\n"])
+
+
+def lua_prologue(name: str) -> str:
+    """The top of script ``name``, run on every call: its KEYS and ARGV read into named locals."""
+    layout = LAYOUTS[name]
+    lines = ["bind()\n"] if layout.per_key else []
+    first = len(CallArgs._fields) + 1 if layout.per_key else 1
+    if layout.keys:
+        letters = ", ".join(LETTERS[key] for key in layout.keys)
+        lines.append(f"local {letters} = {', '.join(f'KEYS[{i}]' for i in range(1, len(layout.keys) + 1))}\n")
+    if layout.args:
+        reads = ", ".join(f"ARGV[{i}]" for i in range(first, first + len(layout.args)))
+        lines.append(f"local {', '.join(layout.args)} = {reads}\n")
+    if layout.rest:
+        lines.append(f"local {layout.rest.upper()}_FROM = {first + len(layout.args)}\n")
+    if layout.each:
+        nk, na = len(layout.each_keys), len(layout.each_args)
+        returned = [LETTERS[key] for key in layout.each_keys] + list(layout.each_args)
+        items = [f"KEYS[k + {i}]" for i in range(1, nk + 1)] + [f"ARGV[a + {i}]" for i in range(1, na + 1)]
+        offset = f"{len(layout.args)} + (n - 1) * {na}"
+        lines += [
+            f"local KEYS_PER_{layout.each.upper()}, ARGV_PER_{layout.each.upper()} = {nk}, {na}\n",
+            f"-- {layout.each}(n) -> {', '.join(returned)} of the n-th\n",
+            f"local function {layout.each}(n)\n",
+            f"  local k, a = (n - 1) * {nk}, {offset}\n",
+            f"  return {', '.join(items)}\n",
+            "end\n",
+        ]
+    return "".join(lines)

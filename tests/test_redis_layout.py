@@ -1,0 +1,92 @@
+"""The scripts' KEYS, ARGV and constants, defined once in Python (``backends/redis_layout.py``).
+
+The Lua side reads them through text generated from that definition: these tests run the
+generated text on Redis, with the keys and arguments the backend builds, and check that each
+name gets its own value; and that no script reads a KEYS or ARGV entry by its number.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import redis
+
+from dramatiq_guard import bounds
+from dramatiq_guard.backends import RedisBackend
+from dramatiq_guard.backends.redis_layout import (
+    CONSTANTS,
+    LAYOUTS,
+    LETTERS,
+    CallArgs,
+    KeyNames,
+    lua_binding,
+    lua_constants,
+    lua_prologue,
+)
+from dramatiq_guard.backends.redis_scripts import LEAN_SCRIPTS, PRELUDE_SCRIPTS, load_lua
+from dramatiq_guard.backends.values import HOLDERS_SHOWN, MIN_STANDBY_WINDOW
+
+
+def _text(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_text(v) for v in value]
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def test_the_scripts_get_the_python_constants(redisdb: redis.Redis) -> None:
+    names = list(CONSTANTS)
+    got = redisdb.eval(lua_constants() + f"return {{{', '.join(names)}}}", 0)
+    assert dict(zip(names, got, strict=True)) == CONSTANTS
+    assert (
+        CONSTANTS["MAX_DURATION_MS"] == bounds.MAX_DURATION_MS and CONSTANTS["MAX_COUNT"] == bounds.MAX_COUNT
+    )
+    assert (
+        CONSTANTS["HOLDERS_SHOWN"] == HOLDERS_SHOWN and CONSTANTS["MIN_STANDBY_WINDOW"] == MIN_STANDBY_WINDOW
+    )
+
+
+def test_each_key_and_argument_gets_the_value_the_backend_passes_for_it(redisdb: redis.Redis) -> None:
+    backend = RedisBackend(redisdb, namespace="layout")
+    keys = [*backend._keys("k"), "limits-index"]
+    args = backend._args("k", 7)
+    names = [LETTERS[field] for field in KeyNames._fields] + ["X", "LIMITS"]
+    names += [f"ARG_{field.upper()}" for field in CallArgs._fields]
+    got = redisdb.eval(lua_binding() + f"bind()\nreturn {{{', '.join(names)}}}", len(keys), *keys, *args)
+    assert _text(got) == [*keys, *(str(a) for a in args)]
+    assert got[0] == b"layout:{k}:holders" and got[len(keys) + 4] == b"7"  # H, ARG_DEFAULT_LIMIT
+
+
+def test_each_script_reads_its_own_arguments_by_name(redisdb: redis.Redis) -> None:
+    """Every script's prologue, run with distinct values: each name gets the one at its place."""
+    for name in (*PRELUDE_SCRIPTS, *LEAN_SCRIPTS):
+        layout = LAYOUTS[name]
+        leading = [f"lead{i}" for i in range(len(CallArgs._fields))] if layout.per_key else []
+        fields = KeyNames._fields if layout.per_key else layout.keys
+        keys = [f"{{t}}:{field}" for field in fields]
+        own = [f"{name}.{arg}" for arg in layout.args]
+        each_keys = [f"{{t}}:{n}:{key}" for n in (1, 2) for key in layout.each_keys]
+        each_args = [f"{n}:{arg}" for n in (1, 2) for arg in layout.each_args]
+        reads = [*layout.args, *(LETTERS[key] for key in layout.keys)]
+        if layout.each:  # last in a table constructor, a call keeps all its values: the 2nd item's
+            reads.append(f"{layout.each}(2)")
+        code = lua_constants() + (lua_binding() if layout.per_key else "") + lua_prologue(name)
+        code += f"return {{{', '.join(reads)}}}"
+        got = redisdb.eval(code, len(keys) + len(each_keys), *keys, *each_keys, *leading, *own, *each_args)
+        second = each_keys[len(layout.each_keys) :] + each_args[len(layout.each_args) :]
+        assert _text(got) == [*own, *keys[: len(layout.keys)], *second], name
+
+
+def test_no_script_reads_keys_or_arguments_by_number() -> None:
+    for name in (*PRELUDE_SCRIPTS, *LEAN_SCRIPTS, "acquire_fast", "release_fast", "_prelude", "_bounds"):
+        code = "\n".join(line.split("--")[0] for line in load_lua(name).splitlines())
+        assert not re.search(r"\b(KEYS|ARGV)\[\s*\d|\barg\(", code), name
+
+
+def test_no_argument_hides_a_shared_name() -> None:
+    """A script's own arguments are locals of its callback: one named like a shared local would hide it."""
+    shared = lua_constants() + load_lua("_bounds") + lua_binding() + load_lua("_prelude")
+    top_level = set(re.findall(r"^local (?:function )?([\w, ]+)", shared, re.M))
+    names = {name.strip() for line in top_level for name in line.split(",")}
+    for name, layout in LAYOUTS.items():
+        assert not names & {*layout.args, *layout.each_args}, name
