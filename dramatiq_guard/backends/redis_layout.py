@@ -56,9 +56,7 @@ class KeyNames(NamedTuple):
         str, "S", "zset standby -> deadline (ms): sent ahead to the broker, not picked up yet"
     ]
     meta: Annotated[str, "M", "hash while queued: 'limit', 'r:<w>' route, 'g:<w>' generation, 'u:<w>' runner"]
-    gens: Annotated[
-        str, "G", "prefix of the strings G:<w>: the one generation of w that may start (live_generation)"
-    ]
+    gens: Annotated[str, "G", "prefix of the strings G:<w>: the generation of w that may start"]
     ready: Annotated[str, "Q", "zset ready waiter -> its place in W (D's members by place, for choose)"]
 
 
@@ -82,7 +80,8 @@ class CallArgs(NamedTuple):
     stale_ttl_ms: Annotated[int, "how long G and T outlive their last write"]
 
 
-# Each per-key script's own arguments, after the leading ones (its comment says what each means).
+# Each script's own arguments (a per-key script's after CallArgs), in order; the script's comment
+# says what each means.
 
 
 class AcquireArgs(NamedTuple):
@@ -238,8 +237,8 @@ def lua_binding() -> str:
     lines = [f"-- {where} {lua}: {meaning}\n" for lua, meaning, where in keys + args]
     names = [lua for lua, _, _ in keys], [lua for lua, _, _ in args]
     lines += [f"local {', '.join(names[0])}\n", f"local {', '.join(names[1])}\n", "local function bind()\n"]
-    lines += [f"  {', '.join(names[0])} = {', '.join(f'KEYS[{i}]' for i in range(1, len(names[0]) + 1))}\n"]
-    lines += [f"  {', '.join(names[1])} = {', '.join(f'ARGV[{i}]' for i in range(1, len(names[1]) + 1))}\n"]
+    lines += [f"  {', '.join(names[0])} = unpack(KEYS, 1, {len(names[0])})\n"]
+    lines += [f"  {', '.join(names[1])} = unpack(ARGV, 1, {len(names[1])})\n"]
     return "".join([*lines, "end\n"])
 
 
@@ -250,10 +249,11 @@ def lua_prologue(name: str) -> str:
     first = len(CallArgs._fields) + 1 if layout.per_key else 1
     if layout.keys:
         letters = ", ".join(LETTERS[key] for key in layout.keys)
-        lines.append(f"local {letters} = {', '.join(f'KEYS[{i}]' for i in range(1, len(layout.keys) + 1))}\n")
+        lines.append(f"local {letters} = unpack(KEYS, 1, {len(layout.keys)})\n")
     if layout.args:
-        reads = ", ".join(f"ARGV[{i}]" for i in range(first, first + len(layout.args)))
-        lines.append(f"local {', '.join(layout.args)} = {reads}\n")
+        lines.append(
+            f"local {', '.join(layout.args)} = unpack(ARGV, {first}, {first + len(layout.args) - 1})\n"
+        )
     if layout.rest:
         lines.append(f"local {layout.rest.upper()}_FROM = {first + len(layout.args)}\n")
     if layout.each:

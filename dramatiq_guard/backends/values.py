@@ -21,7 +21,7 @@ __all__ = [
 ]
 
 #: How many holders a refused acquire names (:attr:`AcquireResult.holders`); the
-#: Redis scripts' ``HOLDERS_SHOWN`` (``_prelude.lua``) is the same (a test keeps them equal).
+#: Redis scripts get it from here (``backends/redis_layout.py``).
 HOLDERS_SHOWN = 10
 
 #: The generation of a message's copy that no hand-off or standby send of the key made: the
@@ -31,8 +31,8 @@ HOLDERS_SHOWN = 10
 ORIGINAL_GENERATION = 0
 
 #: How many of a key's first waiters may be standbys when its limit in force is smaller (and not
-#: 0: a halted key sends none); the Redis scripts' ``MIN_STANDBY_WINDOW`` (``_prelude.lua``) is the
-#: same (a test keeps them equal). One standby per slot is too few for a mutex (or a limit of 2 or
+#: 0: a halted key sends none); the Redis scripts get it from here
+#: (``backends/redis_layout.py``). One standby per slot is too few for a mutex (or a limit of 2 or
 #: 3) whose jobs are short: a standby sent when one job ends must be picked up before the next one
 #: ends, and Dramatiq's consumer, idle while everything is parked, polls with a back-off of 5 ms and
 #: more, so the slot would stand idle. The first waiter of four was sent three hand-offs earlier.
