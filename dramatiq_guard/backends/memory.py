@@ -213,6 +213,10 @@ class MemoryBackend(GuardBackend):
     def _now_ms(self) -> int:
         return self._clock() // 1_000_000
 
+    def now_ms(self) -> int:
+        """Now on this backend's clock (``clock``), in milliseconds."""
+        return self._now_ms()
+
     def _guard(self, key: str) -> _Guard:
         """The key's state, made empty (on this backend's clock) if it has none."""
         guard = self._guards.get(key)

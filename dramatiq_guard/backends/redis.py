@@ -853,3 +853,11 @@ class RedisBackend(GuardBackend):
         """Close the client if this backend made it (:meth:`from_url`)."""
         if self._owns_client:
             self.client.close()
+
+    def now_ms(self) -> int:
+        """Now on Redis's clock (``TIME``), the one the scripts decide by; on a Cluster, the wall clock."""
+        if not isinstance(self.client, redis.Redis):
+            return super().now_ms()
+        with reachable():
+            seconds, micros = self.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
