@@ -297,7 +297,7 @@ class GuardBackend(abc.ABC):
         return Woken(token, self.handoff_ttl_ms - self.wake_ttl_ms)
 
     @abc.abstractmethod
-    def acquire(
+    def acquire(  # noqa: PLR0913
         self,
         key: str,
         holder: str,

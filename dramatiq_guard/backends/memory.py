@@ -300,7 +300,7 @@ class MemoryBackend(GuardBackend):
 
     # The operations.
 
-    def acquire(
+    def acquire(  # noqa: PLR0913
         self,
         key: str,
         holder: str,
@@ -321,7 +321,7 @@ class MemoryBackend(GuardBackend):
         check_ms(ttl_ms, "ttl_ms")
         return self._acquire(key, holder, 1, ttl_ms, None, info, None, fenced=False)
 
-    def _acquire(
+    def _acquire(  # noqa: PLR0913
         self,
         key: str,
         holder: str,

@@ -156,7 +156,7 @@ class RedisBackend(GuardBackend):
     #: How many keys :meth:`sweep_many` sends in one pipelined round trip.
     SWEEP_BATCH = 100
 
-    def __init__(
+    def __init__(  # noqa: PLR0913
         self,
         client: RedisClient,
         *,
@@ -379,7 +379,7 @@ class RedisBackend(GuardBackend):
 
     # -- operations ---------------------------------------------------------
 
-    def acquire(
+    def acquire(  # noqa: PLR0913
         self,
         key: str,
         holder: str,
@@ -405,7 +405,7 @@ class RedisBackend(GuardBackend):
         """
         return self._acquire(key, holder, limit, ttl_ms, wait, info, generation, fenced=fenced, runner=runner)
 
-    def _acquire(
+    def _acquire(  # noqa: PLR0913
         self,
         key: str,
         holder: str,

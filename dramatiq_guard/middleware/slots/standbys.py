@@ -173,7 +173,7 @@ class Standbys:
         courier.send_ahead(sent)
 
 
-def wait_as_standby(
+def wait_as_standby(  # noqa: PLR0913
     broker: Broker,
     backend: GuardBackend,
     message: MessageProxy,
