@@ -42,7 +42,7 @@ def _left_ms(deadline: float | None) -> int:
     return int((deadline - time.monotonic()) * 1000)
 
 
-def wait_for_slot(
+def wait_for_slot(  # noqa: PLR0913
     backend: GuardBackend,
     key: str,
     holder: str,

@@ -209,6 +209,10 @@ class MemoryBackend(GuardBackend):
     def _now_ms(self) -> int:
         return self._clock() // 1_000_000
 
+    def now_ms(self) -> int:
+        """Now on this backend's clock (``clock``), in milliseconds."""
+        return self._now_ms()
+
     def _guard(self, key: str) -> _Guard:
         """The key's state, made empty (on this backend's clock) if it has none."""
         guard = self._guards.get(key)
@@ -290,7 +294,7 @@ class MemoryBackend(GuardBackend):
 
     # The operations.
 
-    def acquire(
+    def acquire(  # noqa: PLR0913
         self,
         key: str,
         holder: str,
@@ -311,7 +315,7 @@ class MemoryBackend(GuardBackend):
         check_ms(ttl_ms, "ttl_ms")
         return self._acquire(key, holder, 1, ttl_ms, None, info, None, fenced=False)
 
-    def _acquire(
+    def _acquire(  # noqa: PLR0913
         self,
         key: str,
         holder: str,

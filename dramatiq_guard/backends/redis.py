@@ -155,7 +155,7 @@ class RedisBackend(GuardBackend):
     #: How many keys :meth:`sweep_many` sends in one pipelined round trip.
     SWEEP_BATCH = 100
 
-    def __init__(
+    def __init__(  # noqa: PLR0913
         self,
         client: RedisClient,
         *,
@@ -378,7 +378,7 @@ class RedisBackend(GuardBackend):
 
     # -- operations ---------------------------------------------------------
 
-    def acquire(
+    def acquire(  # noqa: PLR0913
         self,
         key: str,
         holder: str,
@@ -404,7 +404,7 @@ class RedisBackend(GuardBackend):
         """
         return self._acquire(key, holder, limit, ttl_ms, wait, info, generation, fenced=fenced, runner=runner)
 
-    def _acquire(
+    def _acquire(  # noqa: PLR0913
         self,
         key: str,
         holder: str,
@@ -846,3 +846,11 @@ class RedisBackend(GuardBackend):
         """Close the client if this backend made it (:meth:`from_url`)."""
         if self._owns_client:
             self.client.close()
+
+    def now_ms(self) -> int:
+        """Now on Redis's clock (``TIME``), the one the scripts decide by; on a Cluster, the wall clock."""
+        if not isinstance(self.client, redis.Redis):
+            return super().now_ms()
+        with reachable():
+            seconds, micros = self.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import importlib.resources
 import json
 import secrets
 import urllib.parse
+import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 
     from dramatiq_guard.ledger import Ledger
 
-__all__ = ["MAX_KEY_CHARS", "Dashboard"]
+__all__ = ["MAX_KEY_CHARS", "Access", "Dashboard", "Page"]
 
 #: The longest guard key (or search pattern) a request may name. Guard keys are short (an actor's
 #: name and a digest, or what a key callable returns); a longer one is refused before it reaches the
@@ -52,6 +54,79 @@ CSP = (
 Authorize = Callable[["WSGIEnvironment"], bool]
 
 
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """Who the dashboard answers, and who may write (``make_app(access=...)``).
+
+    Writes need ``write_secret`` (given once by a browser session) or
+    ``authorize``; with neither, the dashboard is read-only.
+
+    Parameters:
+      write_secret(str|None): The secret a browser session gives to unlock writes.
+      authorize(Callable|None): ``authorize(environ) -> bool``, whether a
+        request may write (the host site's own auth, e.g. staff only).
+      allowed_hosts(Iterable[str]): The Host names it answers to, as Django's
+        ``ALLOWED_HOSTS``: names or IP addresses, ``.example.com`` for a
+        domain and its subdomains, ``"*"`` for any (default: ``localhost``,
+        ``127.0.0.1``, ``[::1]``; :class:`~dramatiq_guard.web.hosts.AllowedHosts`).
+        Another Host gets a 400. Kept as a tuple.
+
+    Raises:
+      ValueError: If ``allowed_hosts`` is a str or empty, or an entry is not a host name.
+    """
+
+    write_secret: str | None = None
+    authorize: Authorize | None = None
+    allowed_hosts: Iterable[str] = LOCAL_HOSTS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "allowed_hosts", AllowedHosts(self.allowed_hosts).entries)
+
+
+@dataclasses.dataclass(frozen=True)
+class Page:
+    """How the dashboard's pages show (``make_app(page=...)``).
+
+    Parameters:
+      refresh_ms(int): How often an open page updates itself.
+      per_page(int): Keys per page of the overview.
+    """
+
+    refresh_ms: int = 1500
+    per_page: int = 50
+
+
+def settings_of(access: Access | None, page: Page | None, keywords: dict[str, Any]) -> tuple[Access, Page]:
+    """``access`` and ``page`` (default if None), given 0.1.0's keywords of ``make_app`` or ``Dashboard``.
+
+    ``write_secret=``, ``authorize=``, ``allowed_hosts=``, ``refresh_ms=``
+    and ``per_page=`` still work, with a ``DeprecationWarning``: each goes
+    to its field of :class:`Access` or :class:`Page`.
+
+    Raises:
+      TypeError: If a keyword is none of them.
+      ValueError: As :class:`Access` does.
+    """
+    access = Access() if access is None else access
+    page = Page() if page is None else page
+    if not keywords:
+        return access, page
+    fields = {f.name: Access for f in dataclasses.fields(Access)} | {
+        f.name: Page for f in dataclasses.fields(Page)
+    }
+    unknown = sorted(set(keywords) - set(fields))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(unknown)}")
+    warnings.warn(
+        f"{', '.join(f'{name}=' for name in keywords)} are deprecated: pass access=Access(...) "
+        "and page=Page(...) (dramatiq_guard.web)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    given = {cls: {k: v for k, v in keywords.items() if fields[k] is cls} for cls in (Access, Page)}
+    return dataclasses.replace(access, **given[Access]), dataclasses.replace(page, **given[Page])
+
+
 class Dashboard:
     """The dashboard: a WSGI application (made by :func:`dramatiq_guard.web.make_app`).
 
@@ -59,19 +134,17 @@ class Dashboard:
       backend(GuardBackend): The guard's backend.
       requeue(admin.Requeue|None): How hand-offs are re-enqueued (the app's broker), or None.
       ledger(Ledger|None): The idempotency ledger to show, or None.
-      write_secret(str|None): The secret that unlocks writes in a browser session.
-      authorize(Callable|None): ``authorize(environ) -> bool``: whether a request may write
-        (the host application's own auth).
-      refresh_ms(int): How often an open page updates itself.
-      per_page(int): Keys per page of the overview.
+      access(Access|None): Who it answers and who may write (default: read-only, loopback names).
+      page(Page|None): How its pages show (default: :class:`Page`'s).
       history(History|None): Where the charts' samples are kept.
-      allowed_hosts(Iterable[str]): The Host names it answers to
-        (:class:`~dramatiq_guard.web.hosts.AllowedHosts`; default: the loopback names).
       unlock_limit(UnlockLimit|None): How often a client may give a wrong write
         secret (default: :class:`~dramatiq_guard.web.unlocks.UnlockLimit`'s).
+      **deprecated: 0.1.0's ``write_secret``, ``authorize``, ``allowed_hosts``,
+        ``refresh_ms`` and ``per_page`` (:func:`settings_of`).
 
     Raises:
-      ValueError: If an entry of ``allowed_hosts`` is not a host name.
+      TypeError: If a keyword is none of the above.
+      ValueError: If a deprecated ``allowed_hosts`` is not host names (as :class:`Access`).
     """
 
     def __init__(
@@ -80,23 +153,22 @@ class Dashboard:
         *,
         requeue: admin.Requeue | None = None,
         ledger: Ledger | None = None,
-        write_secret: str | None = None,
-        authorize: Authorize | None = None,
-        refresh_ms: int = 1500,
-        per_page: int = 50,
+        access: Access | None = None,
+        page: Page | None = None,
         history: History | None = None,
-        allowed_hosts: Iterable[str] = LOCAL_HOSTS,
         unlock_limit: UnlockLimit | None = None,
+        **deprecated: Any,
     ) -> None:
+        access, page = settings_of(access, page, deprecated)
         self.backend = backend
-        self.allowed_hosts = AllowedHosts(allowed_hosts)
+        self.allowed_hosts = AllowedHosts(access.allowed_hosts)
         self.unlock_limit = UnlockLimit() if unlock_limit is None else unlock_limit
         self.requeue = requeue
         self.ledger = ledger
-        self.write_secret = write_secret or None
-        self.authorize = authorize
-        self.refresh_ms = refresh_ms
-        self.per_page = per_page
+        self.write_secret = access.write_secret or None
+        self.authorize = access.authorize
+        self.refresh_ms = page.refresh_ms
+        self.per_page = page.per_page
         self.history = History() if history is None else history
         self.jinja = jinja2.Environment(
             loader=jinja2.PackageLoader("dramatiq_guard.web", "templates"),
@@ -168,7 +240,7 @@ class Dashboard:
         given = request.headers.get("Host", "")
         text = (
             f"This dashboard does not answer to the Host {given[:200]!r}. To allow a name, start it with "
-            "--allowed-host NAME, or pass make_app(allowed_hosts=[...]).\n"
+            "--allowed-host NAME, or pass make_app(access=Access(allowed_hosts=[...])).\n"
         )
         return Response(text, status=400, mimetype="text/plain")
 

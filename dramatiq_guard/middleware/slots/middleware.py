@@ -99,7 +99,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
     #: Slots decide after deduplication (10) in the enqueue gate.
     gate_priority = 20
 
-    def __init__(
+    def __init__(  # noqa: PLR0913
         self,
         *,
         redis: Any = None,

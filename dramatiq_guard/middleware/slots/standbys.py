@@ -96,7 +96,7 @@ class Standbys:
         return min(count, int(self.wait_ms * slots // held_ms))
 
 
-def wait_as_standby(
+def wait_as_standby(  # noqa: PLR0913
     broker: Broker,
     backend: GuardBackend,
     message: MessageProxy,

@@ -47,7 +47,7 @@ def time_limit_paused(broker: Broker, message: MessageProxy) -> Iterator[Callabl
     yield rearm
 
 
-def wait_for_mutex(
+def wait_for_mutex(  # noqa: PLR0913
     broker: Broker,
     backend: GuardBackend,
     message: MessageProxy,
