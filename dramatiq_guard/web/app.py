@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import hmac
 import importlib.resources
 import json
 import secrets
 import urllib.parse
-import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +22,8 @@ from dramatiq_guard.backends.base import GuardBackend, check_key
 from dramatiq_guard.bounds import MAX_COUNT
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.web.history import History, sparkline
-from dramatiq_guard.web.hosts import LOCAL_HOSTS, AllowedHosts
+from dramatiq_guard.web.hosts import AllowedHosts
+from dramatiq_guard.web.settings import Access, Page, settings_of
 from dramatiq_guard.web.unlocks import UnlockLimit
 
 if TYPE_CHECKING:
@@ -32,7 +31,7 @@ if TYPE_CHECKING:
 
     from dramatiq_guard.ledger import Ledger
 
-__all__ = ["MAX_KEY_CHARS", "Access", "Dashboard", "Page"]
+__all__ = ["MAX_KEY_CHARS", "Dashboard"]
 
 #: The longest guard key (or search pattern) a request may name. Guard keys are short (an actor's
 #: name and a digest, or what a key callable returns); a longer one is refused before it reaches the
@@ -50,81 +49,6 @@ CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
     "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
 )
-
-Authorize = Callable[["WSGIEnvironment"], bool]
-
-
-@dataclasses.dataclass(frozen=True)
-class Access:
-    """Who the dashboard answers, and who may write (``make_app(access=...)``).
-
-    Writes need ``write_secret`` (given once by a browser session) or
-    ``authorize``; with neither, the dashboard is read-only.
-
-    Parameters:
-      write_secret(str|None): The secret a browser session gives to unlock writes.
-      authorize(Callable|None): ``authorize(environ) -> bool``, whether a
-        request may write (the host site's own auth, e.g. staff only).
-      allowed_hosts(Iterable[str]): The Host names it answers to, as Django's
-        ``ALLOWED_HOSTS``: names or IP addresses, ``.example.com`` for a
-        domain and its subdomains, ``"*"`` for any (default: ``localhost``,
-        ``127.0.0.1``, ``[::1]``; :class:`~dramatiq_guard.web.hosts.AllowedHosts`).
-        Another Host gets a 400. Kept as a tuple.
-
-    Raises:
-      ValueError: If ``allowed_hosts`` is a str or empty, or an entry is not a host name.
-    """
-
-    write_secret: str | None = None
-    authorize: Authorize | None = None
-    allowed_hosts: Iterable[str] = LOCAL_HOSTS
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "allowed_hosts", AllowedHosts(self.allowed_hosts).entries)
-
-
-@dataclasses.dataclass(frozen=True)
-class Page:
-    """How the dashboard's pages show (``make_app(page=...)``).
-
-    Parameters:
-      refresh_ms(int): How often an open page updates itself.
-      per_page(int): Keys per page of the overview.
-    """
-
-    refresh_ms: int = 1500
-    per_page: int = 50
-
-
-def settings_of(access: Access | None, page: Page | None, keywords: dict[str, Any]) -> tuple[Access, Page]:
-    """``access`` and ``page`` (default if None), given 0.1.0's keywords of ``make_app`` or ``Dashboard``.
-
-    ``write_secret=``, ``authorize=``, ``allowed_hosts=``, ``refresh_ms=``
-    and ``per_page=`` still work, with a ``DeprecationWarning``: each goes
-    to its field of :class:`Access` or :class:`Page`.
-
-    Raises:
-      TypeError: If a keyword is none of them.
-      ValueError: As :class:`Access` does.
-    """
-    access = Access() if access is None else access
-    page = Page() if page is None else page
-    if not keywords:
-        return access, page
-    fields = {f.name: Access for f in dataclasses.fields(Access)} | {
-        f.name: Page for f in dataclasses.fields(Page)
-    }
-    unknown = sorted(set(keywords) - set(fields))
-    if unknown:
-        raise TypeError(f"unexpected keyword argument(s): {', '.join(unknown)}")
-    warnings.warn(
-        f"{', '.join(f'{name}=' for name in keywords)} are deprecated: pass access=Access(...) "
-        "and page=Page(...) (dramatiq_guard.web)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    given = {cls: {k: v for k, v in keywords.items() if fields[k] is cls} for cls in (Access, Page)}
-    return dataclasses.replace(access, **given[Access]), dataclasses.replace(page, **given[Page])
 
 
 class Dashboard:
