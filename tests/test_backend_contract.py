@@ -558,15 +558,13 @@ def test_a_dead_runners_holder_is_free_for_another_once_its_lease_lapsed(env: En
 
 
 def test_a_waiter_refused_as_running_leaves_the_other_copys_slot_alone(env: Env) -> None:
-    """wait_for_slot gives up on a refusal as running without cancelling: the entry is the other copy's."""
-    from dramatiq_guard.waiting import wait_for_slot
+    """Claim.block gives up on a refusal as running without cancelling: the entry is the other copy's."""
+    from dramatiq_guard.claim import Claim
 
     backend = env.backend()
     assert backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, runner="p2:7").acquired
-    result = wait_for_slot(
-        backend, KEY, "m", limit=1, ttl_ms=60_000, deadline=time.monotonic(), deliver=lambda _: None,
-        runner="p1:1",
-    )  # fmt: skip
+    claim = Claim(backend, KEY, "m", limit=1, ttl_ms=60_000, runner="p1:1")
+    result = claim.block(time.monotonic(), lambda _: None)
     assert result.running and not result.acquired
     assert backend_holders(backend) == ["m"]  # still the other copy's
     assert backend.release(KEY, "m", limit=1).released
