@@ -197,7 +197,7 @@ def _wait_for_replicas(backend: GuardBackend, count: int, timeout_ms: int) -> No
     from dramatiq_guard.backends.redis import RedisBackend, replica_waits_of
 
     replicas = replica_waits_of(count, timeout_ms)
-    if isinstance(backend, RedisBackend):
+    if isinstance(backend, RedisBackend) and backend.checks_server:
         if replicas is not None:
             backend.replicas = replicas
     elif replicas is not None:

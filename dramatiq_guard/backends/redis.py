@@ -156,6 +156,11 @@ class RedisBackend(GuardBackend):
 
     #: How many keys :meth:`sweep_many` sends in one pipelined round trip.
     SWEEP_BATCH = 100
+    #: Whether the server is a Redis of its own, whose settings are checked at install
+    #: (:mod:`~dramatiq_guard.backends.redis_health`), which is watched while workers run
+    #: (:mod:`~dramatiq_guard.backends.redis_watch`) and may have replicas to wait for; False for
+    #: the :class:`~dramatiq_guard.backends.MemoryBackend`, whose server is emulated in this process.
+    checks_server = True
 
     def __init__(
         self,

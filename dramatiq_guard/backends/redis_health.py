@@ -237,7 +237,8 @@ def check(backend: GuardBackend, *, allow_evicting: bool | None = None) -> Redis
 
     Parameters:
       backend(GuardBackend): The backend; anything but a
-        :class:`~dramatiq_guard.backends.RedisBackend` passes unchecked.
+        :class:`~dramatiq_guard.backends.RedisBackend` of a server of its own
+        (``checks_server``) passes unchecked.
       allow_evicting(bool|None): True: run on an evicting Redis with a
         warning (remembered for the backend). None: as decided before for
         this backend, else as ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` says.
@@ -252,7 +253,7 @@ def check(backend: GuardBackend, *, allow_evicting: bool | None = None) -> Redis
       LayoutTooNew: If the namespace's state is in a layout newer than
         :data:`LAYOUT` (see :func:`check_layout`).
     """
-    if not isinstance(backend, RedisBackend):
+    if not isinstance(backend, RedisBackend) or not backend.checks_server:
         return None
     with _lock:
         if allow_evicting:

@@ -295,14 +295,15 @@ _watches: weakref.WeakKeyDictionary[GuardBackend, StateWatch] = weakref.WeakKeyD
 def watch(backend: GuardBackend, interval_s: float = 1.0) -> None:
     """One check of ``backend``'s state (:class:`StateWatch`); the slot sweep calls it once per pass.
 
-    Does nothing for a backend that is not Redis. Never raises: a check that
+    Does nothing for a backend that is not Redis, or whose server is in this
+    process (``checks_server``: the in-memory backend). Never raises: a check that
     fails (Redis unreachable) is logged at DEBUG and compared at the next
     one. The first check of a backend whose settings were not read yet
     (Redis was unreachable at install) reads them, and logs an evicting
     policy as an error. Also keeps this process's record of the library it
     runs (:meth:`StateWatch.announce`; ``interval_s``: the sweep's).
     """
-    if not isinstance(backend, RedisBackend):
+    if not isinstance(backend, RedisBackend) or not backend.checks_server:
         return
     try:
         state = _watches.get(backend)
