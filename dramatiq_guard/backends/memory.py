@@ -8,7 +8,7 @@ fakeredis comes with the ``stub`` extra (``pip install 'dramatiq-guard[stub]'``)
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 
 from dramatiq_guard.backends.base import DEFAULT_MAX_PAYLOAD_BYTES
 from dramatiq_guard.backends.redis import RedisBackend
@@ -55,10 +55,12 @@ class MemoryBackend(RedisBackend):
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         stale_ttl_ms: int = 86_400_000,
     ) -> None:
-        # lupa is checked too: without it fakeredis imports, but refuses every script.
-        if importlib.util.find_spec("fakeredis") is None or importlib.util.find_spec("lupa") is None:
-            raise ConfigurationError(STUB_EXTRA_MISSING)
-        import fakeredis
+        try:
+            import fakeredis
+
+            importlib.import_module("lupa")  # without it fakeredis imports, but refuses every script
+        except ImportError:
+            raise ConfigurationError(STUB_EXTRA_MISSING) from None
 
         #: The emulated server: a ``fakeredis.FakeRedis(server=...)`` of it sees this backend's state.
         self.server = fakeredis.FakeServer()
