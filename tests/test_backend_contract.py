@@ -51,7 +51,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS_DIR))
 
 from backend_procs import contend  # noqa: E402
-from harness import free_port, redis_server_executable, wait_until  # noqa: E402
+from harness import fakeredis_clock, free_port, redis_server_executable, wait_until  # noqa: E402
 
 KEY = "slots:webhooks:42"
 #: How long a bounded wait on time may take beyond what it waits for.
@@ -593,18 +593,22 @@ def test_a_lapsed_holder_is_reclaimed(env: Env) -> None:
     assert_drained(env, backend)
 
 
-def test_the_memory_backend_runs_on_the_clock_it_is_given() -> None:
-    now_ns = [1_900_000_000_000 * 1_000_000]
-    backend = MemoryBackend(clock=lambda: now_ns[0])
-    first = backend.acquire(KEY, "a", limit=1, ttl_ms=1_000)
-    assert first.acquired and first.token == now_ns[0] // 1000  # a token is at least the time in us
-    assert deadline_of(backend, KEY, "a") == now_ns[0] // 1_000_000 + 1_000
-    now_ns[0] += 999 * 1_000_000
-    assert not backend.acquire(KEY, "b", limit=1, ttl_ms=1_000).acquired
-    now_ns[0] += 1_000_000  # the deadline itself: lapsed, without sleeping
-    taken = backend.acquire(KEY, "b", limit=1, ttl_ms=1_000)
-    assert taken.acquired and backend_holders(backend) == ["b"] and taken.token == now_ns[0] // 1000
-    assert backend.release(KEY, "b", limit=1).released
+def test_the_memory_backend_runs_on_its_servers_clock_which_a_test_can_drive() -> None:
+    """The in-memory backend's clock is its fakeredis server's ``TIME``: a test moves it
+    (:func:`harness.fakeredis_clock`), and leases lapse without sleeping."""
+    now_ms = [1_900_000_000_000]
+    with fakeredis_clock(lambda: now_ms[0]):
+        backend = MemoryBackend()
+        first = backend.acquire(KEY, "a", limit=1, ttl_ms=1_000)
+        # A token is at least the time in us (TIME reads <ms>.000500 s on this clock).
+        assert first.acquired and first.token == now_ms[0] * 1000 + 500
+        assert deadline_of(backend, KEY, "a") == now_ms[0] + 1_000
+        now_ms[0] += 999
+        assert not backend.acquire(KEY, "b", limit=1, ttl_ms=1_000).acquired
+        now_ms[0] += 1  # the deadline itself: lapsed, without sleeping
+        taken = backend.acquire(KEY, "b", limit=1, ttl_ms=1_000)
+        assert taken.acquired and backend_holders(backend) == ["b"] and taken.token == now_ms[0] * 1000 + 500
+        assert backend.release(KEY, "b", limit=1).released
 
 
 # Leases of a second: long enough that a loaded machine's stall (GC, a busy CI box) does not

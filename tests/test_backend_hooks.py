@@ -20,6 +20,7 @@ import pytest
 import redis
 from dramatiq.brokers.stub import StubBroker
 from harness import wait_until
+from harness.fake_clock import fakeredis_clock
 
 import dramatiq_guard
 from dramatiq_guard.backends import MemoryBackend, RedisBackend
@@ -119,9 +120,10 @@ def test_replica_waits_are_refused_by_a_backend_without_replicas() -> None:
 
 
 def test_now_ms_reads_the_backends_clock(redis_url: str, unique_name: str) -> None:
-    """Redis ``TIME`` for Redis, the backend's own clock in memory (the wall clock unless given one)."""
-    memory = MemoryBackend(clock=lambda: 1_234_567_891_000_000)
-    assert memory.now_ms() == 1_234_567_891
+    """Redis ``TIME``, for Redis and in memory (its emulated server's clock)."""
+    memory = MemoryBackend()
+    with fakeredis_clock(lambda: 1_234_567_891):
+        assert memory.now_ms() == 1_234_567_891
     before = time.time_ns() // 1_000_000
     assert before <= MemoryBackend().now_ms() <= time.time_ns() // 1_000_000
 

@@ -23,14 +23,12 @@ LONG_MODULES: dict[str, int] = {
     "backends/redis.py": 856,
     "backends/base.py": 750,
     "backends/lua/_prelude.lua": 733,
-    "backends/memory.py": 661,
     "middleware/slots/middleware.py": 598,
     "middleware/dedup.py": 506,
 }
 #: Functions over FUNCTION_LINES today ("module:qualified name"), with their lines.
 LONG_FUNCTIONS: dict[str, int] = {
     "backends/redis_watch.py:StateWatch.check": 96,
-    "backends/memory.py:MemoryBackend._acquire": 73,
     "backends/base.py:GuardBackend.acquire": 63,
 }
 #: Import cycles today, each as the sorted modules it runs through (none).
