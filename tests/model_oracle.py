@@ -42,7 +42,7 @@ from dramatiq_guard.backends.base import (
     check_key,
     check_ms,
 )
-from dramatiq_guard.backends.values import standby_window
+from dramatiq_guard.backends.values import AcquireOutcome, standby_window
 
 __all__ = ["OracleBackend"]
 
@@ -392,7 +392,12 @@ class OracleBackend(GuardBackend):
             holders = () if acquired else guard.first_holders()
             self._end(key, guard)
             return AcquireResult(
-                acquired, token, holders, in_force, parked, tuple(handoffs), standby, valid_from=sent
+                _outcome(acquired, parked, standby),
+                token,
+                holders,
+                in_force,
+                tuple(handoffs),
+                valid_from=sent,
             )
 
     @staticmethod
@@ -405,7 +410,7 @@ class OracleBackend(GuardBackend):
         waiter, for a runner other than ``runner`` (which may be None).
         """
         if guard.is_stale(holder, generation):
-            return AcquireResult(False, None, (), in_force, stale=True)
+            return AcquireResult(AcquireOutcome.STALE, None, (), in_force)
         other: str | None = None
         until: int | None = None  # when the entry of the other runner lapses
         if holder in guard.holders:
@@ -416,7 +421,8 @@ class OracleBackend(GuardBackend):
             if entry is not None and entry.ready:
                 other, until = entry.runner, entry.drop_at_ms
         if other is not None and other != runner and until is not None:
-            return AcquireResult(False, None, (), in_force, running=True, lapses_in_ms=max(0, until - now))
+            lapses_in_ms = max(0, until - now)
+            return AcquireResult(AcquireOutcome.RUNNING, None, (), in_force, lapses_in_ms=lapses_in_ms)
         return None
 
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:
@@ -665,3 +671,11 @@ class OracleBackend(GuardBackend):
 
     def close(self) -> None:
         """Nothing to release; the state is kept (it is the process's memory)."""
+
+
+def _outcome(acquired: bool, parked: bool, standby: bool) -> AcquireOutcome:
+    if acquired:
+        return AcquireOutcome.ACQUIRED
+    if standby:
+        return AcquireOutcome.STANDBY
+    return AcquireOutcome.QUEUED if parked else AcquireOutcome.BUSY

@@ -695,9 +695,11 @@ def test_the_renewer_batches_the_leases_of_a_backend() -> None:
     backend = RecordingBackend()
     renewer = LeaseRenewer()
     try:
+        # All three held first, then registered at once, so the first round finds them all.
         for holder in "abc":
-            assert backend.acquire(KEY, holder, limit=3, ttl_ms=300).acquired
-            renewer.register(backend, KEY, holder, 300)
+            assert backend.acquire(KEY, holder, limit=3, ttl_ms=1_000).acquired
+        for holder in "abc":
+            renewer.register(backend, KEY, holder, 1_000)
         assert backend.renewed_twice.wait(MARGIN_S)
         assert set(backend.batches) == {3}  # one call per round for the three leases
     finally:

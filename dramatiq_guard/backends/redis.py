@@ -54,6 +54,7 @@ from dramatiq_guard.backends.redis_client import (
     timeouts_of,
 )
 from dramatiq_guard.backends.redis_scripts import LuaScript, ScriptLibrary
+from dramatiq_guard.backends.values import AcquireOutcome
 
 __all__ = ["DEFAULT_SOCKET_TIMEOUT_S", "RedisBackend", "RedisClient", "replica_waits_of"]
 
@@ -335,18 +336,14 @@ class RedisBackend(GuardBackend):
         """Decode acquire.lua's ``{acquired, token, limit, queued, holders, handoffs[, lapses_in_ms]}``,
         sent at ``sent``."""
         acquired, token, in_force, queued, holders, handoffs, *lapses_in = reply
-        queued = text(queued)
+        outcome = AcquireOutcome.ACQUIRED if acquired else AcquireOutcome.refusal(text(queued))
         return AcquireResult(
-            acquired=bool(acquired),
+            outcome,
             token=None if token is None else int(token),
             holders=tuple(text(h) for h in holders),
             limit=int(in_force),
-            parked=queued in ("queued", "standby"),
             handoffs=self._handoffs(key, handoffs),
-            standby=queued == "standby",
-            stale=queued == "stale",
             valid_from=sent,
-            running=queued == "running",
             lapses_in_ms=int(lapses_in[0]) if lapses_in else None,
         )
 
@@ -468,7 +465,7 @@ class RedisBackend(GuardBackend):
             return self._acquire(key, holder, 1, ttl_ms, None, info, None, fenced=False)
         acquired = int(status) == 1
         return AcquireResult(
-            acquired=acquired,
+            AcquireOutcome.ACQUIRED if acquired else AcquireOutcome.BUSY,
             token=None,
             holders=() if acquired else tuple(text(h) for h in holders[:HOLDERS_SHOWN]),
             limit=1,
