@@ -69,6 +69,8 @@ class Claim:
         on a broker yet.
       runner(str|None): Who runs the job once it holds (a worker thread,
         :func:`~dramatiq_guard.lease.runner_id`), or None (an enqueue-time reservation, a lock).
+      fenced(bool): False for a lock that fences nothing (a dedup lock): no fencing token is
+        issued or kept for the key.
     """
 
     backend: GuardBackend
@@ -79,13 +81,22 @@ class Claim:
     info: str | None = None
     generation: int | None = None
     runner: str | None = None
+    fenced: bool = True
 
     def acquire(self, wait: Waiter | None = None) -> AcquireResult:
         """Try to hold a slot now; queue as ``wait`` says if the key is full (contract: ``acquire``)."""
         return self.backend.acquire(
             self.key, self.holder, limit=self.limit, ttl_ms=self.ttl_ms, wait=wait, info=self.info,
-            generation=self.generation, runner=self.runner,
+            generation=self.generation, fenced=self.fenced, runner=self.runner,
         )  # fmt: skip
+
+    def try_lock(self) -> AcquireResult:
+        """Take the key as a limit-1 lock that fences nothing, if it is free (contract: ``try_lock``)."""
+        return self.backend.try_lock(self.key, self.holder, ttl_ms=self.ttl_ms, info=self.info)
+
+    def renew(self) -> bool:
+        """Extend the lease this holder holds to ``ttl_ms`` from now (contract: ``renew``)."""
+        return self.backend.renew(self.key, self.holder, ttl_ms=self.ttl_ms)
 
     def release(self) -> ReleaseResult:
         """Give the slot back; a freed slot goes to the oldest waiter (contract: ``release``)."""
