@@ -15,6 +15,7 @@ from dramatiq import Message
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import Waiter
+from dramatiq_guard.backends.values import AcquireOutcome
 from dramatiq_guard.claim import Claim, Deliver
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.gate import Diverted, Outcome
@@ -72,20 +73,22 @@ def reserve_or_park(
         fail_open(fail_open_allowed, e, f"{message} is enqueued unguarded")
         return None
     deliver(result.handoffs)
-    if result.running:
-        # Another copy of the message holds the key (it runs): this one goes to the broker without
-        # a slot, and its worker defers it until that copy is done.
-        return None
-    if result.stale:
-        logger.info(
-            "Dropped %s at enqueue: a stale copy (a newer hand-off of %r runs instead).", message, claim.key
-        )
-        raise Diverted(message, Outcome.DROPPED)
-    if result.acquired:
-        return ReservationTicket(claim, deliver)
-    if result.parked:
-        logger.debug("Parked %s at enqueue: %r is full (limit %d).", message, claim.key, result.limit)
-        events.parked(message.actor_name)
-        events.lockwait_changed()
-        raise Diverted(message, Outcome.PARKED)
-    return None
+    match result.outcome:
+        case AcquireOutcome.ACQUIRED:
+            return ReservationTicket(claim, deliver)
+        case AcquireOutcome.QUEUED | AcquireOutcome.STANDBY:
+            logger.debug("Parked %s at enqueue: %r is full (limit %d).", message, claim.key, result.limit)
+            events.parked(message.actor_name)
+            events.lockwait_changed()
+            raise Diverted(message, Outcome.PARKED)
+        case AcquireOutcome.STALE:
+            logger.info(
+                "Dropped %s at enqueue: a stale copy (a newer hand-off of %r runs instead).",
+                message,
+                claim.key,
+            )
+            raise Diverted(message, Outcome.DROPPED)
+        case _:  # RUNNING (BUSY does not happen: a refusal with a waiter queues)
+            # Another copy of the message holds the key (it runs): this one goes to the
+            # broker without a slot, and its worker defers it until that copy is done.
+            return None
