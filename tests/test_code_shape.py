@@ -20,10 +20,10 @@ FUNCTION_LINES = 60
 
 #: Modules over MODULE_LINES today, with their lines: each may only shrink.
 LONG_MODULES: dict[str, int] = {
-    "backends/redis.py": 856,
+    "backends/redis.py": 853,
     "backends/base.py": 750,
     "backends/lua/_prelude.lua": 733,
-    "middleware/slots/middleware.py": 598,
+    "middleware/slots/middleware.py": 583,
 }
 #: Functions over FUNCTION_LINES today ("module:qualified name"), with their lines.
 LONG_FUNCTIONS: dict[str, int] = {
