@@ -19,7 +19,6 @@ import json
 import os
 import re
 import sys
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +42,6 @@ __all__ = [
     "kind_of",
     "ledger_view",
     "load_broker",
-    "now_ms",
     "overview",
     "release_holders",
     "set_limit",
@@ -71,17 +69,6 @@ def format_ms(ms: int | None) -> str:
     if seconds < 86_400:
         return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
     return f"{seconds // 86_400}d{(seconds % 86_400) // 3600:02d}h"
-
-
-def now_ms(backend: GuardBackend) -> int:
-    """Now on the backend's clock (Redis ``TIME`` for a single Redis), in milliseconds."""
-    client = getattr(backend, "client", None)
-    import redis
-
-    if isinstance(client, redis.Redis):
-        seconds, micros = client.time()
-        return int(seconds) * 1000 + int(micros) // 1000
-    return time.time_ns() // 1_000_000
 
 
 def indexed_keys(backend: GuardBackend) -> list[str]:
@@ -139,7 +126,7 @@ def key_view(key: str, state: KeyState, now: int, summary: KeySummary | None = N
 
     Parameters:
       state(KeyState): The key's snapshot (:meth:`GuardBackend.inspect`).
-      now(int): Now on the backend's clock (:func:`now_ms`).
+      now(int): Now on the backend's clock (:meth:`GuardBackend.now_ms`).
       summary(KeySummary|None): Its summary with the first waiters
         (:meth:`GuardBackend.summaries`), for their actors and arguments and
         the recorded limit; without it those are left out.
@@ -197,7 +184,7 @@ def key_detail(backend: GuardBackend, key: str, *, waiters: int = 100) -> dict[s
     """
     state = backend.inspect(key, waiters=LISTED_WAITERS)
     [summary] = backend.summaries([key], waiters=waiters)
-    now = now_ms(backend)
+    now = backend.now_ms()
     return {**key_view(key, state, now, summary), "now_ms": now}
 
 
@@ -261,7 +248,7 @@ def overview(
     keys = [k for k in indexed_keys(backend) if match(k)]
     if kind is not None:
         keys = [k for k in keys if kind_of(k) == kind]
-    now = now_ms(backend)
+    now = backend.now_ms()
     rows = [summary_view(s, now) for s in backend.summaries(keys)]
     rows = [r for r in rows if r["holders"] or r["waiters"] or r["limit"] is not None]
     counts: dict[str, dict[str, int]] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import logging
@@ -52,37 +53,14 @@ def _keywords(cls: type[Middleware]) -> set[str]:
     return names
 
 
-def install(
-    broker: Broker,
-    *,
-    redis: Any = None,
-    ledger: Any = None,
-    allow_evicting_redis: bool = False,
-    max_payload_bytes: int | None = None,
-    route: str | None = None,
-    replica_waits: int = 0,
-    replica_wait_timeout_ms: int = 1_000,
-    **settings: Any,
-) -> list[Middleware]:
-    """Add every guard middleware to ``broker`` and return them, in broker order.
+@dataclasses.dataclass(frozen=True)
+class InstallSettings:
+    """The settings :func:`install` takes for itself, as keyword arguments beside ``redis`` and ``ledger``.
 
-    Call it before importing the modules that declare guarded actors:
-    Dramatiq rejects actor options no middleware has declared.
-
-    The middlewares go just before Dramatiq's Retries middleware (so they see
-    its decision when a message fails), or at the end if the broker has none.
-    Calling it again on the same broker adds nothing and returns the guard
-    middlewares already there.
+    Every other setting goes to the guard middlewares that take a keyword of
+    that name (e.g. ``lease_ttl``).
 
     Parameters:
-      broker(Broker): The broker.
-      redis: Where the guard keeps its state: a redis-py client (Redis,
-        RedisCluster, or one made by Sentinel), a URL, a GuardBackend, or
-        None: the RedisBroker's own client; an in-memory backend for a
-        StubBroker; for any other broker the ``DRAMATIQ_GUARD_REDIS_URL``
-        environment variable, else a ConfigurationError.
-      ledger: The idempotency ledger's database: an SQLAlchemy Engine, a
-        URL, or None: ``DRAMATIQ_GUARD_LEDGER_URL``, else a SQLite file.
       allow_evicting_redis(bool): Run on a Redis whose ``maxmemory-policy``
         may evict keys (anything but ``noeviction``), with a warning, instead
         of refusing it. An evicted guard key is a message lost silently; see
@@ -112,8 +90,43 @@ def install(
         acknowledge in time, the operation fails closed
         (:class:`~dramatiq_guard.errors.ReplicasBehind`, a
         ``BackendUnavailable``: the message is retried).
-      **settings: Passed to each middleware that takes a keyword of that
-        name.
+    """
+
+    allow_evicting_redis: bool = False
+    max_payload_bytes: int | None = None
+    route: str | None = None
+    replica_waits: int = 0
+    replica_wait_timeout_ms: int = 1_000
+
+
+#: The names of :class:`InstallSettings`.
+INSTALL_SETTINGS = frozenset(field.name for field in dataclasses.fields(InstallSettings))
+
+
+def install(broker: Broker, *, redis: Any = None, ledger: Any = None, **settings: Any) -> list[Middleware]:
+    """Add every guard middleware to ``broker`` and return them, in broker order.
+
+    Call it before importing the modules that declare guarded actors:
+    Dramatiq rejects actor options no middleware has declared.
+
+    The middlewares go just before Dramatiq's Retries middleware (so they see
+    its decision when a message fails), or at the end if the broker has none.
+    Calling it again on the same broker adds nothing and returns the guard
+    middlewares already there.
+
+    Parameters:
+      broker(Broker): The broker.
+      redis: Where the guard keeps its state: a redis-py client (Redis,
+        RedisCluster, or one made by Sentinel), a URL, a GuardBackend, or
+        None: the RedisBroker's own client; an in-memory backend for a
+        StubBroker; for any other broker the ``DRAMATIQ_GUARD_REDIS_URL``
+        environment variable, else a ConfigurationError.
+      ledger: The idempotency ledger's database: an SQLAlchemy Engine, a
+        URL, or None: ``DRAMATIQ_GUARD_LEDGER_URL``, else a SQLite file.
+      **settings: Those of :class:`InstallSettings` (``allow_evicting_redis``,
+        ``max_payload_bytes``, ``route``, ``replica_waits``,
+        ``replica_wait_timeout_ms``); any other is passed to each middleware
+        that takes a keyword of that name (e.g. ``lease_ttl``).
 
     The guard's Redis is checked here (its ``maxmemory-policy`` and
     persistence, best effort: a Redis that forbids ``CONFIG`` gets a logged
@@ -140,55 +153,81 @@ def install(
     existing = [m for m in broker.middleware if type(m) in classes]
     if existing:
         return existing
-
     accepted = {cls: _keywords(cls) for cls in classes}
-    known = (set().union(*accepted.values()) - {"redis", "ledger"}) | {
-        "allow_evicting_redis",
-        "max_payload_bytes",
-        "route",
-        "replica_waits",
-        "replica_wait_timeout_ms",
-    }
+    own, passed = _split_settings(settings, accepted)
+    backend = _backend(broker, redis, own)
+    installed = _add(broker, accepted, passed, {"redis": backend, "ledger": ledger})
+    gate_for(broker)
+    _warn_of_slow_calls(backend, installed)
+    return installed
+
+
+def _split_settings(
+    settings: dict[str, Any], accepted: dict[type[Middleware], set[str]]
+) -> tuple[InstallSettings, dict[str, Any]]:
+    """``install()``'s own settings, and those for the middlewares.
+
+    Raises:
+      ConfigurationError: If a setting is neither (the error lists the settings that exist).
+    """
+    known = (set().union(*accepted.values()) - {"redis", "ledger"}) | INSTALL_SETTINGS
     unknown = sorted(set(settings) - known)
     if unknown:
         raise ConfigurationError(
             f"dramatiq_guard.install() got unknown setting(s) {', '.join(unknown)}; "
             f"the settings are: {', '.join(sorted(known)) or 'none'}"
         )
+    own = InstallSettings(**{name: value for name, value in settings.items() if name in INSTALL_SETTINGS})
+    return own, {name: value for name, value in settings.items() if name not in INSTALL_SETTINGS}
 
-    backend = _backend(broker, redis, route, max_payload_bytes)
-    backend.wait_for_replicas(replica_waits, replica_wait_timeout_ms)
-    backend.check_health(allow_evicting=allow_evicting_redis)
+
+def _add(
+    broker: Broker,
+    accepted: dict[type[Middleware], set[str]],
+    settings: dict[str, Any],
+    stores: dict[str, Any],
+) -> list[Middleware]:
+    """Each middleware class of ``accepted``, made with the settings and stores it takes, added to ``broker``.
+
+    They go just before Retries, or at the end if the broker has none.
+    """
     retries = next((m for m in broker.middleware if isinstance(m, Retries)), None)
-    installed: list[Middleware] = []
-    for cls in classes:
-        kwargs = {name: value for name, value in settings.items() if name in accepted[cls]}
-        if "redis" in accepted[cls]:
-            kwargs["redis"] = backend
-        if "ledger" in accepted[cls]:
-            kwargs["ledger"] = ledger
+    added: list[Middleware] = []
+    for cls, names in accepted.items():
+        kwargs = {name: value for name, value in settings.items() if name in names}
+        kwargs.update({name: store for name, store in stores.items() if name in names})
         middleware = cls(**kwargs)
         broker.add_middleware(middleware, before=Retries if retries is not None else None)
         attach = getattr(middleware, "attach", None)
         if attach is not None:
             attach(broker)
-        installed.append(middleware)
-    gate_for(broker)
+        added.append(middleware)
+    return added
+
+
+def _warn_of_slow_calls(backend: GuardBackend, installed: list[Middleware]) -> None:
+    """Log :meth:`~dramatiq_guard.backends.GuardBackend.slow_call_warning` for the shortest lease, if any."""
     leases = [ttl for m in installed if isinstance(ttl := getattr(m, "lease_ttl_ms", None), int)]
     warning = backend.slow_call_warning(min(leases, default=30_000))
     if warning is not None:
         logger.warning(warning)
-    return installed
 
 
-def _backend(broker: Broker, redis: Any, route: str | None, max_payload_bytes: int | None) -> GuardBackend:
-    """The backend of ``broker``, with the install's route and payload bound."""
+def _backend(broker: Broker, redis: Any, settings: InstallSettings) -> GuardBackend:
+    """The backend of ``broker``, with the install's route, payload bound and replica waits; checked.
+
+    Raises:
+      ConfigurationError, EvictingRedis, ValueError: As :func:`install` says.
+    """
+    route = settings.route
     if route is not None:
         name_route(broker, route)
     backend = resolve_backend(broker, redis)
     if route is not None:
         backend.route = route
     logger.info("dramatiq-guard: this process delivers the parked messages of route %r.", backend.route)
-    if max_payload_bytes is not None:
-        backend.max_payload_bytes = check_max_payload_bytes(max_payload_bytes)
+    if settings.max_payload_bytes is not None:
+        backend.max_payload_bytes = check_max_payload_bytes(settings.max_payload_bytes)
+    backend.wait_for_replicas(settings.replica_waits, settings.replica_wait_timeout_ms)
+    backend.check_health(allow_evicting=settings.allow_evicting_redis)
     return backend

@@ -109,7 +109,7 @@ class Lease:
       release_result(ReleaseResult|None): What the release reported, once released.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913
         self,
         backend: GuardBackend,
         key: str,

@@ -33,12 +33,12 @@ import dramatiq
 from dramatiq import Broker
 
 from dramatiq_guard.backends.base import GuardBackend, Handoff, Waiter
+from dramatiq_guard.claim import BACKSTOP_MS, Claim, entry_ms
 from dramatiq_guard.delivery import courier_for
 from dramatiq_guard.errors import BackendUnavailable, LeaseLost, LockNotAcquired
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.policies import duration_ms, timeout_s
 from dramatiq_guard.resolve import backend_from, resolve_backend, route_of
-from dramatiq_guard.waiting import BACKSTOP_MS, entry_ms, wait_for_slot
 
 __all__ = ["Lock", "LockNotAcquired", "LockRun"]  # LockNotAcquired lives in dramatiq_guard.errors
 
@@ -161,43 +161,29 @@ class Lock:
         timeout = timeout_s(
             self.blocking_timeout if blocking_timeout is None else blocking_timeout, what="blocking_timeout"
         )
-        backend = self.backend()
-        holder = uuid.uuid4().hex
         ttl = self.lease_ttl_ms if self.ttl_ms is None else max(1, min(self.lease_ttl_ms, self.ttl_ms))
+        claim = Claim(self.backend(), self.key, uuid.uuid4().hex, 1, ttl)
         try:
-            if not blocking:
-                result = backend.acquire(self.key, holder, limit=1, ttl_ms=ttl)
-            else:
-                wait = Waiter(wait_ms=entry_ms(BACKSTOP_MS if timeout is None else int(timeout * 1000)))
-                result = backend.acquire(self.key, holder, limit=1, ttl_ms=ttl, wait=wait)
+            wait_ms = BACKSTOP_MS if timeout is None else int(timeout * 1000)
+            result = claim.acquire(Waiter(wait_ms=entry_ms(wait_ms)) if blocking else None)
         except BackendUnavailable:
             # The acquire may have been done (a reply lost, no replica acknowledged it): a holder id
             # of its own has nothing else in the key, so what it got is taken back at once.
-            undone = backend.take_back(self.key, holder, limit=1)
+            undone = claim.take_back()
             if undone is not None:
                 self._deliver(undone.handoffs)
             raise
         self._deliver(result.handoffs)
         if blocking and not result.acquired:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            result = wait_for_slot(
-                backend, self.key, holder, limit=1, ttl_ms=ttl, deadline=deadline, deliver=self._deliver
-            )
+            result = claim.block(None if timeout is None else time.monotonic() + timeout, self._deliver)
         if not result.acquired:
             self._last_holders = result.holders
             return False
         assert result.token is not None
         self.lease = Lease(
-            backend,
-            self.key,
-            holder,
-            result.token,
-            limit=1,
-            ttl_ms=self.lease_ttl_ms,
-            cap_ms=self.ttl_ms,
-            reserved_ms=result.reserved_ms,
-            valid_from=result.valid_from,
-        )
+            claim.backend, self.key, claim.holder, result.token, limit=1, ttl_ms=self.lease_ttl_ms,
+            cap_ms=self.ttl_ms, reserved_ms=result.reserved_ms, valid_from=result.valid_from,
+        )  # fmt: skip
         return True
 
     def release(self) -> None:

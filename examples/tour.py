@@ -25,7 +25,8 @@ Where it runs (it says which):
 * Else a private ``redis-server`` on a free port, if one is on PATH (``--no-spawn`` forbids
   it), stopped at the end.
 * Else in-process (``--in-process`` asks for it directly): a StubBroker, the in-memory guard
-  backend and a ``dramatiq.Worker`` in this process.
+  backend (the ``stub`` extra: without it the tour says so in one line and exits 2) and a
+  ``dramatiq.Worker`` in this process.
 
 The ledger (and the transfer's accounts) is a SQLite file in a temporary directory.
 
@@ -795,6 +796,9 @@ def main(argv: list[str] | None = None) -> int:
         run(args)
     except TourFailed:
         return 1
+    except dramatiq_guard.ConfigurationError as e:  # e.g. in-process without the stub extra: one line
+        print(f"python -m examples.tour: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         say("interrupted")
         return 130

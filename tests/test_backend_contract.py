@@ -51,7 +51,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS_DIR))
 
 from backend_procs import contend  # noqa: E402
-from harness import free_port, redis_server_executable, wait_until  # noqa: E402
+from harness import fakeredis_clock, free_port, redis_server_executable, wait_until  # noqa: E402
 
 KEY = "slots:webhooks:42"
 #: How long a bounded wait on time may take beyond what it waits for.
@@ -558,15 +558,13 @@ def test_a_dead_runners_holder_is_free_for_another_once_its_lease_lapsed(env: En
 
 
 def test_a_waiter_refused_as_running_leaves_the_other_copys_slot_alone(env: Env) -> None:
-    """wait_for_slot gives up on a refusal as running without cancelling: the entry is the other copy's."""
-    from dramatiq_guard.waiting import wait_for_slot
+    """Claim.block gives up on a refusal as running without cancelling: the entry is the other copy's."""
+    from dramatiq_guard.claim import Claim
 
     backend = env.backend()
     assert backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, runner="p2:7").acquired
-    result = wait_for_slot(
-        backend, KEY, "m", limit=1, ttl_ms=60_000, deadline=time.monotonic(), deliver=lambda _: None,
-        runner="p1:1",
-    )  # fmt: skip
+    claim = Claim(backend, KEY, "m", limit=1, ttl_ms=60_000, runner="p1:1")
+    result = claim.block(time.monotonic(), lambda _: None)
     assert result.running and not result.acquired
     assert backend_holders(backend) == ["m"]  # still the other copy's
     assert backend.release(KEY, "m", limit=1).released
@@ -595,18 +593,22 @@ def test_a_lapsed_holder_is_reclaimed(env: Env) -> None:
     assert_drained(env, backend)
 
 
-def test_the_memory_backend_runs_on_the_clock_it_is_given() -> None:
-    now_ns = [1_900_000_000_000 * 1_000_000]
-    backend = MemoryBackend(clock=lambda: now_ns[0])
-    first = backend.acquire(KEY, "a", limit=1, ttl_ms=1_000)
-    assert first.acquired and first.token == now_ns[0] // 1000  # a token is at least the time in us
-    assert deadline_of(backend, KEY, "a") == now_ns[0] // 1_000_000 + 1_000
-    now_ns[0] += 999 * 1_000_000
-    assert not backend.acquire(KEY, "b", limit=1, ttl_ms=1_000).acquired
-    now_ns[0] += 1_000_000  # the deadline itself: lapsed, without sleeping
-    taken = backend.acquire(KEY, "b", limit=1, ttl_ms=1_000)
-    assert taken.acquired and backend_holders(backend) == ["b"] and taken.token == now_ns[0] // 1000
-    assert backend.release(KEY, "b", limit=1).released
+def test_the_memory_backend_runs_on_its_servers_clock_which_a_test_can_drive() -> None:
+    """The in-memory backend's clock is its fakeredis server's ``TIME``: a test moves it
+    (:func:`harness.fakeredis_clock`), and leases lapse without sleeping."""
+    now_ms = [1_900_000_000_000]
+    with fakeredis_clock(lambda: now_ms[0]):
+        backend = MemoryBackend()
+        first = backend.acquire(KEY, "a", limit=1, ttl_ms=1_000)
+        # A token is at least the time in us (TIME reads <ms>.000500 s on this clock).
+        assert first.acquired and first.token == now_ms[0] * 1000 + 500
+        assert deadline_of(backend, KEY, "a") == now_ms[0] + 1_000
+        now_ms[0] += 999
+        assert not backend.acquire(KEY, "b", limit=1, ttl_ms=1_000).acquired
+        now_ms[0] += 1  # the deadline itself: lapsed, without sleeping
+        taken = backend.acquire(KEY, "b", limit=1, ttl_ms=1_000)
+        assert taken.acquired and backend_holders(backend) == ["b"] and taken.token == now_ms[0] * 1000 + 500
+        assert backend.release(KEY, "b", limit=1).released
 
 
 # Leases of a second: long enough that a loaded machine's stall (GC, a busy CI box) does not
@@ -693,9 +695,11 @@ def test_the_renewer_batches_the_leases_of_a_backend() -> None:
     backend = RecordingBackend()
     renewer = LeaseRenewer()
     try:
+        # All three held first, then registered at once, so the first round finds them all.
         for holder in "abc":
-            assert backend.acquire(KEY, holder, limit=3, ttl_ms=300).acquired
-            renewer.register(backend, KEY, holder, 300)
+            assert backend.acquire(KEY, holder, limit=3, ttl_ms=1_000).acquired
+        for holder in "abc":
+            renewer.register(backend, KEY, holder, 1_000)
         assert backend.renewed_twice.wait(MARGIN_S)
         assert set(backend.batches) == {3}  # one call per round for the three leases
     finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import os
 import socket
+import time
 from pathlib import Path
 
 import dramatiq
@@ -19,6 +20,7 @@ import pytest
 import redis
 from dramatiq.brokers.stub import StubBroker
 from harness import wait_until
+from harness.fake_clock import fakeredis_clock
 
 import dramatiq_guard
 from dramatiq_guard.backends import MemoryBackend, RedisBackend
@@ -61,8 +63,17 @@ def module_name(path: Path) -> str:
 
 
 def test_no_middleware_and_not_install_imports_a_redis_module() -> None:
-    """Generic layers reach the store through the backend contract only (issue #32)."""
-    checked = [*sorted((PACKAGE / "middleware").rglob("*.py")), PACKAGE / "install.py"]
+    """Generic layers reach the store through the backend contract only (issue #32).
+
+    The command's and the dashboard's views (``admin.py``, the dashboard's application) too: they
+    read the store's clock through :meth:`~dramatiq_guard.backends.GuardBackend.now_ms`.
+    """
+    checked = [
+        *sorted((PACKAGE / "middleware").rglob("*.py")),
+        PACKAGE / "install.py",
+        PACKAGE / "admin.py",
+        PACKAGE / "web" / "app.py",
+    ]
     assert PACKAGE / "middleware" / "slots" / "middleware.py" in checked
     found = {
         str(path.relative_to(PACKAGE.parent)): names
@@ -106,6 +117,22 @@ def test_replica_waits_are_refused_by_a_backend_without_replicas() -> None:
     with pytest.raises(ConfigurationError, match="replica_waits=1"):
         dramatiq_guard.install(broker, redis=backend, replica_waits=1)
     assert not [m for m in broker.middleware if type(m).__module__.startswith("dramatiq_guard")]  # none
+
+
+def test_now_ms_reads_the_backends_clock(redis_url: str, unique_name: str) -> None:
+    """Redis ``TIME``, for Redis and in memory (its emulated server's clock)."""
+    memory = MemoryBackend()
+    with fakeredis_clock(lambda: 1_234_567_891):
+        assert memory.now_ms() == 1_234_567_891
+    before = time.time_ns() // 1_000_000
+    assert before <= MemoryBackend().now_ms() <= time.time_ns() // 1_000_000
+
+    client = redis.Redis.from_url(redis_url)
+    seconds, micros = client.time()
+    first = seconds * 1000 + micros // 1000
+    now = RedisBackend(client, namespace=unique_name).now_ms()
+    seconds, micros = client.time()
+    assert first <= now <= seconds * 1000 + micros // 1000
 
 
 def test_a_worker_sweep_records_its_process_on_redis_and_withdraws_it_at_shutdown(

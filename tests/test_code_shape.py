@@ -20,28 +20,17 @@ FUNCTION_LINES = 60
 
 #: Modules over MODULE_LINES today, with their lines: each may only shrink.
 LONG_MODULES: dict[str, int] = {
-    "backends/redis.py": 855,
-    "backends/base.py": 760,
-    "backends/memory.py": 667,
+    "backends/redis.py": 848,
+    "backends/base.py": 750,
     "backends/lua/_prelude.lua": 678,
-    "middleware/slots/middleware.py": 624,
-    "middleware/dedup.py": 506,
+    "middleware/slots/middleware.py": 583,
 }
 #: Functions over FUNCTION_LINES today ("module:qualified name"), with their lines.
 LONG_FUNCTIONS: dict[str, int] = {
-    "install.py:install": 127,
-    "backends/redis_watch.py:StateWatch.check": 96,
-    "waiting.py:wait_for_slot": 81,
-    "backends/memory.py:MemoryBackend._acquire": 73,
-    "middleware/slots/middleware.py:SlotsMiddleware._acquire": 66,
-    "lock.py:Lock.acquire": 66,
-    "web/__init__.py:make_app": 64,
     "backends/base.py:GuardBackend.acquire": 63,
 }
-#: Import cycles today, each as the sorted modules it runs through.
-CYCLES: set[tuple[str, ...]] = {
-    ("dramatiq_guard.middleware.slots.middleware", "dramatiq_guard.middleware.slots.reservation"),
-}
+#: Import cycles today, each as the sorted modules it runs through (none).
+CYCLES: set[tuple[str, ...]] = set()
 
 
 def relative(path: Path) -> str:

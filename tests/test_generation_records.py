@@ -31,13 +31,10 @@ KEY = "concurrency:k"
 
 
 def records(backend: GuardBackend) -> list[str]:
-    """The waiters of KEY with a generation record."""
-    if isinstance(backend, RedisBackend):
-        prefix = f"{backend.namespace}:{{{KEY}}}:gens:"
-        return sorted(k.decode()[len(prefix) :] for k in backend.client.scan_iter(f"{prefix}*".encode()))
-    assert isinstance(backend, MemoryBackend)
-    guard = backend._guards.get(KEY)
-    return sorted(guard.live) if guard is not None else []
+    """The waiters of KEY with a generation record (the in-memory backend keeps them in its fakeredis)."""
+    assert isinstance(backend, RedisBackend)
+    prefix = f"{backend.namespace}:{{{KEY}}}:gens:"
+    return sorted(k.decode()[len(prefix) :] for k in backend.client.scan_iter(f"{prefix}*".encode()))
 
 
 @pytest.fixture(params=["memory", "redis"])

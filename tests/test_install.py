@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, cast
 
@@ -15,6 +17,7 @@ from dramatiq.middleware import Retries
 
 import dramatiq_guard
 from dramatiq_guard.backends import MemoryBackend, RedisBackend
+from dramatiq_guard.backends.memory import STUB_EXTRA_MISSING
 from dramatiq_guard.middleware.base import GuardMiddleware
 
 GUARDS = [
@@ -69,6 +72,28 @@ def test_a_stub_broker_gets_one_shared_in_memory_backend(tmp_path: Path) -> None
     (backend_id,) = backends(broker, installed)
     assert isinstance(cast(GuardMiddleware[Any], installed[0]).backend(broker), MemoryBackend)
     assert id(cast(GuardMiddleware[Any], installed[0]).backend(broker)) == backend_id
+
+
+#: A StubBroker installed in a fresh interpreter in which ``{blocked}`` cannot be imported (None in
+#: ``sys.modules``: Python's own way to make an import fail, as if it were not installed).
+WITHOUT_STUB_EXTRA = """
+import sys
+sys.modules[{blocked!r}] = None
+import dramatiq_guard
+from dramatiq.brokers.stub import StubBroker
+dramatiq_guard.install(StubBroker(), ledger={ledger!r})
+"""
+
+
+@pytest.mark.parametrize("blocked", ["fakeredis", "lupa"])
+def test_a_stub_broker_without_the_stub_extra_is_one_clear_line(blocked: str, tmp_path: Path) -> None:
+    """Without fakeredis (or lupa, which runs its scripts), a StubBroker's install says what to install."""
+    script = WITHOUT_STUB_EXTRA.format(blocked=blocked, ledger=f"sqlite:///{tmp_path / 'ledger.db'}")
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 1
+    last = ran.stderr.strip().splitlines()[-1]
+    assert last == f"dramatiq_guard.errors.ConfigurationError: {STUB_EXTRA_MISSING}", ran.stderr
+    assert "pip install 'dramatiq-guard[stub]'" in last
 
 
 def test_a_rabbitmq_broker_without_a_redis_url_is_a_clear_error(

@@ -1,22 +1,25 @@
-"""A model-checked core: the memory backend, a Redis and a Redis Cluster driven in lockstep.
+"""A model-checked core: an independent oracle, a Redis, a Redis Cluster and fakeredis in lockstep.
 
 A Hypothesis :class:`~hypothesis.stateful.RuleBasedStateMachine` applies random operations of
-the guard backend contract (``dramatiq_guard/backends/base.py``) to three backends at once, with
-the same arguments: a :class:`~dramatiq_guard.backends.MemoryBackend`, a
-:class:`~dramatiq_guard.backends.RedisBackend` on a private ``redis-server``, and one on a private
-one-node Redis Cluster. It plays the processes around them too: workers whose holders release,
-renew or die, callers that push a handed-off message and confirm it (in time, late, or never), or
-find it parked by another guard on its way and withdraw it (while it may come back to its key's
-gate from there, before or after the withdrawal), a broker that delivers every pushed copy and
+the guard backend contract (``dramatiq_guard/backends/base.py``) to four backends at once, with
+the same arguments: the oracle (``tests/model_oracle.py``: the contract written a second time, in
+plain Python, apart from the Lua scripts; its docstring says why it is kept), a
+:class:`~dramatiq_guard.backends.RedisBackend` on a private ``redis-server``, one on a private
+one-node Redis Cluster, and the :class:`~dramatiq_guard.backends.MemoryBackend` (the same scripts
+on fakeredis, a StubBroker's backend). The three that run the scripts must agree with the
+oracle. It plays the processes around them too: workers whose holders release, renew or die,
+callers that push a handed-off message and confirm it (in time, late, or never), or find it
+parked by another guard on its way and withdraw it (while it may come back to its key's gate
+from there, before or after the withdrawal), a broker that delivers every pushed copy and
 messages as sent (without a reservation), workers that die after parking a copy they picked up
 (the broker delivers it again), threads that block on a wake and take it (or die), and processes
 of another route or that do not know a key's limit (``limit=None``).
 
 Time is the test's (:class:`harness.FakeClock`): both servers run under libfaketime on a frozen
-clock that the test moves, and the memory backend is given the same clock, so a lease or a
-reservation lapses at once, without sleeping, at the same millisecond everywhere. Every step first
-moves the clock on by :data:`TICK_MS` (a round trip takes time), and some steps leap ahead by a
-lease, a reservation or a day.
+clock that the test moves, fakeredis reads the same clock (:func:`harness.fakeredis_clock`), and
+the oracle is given it too, so a lease or a reservation lapses at once, without sleeping, at the
+same millisecond everywhere. Every step first moves the clock on by :data:`TICK_MS` (a round trip
+takes time), and some steps leap ahead by a lease, a reservation or a day.
 
 After every step (:func:`~hypothesis.stateful.invariant`):
 
@@ -56,7 +59,7 @@ from typing import Any, TypeVar
 
 import pytest
 import redis
-from harness import FakeClock, RedisServer, free_port, libfaketime, unavailable, wait_until
+from harness import FakeClock, RedisServer, fakeredis_clock, free_port, libfaketime, unavailable, wait_until
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -66,6 +69,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from model_oracle import OracleBackend
 from redis.cluster import RedisCluster
 
 from dramatiq_guard.backends import (
@@ -225,9 +229,9 @@ def seen_at(state: KeyState, now: int) -> tuple[object, set[tuple[str, int, str 
 
     A ready waiter's info is kept on Redis in the holders' info hash, which expires with the
     holders: if they all lapsed before it was handed a slot, Redis no longer knows it (the
-    memory backend does), though it still records when the waiter took the slot (its runner,
-    kept apart, needs the entry). So Redis's infos need only be among memory's, an info Redis
-    lost (None) matching memory's entry of the same holder and time (:func:`infos_agree`).
+    oracle does), though it still records when the waiter took the slot (its runner,
+    kept apart, needs the entry). So Redis's infos need only be among the oracle's, an info Redis
+    lost (None) matching the oracle's entry of the same holder and time (:func:`infos_agree`).
     """
     live = {holder for holder, deadline in state.holders if deadline > now}
     return (
@@ -242,7 +246,7 @@ def seen_at(state: KeyState, now: int) -> tuple[object, set[tuple[str, int, str 
 
 
 def infos_agree(known: set[tuple[str, int, str | None]], infos: set[tuple[str, int, str | None]]) -> bool:
-    """Whether Redis's holder infos ``known`` are among memory's ``infos`` (see :func:`seen_at`)."""
+    """Whether Redis's holder infos ``known`` are among the oracle's ``infos`` (see :func:`seen_at`)."""
     times = {(holder, since) for holder, since, _ in infos}
     return all(info in infos or (info[2] is None and info[:2] in times) for info in known)
 
@@ -275,15 +279,21 @@ class GuardModel(RuleBasedStateMachine):
         self.redis_client.flushall()
         self.cluster_client.flushall()
         self.backends: list[tuple[str, GuardBackend]] = [
-            ("memory", MemoryBackend(handoff_ttl_ms=HANDOFF_MS, clock=self.clock.ns)),
+            ("oracle", OracleBackend(handoff_ttl_ms=HANDOFF_MS, clock=self.clock.ns)),
             ("redis", RedisBackend(self.redis_client, namespace=NAMESPACE, handoff_ttl_ms=HANDOFF_MS)),
             ("cluster", RedisBackend(
                 self.cluster_client, namespace=NAMESPACE, handoff_ttl_ms=HANDOFF_MS, index_grace_ms=0
             )),
+            ("memory", MemoryBackend(namespace=NAMESPACE, handoff_ttl_ms=HANDOFF_MS)),
         ]  # fmt: skip
         for _, backend in self.backends:
             backend.route = MAIN
-        self.memory = self.backends[0][1]
+        self.oracle = self.backends[0][1]
+        memory = self.backends[3][1]
+        assert isinstance(memory, MemoryBackend)
+        #: Every Redis the scripts run on (fakeredis's: the memory backend's own), the standalone ones.
+        self.standalones: tuple[Any, ...] = (self.redis_client, memory.client)
+        self.clients: tuple[Any, ...] = (self.redis_client, self.cluster_client, memory.client)
         self.ids = (f"m{n}" for n in itertools.count())
         self.running: dict[str, str] = {}  # holder -> key: acquired, and not released nor dead
         self.runners: dict[str, str] = {}  # running holder -> the worker thread it runs on, if it has one
@@ -317,10 +327,10 @@ class GuardModel(RuleBasedStateMachine):
 
     def live_holders(self, key: str) -> set[str]:
         now = self.clock.now_ms
-        return {holder for holder, deadline in self.memory.inspect(key).holders if deadline > now}
+        return {holder for holder, deadline in self.oracle.inspect(key).holders if deadline > now}
 
     def limit_in_force(self, key: str) -> int:
-        limit = self.memory.get_limit(key)
+        limit = self.oracle.get_limit(key)
         return DEFAULTS[key] if limit is None else limit
 
     def call(
@@ -342,7 +352,7 @@ class GuardModel(RuleBasedStateMachine):
                 backend.route = MAIN
         expected = _normal(results[0])
         for (name, _), result in zip(self.backends[1:], results[1:], strict=True):
-            assert _normal(result) == expected, f"{name} disagrees with memory:\n{result}\n{results[0]}"
+            assert _normal(result) == expected, f"{name} disagrees with the oracle:\n{result}\n{results[0]}"
         after = self.live_holders(key)
         if after - before:
             assert len(after) <= self.limit_in_force(key), (
@@ -380,7 +390,7 @@ class GuardModel(RuleBasedStateMachine):
     def absorb(
         self, key: str, results: Sequence[AcquireResult | ReleaseResult], route: str, *, lost: bool = False
     ) -> None:
-        """Take the hand-offs and standbys of an operation (the memory backend's: they all agree).
+        """Take the hand-offs and standbys of an operation (the oracle's: they all agree).
 
         ``lost``: its reply never reached the caller, so nobody delivers them: the reservations
         lapse, and the waiters are back in their places (the standbys park again).
@@ -455,7 +465,7 @@ class GuardModel(RuleBasedStateMachine):
         results = self.call(key, lambda b: b.take_back(key, mid, limit=DEFAULTS[key]), route=route)
         assert all(result is not None for result in results)
         self.absorb(key, [result for result in results if result is not None], route)
-        state = self.memory.inspect(key)
+        state = self.oracle.inspect(key)
         assert mid not in {holder for holder, _ in state.holders}, f"{mid} still holds {key!r}"
         assert mid not in {waiter for waiter, _, _ in state.waiters} | set(state.reserved), mid
 
@@ -565,7 +575,7 @@ class GuardModel(RuleBasedStateMachine):
         with self.step():
             mid = data.draw(st.sampled_from(sorted(self.runners)))
             key = self.running[mid]
-            deadline = dict(self.memory.inspect(key).holders).get(mid)
+            deadline = dict(self.oracle.inspect(key).holders).get(mid)
             waits = {
                 "now": None,
                 "park": Waiter(payload=f"msg:{mid}".encode()),
@@ -903,11 +913,13 @@ class GuardModel(RuleBasedStateMachine):
                 states = [seen_at(backend.inspect(key), now) for _, backend in self.backends]
                 (expected, infos), *others = states
                 for (name, _), (seen, known) in zip(self.backends[1:], others, strict=True):
-                    assert seen == expected, f"{name} disagrees with memory on {key!r}:\n{seen}\n{expected}"
+                    assert seen == expected, (
+                        f"{name} disagrees with the oracle on {key!r}:\n{seen}\n{expected}"
+                    )
                     assert infos_agree(known, infos), f"{name} disagrees on {key!r}'s infos: {known} {infos}"
             for name, backend in self.backends[1:]:
-                assert sorted(backend.waiting_keys()) == sorted(self.memory.waiting_keys()), name
-                assert backend.limit_keys() == self.memory.limit_keys(), name
+                assert sorted(backend.waiting_keys()) == sorted(self.oracle.waiting_keys()), name
+                assert backend.limit_keys() == self.oracle.limit_keys(), name
 
     @invariant()
     def every_parked_message_is_somewhere_and_started_at_most_once(self) -> None:
@@ -917,7 +929,7 @@ class GuardModel(RuleBasedStateMachine):
             carried |= {thread.mid for thread in self.threads.values() if thread.copy is not None}
             queued = set()
             for key in KEYS:
-                state = self.memory.inspect(key)
+                state = self.oracle.inspect(key)
                 queued |= {waiter for waiter, _, _ in state.waiters} | set(state.reserved)
             for mid in self.parked:
                 assert self.started[mid] or mid in queued or mid in carried, f"{mid} is lost"
@@ -925,9 +937,9 @@ class GuardModel(RuleBasedStateMachine):
     @invariant()
     def every_redis_key_expires(self) -> None:
         with self.step():
-            states = {key: self.memory.inspect(key) for key in KEYS}
+            states = {key: self.oracle.inspect(key) for key in KEYS}
             queued = {key for key, state in states.items() if state.waiters or state.reserved}
-            for client in (self.redis_client, self.cluster_client):
+            for client in self.clients:
                 for name in self.stored(client):
                     if name in (f"{NAMESPACE}:waiting", f"{NAMESPACE}:limits"):
                         continue
@@ -942,7 +954,7 @@ class GuardModel(RuleBasedStateMachine):
     def the_ready_waiters_are_indexed_by_their_places(self) -> None:
         """On Redis, `ready` holds exactly the ready waiters (`deadlines`), each by its place in `waiters`."""
         with self.step():
-            for client in (self.redis_client, self.cluster_client):
+            for client in self.clients:
                 for key in KEYS:
                     prefix = f"{NAMESPACE}:{{{key}}}:"
                     ready: Any = client.zrange(prefix + "ready", 0, -1, withscores=True)
@@ -954,14 +966,14 @@ class GuardModel(RuleBasedStateMachine):
     def a_waiting_key_is_due_no_later_than_its_earliest_deadline(self) -> None:
         """The standalone index's score (when the sweeps look at the key) never passes a deadline."""
         with self.step():
-            client = self.redis_client
-            entries: Any = client.zrange(f"{NAMESPACE}:waiting", 0, -1, withscores=True)
-            for member, due in entries:
-                key = member.decode() if isinstance(member, bytes) else member
-                for suffix in ("holders", "deadlines", "standbys"):
-                    first: Any = client.zrange(f"{NAMESPACE}:{{{key}}}:{suffix}", 0, 0, withscores=True)
-                    if first:
-                        assert due <= first[0][1], f"{key!r} is due at {due}, after its {suffix} {first}"
+            for client in self.standalones:
+                entries: Any = client.zrange(f"{NAMESPACE}:waiting", 0, -1, withscores=True)
+                for member, due in entries:
+                    key = member.decode() if isinstance(member, bytes) else member
+                    for suffix in ("holders", "deadlines", "standbys"):
+                        first: Any = client.zrange(f"{NAMESPACE}:{{{key}}}:{suffix}", 0, 0, withscores=True)
+                        if first:
+                            assert due <= first[0][1], f"{key!r} is due at {due}, after its {suffix} {first}"
 
     @staticmethod
     def stored(client: redis.Redis | RedisCluster) -> list[str]:
@@ -1014,7 +1026,7 @@ class GuardModel(RuleBasedStateMachine):
         # Each round starts at least one waiter of a key: enough rounds for every message there is.
         for _ in range(20 + len(self.parked) + len(self.broker) + len(self.pending) + len(self.away)):
             self.deliver_everything()
-            if not (self.pending or self.broker or self.memory.waiting_keys()):
+            if not (self.pending or self.broker or self.oracle.waiting_keys()):
                 break
             self.clock.advance(LEASE_MS + BLOCK_MS)
             for key in KEYS:
@@ -1024,7 +1036,7 @@ class GuardModel(RuleBasedStateMachine):
         never = sorted(mid for mid in self.parked if not self.started[mid])
         assert not never, f"parked messages never started: {never}"
         self.every_parked_message_is_somewhere_and_started_at_most_once()
-        for client in (self.redis_client, self.cluster_client):
+        for client in self.clients:
             for name in self.stored(client):
                 record: Any = client.get(name) if "}:gens:" in name else None
                 if (
@@ -1035,27 +1047,28 @@ class GuardModel(RuleBasedStateMachine):
                     waiter = name.rpartition("}:gens:")[2]
                     assert waiter in self.unacked_parks, f"{name} outlived the work of an acked copy"
         self.clock.advance(DAY_MS + 1)
-        for client in (self.redis_client, self.cluster_client):
+        for client in self.clients:
             assert self.stored(client) == [], f"left in Redis after a day: {self.stored(client)}"
 
 
 @pytest.mark.timeout(900)  # a failure is shrunk, which takes minutes: let it finish and print
 def test_the_backends_follow_the_model(servers: Servers) -> None:
-    """Random operations and faults on the three backends in lockstep (module docstring)."""
+    """Random operations and faults on the four backends in lockstep (module docstring)."""
 
     class OnTheseServers(GuardModel):
         def __init__(self) -> None:
             super().__init__(servers)
 
-    run_state_machine_as_test(
-        OnTheseServers,
-        settings=settings(
-            max_examples=EXAMPLES,
-            stateful_step_count=STEPS,
-            deadline=None,
-            derandomize=not RANDOM,
-            database=None,
-            print_blob=True,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-        ),
-    )
+    with fakeredis_clock(lambda: servers.clock.now_ms):
+        run_state_machine_as_test(
+            OnTheseServers,
+            settings=settings(
+                max_examples=EXAMPLES,
+                stateful_step_count=STEPS,
+                deadline=None,
+                derandomize=not RANDOM,
+                database=None,
+                print_blob=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+            ),
+        )

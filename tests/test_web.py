@@ -20,7 +20,7 @@ from dramatiq_guard import admin
 from dramatiq_guard.backends import Handoff, MemoryBackend, RedisBackend, Waiter
 from dramatiq_guard.cli import main
 from dramatiq_guard.ledger import Ledger
-from dramatiq_guard.web import Dashboard, History, make_app
+from dramatiq_guard.web import Access, Dashboard, History, Page, make_app
 from dramatiq_guard.web.history import sparkline
 
 SECRET = "s3cret"
@@ -102,7 +102,7 @@ def test_the_overview_is_paginated() -> None:
     backend = MemoryBackend()
     for i in range(7):
         _busy(backend, f"concurrency:k{i}", limit=1, waiting=1)
-    app = make_app(backend, per_page=3)
+    app = make_app(backend, page=Page(per_page=3))
     client = Client(app)
     text = client.get("/?page=2").get_data(as_text=True)
     assert "page 2 of 3" in text and "previous" in text and "next" in text
@@ -144,7 +144,7 @@ def test_a_limit_is_changed_after_a_confirmation_that_says_what_will_happen() ->
                 handoff.key, handoff.waiter_id, ttl_ms=60_000, generation=handoff.generation
             )
 
-    app = Dashboard(backend, requeue=requeue, write_secret=SECRET)
+    app = Dashboard(backend, requeue=requeue, access=Access(write_secret=SECRET))
     client, token = _unlocked(app)
     page = client.get("/key", query_string={"k": KEY}).get_data(as_text=True)
     assert 'id="limit-form"' in page and "writes enabled" in page
@@ -171,7 +171,7 @@ def test_a_limit_is_changed_after_a_confirmation_that_says_what_will_happen() ->
 def test_a_forced_release_hands_the_slots_to_the_oldest_waiters() -> None:
     backend = MemoryBackend()
     waiting = _busy(backend)
-    app = make_app(backend, write_secret=SECRET)  # no broker: the hand-offs stay reserved
+    app = make_app(backend, access=Access(write_secret=SECRET))  # no broker: the hand-offs stay reserved
     client, token = _unlocked(app)
     confirm = client.get("/confirm/release", query_string={"k": KEY}).get_data(as_text=True)
     assert "Release 2 holder(s) of concurrency:webhooks:42 by force: h0, h1." in confirm
@@ -191,7 +191,7 @@ def test_a_forced_release_hands_the_slots_to_the_oldest_waiters() -> None:
 def test_writes_need_the_secret_the_token_and_the_same_origin() -> None:
     backend = MemoryBackend()
     _busy(backend)
-    app = make_app(backend, write_secret=SECRET)
+    app = make_app(backend, access=Access(write_secret=SECRET))
     anonymous = Client(app)
     token = _csrf(anonymous)
     assert "Unlock writes" in anonymous.get("/").get_data(as_text=True)
@@ -231,7 +231,7 @@ def test_writes_need_the_secret_the_token_and_the_same_origin() -> None:
 def test_the_host_app_may_authorize_writes() -> None:
     backend = MemoryBackend()
     _busy(backend)
-    app = make_app(backend, authorize=lambda environ: environ.get("HTTP_X_STAFF") == "yes")
+    app = make_app(backend, access=Access(authorize=lambda environ: environ.get("HTTP_X_STAFF") == "yes"))
     client = Client(app)
     token = _csrf(client)
     data = {"k": KEY, "limit": "3", "csrf": token}
@@ -359,6 +359,23 @@ def test_make_app_builds_its_backend_broker_and_ledger(redis_url: str, tmp_path:
     client.close()
     with pytest.raises(ValueError, match="MODULE:ATTR"):
         make_app(MemoryBackend(), broker="nonsense")
+
+
+def test_the_keywords_of_0_1_still_work_with_a_deprecation_warning() -> None:
+    """``write_secret=`` and the others, from before :class:`Access` and :class:`Page`."""
+
+    def staff(environ: Any) -> bool:
+        return False
+
+    with pytest.warns(DeprecationWarning, match=r"write_secret=, per_page=.*access=Access") as warned:
+        app = make_app(MemoryBackend(), write_secret=SECRET, per_page=3, access=Access(authorize=staff))
+    assert [w.filename for w in warned] == [__file__]  # the caller's line
+    assert (app.write_secret, app.authorize, app.per_page, app.refresh_ms) == (SECRET, staff, 3, 1500)
+    with pytest.warns(DeprecationWarning, match="allowed_hosts="):
+        dashboard = Dashboard(MemoryBackend(), allowed_hosts=["*"], refresh_ms=500)
+    assert (dashboard.allowed_hosts.entries, dashboard.refresh_ms) == (("*",), 500)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument.*: per_pgae"):
+        make_app(MemoryBackend(), per_pgae=3)
 
 
 def test_serve_runs_the_dashboard_on_localhost(redis_url: str, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from harness import unavailable
 from playwright import sync_api as playwright_sync  # a test dependency: missing, it fails (never skips)
 
 from dramatiq_guard.backends import RedisBackend, Waiter
-from dramatiq_guard.web import Dashboard, make_app
+from dramatiq_guard.web import Access, Dashboard, make_app
 
 expect = playwright_sync.expect
 
@@ -121,7 +121,7 @@ def test_ten_parked_webhooks_then_a_limit_raised_from_the_page(
     assert sorted(r["n"] for r in recorder.take(2)) == [1, 2]  # both hold their slots, at the gate
     sent += [module.deliver_webhook.send(42, n) for n in range(3, 11)]  # the key is full: they park
     backend = RedisBackend.from_url(redis_url)
-    url = serve(make_app(backend, broker=module.broker, write_secret=SECRET))
+    url = serve(make_app(backend, broker=module.broker, access=Access(write_secret=SECRET)))
 
     viewer = browser.new_page()
     viewer.goto(f"{url}/")
@@ -178,7 +178,9 @@ def test_a_forced_release_from_the_page_hands_the_slot_to_the_oldest_waiter(
     first = module.report.send(1)
     assert recorder.take_one()["n"] == 1
     waiting = [module.report.send(n) for n in (2, 3)]
-    url = serve(make_app(RedisBackend.from_url(redis_url), broker=module.broker, write_secret=SECRET))
+    url = serve(
+        make_app(RedisBackend.from_url(redis_url), broker=module.broker, access=Access(write_secret=SECRET))
+    )
 
     page = browser.new_page()
     page.goto(f"{url}/key?k=mutex:report")
@@ -210,7 +212,7 @@ def test_keys_and_arguments_with_markup_render_as_text_and_writes_need_secret_an
         queue_name="q", actor_name="<i>deliver</i>", args=(argument,), kwargs={}, options={}
     )
     backend.acquire(key, message.message_id, limit=1, ttl_ms=60_000, wait=Waiter(payload=message.encode()))
-    url = serve(make_app(backend, write_secret=SECRET))
+    url = serve(make_app(backend, access=Access(write_secret=SECRET)))
 
     page = browser.new_page()
     dialogs: list[str] = []

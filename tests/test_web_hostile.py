@@ -24,7 +24,7 @@ from werkzeug.test import Client, TestResponse
 from dramatiq_guard.backends import RedisBackend, Waiter
 from dramatiq_guard.backends import redis as redis_backend
 from dramatiq_guard.cli import main
-from dramatiq_guard.web import Dashboard, History, UnlockLimit, make_app
+from dramatiq_guard.web import Access, Dashboard, History, UnlockLimit, make_app
 
 SECRET = "a-long-random-write-secret"
 KEY = "concurrency:webhooks:42"
@@ -77,7 +77,7 @@ def test_a_request_for_a_host_name_not_allowed_gets_400_before_any_key_data_is_r
 def test_a_rebound_page_cannot_write_though_its_origin_matches_its_own_host(backend: RedisBackend) -> None:
     # A host site that lets every local request write: exactly what a DNS-rebinding page exploits,
     # since the victim's browser sends it from 127.0.0.1 with Origin and Host both the attacker's.
-    app = make_app(backend, authorize=lambda environ: True)
+    app = make_app(backend, access=Access(authorize=lambda environ: True))
     rebound = Client(app)
     evil = "http://evil.example:8470"
     # The page makes its own double-submit pair: a script may set a cookie for its own name.
@@ -97,7 +97,9 @@ def test_a_rebound_page_cannot_write_though_its_origin_matches_its_own_host(back
 
 
 def test_allowed_hosts_takes_names_subdomains_and_any(backend: RedisBackend) -> None:
-    client = Client(make_app(backend, allowed_hosts=["guard.example.com", ".internal.example", "[::1]"]))
+    client = Client(
+        make_app(backend, access=Access(allowed_hosts=["guard.example.com", ".internal.example", "[::1]"]))
+    )
     assert client.get("/", headers={"Host": "guard.example.com"}).status_code == 200
     assert client.get("/", headers={"Host": "guard.example.com:8443"}).status_code == 200
     assert client.get("/", headers={"Host": "internal.example"}).status_code == 200
@@ -106,7 +108,7 @@ def test_allowed_hosts_takes_names_subdomains_and_any(backend: RedisBackend) -> 
     for host in ("localhost", "guard.example.com.evil.example", "xinternal.example", "a b", ""):
         assert client.get("/", headers={"Host": host}).status_code == 400, host
     # "*": any Host (a site that checks Host itself in front of the dashboard), still a valid one.
-    anyhost = Client(make_app(backend, allowed_hosts=["*"]))
+    anyhost = Client(make_app(backend, access=Access(allowed_hosts=["*"])))
     assert anyhost.get("/", headers={"Host": "whatever.example:81"}).status_code == 200
     assert anyhost.get("/", headers={"Host": "a/b"}).status_code == 400
 
@@ -122,11 +124,9 @@ def test_allowed_hosts_takes_names_subdomains_and_any(backend: RedisBackend) -> 
         ("localhost", "a list"),
     ],
 )
-def test_a_bad_allowed_host_is_refused_naming_it_and_what_is_allowed(
-    backend: RedisBackend, hosts: Any, complaint: str
-) -> None:
+def test_a_bad_allowed_host_is_refused_naming_it_and_what_is_allowed(hosts: Any, complaint: str) -> None:
     with pytest.raises(ValueError, match="allowed_hosts") as raised:
-        make_app(backend, allowed_hosts=hosts)
+        Access(allowed_hosts=hosts)
     assert complaint in str(raised.value)
 
 
@@ -271,7 +271,7 @@ def _unlock(client: Client, token: str, secret: str) -> TestResponse:
 
 
 def test_after_five_wrong_secrets_even_the_right_one_gets_429(backend: RedisBackend) -> None:
-    guesser = Client(make_app(backend, write_secret=SECRET))
+    guesser = Client(make_app(backend, access=Access(write_secret=SECRET)))
     token = _csrf(guesser)
     assert [_unlock(guesser, token, f"guess-{n}").status_code for n in range(5)] == [403] * 5
     refused = _unlock(guesser, token, SECRET)
@@ -283,7 +283,7 @@ def test_after_five_wrong_secrets_even_the_right_one_gets_429(backend: RedisBack
 def test_unlock_is_rate_limited_per_client_after_wrong_secrets(backend: RedisBackend) -> None:
     now = [0.0]
     limit = UnlockLimit(failures=5, window_s=60.0, clock=lambda: now[0])
-    app = Dashboard(backend, write_secret=SECRET, unlock_limit=limit)
+    app = Dashboard(backend, access=Access(write_secret=SECRET), unlock_limit=limit)
     guesser = Client(app)
     token = _csrf(guesser)
     for n in range(5):
@@ -313,7 +313,7 @@ def test_unlock_is_rate_limited_per_client_after_wrong_secrets(backend: RedisBac
 
 def test_the_unlock_limit_remembers_a_bounded_number_of_clients(backend: RedisBackend) -> None:
     limit = UnlockLimit(failures=2, window_s=60.0, max_clients=3, clock=lambda: 0.0)
-    app = Dashboard(backend, write_secret=SECRET, unlock_limit=limit)
+    app = Dashboard(backend, access=Access(write_secret=SECRET), unlock_limit=limit)
     client = Client(app)
     token = _csrf(client)
     for n in range(20):

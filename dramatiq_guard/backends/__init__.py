@@ -13,8 +13,10 @@ from dramatiq_guard.backends.base import (
 )
 from dramatiq_guard.backends.memory import MemoryBackend
 from dramatiq_guard.backends.redis import RedisBackend
+from dramatiq_guard.backends.values import AcquireOutcome
 
 __all__ = [
+    "AcquireOutcome",
     "AcquireResult",
     "GuardBackend",
     "Handoff",

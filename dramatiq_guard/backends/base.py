@@ -168,6 +168,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 
 from dramatiq_guard.backends.checks import (
@@ -288,7 +289,7 @@ class GuardBackend(abc.ABC):
         return Woken(token, self.handoff_ttl_ms - self.wake_ttl_ms)
 
     @abc.abstractmethod
-    def acquire(
+    def acquire(  # noqa: PLR0913
         self,
         key: str,
         holder: str,
@@ -732,6 +733,17 @@ class GuardBackend(abc.ABC):
             raise ConfigurationError(
                 f"replica_waits={count} needs the guard's state on Redis, not on a {type(self).__name__}"
             )
+
+    def now_ms(self) -> int:
+        """Now on the backend's clock, in milliseconds since the epoch; the default is the wall clock.
+
+        What the command and the dashboard measure ages and lapses against (the
+        Redis backend reads Redis ``TIME``, the clock its scripts decide by).
+
+        Raises:
+          BackendUnavailable: If the store's clock cannot be read.
+        """
+        return int(time.time() * 1000)
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -56,6 +56,7 @@ from dramatiq_guard.backends.redis_client import (
 )
 from dramatiq_guard.backends.redis_layout import KeyNames
 from dramatiq_guard.backends.redis_scripts import LuaScript, ScriptLibrary
+from dramatiq_guard.backends.values import AcquireOutcome
 
 __all__ = ["DEFAULT_SOCKET_TIMEOUT_S", "RedisBackend", "RedisClient", "replica_waits_of"]
 
@@ -140,7 +141,7 @@ class RedisBackend(GuardBackend):
     #: How many keys :meth:`sweep_many` sends in one pipelined round trip.
     SWEEP_BATCH = 100
 
-    def __init__(
+    def __init__(  # noqa: PLR0913
         self,
         client: RedisClient,
         *,
@@ -318,18 +319,14 @@ class RedisBackend(GuardBackend):
         """Decode acquire.lua's ``{acquired, token, limit, queued, holders, handoffs[, lapses_in_ms]}``,
         sent at ``sent``."""
         acquired, token, in_force, queued, holders, handoffs, *lapses_in = reply
-        queued = text(queued)
+        outcome = AcquireOutcome.ACQUIRED if acquired else AcquireOutcome.refusal(text(queued))
         return AcquireResult(
-            acquired=bool(acquired),
+            outcome,
             token=None if token is None else int(token),
             holders=tuple(text(h) for h in holders),
             limit=int(in_force),
-            parked=queued in ("queued", "standby"),
             handoffs=self._handoffs(key, handoffs),
-            standby=queued == "standby",
-            stale=queued == "stale",
             valid_from=sent,
-            running=queued == "running",
             lapses_in_ms=int(lapses_in[0]) if lapses_in else None,
         )
 
@@ -361,7 +358,7 @@ class RedisBackend(GuardBackend):
 
     # -- operations ---------------------------------------------------------
 
-    def acquire(
+    def acquire(  # noqa: PLR0913
         self,
         key: str,
         holder: str,
@@ -387,7 +384,7 @@ class RedisBackend(GuardBackend):
         """
         return self._acquire(key, holder, limit, ttl_ms, wait, info, generation, fenced=fenced, runner=runner)
 
-    def _acquire(
+    def _acquire(  # noqa: PLR0913
         self,
         key: str,
         holder: str,
@@ -446,16 +443,13 @@ class RedisBackend(GuardBackend):
         check_ms(ttl_ms, "ttl_ms")
         names = self._names(key)
         sent = time.monotonic()
-        status, holders = self._call(
-            self.scripts["lock"],
-            list(layout.lock_keys(names)),
-            list(layout.LockArgs(holder=holder, ttl_ms=ttl_ms, info=info or "")),
-        )
+        own = layout.LockArgs(holder=holder, ttl_ms=ttl_ms, info=info or "")
+        status, holders = self._call(self.scripts["lock"], list(layout.lock_keys(names)), list(own))
         if int(status) < 0:
             return self._acquire(key, holder, 1, ttl_ms, None, info, None, fenced=False)
         acquired = int(status) == 1
         return AcquireResult(
-            acquired=acquired,
+            AcquireOutcome.ACQUIRED if acquired else AcquireOutcome.BUSY,
             token=None,
             holders=() if acquired else tuple(text(h) for h in holders[:HOLDERS_SHOWN]),
             limit=1,
@@ -469,9 +463,8 @@ class RedisBackend(GuardBackend):
         it touches only the holder's entry and the expiry of its key.
         """
         check_ms(ttl_ms, "ttl_ms", minimum=0)
-        [renewed] = self._call(
-            self.scripts["renew"], self._renew_keys(key), [*layout.LeaseArgs(holder=holder, ttl_ms=ttl_ms)]
-        )
+        own = layout.LeaseArgs(holder=holder, ttl_ms=ttl_ms)
+        [renewed] = self._call(self.scripts["renew"], self._renew_keys(key), list(own))
         return bool(renewed)
 
     def renew_many(self, leases: Sequence[tuple[str, str, int]]) -> list[bool]:
@@ -533,11 +526,8 @@ class RedisBackend(GuardBackend):
         """The checked ``release.lua`` call of one release (run alone, or pipelined with others)."""
         check_count(limit, "limit")
         check_count(send_ahead, "send_ahead")
-        return (
-            self.scripts["release"],
-            self._keys(key),
-            self._args(key, limit, *layout.ReleaseArgs(holder=holder, standbys=send_ahead)),
-        )
+        own = layout.ReleaseArgs(holder=holder, standbys=send_ahead)
+        return self.scripts["release"], self._keys(key), self._args(key, limit, *own)
 
     def confirm_handoff(
         self, key: str, waiter_id: str, *, ttl_ms: int, generation: int | None = None
@@ -641,9 +631,7 @@ class RedisBackend(GuardBackend):
             batch = keys[first : first + self.SWEEP_BATCH]
             for _, limit in batch:
                 check_count(limit, "limit")
-            calls = [
-                (script, self._keys(key), self._args(key, limit, *layout.SweepArgs())) for key, limit in batch
-            ]
+            calls = [(script, self._keys(key), self._args(key, limit)) for key, limit in batch]  # SweepArgs()
             replies = run_scripts(self.client, self.scripts, calls)
             results.extend(self._release_reply(key, r) for (key, _), r in zip(batch, replies, strict=True))
         return results
@@ -740,7 +728,7 @@ class RedisBackend(GuardBackend):
             self.client,
             self.scripts,
             [
-                (self.scripts["unindex"], [self._index], [*layout.UnindexArgs(member=k, cutoff_ms=cutoff)])
+                (self.scripts["unindex"], [self._index], list(layout.UnindexArgs(member=k, cutoff_ms=cutoff)))
                 for k in empty
             ],
         )
@@ -783,11 +771,8 @@ class RedisBackend(GuardBackend):
         """
         if not self._in_cluster():
             keys = [p + suffix for _, p in chunk for suffix in layout.LAYOUTS["summaries"].each_keys]
-            [reply] = run_scripts(
-                self.client,
-                self.scripts,
-                [(self.scripts["summaries"], keys, [*layout.SummariesArgs(first=first)])],
-            )
+            own = layout.SummariesArgs(first=first)
+            [reply] = run_scripts(self.client, self.scripts, [(self.scripts["summaries"], keys, list(own))])
             if isinstance(reply, Exception):
                 raise reply
             flat: list[Any] = []
@@ -853,3 +838,11 @@ class RedisBackend(GuardBackend):
         """Close the client if this backend made it (:meth:`from_url`)."""
         if self._owns_client:
             self.client.close()
+
+    def now_ms(self) -> int:
+        """Now on Redis's clock (``TIME``), the one the scripts decide by; on a Cluster, the wall clock."""
+        if not isinstance(self.client, redis.Redis):
+            return super().now_ms()
+        with reachable():
+            seconds, micros = self.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000

@@ -133,46 +133,12 @@ class StateWatch:
         """
         if self._cluster:
             return []
-        client = self.backend.client
-        pipe = client.pipeline(transaction=False)
-        pipe.info("server")
-        pipe.info("stats")
-        pipe.info("commandstats")
-        server, stats, commands = (_info(r) for r in pipe.execute(raise_on_error=False))
-        run_id = server.get("run_id")
-        run_id = None if run_id is None else str(run_id)
-        flushes = sum(
-            int(_info(commands.get(f"cmdstat_{c}")).get("calls", 0)) for c in ("flushall", "flushdb")
-        )
-        now = time.monotonic()
-        indexed: list[str] = self.waiting
-        vanished: list[Any] = []
-        payloads: list[Any] = []
-        unindexed: list[Any] = []
-        if (
-            self.keys_checked is None
-            or now - self.keys_checked >= self._keys_interval_s()
-            or run_id != self.run_id
-            or (commands and flushes != self.flushes)
-        ):
-            # The waiters check reads every waiting key: not at every pass (see keys_every_s).
-            index = f"{self.backend.namespace}:waiting"
-            backend = self.backend
-            found, vanished, payloads, unindexed = run_script(
-                client,
-                backend.scripts,
-                backend.scripts["health"],
-                [index],
-                [backend.namespace, *self.waiting],
-            )
-            indexed = [text(k) for k in found]
-            self.keys_checked = now
-        evicted = stats.get("evicted_keys")
-
+        run_id, flushes, evicted, counted = self._server_facts()
+        indexed, vanished, payloads, unindexed = self._key_facts(run_id, flushes, counted)
         losses: list[str] = []
         if self.run_id is not None and run_id is not None and run_id != self.run_id:
             losses += self._restarted(run_id, indexed)
-        elif self.flushes is not None and commands and flushes > self.flushes:
+        elif self.flushes is not None and counted and flushes > self.flushes:
             logger.error(
                 "The guard's Redis (%s) was flushed (FLUSHALL/FLUSHDB) while workers ran: if it was "
                 "the guard's database, it lost %s. Keys waiting before: %s.",
@@ -182,6 +148,70 @@ class StateWatch:
             )
             events.redis_state_lost("flush")
             losses.append("flush")
+        losses += self._lost_keys(vanished, payloads, unindexed)
+        if evicted is not None and self.evicted is not None and evicted > self.evicted and not losses:
+            logger.warning(
+                "The guard's Redis (%s) evicted %d key(s) since the last check (its maxmemory-policy "
+                "evicts): guard keys may be among them.",
+                self._where(),
+                evicted - self.evicted,
+            )
+        self.run_id = run_id or self.run_id
+        self.flushes = flushes if counted else self.flushes
+        self.evicted = evicted
+        self.waiting = indexed
+        return losses
+
+    def _server_facts(self) -> tuple[str | None, int, int | None, bool]:
+        """The server's run id, FLUSHALL/FLUSHDB calls, evicted keys, and whether commands are counted."""
+        pipe = self.backend.client.pipeline(transaction=False)
+        pipe.info("server")
+        pipe.info("stats")
+        pipe.info("commandstats")
+        server, stats, commands = (_info(r) for r in pipe.execute(raise_on_error=False))
+        run_id = server.get("run_id")
+        flushes = sum(
+            int(_info(commands.get(f"cmdstat_{c}")).get("calls", 0)) for c in ("flushall", "flushdb")
+        )
+        evicted = stats.get("evicted_keys")
+        return (
+            None if run_id is None else str(run_id),
+            flushes,
+            None if evicted is None else int(evicted),
+            bool(commands),
+        )
+
+    def _key_facts(
+        self, run_id: str | None, flushes: int, counted: bool
+    ) -> tuple[list[str], list[Any], list[Any], list[Any]]:
+        """The waiting keys indexed now, and those vanished (with their payloads left) or unindexed.
+
+        The waiters check reads every waiting key: not at every pass (see ``keys_every_s``), but
+        at once after a restart or a flush.
+        """
+        now = time.monotonic()
+        if not (
+            self.keys_checked is None
+            or now - self.keys_checked >= self._keys_interval_s()
+            or run_id != self.run_id
+            or (counted and flushes != self.flushes)
+        ):
+            return self.waiting, [], [], []
+        backend = self.backend
+        index = f"{backend.namespace}:waiting"
+        found, vanished, payloads, unindexed = run_script(
+            backend.client,
+            backend.scripts,
+            backend.scripts["health"],
+            [index],
+            [backend.namespace, *self.waiting],
+        )
+        self.keys_checked = now
+        return [text(k) for k in found], vanished, payloads, unindexed
+
+    def _lost_keys(self, vanished: list[Any], payloads: list[Any], unindexed: list[Any]) -> list[str]:
+        """Log and count each key whose waiters vanished, or that vanished from the index."""
+        losses: list[str] = []
         for key, left in zip(vanished, payloads, strict=True):
             logger.error(
                 "The waiters of guard key %r vanished from the guard's Redis (%s) without being handed "
@@ -203,17 +233,6 @@ class StateWatch:
             )
             events.redis_state_lost("vanished")
             losses.append("vanished")
-        if evicted is not None and self.evicted is not None and int(evicted) > self.evicted and not losses:
-            logger.warning(
-                "The guard's Redis (%s) evicted %d key(s) since the last check (its maxmemory-policy "
-                "evicts): guard keys may be among them.",
-                self._where(),
-                int(evicted) - self.evicted,
-            )
-        self.run_id = run_id or self.run_id
-        self.flushes = flushes if commands else self.flushes
-        self.evicted = None if evicted is None else int(evicted)
-        self.waiting = indexed
         return losses
 
     def announce(self, interval_s: float) -> None:

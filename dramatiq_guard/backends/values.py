@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 
 __all__ = [
@@ -68,62 +69,101 @@ class Handoff:
     generation: int | None = dataclasses.field(default=None, compare=False)
 
 
+class AcquireOutcome(enum.Enum):
+    """What an acquire did: one state (:attr:`AcquireResult.outcome`)."""
+
+    #: ``holder`` holds a slot of the key now.
+    ACQUIRED = "acquired"
+    #: Refused and queued as a waiter (asked to wait, or already waiting): parked, or blocking.
+    QUEUED = "queued"
+    #: A standby (sent ahead by :meth:`GuardBackend.send_standbys`) that acquired in park mode
+    #: with ``Waiter.wait_ms > 0``: not parked, it waits as a blocking waiter, for
+    #: :meth:`GuardBackend.wait_for_handoff`. Queued too.
+    STANDBY = "standby"
+    #: A stale copy of a handed-off message (see *generations*): nothing was done; it must not run.
+    STALE = "stale"
+    #: ``holder`` holds the key (or blocks for it) for another runner (see ``runner`` of
+    #: :meth:`GuardBackend.acquire`): its message runs there, or ran there until its worker died
+    #: and the lease has not lapsed yet. Nothing was done; this copy must not run now, nor is it
+    #: queued.
+    RUNNING = "running"
+    #: Refused, and not queued (no ``wait`` was given).
+    BUSY = "busy"
+
+    @classmethod
+    def refusal(cls, word: str) -> AcquireOutcome:
+        """The refusal the scripts name ``word`` (queued, standby, stale, running), else busy."""
+        try:
+            return cls(word)
+        except ValueError:
+            return cls.BUSY
+
+
 @dataclasses.dataclass(frozen=True)
 class AcquireResult:
     """The outcome of :meth:`GuardBackend.acquire`.
 
     Parameters:
-      acquired(bool): Whether ``holder`` now holds a slot of the key.
+      outcome(AcquireOutcome): What it did (one state; :attr:`acquired`,
+        :attr:`parked`, :attr:`standby`, :attr:`stale` and :attr:`running` read it).
       token(int|None): The new fencing token when acquired, else None.
       holders(tuple[str, ...]): When refused, who is in the way, for the
         caller to name: the first :data:`HOLDERS_SHOWN` live holders (earliest
         deadline first). Empty when acquired: the reply never carries the whole
         set (a limit may be thousands; :meth:`GuardBackend.inspect` lists it).
       limit(int): The limit in force.
-      parked(bool): Whether the caller's waiter entry is queued (it was
-        refused and asked to wait, or was already waiting).
       handoffs(tuple[Handoff, ...]): Waiters given a slot by this operation;
         the caller must re-enqueue the ones with a payload.
-      standby(bool): The caller is a standby (sent ahead by
-        :meth:`GuardBackend.send_standbys`) that acquired in park mode with
-        ``Waiter.wait_ms > 0``: it was not parked but waits as a blocking
-        waiter (``parked`` is True too), for :meth:`GuardBackend.wait_for_handoff`.
       reserved_ms(int|None): Set only on a result made from a wake
         (:meth:`Woken.result`): the slot was taken by the push that handed it
         over, not by an acquire, so the holder's deadline is still the
         hand-off reservation, which lasts at least this long from the wake.
         The lease must be renewed within that (:class:`~dramatiq_guard.lease.Lease`
         renews it a third of the way into it when given ``reserved_ms``).
-      stale(bool): The caller is a stale copy of a handed-off message (see
-        *generations*): nothing was done, and it must not run.
-      running(bool): ``holder`` already holds the key (or blocks for it) for
-        another runner (see ``runner`` of :meth:`GuardBackend.acquire`): its
-        message runs there, or ran there until its worker died and the lease
-        has not lapsed yet. Nothing was done; this copy must not run now, nor
-        is it queued.
-      lapses_in_ms(int|None): With ``running``: in how many ms the entry in
-        the way (the other runner's lease, or its wait) lapses unless it is
-        renewed (a live runner renews its lease); the copy may ask again then.
       valid_from(float|None): When the lease's ttl (or ``reserved_ms``)
         surely started counting, on this process's ``time.monotonic()``:
         just before the acquire request was sent (the backend counts from
         later), or when the wake was taken. Backends set it; None (unknown)
         makes a :class:`~dramatiq_guard.lease.Lease` count from when it is
         made. See :mod:`dramatiq_guard.renewer` (known-valid time).
+      lapses_in_ms(int|None): With :attr:`running`: in how many ms the entry in
+        the way (the other runner's lease, or its wait) lapses unless it is
+        renewed (a live runner renews its lease); the copy may ask again then.
     """
 
-    acquired: bool
+    outcome: AcquireOutcome
     token: int | None
     holders: tuple[str, ...]
     limit: int
-    parked: bool = False
     handoffs: tuple[Handoff, ...] = ()
-    standby: bool = False
     reserved_ms: int | None = None
-    stale: bool = False
     valid_from: float | None = None
-    running: bool = False
     lapses_in_ms: int | None = None
+
+    @property
+    def acquired(self) -> bool:
+        """Whether ``holder`` now holds a slot of the key."""
+        return self.outcome is AcquireOutcome.ACQUIRED
+
+    @property
+    def parked(self) -> bool:
+        """Whether the caller's waiter entry is queued (parked, blocking, or a standby)."""
+        return self.outcome in (AcquireOutcome.QUEUED, AcquireOutcome.STANDBY)
+
+    @property
+    def standby(self) -> bool:
+        """Whether the caller is a standby that blocks for its slot (:attr:`AcquireOutcome.STANDBY`)."""
+        return self.outcome is AcquireOutcome.STANDBY
+
+    @property
+    def stale(self) -> bool:
+        """Whether the caller is a stale copy (:attr:`AcquireOutcome.STALE`): it must not run."""
+        return self.outcome is AcquireOutcome.STALE
+
+    @property
+    def running(self) -> bool:
+        """Whether the holder runs elsewhere (:attr:`AcquireOutcome.RUNNING`): this copy must not run now."""
+        return self.outcome is AcquireOutcome.RUNNING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +185,12 @@ class Woken:
     def result(self, limit: int) -> AcquireResult:
         """This wake as an acquired :class:`AcquireResult` (``reserved_ms`` counted from ``taken_at``)."""
         return AcquireResult(
-            True, self.token, (), limit, reserved_ms=self.reserved_ms, valid_from=self.taken_at
+            AcquireOutcome.ACQUIRED,
+            self.token,
+            (),
+            limit,
+            reserved_ms=self.reserved_ms,
+            valid_from=self.taken_at,
         )
 
 

@@ -43,7 +43,7 @@ def _cmd_inspect(ctx: Context) -> int:
         summaries = backend.summaries(keys, waiters=ctx.args.waiters)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    now = admin.now_ms(backend)
+    now = backend.now_ms()
     views = [
         admin.key_view(key, state, now, summary)
         for key, summary in zip(keys, summaries, strict=True)

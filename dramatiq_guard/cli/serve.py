@@ -124,9 +124,8 @@ def _cmd_serve(ctx: Context) -> int:
         except ValueError as e:
             raise UsageError(str(e)) from None
     ledger_url = args.ledger or os.environ.get(LEDGER_URL_ENV)
-    app = web.make_app(
-        backend, broker=broker, ledger=ledger_url, write_secret=secret, allowed_hosts=hosts.entries
-    )
+    access = web.Access(write_secret=secret, allowed_hosts=hosts.entries)
+    app = web.make_app(backend, broker=broker, ledger=ledger_url, access=access)
     mode = "writes need the write secret" if secret else "read-only (no write secret)"
     port = web.DEFAULT_PORT if args.port is None else args.port
     shown = f"[{args.host}]" if ":" in args.host else args.host

@@ -27,6 +27,7 @@ from dramatiq.middleware import Retries, SkipMessage
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Waiter
+from dramatiq_guard.claim import Claim
 from dramatiq_guard.delivery import Courier, generation_of
 from dramatiq_guard.errors import BackendUnavailable, DuplicateMessage, GuardOptionError
 from dramatiq_guard.gate import Diverted, Outcome
@@ -167,13 +168,14 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
 
         key = PREFIX + self._key(guard, message)
         backend = self.backend(broker)
+        claim = Claim(backend, key, message.message_id, 1, self.pending_ttl_ms, info=message.actor_name)
         try:
-            result = self._try_lock(broker, backend, key, message)
+            result = self._try_lock(broker, claim)
             self._deliver(broker, result.handoffs)
             if result.acquired:
                 options[LOCK_OPTION] = key
                 ttl = policy.ttl_ms + ((delay or 0) if policy.including_scheduled else 0)
-                return _LockTicket(self, broker, backend, key, message, ttl)
+                return _LockTicket(self, broker, claim, message, ttl)
             holder = result.holders[0] if result.holders else ""
             events.deduplicated(message.actor_name)
             logger.info("Deduplicated %s: %r is held by %s.", message, key, holder or "nobody")
@@ -189,10 +191,8 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
             return None
         raise Diverted(message.copy(options=marks), Outcome.DROPPED)
 
-    def _try_lock(
-        self, broker: Broker, backend: GuardBackend, key: str, message: Message[Any]
-    ) -> AcquireResult:
-        """Take the pending lock of ``message`` (a new holder); one that raised is taken back first.
+    def _try_lock(self, broker: Broker, claim: Claim) -> AcquireResult:
+        """Take the pending lock of a new holder; one that raised is taken back first.
 
         Raises:
           BackendUnavailable: The backend could not be reached, or no replica acknowledged the lock
@@ -200,11 +200,9 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
             (:meth:`~GuardBackend.take_back`), so the caller's retry is not a duplicate of it.
         """
         try:
-            return backend.try_lock(
-                key, message.message_id, ttl_ms=self.pending_ttl_ms, info=message.actor_name
-            )
+            return claim.try_lock()
         except BackendUnavailable:
-            undone = backend.take_back(key, message.message_id, limit=1)
+            undone = claim.take_back()
             if undone is not None:
                 self._deliver(broker, undone.handoffs)
             raise
@@ -466,29 +464,21 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
 class _LockTicket:
     """The pending lock of one send: confirmed in the background once pushed, released if not."""
 
-    __slots__ = ("backend", "broker", "key", "message", "middleware", "ttl_ms")
+    __slots__ = ("broker", "claim", "message", "middleware", "ttl_ms")
 
     def __init__(
-        self,
-        middleware: Deduplication,
-        broker: Broker,
-        backend: GuardBackend,
-        key: str,
-        message: Message[Any],
-        ttl_ms: int,
+        self, middleware: Deduplication, broker: Broker, claim: Claim, message: Message[Any], ttl_ms: int
     ) -> None:
         self.middleware = middleware
         self.broker = broker
-        self.backend = backend
-        self.key = key
+        self.claim = claim
         self.message = message
         self.ttl_ms = ttl_ms
 
     def pushed(self) -> None:
         lapses_at = time.monotonic() + self.middleware.pending_ttl_ms / 1000
-        self.middleware._confirmer.add_pending(
-            self.backend, self.key, self.message.message_id, self.ttl_ms, lapses_at
-        )
+        claim = self.claim
+        self.middleware._confirmer.add_pending(claim.backend, claim.key, claim.holder, self.ttl_ms, lapses_at)
 
     def parked(self) -> None:
         """A slots guard parked it: it will run, so it keeps the lock, as if pushed."""
@@ -496,8 +486,7 @@ class _LockTicket:
 
     def failed(self) -> None:
         self.message.options.pop(LOCK_OPTION, None)
-        released = self.backend.release(self.key, self.message.message_id, limit=1)
-        self.middleware._deliver(self.broker, released.handoffs)
+        self.middleware._deliver(self.broker, self.claim.release().handoffs)
 
 
 def _started_without_lock(holder: str, key: str, holders: Sequence[str] | None) -> None:

@@ -61,15 +61,22 @@ class Sweeper:
         self.backend.stop_watching()  # again, if a pass ran after leave_sweep's
 
 
-def sweep_all(backend: GuardBackend, members: list[Member]) -> None:
+def sweep_all(backend: GuardBackend, members: list[Member], *, waiting: bool = False) -> None:
     """Sweep every due key (:meth:`GuardBackend.due_keys`) that belongs to one of ``members``.
 
     Each middleware's keys go to the backend in one :meth:`GuardBackend.sweep_many`
     (pipelined batches on Redis), so a pass costs what is due, not what waits.
     Failures are logged; what failed is due again at the next pass.
+
+    Parameters:
+      backend(GuardBackend): The backend of the members.
+      members(list): The middlewares (and their brokers) whose keys are swept.
+      waiting(bool): Sweep every waiting key (:meth:`GuardBackend.waiting_keys`),
+        due or not: after a change no deadline tells of, such as an actor's
+        default limit raised.
     """
     try:
-        keys = backend.due_keys()
+        keys = backend.waiting_keys() if waiting else backend.due_keys()
     except Exception:
         logger.warning("The sweep could not list the due keys; retrying.", exc_info=True)
         return

@@ -6,9 +6,10 @@ Werkzeug, waitress). Run it on its own with ``dramatiq-guard serve`` (bound to
 existing site, as Dramatiq's own dashboard is mounted::
 
     from werkzeug.middleware.dispatcher import DispatcherMiddleware
-    from dramatiq_guard.web import make_app
+    from dramatiq_guard.web import Access, make_app
 
-    application = DispatcherMiddleware(site, {"/guard": make_app(redis="redis://...", broker=broker)})
+    guard = make_app(redis="redis://...", broker=broker, access=Access(allowed_hosts=["guard.example.com"]))
+    application = DispatcherMiddleware(site, {"/guard": guard})
 
 It shows what ``dramatiq-guard inspect --json``, ``inspect --summary --json``
 and ``ledger list --json`` show (the same view functions,
@@ -16,7 +17,7 @@ and ``ledger list --json`` show (the same view functions,
 since the page server started (:mod:`dramatiq_guard.web.history`).
 
 Safe by default. It answers only to the Host names it is given
-(``allowed_hosts``, :mod:`~dramatiq_guard.web.hosts`; by default the
+(:class:`Access`'s ``allowed_hosts``, :mod:`~dramatiq_guard.web.hosts`; by default the
 loopback names ``localhost``, ``127.0.0.1``, ``[::1]``): any other Host gets
 a 400 before anything is read, which is what keeps a DNS-rebinding page out.
 Mounted in a site served under another name, pass the site's names (a Django
@@ -41,12 +42,12 @@ the Host check and the same-origin check refuse it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from dramatiq_guard.web.app import MAX_KEY_CHARS, Authorize, Dashboard
+from dramatiq_guard.web.app import MAX_KEY_CHARS, Dashboard
 from dramatiq_guard.web.history import History
 from dramatiq_guard.web.hosts import LOCAL_HOSTS, AllowedHosts
+from dramatiq_guard.web.settings import Access, Page, settings_of
 from dramatiq_guard.web.unlocks import UnlockLimit
 
 if TYPE_CHECKING:
@@ -59,9 +60,11 @@ __all__ = [
     "DEFAULT_PORT",
     "LOCAL_HOSTS",
     "MAX_KEY_CHARS",
+    "Access",
     "AllowedHosts",
     "Dashboard",
     "History",
+    "Page",
     "UnlockLimit",
     "make_app",
     "serve",
@@ -78,11 +81,9 @@ def make_app(
     namespace: str = "dramatiq-guard",
     broker: Broker | str | None = None,
     ledger: Ledger | str | None = None,
-    write_secret: str | None = None,
-    authorize: Authorize | None = None,
-    refresh_ms: int = 1500,
-    per_page: int = 50,
-    allowed_hosts: Iterable[str] = LOCAL_HOSTS,
+    access: Access | None = None,
+    page: Page | None = None,
+    **deprecated: Any,
 ) -> Dashboard:
     """Make the dashboard's WSGI application.
 
@@ -96,22 +97,23 @@ def make_app(
         get a slot on it, as ``--broker`` does for the command. Without it a
         worker's sweep does, after the reservation lapses.
       ledger(Ledger|str|None): The idempotency ledger (or its URL) to show, or None.
-      write_secret(str|None): The secret a browser session gives to unlock writes.
-      authorize(Callable|None): ``authorize(environ) -> bool``, whether a
-        request may write (your site's own auth, e.g. staff only).
-      refresh_ms(int): How often an open page updates itself.
-      per_page(int): Keys per page of the overview.
-      allowed_hosts(Iterable[str]): The Host names it answers to, as Django's
-        ``ALLOWED_HOSTS``: names or IP addresses, ``.example.com`` for a
-        domain and its subdomains, ``"*"`` for any (default: ``localhost``,
-        ``127.0.0.1``, ``[::1]``). Another Host gets a 400.
+      access(Access|None): Who it answers (``allowed_hosts``) and who may write
+        (``write_secret``, ``authorize``); default: read-only, for the
+        loopback names only.
+      page(Page|None): How its pages show (``refresh_ms``, ``per_page``).
+      **deprecated: 0.1.0's ``write_secret``, ``authorize``, ``allowed_hosts``,
+        ``refresh_ms`` and ``per_page`` still work, with a ``DeprecationWarning``:
+        pass them in ``access`` and ``page``.
 
     Returns:
       Dashboard: The WSGI application.
 
     Raises:
-      ValueError: If ``broker`` or an entry of ``allowed_hosts`` is not one of their forms.
+      ValueError: If ``broker`` is not one of its forms, or a deprecated
+        ``allowed_hosts`` not host names (as :class:`Access`).
+      TypeError: If a keyword is none of the above.
     """
+    access, page = settings_of(access, page, deprecated)
     if backend is None:
         backend = _backend(redis, namespace)
     requeue = None
@@ -125,16 +127,7 @@ def make_app(
         from dramatiq_guard.ledger import Ledger
 
         ledger = Ledger(ledger, create_tables=False)
-    return Dashboard(
-        backend,
-        requeue=requeue,
-        ledger=ledger,
-        write_secret=write_secret,
-        authorize=authorize,
-        refresh_ms=refresh_ms,
-        per_page=per_page,
-        allowed_hosts=allowed_hosts,
-    )
+    return Dashboard(backend, requeue=requeue, ledger=ledger, access=access, page=page)
 
 
 def _backend(redis: Any, namespace: str) -> GuardBackend:

@@ -22,7 +22,8 @@ from dramatiq_guard.backends.base import GuardBackend, check_key
 from dramatiq_guard.bounds import MAX_COUNT
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.web.history import History, sparkline
-from dramatiq_guard.web.hosts import LOCAL_HOSTS, AllowedHosts
+from dramatiq_guard.web.hosts import AllowedHosts
+from dramatiq_guard.web.settings import Access, Page, settings_of
 from dramatiq_guard.web.unlocks import UnlockLimit
 
 if TYPE_CHECKING:
@@ -49,8 +50,6 @@ CSP = (
     "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
 )
 
-Authorize = Callable[["WSGIEnvironment"], bool]
-
 
 class Dashboard:
     """The dashboard: a WSGI application (made by :func:`dramatiq_guard.web.make_app`).
@@ -59,19 +58,17 @@ class Dashboard:
       backend(GuardBackend): The guard's backend.
       requeue(admin.Requeue|None): How hand-offs are re-enqueued (the app's broker), or None.
       ledger(Ledger|None): The idempotency ledger to show, or None.
-      write_secret(str|None): The secret that unlocks writes in a browser session.
-      authorize(Callable|None): ``authorize(environ) -> bool``: whether a request may write
-        (the host application's own auth).
-      refresh_ms(int): How often an open page updates itself.
-      per_page(int): Keys per page of the overview.
+      access(Access|None): Who it answers and who may write (default: read-only, loopback names).
+      page(Page|None): How its pages show (default: :class:`Page`'s).
       history(History|None): Where the charts' samples are kept.
-      allowed_hosts(Iterable[str]): The Host names it answers to
-        (:class:`~dramatiq_guard.web.hosts.AllowedHosts`; default: the loopback names).
       unlock_limit(UnlockLimit|None): How often a client may give a wrong write
         secret (default: :class:`~dramatiq_guard.web.unlocks.UnlockLimit`'s).
+      **deprecated: 0.1.0's ``write_secret``, ``authorize``, ``allowed_hosts``,
+        ``refresh_ms`` and ``per_page`` (:func:`settings_of`).
 
     Raises:
-      ValueError: If an entry of ``allowed_hosts`` is not a host name.
+      TypeError: If a keyword is none of the above.
+      ValueError: If a deprecated ``allowed_hosts`` is not host names (as :class:`Access`).
     """
 
     def __init__(
@@ -80,23 +77,22 @@ class Dashboard:
         *,
         requeue: admin.Requeue | None = None,
         ledger: Ledger | None = None,
-        write_secret: str | None = None,
-        authorize: Authorize | None = None,
-        refresh_ms: int = 1500,
-        per_page: int = 50,
+        access: Access | None = None,
+        page: Page | None = None,
         history: History | None = None,
-        allowed_hosts: Iterable[str] = LOCAL_HOSTS,
         unlock_limit: UnlockLimit | None = None,
+        **deprecated: Any,
     ) -> None:
+        access, page = settings_of(access, page, deprecated)
         self.backend = backend
-        self.allowed_hosts = AllowedHosts(allowed_hosts)
+        self.allowed_hosts = AllowedHosts(access.allowed_hosts)
         self.unlock_limit = UnlockLimit() if unlock_limit is None else unlock_limit
         self.requeue = requeue
         self.ledger = ledger
-        self.write_secret = write_secret or None
-        self.authorize = authorize
-        self.refresh_ms = refresh_ms
-        self.per_page = per_page
+        self.write_secret = access.write_secret or None
+        self.authorize = access.authorize
+        self.refresh_ms = page.refresh_ms
+        self.per_page = page.per_page
         self.history = History() if history is None else history
         self.jinja = jinja2.Environment(
             loader=jinja2.PackageLoader("dramatiq_guard.web", "templates"),
@@ -168,7 +164,7 @@ class Dashboard:
         given = request.headers.get("Host", "")
         text = (
             f"This dashboard does not answer to the Host {given[:200]!r}. To allow a name, start it with "
-            "--allowed-host NAME, or pass make_app(allowed_hosts=[...]).\n"
+            "--allowed-host NAME, or pass make_app(access=Access(allowed_hosts=[...])).\n"
         )
         return Response(text, status=400, mimetype="text/plain")
 

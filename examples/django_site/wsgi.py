@@ -28,7 +28,7 @@ from django.conf import settings
 from django.core.wsgi import get_wsgi_application
 from werkzeug.middleware.dispatcher import DispatcherMiddleware
 
-from dramatiq_guard.web import make_app
+from dramatiq_guard.web import Access, make_app
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
@@ -68,8 +68,10 @@ def staff_only(app: WSGIApplication) -> WSGIApplication:
 guard = make_app(
     redis=os.environ.get("DRAMATIQ_GUARD_REDIS_URL"),
     broker=os.environ.get("EXAMPLE_GUARD_BROKER") or None,
-    authorize=is_staff,  # writes (limits, forced releases) for staff, still behind a confirmation
-    # The site's own names: Django checks Host only for the requests it serves, not for /guard/.
-    allowed_hosts=settings.ALLOWED_HOSTS,
+    access=Access(
+        authorize=is_staff,  # writes (limits, forced releases) for staff, still behind a confirmation
+        # The site's own names: Django checks Host only for the requests it serves, not for /guard/.
+        allowed_hosts=settings.ALLOWED_HOSTS,
+    ),
 )
 application = DispatcherMiddleware(site, {"/guard": staff_only(guard)})

@@ -24,7 +24,7 @@ from .env import (
     redis_url_from_env,
     unavailable,
 )
-from .fake_clock import FakeClock, libfaketime
+from .fake_clock import FakeClock, fakeredis_clock, libfaketime
 from .proxy import SilentProxy
 from .recorder import Gate, Recorder
 from .redis_server import REDIS_SERVER_ENV, RedisServer, free_port, redis_server_executable
@@ -56,6 +56,7 @@ __all__ = [
     "WorkerFailed",
     "broker_from_env",
     "broker_url_from_env",
+    "fakeredis_clock",
     "free_port",
     "guard_leftovers",
     "in_ci",

@@ -1,13 +1,13 @@
-"""A wall clock that a test sets, shared by a private ``redis-server`` and the in-memory backend.
+"""A wall clock that a test sets, shared by a private ``redis-server``, fakeredis and the model's oracle.
 
 The guard's backends read the wall clock of the server (Redis ``TIME``, in
-Lua too) or of the process (:class:`~dramatiq_guard.backends.MemoryBackend`'s
-``clock``). To make a lease or a reservation lapse without sleeping, a test
+Lua too). To make a lease or a reservation lapse without sleeping, a test
 starts its own ``redis-server`` under libfaketime (Debian's ``libfaketime``
 package) reading a *frozen* time from a file, and moves that time forward by
-rewriting the file; the memory backend is given :meth:`FakeClock.ns`, which
-reads the same time. Both backends then see exactly the same microsecond, so
-their deadlines agree to the millisecond.
+rewriting the file. The in-memory backend's server is fakeredis, in this
+process: :func:`fakeredis_clock` makes it read the same time (see there), and
+the model test's oracle is given :meth:`FakeClock.ns`. Every backend then sees
+exactly the same microsecond, so their deadlines agree to the millisecond.
 
 How the server is started (:meth:`FakeClock.server_env`):
 
@@ -30,11 +30,16 @@ How the server is started (:meth:`FakeClock.server_env`):
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import glob
+import importlib
 import os
 import tempfile
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 #: Where Debian (and most distributions) install the two libraries.
 LIBFAKETIME_GLOBS = (
@@ -50,6 +55,57 @@ MALLOC_SHIM_GLOBS = (
 )
 #: What the clock reads within its millisecond (see the module docstring).
 SUB_MS_NS = 500_500
+
+
+#: The modules of fakeredis that read the wall clock (``time.time``) for what the guard uses:
+#: ``TIME`` (the scripts' clock, server_mixin) and each command's "now" (key expiry, and the
+#: timeout of a blocking command: _socket/_base, which sets it on every database per command).
+#: Each imports the ``time`` module and calls ``time.time()`` (fakeredis 2.41).
+FAKEREDIS_CLOCK_MODULES = ("fakeredis.commands_mixins.server_mixin", "fakeredis._socket._base")
+
+
+class _FrozenTime:
+    """The :mod:`time` module, but for ``time()``, which reads a test's clock."""
+
+    def __init__(self, now_s: Callable[[], float]) -> None:
+        self._now_s = now_s
+
+    def time(self) -> float:
+        return self._now_s()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@contextlib.contextmanager
+def fakeredis_clock(now_ms: Callable[[], int]) -> Iterator[None]:
+    """Make every fakeredis server of this process run on ``now_ms`` (ms since the epoch), frozen.
+
+    As a real ``redis-server`` under a :class:`FakeClock` would: ``TIME`` reads
+    ``<ms>.000500`` s (:data:`SUB_MS_NS`, rounded to its microsecond, as Redis
+    does), and key expiry compares with ``<ms>`` itself, so a key whose
+    ``PEXPIREAT`` is that millisecond is not expired yet (Redis expires after
+    it). A blocking command with a timeout never times out on a frozen clock:
+    a test waits with a timeout of 0 (``wait_for_handoff(timeout_ms=0)`` pops).
+
+    Raises:
+      AttributeError: If fakeredis no longer reads ``time.time`` in these modules.
+    """
+    modules = [importlib.import_module(name) for name in FAKEREDIS_CLOCK_MODULES]
+    clocks = {
+        "fakeredis.commands_mixins.server_mixin": _FrozenTime(
+            lambda: (now_ms() * 1000 + SUB_MS_NS // 1000) / 1e6
+        ),
+        "fakeredis._socket._base": _FrozenTime(lambda: now_ms() / 1000),
+    }
+    originals = {module: module.time for module in modules}  # AttributeError if fakeredis changed
+    try:
+        for module in modules:
+            module.time = clocks[module.__name__]  # type: ignore[attr-defined]
+        yield
+    finally:
+        for module, original in originals.items():
+            module.time = original  # type: ignore[attr-defined]
 
 
 def _find(patterns: tuple[str, ...]) -> str | None:

@@ -46,8 +46,10 @@ class Concurrency(SlotsMiddleware[ConcurrencyPolicy]):
     ) -> None:
         """Set (or with None, clear) an actor's default limit at run time, for every process.
 
-        Processes see it within ``limit_cache``; waiters of the actor's keys
-        are released by the next sweeps. A per-key limit still overrides it.
+        Processes see it within ``limit_cache``; this one sweeps the waiting
+        keys of this middleware at once (a raised default hands their free
+        slots on), the others' sweeps within 30 s. A per-key limit still
+        overrides it.
 
         Raises:
           ValueError: If ``limit`` is negative.
@@ -58,7 +60,7 @@ class Concurrency(SlotsMiddleware[ConcurrencyPolicy]):
         broker = self._broker_or(broker)
         backend = self.backend(broker)
         self._actor_limits.set(backend, name, limit)
-        sweep_all(backend, [(self, broker)])
+        sweep_all(backend, [(self, broker)], waiting=True)  # no key of the actor is due for it
 
     def get_actor_limit(
         self, actor: dramatiq.Actor[Any, Any] | str, *, broker: Broker | None = None

@@ -10,6 +10,7 @@ released (checked), and a freed slot goes to the oldest waiter, delivered by
 from __future__ import annotations
 
 import abc
+import functools
 import logging
 import threading
 import time
@@ -23,7 +24,8 @@ from dramatiq.brokers.stub import StubBroker
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, Handoff, ReleaseResult, Waiter
-from dramatiq_guard.delivery import Courier, acks_are_final, copy_generation, keep_polling
+from dramatiq_guard.claim import Claim, entry_ms
+from dramatiq_guard.delivery import Courier, acks_are_final, copy_generation, generation_of, keep_polling
 from dramatiq_guard.errors import BackendUnavailable, MutexWaitTimeout
 from dramatiq_guard.lease import Lease, runner_id
 from dramatiq_guard.middleware.base import (
@@ -49,7 +51,6 @@ from dramatiq_guard.middleware.slots.standbys import Standbys, wait_as_standby
 from dramatiq_guard.middleware.slots.waits import wait_for_mutex
 from dramatiq_guard.middleware.sweep import Sweeper, join_sweep, leave_sweep
 from dramatiq_guard.policies import ConcurrencyPolicy, MutexPolicy, OnBusy, duration_ms
-from dramatiq_guard.waiting import entry_ms
 
 __all__ = ["SlotsMiddleware"]
 
@@ -99,7 +100,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
     #: Slots decide after deduplication (10) in the enqueue gate.
     gate_priority = 20
 
-    def __init__(
+    def __init__(  # noqa: PLR0913
         self,
         *,
         redis: Any = None,
@@ -243,7 +244,13 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         with self._inflight_lock:
             if message.message_id in self._inflight:
                 return None
-        return reserve_or_park(self, broker, guard, message)
+        key = self.guard_key_of(guard, message)
+        claim = Claim(
+            self.backend(broker), key, message.message_id, self.default_limit(guard), self.pickup_ttl_ms,
+            info=message.actor_name, generation=generation_of(message, key),
+        )  # fmt: skip
+        deliver = functools.partial(self.deliver, broker)
+        return reserve_or_park(claim, message, deliver, fail_open_allowed=guard.policy.fail_open)
 
     # -- execution ------------------------------------------------------------
 
@@ -297,7 +304,11 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
 
         Returns None if the backend is unavailable and the policy says ``fail_open``.
         """
-        backend = self.backend(broker)
+        claim = Claim(
+            self.backend(broker), key, message.message_id, limit, self._lease_ttl(guard),
+            info=message.actor_name, generation=copy_generation(message, key),
+            runner=runner_id(),  # a second copy of the message, delivered while this one holds, is refused
+        )  # fmt: skip
         wait = None
         if on_busy == "park":
             # A standby (sent ahead) may block for a slot instead of parking, if this process lets it.
@@ -305,49 +316,23 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
             wait = Waiter(payload=message.encode(), wait_ms=block_ms)
         elif on_busy == "wait":
             wait = Waiter(wait_ms=entry_ms(self.wait_ms(guard.policy)))
-        ttl_ms = self._lease_ttl(guard)
-        generation = copy_generation(message, key)
-        runner = runner_id()  # a second copy of the message, delivered while this one holds, is refused
         try:
-            result = backend.acquire(
-                key,
-                message.message_id,
-                limit=limit,
-                ttl_ms=ttl_ms,
-                wait=wait,
-                info=message.actor_name,
-                generation=generation,
-                runner=runner,
-            )
+            result = claim.acquire(wait)
         except BackendUnavailable as e:
             fail_open(guard.policy.fail_open, e, f"{message} runs unguarded")
             return None
-        self.deliver(broker, result.handoffs)
-
-        def deliver(handoffs: Sequence[Handoff]) -> None:
-            self.deliver(broker, handoffs)
-
+        deliver = functools.partial(self.deliver, broker)
+        deliver(result.handoffs)
         if result.standby:
             assert wait is not None and wait.payload is not None
-            wait_ms = self.standby_wait_ms
             return wait_as_standby(
-                broker, backend, message, key, wait.payload, self.standbys.seats,
-                limit=limit, ttl_ms=ttl_ms, wait_ms=wait_ms, deliver=deliver, generation=generation,
-                runner=runner,
+                broker, message, claim, wait.payload, self.standbys.seats, wait_ms=self.standby_wait_ms,
+                deliver=deliver,
             )  # fmt: skip
         if not result.acquired and on_busy == "wait" and result.parked:
-            wait_ms = self.wait_ms(guard.policy)
             with events.lock_wait(message.actor_name):
                 return wait_for_mutex(
-                    broker,
-                    backend,
-                    message,
-                    key,
-                    limit=limit,
-                    ttl_ms=ttl_ms,
-                    wait_ms=wait_ms,
-                    deliver=deliver,
-                    runner=runner,
+                    broker, message, claim, wait_ms=self.wait_ms(guard.policy), deliver=deliver
                 )
         return result
 

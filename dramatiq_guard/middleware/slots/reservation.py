@@ -9,20 +9,17 @@ later guard that parks the message elsewhere.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from dramatiq import Broker, Message
+from dramatiq import Message
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import Waiter
-from dramatiq_guard.delivery import generation_of
+from dramatiq_guard.backends.values import AcquireOutcome
+from dramatiq_guard.claim import Claim, Deliver
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.gate import Diverted, Outcome
 from dramatiq_guard.middleware.base import fail_open
-
-if TYPE_CHECKING:
-    from dramatiq_guard.middleware.base import ActorGuard
-    from dramatiq_guard.middleware.slots.middleware import SlotsMiddleware
 
 __all__ = ["ReservationTicket", "reserve_or_park"]
 
@@ -32,14 +29,9 @@ logger = logging.getLogger(__name__)
 class ReservationTicket:
     """A slot reserved at enqueue, given back unless the message reaches the broker."""
 
-    def __init__(
-        self, middleware: SlotsMiddleware[Any], broker: Broker, key: str, message_id: str, limit: int
-    ) -> None:
-        self.middleware = middleware
-        self.broker = broker
-        self.key = key
-        self.message_id = message_id
-        self.limit = limit
+    def __init__(self, claim: Claim, deliver: Deliver) -> None:
+        self.claim = claim
+        self.deliver = deliver
 
     def pushed(self) -> None:
         """It is on the broker: the slot waits for it to start."""
@@ -49,63 +41,54 @@ class ReservationTicket:
         self.failed()
 
     def failed(self) -> None:
-        result = self.middleware.backend(self.broker).release(self.key, self.message_id, limit=self.limit)
-        self.middleware.deliver(self.broker, result.handoffs)
+        self.deliver(self.claim.release().handoffs)
 
 
 def reserve_or_park(
-    middleware: SlotsMiddleware[Any], broker: Broker, guard: ActorGuard[Any], message: Message[Any]
+    claim: Claim, message: Message[Any], deliver: Deliver, *, fail_open_allowed: bool
 ) -> ReservationTicket | None:
-    """Reserve a slot of ``message``'s key for it, or park it if the key is full.
+    """Reserve a slot of the claimed key for ``message``, or park it if the key is full.
+
+    ``claim``'s lease is the pickup's (``pickup_ttl``) and its generation the copy's: a copy of a
+    hand-off of this key (back from another guard that parked it on its way) is judged as a
+    worker's copy is, so a stale one never starts (contract, *generations*). ``fail_open_allowed``:
+    the actor's ``fail_open``.
 
     Raises:
       Diverted: The message was parked (``Outcome.PARKED``): ``send()`` returns it; or it is a
         stale copy of a hand-off of this key (``Outcome.DROPPED``): a newer copy runs instead.
-      GuardKeyError: The key could not be computed.
       GuardError: The backend is unavailable (unless ``fail_open``).
     """
-    backend = middleware.backend(broker)
-    key = middleware.guard_key_of(guard, message)
-    limit = middleware.default_limit(guard)
-    # A copy of a hand-off of this key (back from another guard that parked it on its way) is
-    # judged as a worker's copy is: a stale one never starts (contract, *generations*).
-    generation = generation_of(message, key)
     try:
-        result = backend.acquire(
-            key,
-            message.message_id,
-            limit=limit,
-            ttl_ms=middleware.pickup_ttl_ms,
-            wait=Waiter(payload=message.encode()),
-            info=message.actor_name,
-            generation=generation,
-        )
+        result = claim.acquire(Waiter(payload=message.encode()))
     except BackendUnavailable as e:
-        if generation is None:
+        if claim.generation is None:
             # A message being sent had nothing in the key: what the acquire may have done (a
             # reservation, a park) is taken back, so neither the caller's retry (fail closed) nor
             # the unguarded push (fail open) runs beside a parked copy. A copy of a hand-off keeps
             # its entry: it may be its only place.
-            undone = backend.take_back(key, message.message_id, limit=limit)
+            undone = claim.take_back()
             if undone is not None:
-                middleware.deliver(broker, undone.handoffs)
-        fail_open(guard.policy.fail_open, e, f"{message} is enqueued unguarded")
+                deliver(undone.handoffs)
+        fail_open(fail_open_allowed, e, f"{message} is enqueued unguarded")
         return None
-    middleware.deliver(broker, result.handoffs)
-    if result.running:
-        # Another copy of the message holds the key (it runs): this one goes to the broker without
-        # a slot, and its worker defers it until that copy is done.
-        return None
-    if result.stale:
-        logger.info(
-            "Dropped %s at enqueue: a stale copy (a newer hand-off of %r runs instead).", message, key
-        )
-        raise Diverted(message, Outcome.DROPPED)
-    if result.acquired:
-        return ReservationTicket(middleware, broker, key, message.message_id, limit)
-    if result.parked:
-        logger.debug("Parked %s at enqueue: %r is full (limit %d).", message, key, result.limit)
-        events.parked(message.actor_name)
-        events.lockwait_changed()
-        raise Diverted(message, Outcome.PARKED)
-    return None
+    deliver(result.handoffs)
+    match result.outcome:
+        case AcquireOutcome.ACQUIRED:
+            return ReservationTicket(claim, deliver)
+        case AcquireOutcome.QUEUED | AcquireOutcome.STANDBY:
+            logger.debug("Parked %s at enqueue: %r is full (limit %d).", message, claim.key, result.limit)
+            events.parked(message.actor_name)
+            events.lockwait_changed()
+            raise Diverted(message, Outcome.PARKED)
+        case AcquireOutcome.STALE:
+            logger.info(
+                "Dropped %s at enqueue: a stale copy (a newer hand-off of %r runs instead).",
+                message,
+                claim.key,
+            )
+            raise Diverted(message, Outcome.DROPPED)
+        case _:  # RUNNING (BUSY does not happen: a refusal with a waiter queues)
+            # Another copy of the message holds the key (it runs): this one goes to the
+            # broker without a slot, and its worker defers it until that copy is done.
+            return None

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
 
 from dramatiq import Broker
 from dramatiq.broker import MessageProxy
 
-from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, Waiter
+from dramatiq_guard.backends.base import AcquireResult, Waiter
+from dramatiq_guard.claim import Claim, Deliver
 from dramatiq_guard.middleware.slots.waits import time_limit_paused
-from dramatiq_guard.waiting import wait_for_slot
 
 __all__ = ["DEFAULT_LOOKAHEAD", "StandbySeats", "Standbys", "wait_as_standby"]
 
@@ -97,53 +96,25 @@ class Standbys:
 
 
 def wait_as_standby(
-    broker: Broker,
-    backend: GuardBackend,
-    message: MessageProxy,
-    key: str,
-    payload: bytes,
-    seats: StandbySeats,
-    *,
-    limit: int,
-    ttl_ms: int,
-    wait_ms: int,
-    deliver: Callable[[Sequence[Handoff]], None],
-    generation: int,
-    runner: str | None = None,
-) -> AcquireResult:
+    broker: Broker, message: MessageProxy, claim: Claim, payload: bytes, seats: StandbySeats, *, wait_ms: int,
+    deliver: Deliver,
+) -> AcquireResult:  # fmt: skip
     """Block as a standby until a slot is handed to the message, up to ``wait_ms``.
 
-    ``generation``: of the copy the worker holds (every acquire passes it, so
-    the copy is stale once it has parked again); ``runner``: who runs it (as
-    :func:`~dramatiq_guard.waiting.wait_for_slot`'s).
+    ``claim`` carries the generation of the copy the worker holds (every acquire passes it, so
+    the copy is stale once it has parked again) and who runs it.
 
     Returns the acquired result, or a parked one: the standby parks again in
     its place when ``wait_ms`` passes, when its entry lapsed meanwhile (it
     parks at the back), or at once when every seat is taken.
     """
-    holder = message.message_id
     if not seats.take():
-        result = backend.acquire(
-            key, holder, limit=limit, ttl_ms=ttl_ms, wait=Waiter(payload=payload), generation=generation,
-            runner=runner,
-        )  # fmt: skip
+        result = claim.acquire(Waiter(payload=payload))
         deliver(result.handoffs)
         return result
     try:
         with time_limit_paused(broker, message) as rearm:
-            result = wait_for_slot(
-                backend,
-                key,
-                holder,
-                limit=limit,
-                ttl_ms=ttl_ms,
-                deadline=time.monotonic() + wait_ms / 1000,
-                deliver=deliver,
-                payload=payload,
-                info=message.actor_name,
-                generation=generation,
-                runner=runner,
-            )
+            result = claim.block(time.monotonic() + wait_ms / 1000, deliver, payload=payload)
             if result.acquired:
                 rearm()
             return result

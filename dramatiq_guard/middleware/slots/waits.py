@@ -1,6 +1,6 @@
 """A worker thread blocked for a slot: a mutex's ``on_busy="wait"`` (and, in :mod:`.standbys`, a standby).
 
-Both wait through :func:`dramatiq_guard.waiting.wait_for_slot` (woken by a
+Both wait through :meth:`dramatiq_guard.claim.Claim.block` (woken by a
 push, re-checking every backstop). The Dramatiq policy is here: the TimeLimit
 timer is paused while the thread waits, so waiting does not eat the actor's
 ``time_limit`` (docs/slots.md, ``on_busy``).
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -18,8 +18,8 @@ from dramatiq import Broker
 from dramatiq.broker import MessageProxy
 from dramatiq.middleware import TimeLimit
 
-from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff
-from dramatiq_guard.waiting import wait_for_slot
+from dramatiq_guard.backends.base import AcquireResult
+from dramatiq_guard.claim import Claim, Deliver
 
 __all__ = ["time_limit_paused", "wait_for_mutex"]
 
@@ -48,34 +48,14 @@ def time_limit_paused(broker: Broker, message: MessageProxy) -> Iterator[Callabl
 
 
 def wait_for_mutex(
-    broker: Broker,
-    backend: GuardBackend,
-    message: MessageProxy,
-    key: str,
-    *,
-    limit: int,
-    ttl_ms: int,
-    wait_ms: int,
-    deliver: Callable[[Sequence[Handoff]], None],
-    runner: str | None = None,
+    broker: Broker, message: MessageProxy, claim: Claim, *, wait_ms: int, deliver: Deliver
 ) -> AcquireResult:
-    """Block as a waiter of ``key`` up to ``wait_ms``, the TimeLimit timer paused.
+    """Block as a waiter of the claimed key up to ``wait_ms``, the TimeLimit timer paused.
 
-    A waiter not served in time leaves the queue. ``runner``: as
-    :func:`~dramatiq_guard.waiting.wait_for_slot`'s.
+    A waiter not served in time leaves the queue (:meth:`~dramatiq_guard.claim.Claim.block`).
     """
     with time_limit_paused(broker, message) as rearm:
-        result = wait_for_slot(
-            backend,
-            key,
-            message.message_id,
-            limit=limit,
-            ttl_ms=ttl_ms,
-            deadline=time.monotonic() + wait_ms / 1000,
-            deliver=deliver,
-            info=message.actor_name,
-            runner=runner,
-        )
+        result = claim.block(time.monotonic() + wait_ms / 1000, deliver)
         if result.acquired:
             rearm()
         return result

@@ -1,0 +1,169 @@
+"""A claim: one holder's stake in one guard key, and the verbs that act on it.
+
+Everything an operation on a key needs from its caller travels together in a :class:`Claim`:
+the backend, the key, the holder (a message id, or a lock's random id), the key's default limit,
+the lease to take, and what identifies the copy that claims (its actor, its generation, the
+worker thread that would run it). The middlewares and :class:`~dramatiq_guard.lock.Lock` make
+one per (message, key) and call its verbs; what each verb does atomically is the backend's
+contract (:mod:`dramatiq_guard.backends.base`).
+
+Blocking. A thread that blocks for a slot (a mutex ``on_busy="wait"``, a standby picked up, a
+blocking lock) is a *ready waiter* of the key: the backend hands it a freed slot by a push that
+carries its fencing token (:meth:`~dramatiq_guard.backends.GuardBackend.wait_for_handoff`). It
+never polls; every :data:`BACKSTOP_MS` it re-checks the key with an acquire, which reclaims a dead
+holder's lapsed lease and finds a slot whose push it missed (:meth:`Claim.block`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Waiter
+
+__all__ = ["BACKSTOP_MS", "Claim", "Deliver", "entry_ms"]
+
+logger = logging.getLogger(__name__)
+
+#: The longest a waiting thread sleeps before it re-checks the key.
+BACKSTOP_MS = 2_000
+
+#: What a wait without a deadline has left, in ms: always more than a backstop.
+_FOREVER_MS = 1 << 62
+
+#: What a claim calls with the hand-offs an operation made to other waiters: the caller
+#: re-enqueues the parked ones (:class:`~dramatiq_guard.delivery.Courier`).
+Deliver = Callable[[Sequence[Handoff]], None]
+
+
+def entry_ms(wait_ms: int) -> int:
+    """How long a ready waiter's entry lives when it may wait ``wait_ms`` more: past its next re-check.
+
+    A thread that died is dropped from the queue within this, so it strands nothing.
+    """
+    return min(wait_ms, BACKSTOP_MS) + BACKSTOP_MS
+
+
+def _left_ms(deadline: float | None) -> int:
+    if deadline is None:
+        return _FOREVER_MS
+    return int((deadline - time.monotonic()) * 1000)
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """One holder's claim on one guard key.
+
+    Parameters:
+      backend(GuardBackend): The guard backend.
+      key(str): The guard key.
+      holder(str): The holder's id (a message id, or a lock's holder id).
+      limit(int): The key's default limit (a run-time limit set on the backend overrides it).
+      ttl_ms(int): The lease an acquire takes.
+      info(str|None): What ``inspect`` shows of the holder (its actor's name).
+      generation(int|None): The generation of the copy that claims (see
+        :meth:`GuardBackend.acquire <dramatiq_guard.backends.GuardBackend.acquire>`): a
+        hand-off's, ``ORIGINAL_GENERATION`` for a message picked up as sent, None for one not
+        on a broker yet.
+      runner(str|None): Who runs the job once it holds (a worker thread,
+        :func:`~dramatiq_guard.lease.runner_id`), or None (an enqueue-time reservation, a lock).
+      fenced(bool): False for a lock that fences nothing (a dedup lock): no fencing token is
+        issued or kept for the key.
+    """
+
+    backend: GuardBackend
+    key: str
+    holder: str
+    limit: int
+    ttl_ms: int
+    info: str | None = None
+    generation: int | None = None
+    runner: str | None = None
+    fenced: bool = True
+
+    def acquire(self, wait: Waiter | None = None) -> AcquireResult:
+        """Try to hold a slot now; queue as ``wait`` says if the key is full (contract: ``acquire``)."""
+        return self.backend.acquire(
+            self.key, self.holder, limit=self.limit, ttl_ms=self.ttl_ms, wait=wait, info=self.info,
+            generation=self.generation, fenced=self.fenced, runner=self.runner,
+        )  # fmt: skip
+
+    def try_lock(self) -> AcquireResult:
+        """Take the key as a limit-1 lock that fences nothing, if it is free (contract: ``try_lock``)."""
+        return self.backend.try_lock(self.key, self.holder, ttl_ms=self.ttl_ms, info=self.info)
+
+    def renew(self) -> bool:
+        """Extend the lease this holder holds to ``ttl_ms`` from now (contract: ``renew``)."""
+        return self.backend.renew(self.key, self.holder, ttl_ms=self.ttl_ms)
+
+    def release(self) -> ReleaseResult:
+        """Give the slot back; a freed slot goes to the oldest waiter (contract: ``release``)."""
+        return self.backend.release(self.key, self.holder, limit=self.limit)
+
+    def withdraw(self) -> ReleaseResult:
+        """Leave the key's waiters; a slot handed to this waiter meanwhile is handed on."""
+        return self.backend.cancel_wait(self.key, self.holder, limit=self.limit)
+
+    def take_back(self) -> ReleaseResult | None:
+        """Undo what an acquire whose reply was lost may have done (contract: ``take_back``)."""
+        return self.backend.take_back(self.key, self.holder, limit=self.limit)
+
+    def block(
+        self, deadline: float | None, deliver: Deliver, *, payload: bytes | None = None
+    ) -> AcquireResult:
+        """Block as the ready waiter of the key (already queued) until it holds a slot.
+
+        Woken by the push of the hand-off that gives it the slot; re-checks the key every
+        :data:`BACKSTOP_MS` (an acquire that keeps its place). Gives up at ``deadline``:
+
+        * a blocking waiter (``payload`` None) leaves the queue (:meth:`withdraw`; a slot
+          handed to it meanwhile is handed on);
+        * a standby (``payload``: its encoded message) parks again in its place, as it does at
+          once if its entry lapsed meanwhile.
+
+        Parameters:
+          deadline(float|None): When to give up, on ``time.monotonic()``; None: never.
+          deliver: Called with the hand-offs each re-check made to other waiters.
+          payload(bytes|None): A standby's encoded message; None for a blocking waiter.
+
+        Returns:
+          AcquireResult: Acquired (from a wake: ``reserved_ms`` is set, and the lease must be
+          renewed within it), or the last refused result.
+        """
+        done = False  # acquired, or refused as running (the entry is another copy's: not ours to cancel)
+        try:
+            while True:
+                left = _left_ms(deadline)
+                if left > 0:
+                    woken = self.backend.wait_for_handoff(
+                        self.key, self.holder, timeout_ms=min(left, BACKSTOP_MS)
+                    )
+                    if woken is not None:
+                        done = True
+                        return woken.result(self.limit)  # the hand-off issued its token: it holds now
+                    left = _left_ms(deadline)
+                result = self.acquire(self._waiter(left, payload))
+                deliver(result.handoffs)
+                if result.acquired or result.running:
+                    done = True
+                    return result
+                if left <= 0 or (payload is not None and not result.standby):
+                    return result
+        finally:
+            if not done and payload is None:
+                self._leave(deliver)
+
+    @staticmethod
+    def _waiter(left_ms: int, payload: bytes | None) -> Waiter | None:
+        """The entry a re-check keeps with ``left_ms`` to wait: none once the wait is over."""
+        if payload is None:
+            return Waiter(wait_ms=entry_ms(left_ms)) if left_ms > 0 else None
+        return Waiter(payload=payload, wait_ms=entry_ms(left_ms) if left_ms > 0 else 0)
+
+    def _leave(self, deliver: Deliver) -> None:
+        try:
+            deliver(self.withdraw().handoffs)
+        except Exception:
+            logger.warning("Could not leave the waiters of %r; the entry lapses.", self.key, exc_info=True)
