@@ -21,14 +21,12 @@ FUNCTION_LINES = 60
 #: Modules over MODULE_LINES today, with their lines: each may only shrink.
 LONG_MODULES: dict[str, int] = {
     "backends/redis.py": 848,
-    "backends/base.py": 750,
+    "backends/base.py": 745,
     "backends/lua/_prelude.lua": 678,
     "middleware/slots/middleware.py": 583,
 }
-#: Functions over FUNCTION_LINES today ("module:qualified name"), with their lines.
-LONG_FUNCTIONS: dict[str, int] = {
-    "backends/base.py:GuardBackend.acquire": 63,
-}
+#: Functions over FUNCTION_LINES today ("module:qualified name"), with their lines (none).
+LONG_FUNCTIONS: dict[str, int] = {}
 #: Import cycles today, each as the sorted modules it runs through (none).
 CYCLES: set[tuple[str, ...]] = set()
 

@@ -304,20 +304,15 @@ class GuardBackend(abc.ABC):
     ) -> AcquireResult:
         """Try to become a holder of ``key``.
 
-        Re-entrant: if ``holder`` already holds ``key`` (including a
-        reservation handed to it), its deadline becomes ``now + ttl_ms``, it
-        gets a new fencing token and ``acquired`` is True. Either way, an
-        acquiring holder is removed from the waiters (and its stored payload
-        dropped): a message that starts is no longer waiting.
+        Re-entrant: if ``holder`` already holds ``key`` (including a reservation handed to it),
+        its deadline becomes ``now + ttl_ms`` and it gets a new fencing token. Either way, an
+        acquiring holder leaves the waiters (its stored payload dropped). Otherwise it acquires
+        if fewer than the limit in force hold the key and no waiter is queued ahead of it; if
+        refused and ``wait`` is given, it is queued as a waiter (keeping its place if it was).
+        The outcome is one :class:`~dramatiq_guard.backends.values.AcquireOutcome`.
 
-        Otherwise it acquires if fewer than the limit in force hold the key
-        and no waiter is queued ahead of it. If refused and ``wait`` is
-        given, the holder is queued as a waiter (keeping its place if it was
-        already queued).
-
-        A ``wait.payload`` larger than :attr:`max_payload_bytes` is refused
-        first, whether it would park or not, with nothing written
-        (:meth:`check_payload`).
+        A ``wait.payload`` larger than :attr:`max_payload_bytes` is refused first, whether it
+        would park or not, with nothing written (:meth:`check_payload`).
 
         Parameters:
           key(str): The guard key.
