@@ -1,166 +1,8 @@
 """The guard backend contract: the atomic operations every capability stands on.
 
-Every capability of dramatiq-guard (deduplication, mutexes, concurrency slots)
-is built from the few operations below. A backend makes each of them atomic:
-the Redis backend runs each as one Lua script touching one Redis Cluster slot,
-the in-memory backend runs each under one lock. Both obey the same contract,
-and one test suite (``tests/test_backend_contract.py``) holds them to it.
-
-The model, per *guard key* ``K`` (a string such as ``"mutex:report"``):
-
-holders
-    A set of ``(holder, deadline)`` pairs. A holder is a string chosen by the
-    caller (a message id, or a random id for the standalone lock). A holder
-    whose deadline has passed has *lapsed*; every operation on ``K`` first
-    reclaims lapsed holders ("reclaim"). There are never more than ``limit``
-    live holders, except when a run-time limit is lowered below the number of
-    current holders (nobody is evicted; new holders wait until they drain).
-
-limit
-    How many holders ``K`` admits. Callers pass a default; a run-time limit
-    set with :meth:`GuardBackend.set_limit` overrides it. ``0`` halts the key.
-
-fencing token
-    Every successful :meth:`~GuardBackend.acquire` returns a token strictly
-    greater than every token issued before for ``K``. A token is
-    ``max(last + 1, now_in_microseconds)`` on the backend's clock, and the
-    last one outlives ``K``'s other state: it is kept ``stale_ttl_ms`` (a
-    day) after it was issued, and as long as ``K`` has a holder. So tokens
-    keep growing when ``K`` falls idle and comes back, and across a failover
-    to a replica whose clock is behind (Redis: provided the replica had
-    received the last token, which replica waits guarantee): a token can go
-    back only if ``K`` stayed idle longer than ``stale_ttl_ms`` *and* the
-    clock that issues the next one is behind the one that issued the last by
-    more than that idle time. A lock that fences nothing
-    (:meth:`~GuardBackend.try_lock`, deduplication) issues no token and
-    keeps none: its key drains completely.
-
-waiters
-    A FIFO of entries waiting for a slot, each keyed by a *waiter id* (a
-    message id). Two kinds share the one queue, so fairness holds across
-    them:
-
-    * a *parked* waiter carries a payload (an encoded message). It waits
-      forever; nothing is lost if every process dies.
-    * a *blocking* waiter carries no payload: a thread is waiting for it in
-      :meth:`~GuardBackend.wait_for_handoff`. It has a deadline after which
-      it is dropped, so a dead thread strands nothing. It is *ready*: a slot
-      handed to it is taken at once.
-
-    Adding a waiter id that is already waiting keeps its original place
-    (parking is idempotent).
-
-hand-off
-    Whenever a slot is free and a waiter is queued, a waiter is given the
-    slot *atomically in the same operation that freed it*: the oldest, except
-    that among the first ``limit`` waiters (the limit in force) the ready
-    ones go first, oldest first (so the order is strict FIFO for a limit of
-    one). A slot handed to a waiter no thread holds yet (a standby still on
-    the broker) would stand idle until a worker fetches it. The waiter
-    becomes a holder with a short *reservation* deadline
-    (``handoff_ttl_ms``), so the limit is never exceeded and no other
-    acquirer can steal the slot. A blocking waiter is woken by a push (its
-    wake list gets its fencing token, issued by the hand-off itself, so it
-    starts without an acquire; the list expires after half the reservation).
-    A parked waiter's payload is returned to the caller in
-    :attr:`Handoff.payload`, which must re-enqueue it on the broker
-    and then call :meth:`~GuardBackend.confirm_handoff`. Until that
-    confirmation the waiter is *reserved* (``KeyState.reserved``; ``R`` in the
-    Lua scripts, ``_Guard.reserved`` in memory) and its payload stays stored:
-    if the reservation lapses first
-    (the caller died between the two steps), reclaim puts the waiter back at
-    its original place in the queue. Nothing is lost at any step.
-
-    Hand-off happens in every operation that may free a slot or find one
-    free: acquire, release, renew (no), set_limit, cancel_wait, sweep.
-    Waiters always go before a new acquirer: an acquire that finds free slots
-    *and* waiters first hands the slots to the waiters.
-
-standbys
-    So that a freed slot does not wait for the broker to deliver the next
-    message, the oldest parked waiters can be sent to the broker *ahead*, as
-    standbys (:meth:`~GuardBackend.send_standbys`), within the *standby
-    window*: the first waiters, as many as the limit in force, or
-    :data:`MIN_STANDBY_WINDOW` if the limit is smaller (none while it is 0). A
-    standby keeps its place in the queue. Until its sender confirms the
-    enqueue (:meth:`~GuardBackend.confirm_standby`) it keeps its payload too:
-    if the sender dies, it becomes a parked waiter again after
-    ``handoff_ttl_ms``, and a slot handed to it meanwhile is a reservation
-    like a parked waiter's (but its payload is not returned: its sender
-    enqueues it). Once confirmed, it waits without payload on the broker (not
-    ready: no thread holds it yet; a slot handed to it is pushed to its wake
-    list for when it is picked up), dropped after a deadline. When its
-    message is picked up and acquires in park mode with ``Waiter.wait_ms >
-    0``, it blocks (``AcquireResult.standby``) and is a ready blocking waiter
-    from then on; with ``wait_ms == 0`` it parks again in its place. A
-    standby whose entry was dropped is an ordinary message when picked up.
-
-limits known from the backend, not guessed
-    A caller that knows a key's default limit (the process whose actor
-    declared it) passes it, and it is recorded with the key when a waiter
-    queues. A caller that does not (``limit=None``: a sweep of a key of an
-    actor this process does not have, another application's) uses the
-    recorded one, and with none recorded hands nothing on. So a process never
-    admits more than the key's own application declared.
-
-routes
-    A parked waiter records the *route* of the process that parked it
-    (:attr:`GuardBackend.route`: which broker its message goes back to). A
-    hand-off returns a parked waiter's payload only to a caller of the same
-    route: one of another route leaves that waiter (and the parked waiters
-    after it) in place, its slot free for a process of its own route, whose
-    sweep hands it over. Ready waiters need no delivery and are handed on by
-    anyone. A waiter with no recorded route is anyone's.
-
-generations
-    Every hand-off to a parked waiter, and every standby send, gets a new
-    *generation* (a fencing token of the key), which the re-enqueued copy
-    carries (:attr:`Handoff.generation`). If that hand-off or send lapses
-    before it is confirmed, the copy may still be on the broker while the
-    waiter is back in the queue: from then on the backend remembers which
-    generation of the waiter may start (for ``stale_ttl_ms`` after the last
-    change), and a copy of any other generation is *stale*:
-    :meth:`~GuardBackend.acquire` refuses it (``AcquireResult.stale``), and
-    its confirmation changes nothing.
-
-    A copy picked up from the broker that parks (the key was full) may be
-    delivered *again* by the broker: its worker died after the park and before
-    the broker's ack. So a worker acquires with the generation of the copy it
-    holds: the hand-off's or send's it carries, else
-    :data:`ORIGINAL_GENERATION` (the message as sent), never None (which is
-    for a message not on any broker yet: at enqueue, or a blocking lock). A
-    copy with a generation that parks makes the stored payload the only copy
-    that may start: every copy then on the broker is stale (so is the one
-    that parked), and the next hand-off's generation is the one that may start.
-    So at most one copy of a parked message ever starts; a copy that started
-    may start again only as a redelivery of itself (Dramatiq's own
-    at-least-once). The record of which generation may start is kept per
-    waiter, for ``stale_ttl_ms`` after its last change; one written by a
-    park, with no record before, is kept for the copy that parked only, and
-    forgotten when the broker acks that copy (:meth:`~GuardBackend.forget_parked_copy`):
-    then no second copy can exist, and a message that parked after pickup
-    leaves nothing behind once it is done.
-
-    A copy of a hand-off or send may also come back to the key's enqueue
-    gate (another guard of its actor parked it on its way, and handed it on
-    later): the gate acquires with the generation it carries, as a worker
-    does, so a stale one is dropped there, and one that parks is the queue
-    entry from then on. Any other message acquires with None at enqueue.
-
-Durations are integer milliseconds. Deadlines are absolute milliseconds on
-the backend's clock (Redis ``TIME`` for Redis, the wall clock in memory, or the
-clock it is given: ``MemoryBackend(clock=...)``).
-
-A guard key must be non-empty and must not start with ``}`` (on Redis it
-becomes a Cluster hash tag, which must not be empty); every backend rejects
-such a key with the same :class:`ValueError` (:func:`check_key`).
-
-Every number is checked before anything is touched, with the same
-:class:`ValueError` in every backend (:func:`check_ms`, :func:`check_count`):
-a duration is an integer from 0 (1 for a lease or reservation being taken) to
-366 days, a limit or count an integer from 0 to 2**31 - 1
-(:mod:`dramatiq_guard.bounds`). The Redis backend's scripts check them again
-before their first write, for callers that reach them without this module.
+The model they keep, per guard key (holders, limit, fencing token, waiters, hand-off, standbys,
+recorded limits, routes, generations), is written once, in ``docs/contract.md``; each method's
+docstring says what it does of it. ``tests/test_backend_contract.py`` holds every backend to it.
 """
 
 from __future__ import annotations
@@ -220,7 +62,7 @@ logger = logging.getLogger("dramatiq_guard.backends")
 
 
 class GuardBackend(abc.ABC):
-    """The atomic operations of the guard. See the module docstring for the model.
+    """The atomic operations of the guard. The model they keep: ``docs/contract.md``.
 
     Every method is atomic with respect to every other on the same key, across
     threads and processes sharing the backend. Every mutating method first
@@ -401,8 +243,8 @@ class GuardBackend(abc.ABC):
     def release(self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0) -> ReleaseResult:
         """Give up ``holder``'s slot (checked: only the holder itself releases it).
 
-        Frees the slot and hands it to a waiter if any (see *hand-off* in the
-        module docstring). When the key
+        Frees the slot and hands it to a waiter if any (see *hand-off* in
+        ``docs/contract.md``). When the key
         has no holder and no waiter left, all its state except a run-time
         limit is deleted.
 
@@ -453,7 +295,7 @@ class GuardBackend(abc.ABC):
         is 0): each parked one among them is
         returned with its payload, which the caller must enqueue on the
         broker and then confirm with :meth:`confirm_standby`. It keeps its
-        place and, until confirmed, its payload (see the module docstring).
+        place and, until confirmed, its payload (``docs/contract.md``).
 
         Returns:
           tuple: The hand-offs of this operation (as :meth:`release`'s), and
