@@ -29,25 +29,6 @@ if TYPE_CHECKING:
 
     from dramatiq_guard.ledger import Ledger
 
-__all__ = [
-    "KINDS",
-    "LISTED_WAITERS",
-    "Requeue",
-    "broker_requeue",
-    "describe_payload",
-    "format_ms",
-    "indexed_keys",
-    "key_detail",
-    "key_view",
-    "kind_of",
-    "ledger_view",
-    "load_broker",
-    "overview",
-    "release_holders",
-    "set_limit",
-    "summary_view",
-]
-
 #: The kinds of guard keys, by the prefix the middlewares give them.
 KINDS = ("dedup", "mutex", "concurrency")
 

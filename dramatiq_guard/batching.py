@@ -18,8 +18,6 @@ import threading
 import weakref
 from typing import Any, ClassVar, Generic, TypeVar
 
-__all__ = ["RETRY_S", "Batcher"]
-
 logger = logging.getLogger("dramatiq_guard")
 
 #: How long the thread waits before trying an unreachable backend again.

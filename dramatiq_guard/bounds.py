@@ -30,5 +30,3 @@ MAX_RETENTION_MS = 100 * MAX_DURATION_MS
 
 #: The largest limit or count: 2**31 - 1.
 MAX_COUNT = 2**31 - 1
-
-__all__ = ["MAX_COUNT", "MAX_DURATION_MS", "MAX_RETENTION_MS"]

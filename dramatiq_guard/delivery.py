@@ -30,17 +30,6 @@ from dramatiq_guard import events
 from dramatiq_guard.backends.base import ORIGINAL_GENERATION, GuardBackend, Handoff
 from dramatiq_guard.gate import Outcome, gate_for
 
-__all__ = [
-    "GENERATIONS_OPTION",
-    "Courier",
-    "acks_are_final",
-    "carry_generation",
-    "copy_generation",
-    "courier_for",
-    "generation_of",
-    "keep_polling",
-]
-
 logger = logging.getLogger(__name__)
 
 #: Message option (written on a re-enqueued copy): guard key -> the generation of the hand-off

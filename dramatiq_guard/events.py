@@ -76,24 +76,6 @@ import time
 from collections.abc import Iterator
 from typing import Protocol
 
-__all__ = [
-    "EventSink",
-    "acquired",
-    "deduplicated",
-    "get_sink",
-    "handed_off",
-    "lease_lost",
-    "ledger_hit",
-    "lock_wait",
-    "lockwait_changed",
-    "lockwait_condition",
-    "parked",
-    "redis_settings",
-    "redis_state_lost",
-    "released",
-    "set_sink",
-]
-
 
 class EventSink(Protocol):
     """What receives guard events (see :class:`dramatiq_guard.metrics.GuardMetrics`)."""

@@ -46,8 +46,6 @@ from typing import Any, Protocol
 
 from dramatiq import Broker, Message
 
-__all__ = ["Admission", "Diverted", "EnqueueGate", "EnqueueGuard", "Outcome", "PushTicket", "gate_for"]
-
 logger = logging.getLogger("dramatiq_guard.gate")
 
 

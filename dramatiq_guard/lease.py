@@ -46,8 +46,6 @@ from dramatiq_guard.backends.base import GuardBackend, ReleaseResult
 from dramatiq_guard.errors import LeaseLost
 from dramatiq_guard.renewer import LeaseHandle, LostFlag, get_renewer, known_valid_until
 
-__all__ = ["Lease", "release_leases", "runner_id"]
-
 logger = logging.getLogger(__name__)
 
 #: A random id of this process, made again in a forked child (a Dramatiq worker process).

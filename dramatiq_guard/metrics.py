@@ -69,8 +69,6 @@ import dramatiq
 
 from dramatiq_guard import events
 
-__all__ = ["GuardMetrics"]
-
 logger = logging.getLogger(__name__)
 
 #: The duration buckets of the lock-wait histogram, in milliseconds (Dramatiq's).

@@ -367,18 +367,3 @@ def option_error(actor_name: str, option: str, value: object, reason: str) -> Gu
 def _set(obj: object, name: str, value: object) -> None:
     """Normalise a field of a frozen dataclass in ``__post_init__``."""
     object.__setattr__(obj, name, value)
-
-
-__all__ = [
-    "ConcurrencyPolicy",
-    "DedupPolicy",
-    "Duration",
-    "IdempotencyPolicy",
-    "MutexPolicy",
-    "Policy",
-    "duration_ms",
-    "key_spec",
-    "option_error",
-    "parse_policy",
-    "timeout_s",
-]

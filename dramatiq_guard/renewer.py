@@ -52,8 +52,6 @@ from collections.abc import Callable
 
 from dramatiq_guard.backends.base import GuardBackend
 
-__all__ = ["LeaseHandle", "LeaseRenewer", "LostFlag", "get_renewer", "known_valid_until"]
-
 logger = logging.getLogger(__name__)
 
 

@@ -15,16 +15,6 @@ from dramatiq_guard.bounds import MAX_COUNT, MAX_DURATION_MS
 if TYPE_CHECKING:
     from dramatiq_guard.backends.values import Waiter
 
-__all__ = [
-    "DEFAULT_MAX_PAYLOAD_BYTES",
-    "check_acquire",
-    "check_count",
-    "check_key",
-    "check_max_payload_bytes",
-    "check_ms",
-    "check_replica_waits",
-]
-
 #: The default bound on a parked message's encoded size (:attr:`GuardBackend.max_payload_bytes`).
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
 

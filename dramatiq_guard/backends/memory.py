@@ -14,8 +14,6 @@ from dramatiq_guard.backends.base import DEFAULT_MAX_PAYLOAD_BYTES, GuardBackend
 from dramatiq_guard.backends.redis import RedisBackend
 from dramatiq_guard.errors import ConfigurationError
 
-__all__ = ["STUB_EXTRA_MISSING", "MemoryBackend"]
-
 #: Why a :class:`MemoryBackend` cannot be made without the ``stub`` extra, and the cure.
 STUB_EXTRA_MISSING = (
     "dramatiq-guard's in-memory backend (a StubBroker's, or MemoryBackend()) runs the guard's Lua "

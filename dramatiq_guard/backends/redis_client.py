@@ -28,21 +28,6 @@ import redis.cluster
 from dramatiq_guard.backends.redis_scripts import LuaScript, ScriptLibrary
 from dramatiq_guard.errors import BackendRefused, BackendUnavailable, ReplicasBehind
 
-__all__ = [
-    "DEFAULT_SOCKET_TIMEOUT_S",
-    "RedisClient",
-    "ReplicaWaits",
-    "ScriptCall",
-    "Timeouts",
-    "data",
-    "reachable",
-    "run_script",
-    "run_scripts",
-    "slow_call_warning",
-    "text",
-    "timeouts_of",
-]
-
 #: A redis-py client the backend accepts.
 RedisClient: TypeAlias = redis.Redis | redis.cluster.RedisCluster
 

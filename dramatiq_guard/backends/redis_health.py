@@ -52,20 +52,6 @@ from dramatiq_guard.backends.redis_client import RedisClient, text
 from dramatiq_guard.backends.redis_scripts import ScriptLibrary
 from dramatiq_guard.errors import BackendRefused, EvictingRedis, LayoutTooNew
 
-__all__ = [
-    "ALLOW_EVICTING_ENV",
-    "LAYOUT",
-    "RESTART_LOSES",
-    "RedisBackendLike",
-    "RedisSettings",
-    "check",
-    "check_layout",
-    "forget_settings",
-    "known_settings",
-    "read_settings",
-    "where",
-]
-
 logger = logging.getLogger(__name__)
 
 #: The environment variable that lets the guard run on an evicting Redis (``1``, ``true``, ``yes``).

@@ -19,8 +19,6 @@ from typing import Annotated, Any, NamedTuple, get_type_hints
 from dramatiq_guard import bounds
 from dramatiq_guard.backends.values import HOLDERS_SHOWN, MIN_STANDBY_WINDOW
 
-__all__ = ["LAYOUTS", "CallArgs", "KeyNames", "Layout", "lua_binding", "lua_constants", "lua_prologue"]
-
 #: The latest a key with waiters is due for a sweep, whatever its deadlines say (ms).
 DUE_BACKSTOP_MS = 30_000
 

@@ -67,8 +67,6 @@ from redis.exceptions import NoPermissionError, NoScriptError, RedisError, Respo
 from dramatiq_guard.backends.redis_layout import lua_binding, lua_constants, lua_prologue
 from dramatiq_guard.errors import BackendRefused
 
-__all__ = ["PROCESS_TTL_MS", "LuaScript", "ScriptLibrary", "load_lua", "processes_key"]
-
 logger = logging.getLogger("dramatiq_guard.backends.redis")
 
 #: What the name of every version's library starts with.

@@ -59,8 +59,6 @@ from dramatiq_guard.backends.redis_health import (
 from dramatiq_guard.backends.redis_scripts import PROCESS_TTL_MS
 from dramatiq_guard.errors import BackendUnavailable, EvictingRedis
 
-__all__ = ["KEYS_EVERY_S", "KEYS_PER_S", "StateWatch", "leave", "watch"]
-
 #: What a state check that could not reach Redis raises (redis-py's errors, or the health script's).
 _UNAVAILABLE: tuple[type[Exception], ...] = (*UNREACHABLE, BackendUnavailable)
 logger = logging.getLogger("dramatiq_guard.backends.redis_health")

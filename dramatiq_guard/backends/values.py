@@ -6,21 +6,6 @@ import dataclasses
 import enum
 import time
 
-__all__ = [
-    "HOLDERS_SHOWN",
-    "MIN_STANDBY_WINDOW",
-    "ORIGINAL_GENERATION",
-    "AcquireResult",
-    "Handoff",
-    "KeyState",
-    "KeySummary",
-    "ReleaseResult",
-    "Waiter",
-    "WaiterPeek",
-    "Woken",
-    "standby_window",
-]
-
 #: How many holders a refused acquire names (:attr:`AcquireResult.holders`); the
 #: Redis scripts get it from here (``backends/redis_layout.py``).
 HOLDERS_SHOWN = 10

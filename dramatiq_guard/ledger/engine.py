@@ -101,6 +101,3 @@ def create_engine(url: str | sa.URL) -> sa.Engine:
             cursor.close()
 
     return engine
-
-
-__all__ = ["LEDGER_URL_ENV", "create_engine", "default_ledger_url", "default_sqlite_path", "resolve_engine"]

@@ -7,8 +7,6 @@ import dataclasses
 import datetime
 from typing import Any
 
-__all__ = ["Claim", "LedgerRecord", "current_claim"]
-
 
 @dataclasses.dataclass(frozen=True)
 class Claim:

@@ -140,14 +140,3 @@ def storage_key(key: str) -> str:
     if len(key) <= KEY_LENGTH:
         return key
     return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
-
-
-__all__ = [
-    "COMPLETED",
-    "DEFAULT_TABLE_NAME",
-    "FAILED",
-    "IN_PROGRESS",
-    "LedgerKey",
-    "ledger_table",
-    "storage_key",
-]

@@ -316,6 +316,3 @@ def _with_permanent_errors(throws: Any) -> tuple[type[BaseException], ...]:
     else:
         current = tuple(throws)
     return current + tuple(e for e in PERMANENT_ERRORS if e not in current)
-
-
-__all__ = ["MESSAGE_OPTION", "PERMANENT_ERRORS", "Idempotency"]

@@ -19,8 +19,6 @@ from dramatiq import Broker
 
 from dramatiq_guard.backends.base import GuardBackend, ReleaseResult
 
-__all__ = ["Sweepable", "Sweeper", "join_sweep", "leave_sweep", "sweep_all"]
-
 logger = logging.getLogger(__name__)
 
 

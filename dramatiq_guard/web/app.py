@@ -31,8 +31,6 @@ if TYPE_CHECKING:
 
     from dramatiq_guard.ledger import Ledger
 
-__all__ = ["MAX_KEY_CHARS", "Dashboard"]
-
 #: The longest guard key (or search pattern) a request may name. Guard keys are short (an actor's
 #: name and a digest, or what a key callable returns); a longer one is refused before it reaches the
 #: backend, so a reader cannot make the server hold large made-up strings. ``dramatiq-guard inspect``

@@ -19,8 +19,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-__all__ = ["History", "sparkline"]
-
 Sample = tuple[float, int, int]
 
 

@@ -29,8 +29,6 @@ from collections.abc import Iterable
 
 from werkzeug.sansio.utils import host_is_trusted
 
-__all__ = ["LOCAL_HOSTS", "AllowedHosts"]
-
 #: The names of this machine's loopback interface: the default of ``make_app`` and ``serve``.
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 

@@ -12,8 +12,6 @@ from dramatiq_guard.web.hosts import LOCAL_HOSTS, AllowedHosts
 if TYPE_CHECKING:
     from _typeshed.wsgi import WSGIEnvironment
 
-__all__ = ["Access", "Authorize", "Page", "settings_of"]
-
 Authorize = Callable[["WSGIEnvironment"], bool]
 
 

@@ -24,8 +24,6 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["UnlockLimit"]
-
 
 class UnlockLimit:
     """Failed unlocks per client address (see the module docstring).

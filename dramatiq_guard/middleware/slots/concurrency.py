@@ -13,8 +13,6 @@ from dramatiq_guard.middleware.slots.middleware import SlotsMiddleware
 from dramatiq_guard.middleware.sweep import sweep_all
 from dramatiq_guard.policies import ConcurrencyPolicy, OnBusy
 
-__all__ = ["Concurrency"]
-
 
 class Concurrency(SlotsMiddleware[ConcurrencyPolicy]):
     """At most N messages per key execute at a time; the rest park (the ``concurrency`` actor option).

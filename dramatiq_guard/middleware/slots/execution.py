@@ -21,17 +21,6 @@ from dramatiq_guard.errors import GuardError
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.base import ExecutionState
 
-__all__ = [
-    "Held",
-    "NotRun",
-    "defer_second_copy",
-    "hold",
-    "skip_dropped",
-    "skip_parked",
-    "skip_stale",
-    "take_held",
-]
-
 logger = logging.getLogger("dramatiq_guard.middleware.slots")
 
 

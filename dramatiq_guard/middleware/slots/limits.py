@@ -18,8 +18,6 @@ from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.middleware.base import ActorGuard
 from dramatiq_guard.policies import Policy
 
-__all__ = ["ACTOR_LIMIT_PREFIX", "ActorLimits", "KeyDirectory"]
-
 P = TypeVar("P", bound=Policy)
 
 #: The pseudo-key prefix whose run-time limit is an actor's default limit.

@@ -52,8 +52,6 @@ from dramatiq_guard.middleware.slots.waits import wait_for_mutex
 from dramatiq_guard.middleware.sweep import Sweeper, join_sweep, leave_sweep
 from dramatiq_guard.policies import ConcurrencyPolicy, MutexPolicy, OnBusy, duration_ms
 
-__all__ = ["SlotsMiddleware"]
-
 logger = logging.getLogger("dramatiq_guard.middleware.slots")
 
 P = TypeVar("P", ConcurrencyPolicy, MutexPolicy)

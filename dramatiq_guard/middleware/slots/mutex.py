@@ -9,8 +9,6 @@ from dramatiq_guard.middleware.base import ActorGuard
 from dramatiq_guard.middleware.slots.middleware import SlotsMiddleware
 from dramatiq_guard.policies import MutexPolicy, OnBusy
 
-__all__ = ["Mutex"]
-
 
 class Mutex(SlotsMiddleware[MutexPolicy]):
     """At most one message per key executes at a time (the ``mutex`` actor option).

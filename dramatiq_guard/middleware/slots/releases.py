@@ -39,8 +39,6 @@ from dramatiq_guard.batching import Batcher
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.lease import Lease, release_leases
 
-__all__ = ["FOLLOW_UP_OPTIONS", "ContendedKeys", "Releaser", "starts_follow_ups"]
-
 logger = logging.getLogger("dramatiq_guard.middleware.slots")
 
 #: Message options with which a completion enqueues another message (Dramatiq's

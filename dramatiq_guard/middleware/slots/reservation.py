@@ -21,8 +21,6 @@ from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.gate import Diverted, Outcome
 from dramatiq_guard.middleware.base import fail_open
 
-__all__ = ["ReservationTicket", "reserve_or_park"]
-
 logger = logging.getLogger(__name__)
 
 

@@ -25,8 +25,6 @@ from dramatiq_guard.backends.base import AcquireResult, Waiter
 from dramatiq_guard.claim import Claim, Deliver
 from dramatiq_guard.middleware.slots.waits import time_limit_paused
 
-__all__ = ["DEFAULT_LOOKAHEAD", "StandbySeats", "Standbys", "wait_as_standby"]
-
 #: How many waiters per key are kept on the broker ahead when ``lookahead`` is None: the key's
 #: standby window (its limit, at least ``MIN_STANDBY_WINDOW``), at most this. A release reads that
 #: many waiters to find the ones to send, so the window costs Redis time on every release of a key

@@ -21,8 +21,6 @@ from dramatiq.middleware import TimeLimit
 from dramatiq_guard.backends.base import AcquireResult
 from dramatiq_guard.claim import Claim, Deliver
 
-__all__ = ["time_limit_paused", "wait_for_mutex"]
-
 
 @contextmanager
 def time_limit_paused(broker: Broker, message: MessageProxy) -> Iterator[Callable[[], None]]:
