@@ -23,8 +23,6 @@ from collections.abc import Callable, Sequence
 
 from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Waiter
 
-__all__ = ["BACKSTOP_MS", "Claim", "Deliver", "entry_ms"]
-
 logger = logging.getLogger(__name__)
 
 #: The longest a waiting thread sleeps before it re-checks the key.
