@@ -291,10 +291,14 @@ class RedisBackend(GuardBackend):
         self, key: str, default_limit: int | None, own: tuple[Any, ...], extra_key: str | None = None
     ) -> Any:
         """Run the per-key script whose own arguments are ``own`` (a ``redis_layout`` tuple)."""
-        keys = self._keys(key)
+        script, keys, args = self._script_call(key, default_limit, own)
         if extra_key is not None and not self._in_cluster():
             keys.append(extra_key)
-        return self._call(self.scripts[layout.SCRIPTS[type(own)]], keys, self._args(key, default_limit, *own))
+        return self._call(script, keys, args)
+
+    def _script_call(self, key: str, default_limit: int | None, own: tuple[Any, ...]) -> ScriptCall:
+        """The per-key script whose own arguments are ``own``, its KEYS and its ARGV (run or pipelined)."""
+        return self.scripts[layout.SCRIPTS[type(own)]], self._keys(key), self._args(key, default_limit, *own)
 
     def _call(self, script: LuaScript, keys: list[str], args: list[Any]) -> Any:
         """Run one script; with replica waits, followed by a ``WAIT`` on its connection."""
@@ -316,8 +320,7 @@ class RedisBackend(GuardBackend):
         )
 
     def _acquire_reply(self, key: str, reply: list[Any], sent: float) -> AcquireResult:
-        """Decode acquire.lua's ``{acquired, token, limit, queued, holders, handoffs[, lapses_in_ms]}``,
-        sent at ``sent``."""
+        """Decode acquire.lua's ``{acquired, token, limit, queued, holders, handoffs[, lapses_in_ms]}``."""
         acquired, token, in_force, queued, holders, handoffs, *lapses_in = reply
         outcome = AcquireOutcome.ACQUIRED if acquired else AcquireOutcome.refusal(text(queued))
         return AcquireResult(
@@ -418,7 +421,7 @@ class RedisBackend(GuardBackend):
             [reply] = run_scripts(
                 self.client,
                 self.scripts,
-                [(self.scripts["acquire"], self._keys(key), self._args(key, limit, *own))],
+                [self._script_call(key, limit, own)],
                 zadd_first=(self._index, key),
                 replicas=self.replicas,
             )
@@ -520,14 +523,12 @@ class RedisBackend(GuardBackend):
         replies = run_scripts(self.client, self.scripts, calls, replicas=self.replicas)
         return [self._release_reply(key, reply) for (key, *_), reply in zip(releases, replies, strict=True)]
 
-    def _release_call(
-        self, key: str, holder: str, limit: int | None, send_ahead: int
-    ) -> tuple[LuaScript, list[str], list[str | int | bytes]]:
+    def _release_call(self, key: str, holder: str, limit: int | None, send_ahead: int) -> ScriptCall:
         """The checked ``release.lua`` call of one release (run alone, or pipelined with others)."""
         check_count(limit, "limit")
         check_count(send_ahead, "send_ahead")
         own = layout.ReleaseArgs(holder=holder, standbys=send_ahead)
-        return self.scripts["release"], self._keys(key), self._args(key, limit, *own)
+        return self._script_call(key, limit, own)
 
     def confirm_handoff(
         self, key: str, waiter_id: str, *, ttl_ms: int, generation: int | None = None
@@ -626,12 +627,11 @@ class RedisBackend(GuardBackend):
     def sweep_many(self, keys: Sequence[tuple[str, int | None]]) -> list[ReleaseResult]:
         """:meth:`sweep` each ``(key, limit)`` in pipelined batches of :attr:`SWEEP_BATCH`."""
         results: list[ReleaseResult] = []
-        script = self.scripts["sweep"]
         for first in range(0, len(keys), self.SWEEP_BATCH):
             batch = keys[first : first + self.SWEEP_BATCH]
             for _, limit in batch:
                 check_count(limit, "limit")
-            calls = [(script, self._keys(key), self._args(key, limit)) for key, limit in batch]  # SweepArgs()
+            calls = [self._script_call(key, limit, layout.SweepArgs()) for key, limit in batch]
             replies = run_scripts(self.client, self.scripts, calls)
             results.extend(self._release_reply(key, r) for (key, _), r in zip(batch, replies, strict=True))
         return results
