@@ -42,7 +42,7 @@ import enum
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from dramatiq import Broker, Message
 
@@ -84,6 +84,20 @@ class PushTicket(Protocol):
 
     def failed(self) -> None:
         """The message will not be sent (dropped, refused, or the push failed): undo."""
+
+
+class OneStepTicket(PushTicket, Protocol):
+    """A ticket that takes over the broker's push: its decision and the push in one step.
+
+    The gate routes the broker's ``do_enqueue`` (a RedisBroker's) to :meth:`enqueue` for this
+    message, after every other middleware's ``before_enqueue``; a :class:`Diverted` raised there
+    comes back as from ``before_push`` (no ``after_enqueue`` fires, as for a failed push).
+    """
+
+    def enqueue(
+        self, queue_name: str, message_id: str, data: bytes, push: Callable[[str, str, bytes], Any]
+    ) -> None:
+        """Push ``data`` (with ``push``, the broker's own, or in one step with the decision), or raise."""
 
 
 class EnqueueGuard(Protocol):
@@ -133,6 +147,12 @@ class EnqueueGate:
         self.guards: list[EnqueueGuard] = []
         self.original: EnqueueFn = broker.enqueue
         broker.enqueue = self.enqueue  # type: ignore[method-assign]
+        self._push_original: Callable[[str, str, bytes], Any] | None = None
+        self._local = threading.local()
+
+    def sole_guard(self, actor_name: str, guard: EnqueueGuard) -> bool:
+        """Whether ``guard`` is the only guard of this gate that guards ``actor_name``'s messages."""
+        return [g for g in self.guards if g.guards_actor(actor_name)] == [guard]
 
     def add(self, guard: EnqueueGuard) -> None:
         """Add ``guard`` (once), keeping the guards in ``gate_priority`` order."""
@@ -181,13 +201,36 @@ class EnqueueGate:
             _settle(tickets, Outcome.DROPPED)
             raise
 
+        one_step = [cast(OneStepTicket, t) for t in tickets if hasattr(t, "enqueue")]
+        if one_step:
+            self._take_pushes()
+            self._local.ticket = one_step[0]
         try:
             enqueued = self.original(message, delay=delay)
+        except Diverted as diverted:  # raised by a one-step ticket's push
+            _settle(tickets, diverted.outcome)
+            return Admission(diverted.message, diverted.outcome)
         except BaseException:
             _settle(tickets, Outcome.DROPPED)
             raise
+        finally:
+            self._local.ticket = None
         _settle(tickets, Outcome.PUSHED)
         return Admission(enqueued, Outcome.PUSHED)
+
+    def _take_pushes(self) -> None:
+        """Route the broker's ``do_enqueue`` (a RedisBroker's push) through :meth:`_push`, once."""
+        if self._push_original is None:
+            self._push_original = self.broker.do_enqueue  # type: ignore[attr-defined]
+            self.broker.do_enqueue = self._push  # type: ignore[attr-defined]
+
+    def _push(self, queue_name: str, message_id: str, data: bytes) -> Any:
+        """The broker's push: a one-step ticket's, if this thread's enqueue has one, else its own."""
+        ticket, self._local.ticket = getattr(self._local, "ticket", None), None
+        assert self._push_original is not None
+        if ticket is None:
+            return self._push_original(queue_name, message_id, data)
+        return ticket.enqueue(queue_name, message_id, data, self._push_original)
 
 
 def _settle(tickets: list[PushTicket], outcome: Outcome) -> None:

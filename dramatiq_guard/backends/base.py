@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from dramatiq_guard.backends.checks import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -27,6 +28,7 @@ from dramatiq_guard.backends.values import (
     MIN_STANDBY_WINDOW,
     ORIGINAL_GENERATION,
     AcquireResult,
+    Enqueue,
     Handoff,
     KeyState,
     KeySummary,
@@ -221,6 +223,28 @@ class GuardBackend(abc.ABC):
         """
         result = self.acquire(key, holder, limit=1, ttl_ms=ttl_ms, info=info)
         return dataclasses.replace(result, token=None)
+
+    def enqueues_on(self, broker: Any) -> bool:
+        """Whether :meth:`lock_and_enqueue` can push to ``broker`` (default: never).
+
+        Checked once per broker; a backend that can says why not in a warning when it cannot.
+        """
+        return False
+
+    def lock_and_enqueue(
+        self, key: str, holder: str, *, ttl_ms: int, info: str, push: Enqueue
+    ) -> AcquireResult | None:
+        """:meth:`try_lock`, and if it is acquired, the broker's push of ``push`` in the same atomic step.
+
+        Only called where :meth:`enqueues_on` said yes: the lock is written with its whole
+        ``ttl_ms`` (no pending lock: the message is on the broker already).
+
+        Returns:
+          AcquireResult|None: As :meth:`try_lock` (acquired: the message is enqueued; refused:
+          nothing was written), or None when the backend could not decide in one step: nothing
+          was written, take the lock with :meth:`try_lock` and push as usual.
+        """
+        return None
 
     @abc.abstractmethod
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:

@@ -21,7 +21,7 @@ from typing import Any, cast
 import redis
 import redis.cluster
 
-from dramatiq_guard.backends import redis_health, redis_watch
+from dramatiq_guard.backends import redis_enqueue, redis_health, redis_watch
 from dramatiq_guard.backends import redis_layout as layout
 from dramatiq_guard.backends.base import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -56,7 +56,7 @@ from dramatiq_guard.backends.redis_client import (
 )
 from dramatiq_guard.backends.redis_layout import KeyNames
 from dramatiq_guard.backends.redis_scripts import LuaScript, ScriptLibrary
-from dramatiq_guard.backends.values import AcquireOutcome
+from dramatiq_guard.backends.values import AcquireOutcome, Enqueue
 
 __all__ = ["DEFAULT_SOCKET_TIMEOUT_S", "RedisBackend", "RedisClient", "replica_waits_of"]
 
@@ -161,6 +161,7 @@ class RedisBackend(GuardBackend):
         check_ms(index_grace_ms, "index_grace_ms", minimum=0)
         self.replicas = replica_waits_of(replica_waits, replica_wait_timeout_ms)
         self.client = client
+        self._enqueues: dict[int, tuple[Any, bool]] = {}
         self.namespace = namespace
         self.index_grace_ms = index_grace_ms
         self._index = f"{namespace}:waiting"
@@ -443,13 +444,28 @@ class RedisBackend(GuardBackend):
           BackendUnavailable: If Redis cannot be reached.
           ValueError: If ``key`` or ``ttl_ms`` is not allowed.
         """
+        decided = self._lock(key, holder, ttl_ms, info or "", None)
+        if decided is None:
+            return self._acquire(key, holder, 1, ttl_ms, None, info, None, fenced=False)
+        return decided
+
+    def _lock(
+        self, key: str, holder: str, ttl_ms: int, info: str, push: Enqueue | None
+    ) -> AcquireResult | None:
+        """Run ``lua/lock.lua`` (with ``push``: the broker's push too); None: not decided there."""
         check_ms(ttl_ms, "ttl_ms")
         names = self._names(key)
         sent = time.monotonic()
-        own = layout.LockArgs(holder=holder, ttl_ms=ttl_ms, info=info or "")
-        status, holders = self._call(self.scripts["lock"], list(layout.lock_keys(names)), list(own))
+        keys, args = (
+            list(layout.lock_keys(names)),
+            [*layout.LockArgs(holder=holder, ttl_ms=ttl_ms, info=info)],
+        )
+        if push is not None:
+            keys += redis_enqueue.queue_keys(push.broker, push.queue_name)
+            args += [push.message_id, push.data]
+        status, holders = self._call(self.scripts["lock"], keys, args)
         if int(status) < 0:
-            return self._acquire(key, holder, 1, ttl_ms, None, info, None, fenced=False)
+            return None
         acquired = int(status) == 1
         return AcquireResult(
             AcquireOutcome.ACQUIRED if acquired else AcquireOutcome.BUSY,
@@ -458,6 +474,41 @@ class RedisBackend(GuardBackend):
             limit=1,
             valid_from=sent,
         )
+
+    def enqueues_on(self, broker: Any) -> bool:
+        """Yes for a RedisBroker on this backend's server and database whose layout the guard knows.
+
+        Decided once per broker (:mod:`~dramatiq_guard.backends.redis_enqueue`: the version, then a
+        probe the broker itself must fetch, ack and dead-letter); an unknown layout is logged once.
+        Never with replica waits: the push would not be waited for.
+        """
+        known = self._enqueues.get(id(broker))
+        if known is not None and known[0] is broker:
+            return known[1]
+        if not redis_enqueue.shares_server(broker, self.client) or self.replicas:
+            self._enqueues[id(broker)] = (broker, False)
+            return False
+        reason = redis_enqueue.unknown_layout()
+        if reason is None:
+            reason = redis_enqueue.probe(broker, functools.partial(self._probe_push, broker))
+        if reason is not None:
+            redis_enqueue.logger.warning(
+                "dramatiq-guard: a dedup lock and its push take two steps on this broker: %s.", reason
+            )
+        self._enqueues[id(broker)] = (broker, reason is None)
+        return reason is None
+
+    def _probe_push(self, broker: Any, queue: str, rid: str, data: bytes) -> None:
+        push = Enqueue(broker, queue, rid, data)
+        result = self.lock_and_enqueue(f"probe:{rid}", rid, ttl_ms=1_000, info="probe", push=push)
+        if result is None or not result.acquired:
+            raise RuntimeError("the probe's lock was not taken")
+        self.release(f"probe:{rid}", rid, limit=1)
+
+    def lock_and_enqueue(
+        self, key: str, holder: str, *, ttl_ms: int, info: str, push: Enqueue
+    ) -> AcquireResult | None:
+        return self._lock(key, holder, ttl_ms, info, push)
 
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:
         """Extend ``holder``'s lease; see :meth:`GuardBackend.renew`.

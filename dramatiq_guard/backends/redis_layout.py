@@ -189,7 +189,9 @@ SCRIPTS: dict[Any, str] = {
 #: Every script's layout, by name.
 LAYOUTS: dict[str, Layout] = {
     **{name: Layout(args=args._fields, per_key=True) for args, name in SCRIPTS.items()},
-    "lock": Layout(args=LockArgs._fields, keys=("holders", "waiters", "reserved", "limit", "token", "info")),
+    "lock": Layout(
+        args=LockArgs._fields, keys=("holders", "waiters", "reserved", "limit", "token", "info"), rest="push"
+    ),
     "renew": Layout(each="lease", each_keys=("holders", "token", "info"), each_args=LeaseArgs._fields),
     "unindex": Layout(args=UnindexArgs._fields, keys=("index",)),
     "due": Layout(keys=("index",)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import Any, NamedTuple
 
 #: How many holders a refused acquire names (:attr:`AcquireResult.holders`); the
 #: Redis scripts get it from here (``backends/redis_layout.py``).
@@ -294,3 +295,19 @@ class KeySummary:
     def limit_in_force(self) -> int | None:
         """The run-time limit, else the recorded one, else None (unknown here)."""
         return self.limit if self.limit is not None else self.recorded_limit
+
+
+class Enqueue(NamedTuple):
+    """A message to push to a broker's queue as its own enqueue would (``lock_and_enqueue``).
+
+    Parameters:
+      broker(Broker): The broker.
+      queue_name(str): The queue (a delay queue's name for a delayed message).
+      message_id(str): The broker's id of this push (a RedisBroker's ``redis_message_id``).
+      data(bytes): The encoded message.
+    """
+
+    broker: Any
+    queue_name: str
+    message_id: str
+    data: bytes

@@ -18,8 +18,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from dramatiq import Broker, Message
 from dramatiq.broker import MessageProxy
@@ -27,10 +27,11 @@ from dramatiq.middleware import Retries, SkipMessage
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Waiter
+from dramatiq_guard.backends.values import Enqueue
 from dramatiq_guard.claim import Claim
 from dramatiq_guard.delivery import Courier, generation_of
 from dramatiq_guard.errors import BackendUnavailable, DuplicateMessage, GuardOptionError
-from dramatiq_guard.gate import Diverted, Outcome
+from dramatiq_guard.gate import Diverted, Outcome, gate_for
 from dramatiq_guard.keys import lone_surrogate
 from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware, execution_state, fail_open
 from dramatiq_guard.middleware.confirmer import Confirmer
@@ -137,6 +138,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
             raise GuardOptionError(f"Deduplication: sweep_interval must be positive, not {sweep_interval!r}")
         self.sweep_interval_ms: int = interval
         self._sweeper: Sweeper | None = None
+        self._alone: dict[str, bool] = {}
 
     @property
     def actor_options(self) -> set[str]:
@@ -150,7 +152,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
 
     def before_push(
         self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None = None
-    ) -> _LockTicket | None:
+    ) -> _LockTicket | _OneStepTicket | None:
         """Take the dedup lock for ``message``, or divert it as a duplicate (see the module docstring)."""
         options = message.options
         if LOCK_OPTION in options or EXEMPT_OPTION in options:
@@ -168,28 +170,47 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
 
         key = PREFIX + self._key(guard, message)
         backend = self.backend(broker)
+        ttl = policy.ttl_ms + ((delay or 0) if policy.including_scheduled else 0)
+        if holds is None and not policy.fail_open and self._in_one_step(broker, backend, message):
+            options[LOCK_OPTION] = key  # encoded with the message: the push takes the lock
+            claim = Claim(backend, key, message.message_id, 1, ttl, info=message.actor_name)
+            return _OneStepTicket(self, broker, claim, message, policy)
         claim = Claim(backend, key, message.message_id, 1, self.pending_ttl_ms, info=message.actor_name)
         try:
             result = self._try_lock(broker, claim)
             self._deliver(broker, result.handoffs)
             if result.acquired:
                 options[LOCK_OPTION] = key
-                ttl = policy.ttl_ms + ((delay or 0) if policy.including_scheduled else 0)
                 return _LockTicket(self, broker, claim, message, ttl)
-            holder = result.holders[0] if result.holders else ""
-            events.deduplicated(message.actor_name)
-            logger.info("Deduplicated %s: %r is held by %s.", message, key, holder or "nobody")
-            if policy.on_duplicate == "raise":
-                raise DuplicateMessage(message.message_id, holder, key)
-            marks: dict[str, Any] = {BY_OPTION: holder}
-            if policy.on_duplicate == "reschedule_once":
-                marks = self._reschedule(broker, backend, key, message, holder, policy)
+            self._refused(broker, message, claim, result, policy)
         except BackendUnavailable as e:
             fail_open(policy.fail_open, e, f"{message} is enqueued without deduplication")
             options.pop(LOCK_OPTION, None)
             options[EXEMPT_OPTION] = "backend_unavailable"
             return None
-        raise Diverted(message.copy(options=marks), Outcome.DROPPED)
+
+    def _in_one_step(self, broker: Broker, backend: GuardBackend, message: Message[Any]) -> bool:
+        """Whether the lock and the push go in one step: the backend can, and only dedup guards the actor."""
+        alone = self._alone.get(message.actor_name)
+        if alone is None:
+            alone = self._alone[message.actor_name] = gate_for(broker).sole_guard(message.actor_name, self)
+        return alone and backend.enqueues_on(broker)
+
+    def _refused(
+        self, broker: Broker, message: Message[Any], claim: Claim, result: AcquireResult, policy: DedupPolicy
+    ) -> NoReturn:
+        """A duplicate of the lock's holder: raise, or divert it as dropped (or rescheduled once)."""
+        holder, key = (result.holders[0] if result.holders else ""), claim.key
+        events.deduplicated(message.actor_name)
+        logger.info("Deduplicated %s: %r is held by %s.", message, key, holder or "nobody")
+        if policy.on_duplicate == "raise":
+            raise DuplicateMessage(message.message_id, holder, key)
+        marks: dict[str, Any] = {BY_OPTION: holder}
+        if policy.on_duplicate == "reschedule_once":
+            marks = self._reschedule(broker, claim.backend, key, message, holder, policy)
+        copy = message.copy(options=marks)
+        copy.options.pop(LOCK_OPTION, None)
+        raise Diverted(copy, Outcome.DROPPED)
 
     def _try_lock(self, broker: Broker, claim: Claim) -> AcquireResult:
         """Take the pending lock of a new holder; one that raised is taken back first.
@@ -487,6 +508,65 @@ class _LockTicket:
     def failed(self) -> None:
         self.message.options.pop(LOCK_OPTION, None)
         self.middleware._deliver(self.broker, self.claim.release().handoffs)
+
+
+class _OneStepTicket:
+    """A lock taken with the broker's push, in one step (:meth:`GuardBackend.lock_and_enqueue`).
+
+    The gate hands this ticket the broker's push; where the backend cannot decide in one step, it
+    takes the pending lock and pushes as :class:`_LockTicket` does, and settles like it.
+    """
+
+    __slots__ = ("broker", "claim", "message", "middleware", "policy", "two_steps")
+
+    def __init__(
+        self,
+        middleware: Deduplication,
+        broker: Broker,
+        claim: Claim,
+        message: Message[Any],
+        policy: DedupPolicy,
+    ) -> None:
+        self.middleware = middleware
+        self.policy = policy
+        self.broker = broker
+        self.claim = claim
+        self.message = message
+        self.two_steps: _LockTicket | None = None
+
+    def enqueue(
+        self, queue_name: str, message_id: str, data: bytes, push: Callable[[str, str, bytes], Any]
+    ) -> None:
+        """Lock and push ``data`` (the broker's own ``push`` if it takes two steps), or divert a duplicate."""
+        claim, middleware, message = self.claim, self.middleware, self.message
+        info = claim.info or message.actor_name
+        one = Enqueue(self.broker, queue_name, message_id, data)
+        result = claim.backend.lock_and_enqueue(
+            claim.key, claim.holder, ttl_ms=claim.ttl_ms, info=info, push=one
+        )
+        if result is None:
+            pending = Claim(claim.backend, claim.key, claim.holder, 1, middleware.pending_ttl_ms, info=info)
+            result = middleware._try_lock(self.broker, pending)
+            middleware._deliver(self.broker, result.handoffs)
+            if result.acquired:
+                self.two_steps = _LockTicket(middleware, self.broker, pending, message, claim.ttl_ms)
+                push(queue_name, message_id, data)
+                return
+        if not result.acquired:
+            middleware._refused(self.broker, message, claim, result, self.policy)
+
+    def pushed(self) -> None:
+        if self.two_steps is not None:
+            self.two_steps.pushed()
+
+    def parked(self) -> None:
+        self.pushed()
+
+    def failed(self) -> None:
+        """Not pushed: a lock taken in two steps is released (one step: neither happened)."""
+        self.message.options.pop(LOCK_OPTION, None)
+        if self.two_steps is not None:
+            self.two_steps.failed()
 
 
 def _started_without_lock(holder: str, key: str, holders: Sequence[str] | None) -> None:

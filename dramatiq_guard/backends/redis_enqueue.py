@@ -1,0 +1,89 @@
+"""A dedup lock and the RedisBroker's push in one script, where the broker shares the guard's Redis.
+
+Dramatiq's queue layout (``dispatch.lua``: a message hash ``<namespace>:<queue>.msgs`` and a list
+``<namespace>:<queue>`` of message ids) is its own, not a public contract. So a broker is trusted
+with the one-step enqueue only when its Dramatiq is a version whose layout the tests pin
+(:data:`KNOWN_DRAMATIQ`) *and* a probe passes against the running broker, once per broker: a
+message written by the script is fetched, acked and dead-lettered by the broker's own commands
+like one of its own. Anything else takes the two-step path (lock, then the broker's push).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+import dramatiq
+from dramatiq import Broker, Message
+
+logger = logging.getLogger("dramatiq_guard.backends.redis")
+
+#: The Dramatiq versions (major.minor) whose RedisBroker layout the tests pin.
+KNOWN_DRAMATIQ = ("1.17", "1.18", "2.0", "2.1", "2.2")
+
+
+def queue_keys(broker: Any, queue_name: str) -> tuple[str, str]:
+    """The broker's list and message hash of ``queue_name`` (a delay queue's name included)."""
+    full = f"{broker.namespace}:{queue_name}"
+    return full, f"{full}.msgs"
+
+
+def same_server(ours: Any, theirs: Any) -> bool:
+    """Whether two redis-py clients talk to the same server and database."""
+    if ours is theirs:
+        return True
+    try:
+        a, b = ours.connection_pool.connection_kwargs, theirs.connection_pool.connection_kwargs
+    except AttributeError:
+        return False
+    where = ("host", "port", "path", "db")
+    return all(a.get(name) == b.get(name) for name in where) and type(ours) is type(theirs)
+
+
+def shares_server(broker: Broker, client: Any) -> bool:
+    """Whether ``broker`` is a RedisBroker on ``client``'s server and database."""
+    try:
+        from dramatiq.brokers.redis import RedisBroker
+    except ImportError:  # pragma: no cover - the redis extra of dramatiq is missing
+        return False
+    return isinstance(broker, RedisBroker) and same_server(client, broker.client)
+
+
+def unknown_layout() -> str | None:
+    """Why the running Dramatiq's queue layout is not trusted, or None if the tests pin it."""
+    version = ".".join(dramatiq.__version__.split(".")[:2])
+    if version not in KNOWN_DRAMATIQ:
+        return f"Dramatiq {dramatiq.__version__}'s queue layout is not one the guard knows"
+    return None
+
+
+def probe(broker: Any, push: Any) -> str | None:
+    """Write two messages with ``push`` and have ``broker`` fetch, ack and dead-letter them.
+
+    ``push(queue_name, message_id, data)`` writes one message the one-step way. Returns None if
+    the broker handled both like its own, else what went wrong. Leaves nothing behind.
+    """
+    queue = f"dramatiq-guard-probe-{uuid.uuid4().hex}"
+    keys = [*queue_keys(broker, queue), *queue_keys(broker, f"{queue}.XQ")]
+    try:
+        for finish in ("ack", "nack"):
+            message: Message[Any] = Message(queue, "probe", (), {}, {"redis_message_id": str(uuid.uuid4())})
+            rid, data = message.options["redis_message_id"], message.encode()
+            push(queue, rid, data)
+            fetched = broker.do_fetch(queue, 1)
+            if [bytes(f) if isinstance(f, (bytes, bytearray)) else f.encode() for f in fetched] != [data]:
+                return f"the broker fetched {fetched!r}, not the message written"
+            getattr(broker, f"do_{finish}")(queue, rid)
+        if broker.client.hlen(keys[1]) or broker.client.llen(keys[0]):
+            return "the broker's ack left the message in its queue"
+        if not broker.client.hexists(keys[3], rid):
+            return "the broker's nack did not dead-letter the message"
+        return None
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        try:
+            broker.client.delete(*keys)
+        except Exception:
+            logger.debug("Could not delete the probe's keys %r.", keys, exc_info=True)
