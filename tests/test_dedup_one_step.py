@@ -9,7 +9,9 @@ message; where the layout is not one the guard knows, sends take two steps and n
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import dramatiq
@@ -178,7 +180,7 @@ def test_a_layout_the_guard_does_not_know_takes_two_steps_and_loses_nothing(
 
     if unknown == "version":
         monkeypatch.setattr(redis_enqueue, "KNOWN_DRAMATIQ", ())
-    broker = (RedisBroker if unknown == "version" else OtherLayout)(url=redis_url)
+    broker = (RedisBroker if unknown == "version" else OtherLayout)(url=redis_url)  # type: ignore[no-untyped-call]
     dramatiq.set_broker(broker)
     dramatiq_guard.install(broker)
     ran: list[int] = []
@@ -249,10 +251,11 @@ def test_producers_killed_mid_burst_leave_every_message_with_its_lock_and_no_loc
 
     script = tmp_path / "producer.py"
     script.write_text(PRODUCER)
+    env = {**os.environ, "PYTHONPATH": str(Path(dramatiq_guard.__file__).parent.parent)}  # this checkout's
     confirmed: set[int] = set()
     for kill in range(4):
         process = subprocess.Popen(
-            [sys.executable, str(script), redis_url], stdout=subprocess.PIPE, text=True
+            [sys.executable, str(script), redis_url], stdout=subprocess.PIPE, text=True, env=env
         )
         assert process.stdout is not None
         assert process.stdout.readline().strip() == "ready"

@@ -171,6 +171,8 @@ class Layout(NamedTuple):
     each_keys: tuple[str, ...] = ()
     each_args: tuple[str, ...] = ()
     rest: str = ""
+    #: Optional KEYS after ``keys`` (not guard keys), by their names in the script.
+    more_keys: tuple[str, ...] = ()
 
 
 #: The per-key script of each own-arguments tuple.
@@ -190,7 +192,10 @@ SCRIPTS: dict[Any, str] = {
 LAYOUTS: dict[str, Layout] = {
     **{name: Layout(args=args._fields, per_key=True) for args, name in SCRIPTS.items()},
     "lock": Layout(
-        args=LockArgs._fields, keys=("holders", "waiters", "reserved", "limit", "token", "info"), rest="push"
+        args=LockArgs._fields,
+        keys=("holders", "waiters", "reserved", "limit", "token", "info"),
+        rest="push",
+        more_keys=("QUEUE", "QUEUE_MESSAGES"),
     ),
     "renew": Layout(each="lease", each_keys=("holders", "token", "info"), each_args=LeaseArgs._fields),
     "unindex": Layout(args=UnindexArgs._fields, keys=("index",)),
@@ -250,6 +255,9 @@ def lua_prologue(name: str) -> str:
     if layout.keys:
         letters = ", ".join(LETTERS[key] for key in layout.keys)
         lines.append(f"local {letters} = unpack(KEYS, 1, {len(layout.keys)})\n")
+    if layout.more_keys:
+        more, at = ", ".join(layout.more_keys), len(layout.keys) + 1
+        lines.append(f"local {more} = unpack(KEYS, {at}, {at + len(layout.more_keys) - 1})\n")
     if layout.args:
         lines.append(
             f"local {', '.join(layout.args)} = unpack(ARGV, {first}, {first + len(layout.args) - 1})\n"

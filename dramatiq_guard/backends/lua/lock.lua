@@ -16,7 +16,7 @@
 --     generic acquire would refuse it too (a waiter queued or not). Nothing is written.
 --   * Anything else (a waiter or reservation with a free slot, a run-time limit, a lapsed holder
 --     to reclaim, the caller re-entering, a token left behind): -1.
--- With a push (KEYS[7], KEYS[8]: a RedisBroker queue's list and its messages hash; ARGV from
+-- With a push (QUEUE, QUEUE_MESSAGES: a RedisBroker queue's list and its messages hash; ARGV from
 -- PUSH_FROM: the broker's message id and encoded message), an acquired lock enqueues the message
 -- as Dramatiq's own enqueue does (HSET, RPUSH), in the same step: both or neither.
 -- Times come from the server's clock only.
@@ -38,9 +38,9 @@ if present == 0 then
   redis.call('HSET', I, holder, string.format('%.0f', now) .. '|' .. info)
   redis.call('PEXPIREAT', H, deadline)
   redis.call('PEXPIREAT', I, deadline)
-  if KEYS[7] then
-    redis.call('HSET', KEYS[8], ARGV[PUSH_FROM], ARGV[PUSH_FROM + 1])
-    redis.call('RPUSH', KEYS[7], ARGV[PUSH_FROM])
+  if QUEUE then
+    redis.call('HSET', QUEUE_MESSAGES, ARGV[PUSH_FROM], ARGV[PUSH_FROM + 1])
+    redis.call('RPUSH', QUEUE, ARGV[PUSH_FROM])
   end
   return { 1, {} }
 end
