@@ -179,11 +179,15 @@ class Lock:
         if not result.acquired:
             self._last_holders = result.holders
             return False
-        assert result.token is not None
         self.lease = Lease(
-            claim.backend, self.key, claim.holder, result.token, limit=1, ttl_ms=self.lease_ttl_ms,
-            cap_ms=self.ttl_ms, reserved_ms=result.reserved_ms, valid_from=result.valid_from,
-        )  # fmt: skip
+            claim.backend,
+            self.key,
+            claim.holder,
+            result,
+            limit=1,
+            ttl_ms=self.lease_ttl_ms,
+            cap_ms=self.ttl_ms,
+        )
         return True
 
     def release(self) -> None:

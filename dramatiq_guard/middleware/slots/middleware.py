@@ -343,18 +343,11 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         limit: int,
         result: AcquireResult,
     ) -> None:
-        assert result.token is not None and self._backend is not None
+        assert self._backend is not None
         lease = Lease(
-            self._backend,
-            key,
-            message.message_id,
-            result.token,
-            limit=limit,
-            ttl_ms=self.lease_ttl_ms,
+            self._backend, key, message.message_id, result, limit=limit, ttl_ms=self.lease_ttl_ms,
             cap_ms=guard.policy.ttl_ms,
-            reserved_ms=result.reserved_ms,
-            valid_from=result.valid_from,
-        )
+        )  # fmt: skip
         hold(message, state, self.option, lease)
         with self._inflight_lock:
             self._inflight.add(message.message_id)
