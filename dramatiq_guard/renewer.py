@@ -129,7 +129,7 @@ class LeaseHandle:
         return False
 
     def wait_lost(self, timeout: float | None = None) -> bool:
-        """Block until the lease is lost (its ``on_lost`` callbacks ran) or ``timeout`` s pass; whether it is."""
+        """Block until the lease is lost (its ``on_lost`` callbacks ran) or ``timeout`` s pass."""
         return self._lost.wait(timeout) or self.lost
 
     def unregister(self) -> None:
