@@ -1,10 +1,5 @@
-"""Limits: an actor's run-time default, and which actor a guard key belongs to.
-
-A key's limit is, in order: its run-time limit (in the backend, set with
-``set_limit``), the actor's run-time default (the run-time limit of the
-pseudo-key ``"concurrency-default:<actor>"``, read with a short cache), or
-the option's ``limit`` (docs/slots.md, "Limits at run time").
-"""
+"""Limits: an actor's run-time default, and which actor a guard key belongs to
+(docs/slots.md, "Limits at run time")."""
 
 from __future__ import annotations
 

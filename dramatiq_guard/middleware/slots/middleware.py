@@ -80,9 +80,8 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
 
     def before_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
         """Stop the sweep when the last middleware using it shuts down."""
-        sweeper, self._sweeper = self._sweeper, None
-        if sweeper is not None:
-            leave_sweep(self, sweeper)
+        leave_sweep(self, self._sweeper)
+        self._sweeper = None
 
     def after_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
         """Release what the release thread still holds (the worker threads have stopped)."""
