@@ -56,21 +56,11 @@ def acks_are_final(broker: Broker) -> bool:
 class Courier:
     """Delivers the hand-offs and standbys of one kind of guard key on one broker.
 
-    Parameters:
-      broker(Broker): Where the messages go (each to its own queue).
-      backend(GuardBackend): Where the hand-offs are confirmed.
-      ttl_ms: How long a confirmed hand-off waits for its message to start,
-        given the message.
-      default_limit: A key's default limit, given the key, or None if this
-        process cannot tell (to give back a slot that the message will not use).
-      keep_when_parked(bool): What a message that another guard parked on
-        its way keeps: True, what it was handed (a dedup lock, held until the
-        message runs); False, nothing (a slot is given back at once, so it
-        does not stand idle while the message waits elsewhere).
-      counts_handoffs(bool): Count each delivered message in
-        :func:`~dramatiq_guard.events.handed_off`.
-      after_push: Called with each message pushed to the broker (a
-        hand-off or a standby), right after the push.
+    ``ttl_ms(message)``: how long a confirmed hand-off waits for its message to start.
+    ``default_limit(key)``: the key's default limit, None if unknown here (to give a slot back).
+    ``keep_when_parked``: whether a message that another guard parks on its way keeps what it was
+    handed (a dedup lock), or gives it back at once (a slot must not stand idle meanwhile).
+    ``after_push(message)``: called right after each push.
     """
 
     def __init__(

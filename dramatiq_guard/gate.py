@@ -35,12 +35,7 @@ class Outcome(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Admission:
-    """The outcome of :meth:`EnqueueGate.admit`.
-
-    Parameters:
-      message(Message): What ``send()`` returns.
-      outcome(Outcome): Pushed, parked or dropped.
-    """
+    """The outcome of :meth:`EnqueueGate.admit`: the message ``send()`` returns, and what became of it."""
 
     message: Message[Any]
     outcome: Outcome
@@ -74,13 +69,8 @@ class EnqueueGuard(Protocol):
 
 
 class Diverted(Exception):
-    """Raised by a guard's ``before_push``: do not push, return ``message`` to the caller.
-
-    Parameters:
-      message(Message): What ``broker.enqueue`` (and so ``send()``) returns.
-      outcome(Outcome): ``PARKED`` (taken care of: earlier tickets are told
-        so) or ``DROPPED`` (earlier tickets are undone).
-    """
+    """Raised by a guard's ``before_push``: do not push, return ``message`` to the caller; ``outcome``
+    is ``PARKED`` (earlier tickets are told so) or ``DROPPED`` (earlier tickets are undone)."""
 
     def __init__(self, message: Message[Any], outcome: Outcome) -> None:
         super().__init__(message.message_id)
@@ -121,11 +111,7 @@ class EnqueueGate:
     ) -> Admission:
         """Let the guards decide about ``message``, push it unless diverted, and say what happened.
 
-        Parameters:
-          message(Message): The message.
-          delay(int|None): As ``broker.enqueue``'s.
-          holds(str|None): The guard key the message already holds (a
-            hand-off going back to the broker): its guard lets it through.
+        ``holds``: the guard key the message already holds (a hand-off going back): its guard lets it pass.
 
         Raises:
           GuardError: A guard refused the message.

@@ -43,13 +43,8 @@ class ActorGuard(Generic[P]):
 
 @dataclasses.dataclass
 class ExecutionState:
-    """What the guards know about one execution of one message (one pickup).
-
-    Attributes:
-      parked(bool): A guard parked the message instead of running it; the
-        skip that follows is not a terminal event of the message.
-      data(dict): Per-capability state, keyed by the capability's option name.
-    """
+    """What the guards know about one execution (one pickup) of one message: whether a guard parked it
+    (the skip that follows is not a terminal event), and each capability's state by option name."""
 
     parked: bool = False
     data: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -7,6 +7,7 @@ pushed, and released at the holder's terminal event for its strategy.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import threading
@@ -429,19 +430,15 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         return known
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _LockTicket:
     """The pending lock of one send: confirmed in the background once pushed, released if not."""
 
-    __slots__ = ("broker", "claim", "message", "middleware", "ttl_ms")
-
-    def __init__(
-        self, middleware: Deduplication, broker: Broker, claim: Claim, message: Message[Any], ttl_ms: int
-    ) -> None:
-        self.middleware = middleware
-        self.broker = broker
-        self.claim = claim
-        self.message = message
-        self.ttl_ms = ttl_ms
+    middleware: Deduplication
+    broker: Broker
+    claim: Claim
+    message: Message[Any]
+    ttl_ms: int
 
     def pushed(self) -> None:
         lapses_at = time.monotonic() + self.middleware.pending_ttl_ms / 1000
