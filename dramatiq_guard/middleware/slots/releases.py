@@ -1,8 +1,9 @@
 """Releasing finished messages' leases off the worker thread, in batches (docs/slots.md, "Execution").
 
 Invariant: every lease handed here is released (or lapses within ``lease_ttl``) and what each
-release hands on is delivered, as on the worker thread; only when changes. Keys with waiters, a
-message that enqueues a follow-up, and a StubBroker's messages are released on the worker thread.
+release hands on is delivered, as on the worker thread; only the moment changes (a message may be
+acked just before its slot frees). A key with waiters, a message that enqueues a follow-up, and
+every release on a StubBroker stay on the worker thread.
 """
 
 from __future__ import annotations
