@@ -1,18 +1,13 @@
-"""Enqueue-time deduplication: the ``dedup`` actor option.
+"""Enqueue-time deduplication: the ``dedup`` actor option (docs/dedup.md).
 
-``send()`` takes a lock per *dedup key*, a limit-1 lease of the guard backend
-held by the sending message's id (the *holder*); while it holds, an
-identical message is diverted at the enqueue gate (:mod:`dramatiq_guard.gate`)
-instead of pushed. The lock is confirmed in the background once the push
-succeeded, and released at the holder's terminal event for its strategy.
-
-What a user needs (strategies, ``on_duplicate``, the message options written
-here, failures, cost) is in ``docs/dedup.md``; the backend rules it stands on
-are in :mod:`dramatiq_guard.backends.base`.
+``send()`` takes a limit-1 lease per dedup key, held by the message's id; while it holds, an
+identical message is diverted at the enqueue gate. The lock is confirmed in the background once
+pushed, and released at the holder's terminal event for its strategy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import threading
@@ -87,11 +82,10 @@ def rerun_id(holder: str) -> str:
 
 
 class Deduplication(GuardMiddleware[DedupPolicy]):
-    """Enqueue-time deduplication for actors declared with ``dedup=``.
+    """Enqueue-time deduplication for actors declared with ``dedup=`` (docs/dedup.md).
 
-    See the module docstring for the semantics. Place it before Retries
-    (:func:`dramatiq_guard.install` does), after the mutex and concurrency
-    middlewares.
+    Place it before Retries, after the mutex and concurrency middlewares
+    (:func:`dramatiq_guard.install` does).
 
     Example:
 
@@ -124,23 +118,13 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         sweep_interval: int | datetime.timedelta = 1_000,
     ) -> None:
         super().__init__(redis=redis)
-        pending = duration_ms(pending_ttl, what="pending_ttl")
-        if not pending:
-            raise GuardOptionError(f"Deduplication: pending_ttl must be positive, not {pending_ttl!r}")
-        self.pending_ttl_ms: int = pending
-        self._confirmer = Confirmer(linger=min(0.05, pending / 10_000))
+        self.pending_ttl_ms = _positive_ms(pending_ttl, "pending_ttl")
+        self.sweep_interval_ms = _positive_ms(sweep_interval, "sweep_interval")
+        self._confirmer = Confirmer(linger=min(0.05, self.pending_ttl_ms / 10_000))
         self._local = threading.local()
         self._retries: dict[int, bool] = {}
         self._couriers: dict[int, Courier] = {}
-        interval = duration_ms(sweep_interval, what="sweep_interval")
-        if not interval:
-            raise GuardOptionError(f"Deduplication: sweep_interval must be positive, not {sweep_interval!r}")
-        self.sweep_interval_ms: int = interval
         self._sweeper: Sweeper | None = None
-
-    @property
-    def actor_options(self) -> set[str]:
-        return {self.option}
 
     def flush(self) -> None:
         """Confirm now every pending lock whose push succeeded (normally done in the background)."""
@@ -151,11 +135,10 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
     def before_push(
         self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None = None
     ) -> _LockTicket | None:
-        """Take the dedup lock for ``message``, or divert it as a duplicate (see the module docstring)."""
+        """Take the dedup lock for ``message``, or divert it as a duplicate."""
         options = message.options
         if LOCK_OPTION in options or EXEMPT_OPTION in options:
-            # A holder's own re-enqueue (Retries, delay-queue move, slots
-            # hand-off, rerun) or a message already let through unguarded.
+            # A holder's own re-enqueue (Retries, delay queue, hand-off, rerun), or let through already.
             return None
         guard = self.guard_of(message)
         if guard is None:
@@ -192,12 +175,11 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         raise Diverted(message.copy(options=marks), Outcome.DROPPED)
 
     def _try_lock(self, broker: Broker, claim: Claim) -> AcquireResult:
-        """Take the pending lock of a new holder; one that raised is taken back first.
+        """Take the pending lock of a new holder.
 
         Raises:
-          BackendUnavailable: The backend could not be reached, or no replica acknowledged the lock
-            (:class:`~dramatiq_guard.errors.ReplicasBehind`): whatever it did was taken back
-            (:meth:`~GuardBackend.take_back`), so the caller's retry is not a duplicate of it.
+          BackendUnavailable: The backend could not be reached (or no replica acknowledged the
+            lock): whatever it did was taken back first, so the caller's retry is no duplicate of it.
         """
         try:
             return claim.try_lock()
@@ -239,9 +221,8 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
     ) -> dict[str, Any]:
         """Park (or refresh) the single rerun of ``holder`` in the lock's waiter queue.
 
-        ``limit=0`` makes the acquire park the rerun even if the lock was freed
-        since the holder was seen; it only "acquires" if the rerun already holds
-        the lock (it was handed it meanwhile), which leaves it as it is.
+        ``limit=0`` parks it even if the lock was freed meanwhile (it "acquires" only if the rerun
+        already holds the lock, which leaves it as it is).
         """
         rerun = rerun_id(holder)
         copy = message.copy(message_id=rerun, options={LOCK_OPTION: key})
@@ -252,8 +233,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         )
         self._deliver(broker, result.handoffs)
         if result.parked and not result.holders:
-            # The holder finished between the two calls: nobody will hand the
-            # lock on, so hand it to the rerun now.
+            # The holder finished between the two calls: nobody will hand the lock on, so do it now.
             swept = backend.sweep(key, limit=1)
             self._deliver(broker, swept.handoffs)
         return {BY_OPTION: holder, RERUN_OPTION: rerun}
@@ -263,11 +243,8 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         return key.startswith(PREFIX)
 
     def courier(self, broker: Broker) -> Courier:
-        """How reruns handed the lock go back to ``broker``.
-
-        Confirmed for their actor's ``ttl``; a rerun that a slots guard parks
-        on its way keeps the lock (it has not run yet).
-        """
+        """How reruns handed the lock go back to ``broker``: confirmed for their actor's ``ttl``; a
+        rerun that a slots guard parks on its way keeps the lock (it has not run yet)."""
         courier = self._couriers.get(id(broker))
         if courier is None:
 
@@ -330,18 +307,13 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
     ) -> tuple[bool, float | None]:
         """Make the holder's lock its lease as it starts, counting its ``ttl`` from now.
 
-        A first run (no generation) renews the lock its send took: 6 Redis
-        commands (``renew.lua``) where a re-entrant acquire runs 14; a lock
-        that lapsed while the message was queued is then the acquire's to
-        reclaim and hand on. A ``reschedule_once`` holder cancels the rerun
-        asked for before it started (its run covers them). A copy
-        re-enqueued by a hand-off (a rerun) is acquired, checking its
-        generation: a stale one (a newer hand-off of it exists) is skipped.
+        A first run renews the lock its send took (cheaper than an acquire); a lapsed one, and a
+        rerun (checked by its generation), is acquired. A ``reschedule_once`` holder cancels the
+        rerun asked for before it started: its run covers it.
 
         Returns:
-          (held, valid_from): whether it holds the lock (False: it starts
-          without it), and ``time.monotonic()`` just before the request that
-          extended it was sent (the lease's start for the renewer).
+          (held, valid_from): whether it holds the lock (False: it runs without it), and the
+          lease's start for the renewer.
 
         Raises:
           SkipMessage: The message is a stale copy of a rerun.
@@ -354,8 +326,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
                 self._cancel_covered_rerun(broker, backend, key, holder, policy)
                 return True, sent
             if policy.on_duplicate == "reschedule_once":
-                # Its rerun stays queued behind the lapsed lock (a sweep hands it on): this
-                # run covers it all the same.
+                # Its rerun stays queued behind the lapsed lock: this run covers it all the same.
                 self._cancel_covered_rerun(broker, backend, key, holder, policy)
                 _started_without_lock(holder, key, None)
                 return False, None
@@ -399,8 +370,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         options = message.options
         target = options.get("pipe_target")
         if isinstance(target, dict) and exception is None and not message.failed:
-            # Pipelines (after this middleware in the after-hooks) enqueues
-            # this next step from this thread: let it through.
+            # Pipelines (after this middleware) enqueues this next step from this thread: let it through.
             self._local.pipe_next = target.get("message_id")
         if LOCK_OPTION not in options:
             return  # not a holder (its lock and lease exist only with the option): nothing to release
@@ -416,9 +386,8 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         self._sweeper = join_sweep(self, broker, self.sweep_interval_ms)
 
     def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
-        sweeper, self._sweeper = self._sweeper, None
-        if sweeper is not None:
-            leave_sweep(self, sweeper)
+        leave_sweep(self, self._sweeper)
+        self._sweeper = None
         self.flush()
 
     def sweep_limit(self, key: str) -> int:
@@ -461,19 +430,15 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         return known
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _LockTicket:
     """The pending lock of one send: confirmed in the background once pushed, released if not."""
 
-    __slots__ = ("broker", "claim", "message", "middleware", "ttl_ms")
-
-    def __init__(
-        self, middleware: Deduplication, broker: Broker, claim: Claim, message: Message[Any], ttl_ms: int
-    ) -> None:
-        self.middleware = middleware
-        self.broker = broker
-        self.claim = claim
-        self.message = message
-        self.ttl_ms = ttl_ms
+    middleware: Deduplication
+    broker: Broker
+    claim: Claim
+    message: Message[Any]
+    ttl_ms: int
 
     def pushed(self) -> None:
         lapses_at = time.monotonic() + self.middleware.pending_ttl_ms / 1000
@@ -493,3 +458,10 @@ def _started_without_lock(holder: str, key: str, holders: Sequence[str] | None) 
     """Log that ``holder`` runs without its lock (``holders``: who holds it now, None: not asked)."""
     now = "" if holders is None else f" and {', '.join(holders) or 'nobody'} holds it now"
     logger.warning("Message %s starts without its dedup lock %r: it lapsed%s.", holder, key, now)
+
+
+def _positive_ms(value: int | datetime.timedelta, what: str) -> int:
+    ms = duration_ms(value, what=what)
+    if not ms:
+        raise GuardOptionError(f"Deduplication: {what} must be positive, not {value!r}")
+    return ms
