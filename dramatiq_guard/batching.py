@@ -1,11 +1,7 @@
 """A daemon thread that sends what callers hand it in batches (the dedup confirmations, the releases).
 
-A caller adds an item and goes on; the thread takes every item waiting (after
-``linger`` seconds, or at once when ``batch`` are waiting) and sends them in
-one go: on Redis, one pipelined round trip however many there are. Items that
-arrive while a batch is being sent make up the next one. Everything added is
-sent by :meth:`Batcher.flush`, which the owners call when their worker shuts
-down, and which runs for every batcher at interpreter exit.
+Items that arrive while a batch is sent make up the next one; :meth:`Batcher.flush` sends what is
+left, and runs for every batcher at interpreter exit.
 """
 
 from __future__ import annotations
@@ -31,11 +27,8 @@ _batchers: weakref.WeakSet[Batcher[Any]] = weakref.WeakSet()
 class Batcher(abc.ABC, Generic[T]):
     """Sends the items added to it in batches, from one daemon thread (started on first use).
 
-    Parameters:
-      linger(float): How long after the first waiting item a batch starts
-        (0: at once: a burst then shares the round trips of whatever is in
-        flight before it).
-      batch(int): A batch starts at once when this many items are waiting.
+    A batch starts ``linger`` seconds after the first waiting item (0: at once), or when ``batch``
+    items are waiting.
     """
 
     #: The name of the thread.
@@ -56,13 +49,8 @@ class Batcher(abc.ABC, Generic[T]):
 
     @abc.abstractmethod
     def send(self, items: list[T]) -> bool:
-        """Send one batch (on the thread, or on the caller of :meth:`flush`).
-
-        Returns:
-          bool: False if the backend was unreachable: the thread then waits
-          :data:`RETRY_S` before the next batch (what should be tried again
-          was given back with :meth:`requeue`).
-        """
+        """Send one batch (on the thread, or on the caller of :meth:`flush`); False if the backend was
+        unreachable: the thread then waits :data:`RETRY_S` (what to try again was :meth:`requeue`-d)."""
 
     def add(self, item: T) -> None:
         """Hand ``item`` to the thread."""

@@ -1,19 +1,8 @@
 """Delivery: a parked message handed a slot goes back to its broker and queue, then is confirmed.
 
-A backend operation that frees a slot hands it to the oldest waiter and, for
-a parked one, returns its stored message (a :class:`~dramatiq_guard.backends.Handoff`
-with a payload). Whoever ran the operation delivers it: enqueues the message
-on the broker (its own queue, its own ``message_id`` and options) through the
-enqueue gate with ``holds=<key>``, so the guard of that key lets it through,
-and then confirms the hand-off, so the backend drops the stored copy. Until
-the confirmation the payload stays stored: a deliverer that dies in between
-loses nothing (the reservation lapses and the waiter is back in its place).
-Standbys (waiters sent ahead of a free slot) are delivered the same way and
-confirmed with :meth:`~dramatiq_guard.backends.GuardBackend.confirm_standby`.
-
-Every guard middleware, the standalone lock and the command line deliver
-through a :class:`Courier`; the rules behind it are in
-:mod:`dramatiq_guard.backends.base` (*hand-off*, *standbys*).
+The message is enqueued through the enqueue gate with ``holds=<key>`` and then its hand-off (or
+standby send) is confirmed; until then the payload stays stored, so a deliverer that dies in between
+loses nothing (docs/contract.md, *hand-off* and *standbys*).
 """
 
 from __future__ import annotations
@@ -52,46 +41,26 @@ def carry_generation(message: Message[Any], key: str, generation: int) -> None:
 
 
 def copy_generation(message: Message[Any] | Any, key: str) -> int:
-    """The generation a worker acquires ``key`` with for the copy ``message`` it picked up.
-
-    Its hand-off's (or standby send's), or :data:`~dramatiq_guard.backends.base.ORIGINAL_GENERATION`
-    for the message as sent: never None, so a copy that parks after pickup cannot start again if
-    the broker delivers it again (backend contract, *generations*).
-    """
+    """The generation a worker acquires ``key`` with for the copy ``message`` it picked up: its
+    hand-off's, or ``ORIGINAL_GENERATION`` (never None: a copy parked after pickup never starts again)."""
     generation = generation_of(message, key)
     return ORIGINAL_GENERATION if generation is None else generation
 
 
 def acks_are_final(broker: Broker) -> bool:
-    """Whether a message ``broker`` acked (``after_ack`` ran) can never be delivered again.
-
-    True for a RedisBroker (its ack is a script that has run when ``after_ack``
-    fires) and a StubBroker; False for any other: RabbitMQ's ``basic_ack`` is
-    not confirmed, and a connection lost just after it redelivers the message.
-    Where it is False, a parked copy's generation record is kept for
-    ``stale_ttl_ms`` (backend contract, *generations*).
-    """
+    """Whether a message ``broker`` acked (``after_ack`` ran) can never be delivered again: a
+    RedisBroker's and a StubBroker's; not RabbitMQ's (its ``basic_ack`` is not confirmed)."""
     return isinstance(broker, (RedisBroker, StubBroker))
 
 
 class Courier:
     """Delivers the hand-offs and standbys of one kind of guard key on one broker.
 
-    Parameters:
-      broker(Broker): Where the messages go (each to its own queue).
-      backend(GuardBackend): Where the hand-offs are confirmed.
-      ttl_ms: How long a confirmed hand-off waits for its message to start,
-        given the message.
-      default_limit: A key's default limit, given the key, or None if this
-        process cannot tell (to give back a slot that the message will not use).
-      keep_when_parked(bool): What a message that another guard parked on
-        its way keeps: True, what it was handed (a dedup lock, held until the
-        message runs); False, nothing (a slot is given back at once, so it
-        does not stand idle while the message waits elsewhere).
-      counts_handoffs(bool): Count each delivered message in
-        :func:`~dramatiq_guard.events.handed_off`.
-      after_push: Called with each message pushed to the broker (a
-        hand-off or a standby), right after the push.
+    ``ttl_ms(message)``: how long a confirmed hand-off waits for its message to start.
+    ``default_limit(key)``: the key's default limit, None if unknown here (to give a slot back).
+    ``keep_when_parked``: whether a message that another guard parks on its way keeps what it was
+    handed (a dedup lock), or gives it back at once (a slot must not stand idle meanwhile).
+    ``after_push(message)``: called right after each push.
     """
 
     def __init__(
@@ -114,12 +83,8 @@ class Courier:
         self.after_push = after_push
 
     def deliver(self, handoffs: Iterable[Handoff]) -> None:
-        """Enqueue each handed-off parked message, then confirm its hand-off.
-
-        Blocking waiters (no payload) were woken by the backend and are
-        skipped. A failure is logged: the payload stays stored, the
-        reservation lapses and the waiter waits again in its place.
-        """
+        """Enqueue each handed-off parked message, then confirm its hand-off (blocking waiters were
+        woken by the backend). A failure is logged: the reservation lapses, the waiter waits again."""
         parked = [h for h in handoffs if h.payload is not None]
         if parked:
             failure = (
@@ -129,16 +94,13 @@ class Courier:
             events.lockwait_changed()
 
     def send_ahead(self, standbys: Iterable[Handoff]) -> None:
-        """Enqueue each standby the backend chose, then confirm it; failures are logged.
-
-        An unsent or unconfirmed standby parks again on its own.
-        """
+        """Enqueue each standby the backend chose, then confirm it (one that fails parks again)."""
         failure = "Could not send %s ahead as a standby of %r; it parks again on its own."
         self._each(standbys, self._send_one, failure)
 
     @staticmethod
     def _each(items: Iterable[Handoff], step: Callable[[Handoff], None], failure: str) -> None:
-        """Run ``step`` on each item; a failure is logged (nothing is lost: see the module docstring)."""
+        """Run ``step`` on each item; a failure is logged (nothing is lost)."""
         for item in items:
             try:
                 step(item)
@@ -171,14 +133,7 @@ class Courier:
                     handoff.waiter_id,
                 )
             return
-        # Another guard parked it on the way (or dropped it): it does not keep this slot. Only this
-        # hand-off is withdrawn: from where it parked, the message may already have come back here
-        # (parked again, or holding the slot), and that entry is its only place now.
-        limit = self.default_limit(handoff.key)
-        withdrawn = self.backend.cancel_wait(
-            handoff.key, handoff.waiter_id, limit=limit, generation=handoff.generation
-        )
-        self.deliver(withdrawn.handoffs)
+        self._withdraw(handoff)  # another guard parked (or dropped) it on the way: it keeps no slot
 
     def _send_one(self, standby: Handoff) -> None:
         """Send one standby (and deliver the hand-offs that leaving its place makes)."""
@@ -192,23 +147,21 @@ class Courier:
             if not confirmed:
                 logger.debug("Standby %s of %r parked again before it was confirmed.", message, standby.key)
             return
-        # Another guard parked it on the way: it waits there, not here. Only this send is withdrawn
-        # (as for a hand-off above: the message may already be back in its place here).
-        limit = self.default_limit(standby.key)
+        self._withdraw(standby)  # another guard parked it on the way: it waits there, not here
+
+    def _withdraw(self, handoff: Handoff) -> None:
+        """Withdraw only this hand-off (or send): from where it parked, the message may already be
+        back here (parked again, or holding the slot), and that entry is its only place now."""
+        limit = self.default_limit(handoff.key)
         withdrawn = self.backend.cancel_wait(
-            standby.key, standby.waiter_id, limit=limit, generation=standby.generation
+            handoff.key, handoff.waiter_id, limit=limit, generation=handoff.generation
         )
         self.deliver(withdrawn.handoffs)
 
 
 def courier_for(broker: Broker, backend: GuardBackend, key: str) -> Courier:
-    """The courier of the guard middleware on ``broker`` that claims ``key``, else a plain one.
-
-    A middleware takes part by having ``claims(key) -> bool`` and
-    ``courier(broker) -> Courier``. The plain courier confirms a hand-off for
-    the backend's hand-off time, keeps it if the message parks elsewhere, and
-    gives a slot back with the limit recorded in the backend.
-    """
+    """The courier of the guard middleware on ``broker`` that ``claims(key)``, else a plain one (the
+    backend's hand-off time, kept if the message parks elsewhere, the limit recorded in the backend)."""
     for middleware in broker.middleware:
         claims = getattr(middleware, "claims", None)
         make = getattr(middleware, "courier", None)
@@ -228,16 +181,8 @@ def courier_for(broker: Broker, backend: GuardBackend, key: str) -> Courier:
 def keep_polling(worker: Any, queue_name: str) -> None:
     """Have ``worker``'s consumer of ``queue_name`` poll again soon after its next empty fetch.
 
-    Dramatiq's Redis consumer backs off while it finds nothing to fetch, each empty fetch
-    doubling its sleep (5 to 10 ms after a fetch that found messages, up to the worker's
-    ``worker_timeout``, a second by default), and it counts a fetch it skips because its
-    prefetch is full as empty. A key's waiters are parked, so its queue on the broker holds
-    little but the standbys and hand-offs sent to it, and a consumer deep in its back-off left
-    a freed slot idle until its next poll (docs/slots.md, "Standbys"). A process that pushes a
-    hand-off or a standby resets its own consumer's count of empty fetches, so it keeps polling
-    at the shortest back-off while the key's messages flow, and backs off again once they stop.
-    The sleep under way is not cut short. A consumer without that count (another broker's:
-    RabbitMQ's pushes its messages) and a process without a worker are left alone.
+    Resets the Redis consumer's count of empty fetches (its back-off), so it keeps polling while a
+    key's hand-offs and standbys flow (docs/slots.md, "Standbys"); any other consumer is left alone.
     """
     thread = getattr(worker, "consumers", {}).get(queue_name)
     consumer: Any = getattr(thread, "consumer", None)

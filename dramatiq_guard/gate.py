@@ -1,38 +1,11 @@
-"""The enqueue gate: the one place where guards decide whether a message is pushed.
+"""The enqueue gate: a wrapper of ``broker.enqueue`` where guards decide whether a message is pushed.
 
-Dramatiq offers no hook that can cancel an enqueue silently: only a
-``MiddlewareError`` raised in ``before_enqueue`` stops a push, and it reaches
-the caller of ``send()``. A deduplicated message must not reach the broker
-*and* ``send()`` must return normally; a message over a concurrency limit is
-parked instead of pushed. So the guard middlewares do their enqueue-time work
-in a wrapper around the broker's ``enqueue`` method, installed once per broker
-when the first guarded actor is declared (or by :func:`dramatiq_guard.install`).
-
-Every path that enqueues goes through ``broker.enqueue``: ``actor.send``,
-``send_with_options``, ``group.run``, ``pipeline.run``, the Retries middleware
-and the worker's delay-queue mover. The wrapper runs once per call to
-``enqueue`` (not once per attempt of the RabbitMQ broker's own retry loop).
-
-For each enqueue the gate asks its guards in order of ``gate_priority``
-(deduplication before parking). A guard may:
-
-* let it through, returning None or a :class:`PushTicket` that is settled
-  once the outcome is known: ``pushed``, ``parked`` (a later guard parked it:
-  it is not on the broker, but will be), or ``failed`` (it will not be sent: a
-  failed push emits no Dramatiq after-hook, so this is how a guard undoes what
-  it did);
-* divert it, raising :class:`Diverted` with the message ``send()`` returns
-  and the :class:`Outcome` (``PARKED`` or ``DROPPED``): the message is not
-  pushed;
-* refuse it, raising a :class:`~dramatiq_guard.errors.GuardError`, which
-  reaches the caller of ``send()`` after earlier tickets failed.
-
-A message that already holds a guard key (a parked message handed a slot,
-going back to the broker) is pushed with :meth:`EnqueueGate.admit` and
-``holds=<that key>``: the guard that claims the key lets it through, and the
-caller learns the outcome (it may have been parked by another guard on the
-way). Anything that is not a :class:`dramatiq.Message` goes to the broker
-untouched, so Dramatiq reports its own error.
+Why a wrapper and not ``before_enqueue``: docs/design.md. The gate asks its guards in
+``gate_priority`` order; a guard's ``before_push`` lets the message through (None, or a
+:class:`PushTicket` settled once the outcome is known), diverts it (:class:`Diverted`: not pushed,
+``send()`` returns normally), or refuses it (a :class:`~dramatiq_guard.errors.GuardError`, after
+earlier tickets failed). A hand-off going back is admitted with ``holds=<its key>``, so the guard of
+that key lets it through. Anything that is not a :class:`dramatiq.Message` goes to the broker untouched.
 """
 
 from __future__ import annotations
@@ -62,12 +35,7 @@ class Outcome(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Admission:
-    """The outcome of :meth:`EnqueueGate.admit`.
-
-    Parameters:
-      message(Message): What ``send()`` returns.
-      outcome(Outcome): Pushed, parked or dropped.
-    """
+    """The outcome of :meth:`EnqueueGate.admit`: the message ``send()`` returns, and what became of it."""
 
     message: Message[Any]
     outcome: Outcome
@@ -111,20 +79,12 @@ class EnqueueGuard(Protocol):
     def before_push(
         self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None
     ) -> PushTicket | None:
-        """Decide about ``message``; see the module docstring.
-
-        ``holds``: the guard key the message already holds, if any.
-        """
+        """Decide about ``message`` (see the module docstring); ``holds``: the guard key it holds, if any."""
 
 
 class Diverted(Exception):
-    """Raised by a guard's ``before_push``: do not push, return ``message`` to the caller.
-
-    Parameters:
-      message(Message): What ``broker.enqueue`` (and so ``send()``) returns.
-      outcome(Outcome): ``PARKED`` (taken care of: earlier tickets are told
-        so) or ``DROPPED`` (earlier tickets are undone).
-    """
+    """Raised by a guard's ``before_push``: do not push, return ``message`` to the caller; ``outcome``
+    is ``PARKED`` (earlier tickets are told so) or ``DROPPED`` (earlier tickets are undone)."""
 
     def __init__(self, message: Message[Any], outcome: Outcome) -> None:
         super().__init__(message.message_id)
@@ -136,11 +96,7 @@ EnqueueFn = Callable[..., Message[Any]]
 
 
 class EnqueueGate:
-    """Wraps one broker's ``enqueue``; see the module docstring.
-
-    Parameters:
-      broker(Broker): The broker whose ``enqueue`` is wrapped.
-    """
+    """Wraps ``broker.enqueue`` (see the module docstring)."""
 
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
@@ -175,11 +131,7 @@ class EnqueueGate:
     ) -> Admission:
         """Let the guards decide about ``message``, push it unless diverted, and say what happened.
 
-        Parameters:
-          message(Message): The message.
-          delay(int|None): As ``broker.enqueue``'s.
-          holds(str|None): The guard key the message already holds (a
-            hand-off going back to the broker): its guard lets it through.
+        ``holds``: the guard key the message already holds (a hand-off going back): its guard lets it pass.
 
         Raises:
           GuardError: A guard refused the message.

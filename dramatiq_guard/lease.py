@@ -1,33 +1,8 @@
 """Leases: what a holder of a mutex or a concurrency slot holds.
 
-A :class:`Lease` is one holder's membership of a guard key, with a deadline
-on the backend's clock. While it is held, the process's lease renewer
-(:mod:`dramatiq_guard.renewer`) extends it every third of its duration; if
-the process dies, renewals stop and the lease lapses within one lease
-duration, after which any operation on the key reclaims the slot.
-
-Every acquire returns a *fencing token* that is strictly greater than every
-token issued before for the same key. Pass it along with writes to a
-downstream system that can check it (reject a write whose token is lower
-than one it has already seen): a holder that was paused past its lease and
-lost it then cannot overwrite the work of the holder that came after it.
-
-A holder is always told when it loses its lease: :attr:`Lease.lost` turns
-True when a renewal is refused (the lease lapsed and was taken, or was
-released by force), and at the latest when the lease's *known-valid time*
-passes without a renewal having come back: the moment the acquire (or the
-last renewal that came back) was sent, plus its ttl, less a margin for clock
-drift (see :mod:`dramatiq_guard.renewer`). That holds whatever the client is
-doing: a Redis that stops answering without closing the connection leaves
-the renewal blocked in its socket, and the lease is lost on time all the
-same. Then :meth:`Lease.check` raises :class:`~dramatiq_guard.errors.LeaseLost`,
-and the release reports it (:attr:`Lease.lost`; a backend that still finds
-the lease gone says ``released=False``). Lost is final.
-
-``cap`` (the ``ttl`` of a ``mutex`` or ``concurrency`` option, and of the
-standalone lock) bounds how long a lease may be held, renewals included:
-when it passes, renewals stop and the lease is expired on the backend at
-once (the holder sees it as lost).
+A lease is renewed by the process's renewer (:mod:`dramatiq_guard.renewer`) and is lost, at the
+latest, when its known-valid time passes without a renewal coming back (docs/failure-model.md,
+"A silent Redis"); its fencing token and ``cap`` are described in docs/slots.md, "Execution".
 """
 
 from __future__ import annotations
@@ -42,7 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import cast
 
-from dramatiq_guard.backends.base import GuardBackend, ReleaseResult
+from dramatiq_guard.backends.base import AcquireResult, GuardBackend, ReleaseResult
 from dramatiq_guard.errors import LeaseLost
 from dramatiq_guard.renewer import LeaseHandle, LostFlag, get_renewer, known_valid_until
 
@@ -64,10 +39,7 @@ if hasattr(os, "register_at_fork"):  # POSIX: a forked worker process is a runne
 def runner_id() -> str:
     """Who runs a job on this thread: ``"<a random id of this process>:<the thread's id>"``.
 
-    The guard middlewares acquire a message's slot with it (the ``runner`` of
-    :meth:`~dramatiq_guard.backends.GuardBackend.acquire`): a second copy of
-    the message, delivered again while the first still holds the slot, runs
-    on another thread and is refused instead of running beside it.
+    The ``runner`` a message's slot is acquired with (docs/slots.md, "Execution").
     """
     return f"{_process_id}:{threading.get_ident()}"
 
@@ -83,20 +55,13 @@ class Lease:
       backend(GuardBackend): The backend the lease lives on.
       key(str): The guard key (with its capability prefix, e.g. ``"mutex:report"``).
       holder(str): The holder id (a message id, or a random id for the standalone lock).
-      token(int): The fencing token of this acquire.
+      acquired(AcquireResult): The acquire that took the slot: its fencing
+        token, and when the lease surely started (``valid_from``; None: now)
+        and for how long (``reserved_ms``, for a slot taken by a wake: it is
+        then renewed a third of the way into that, whatever ``cap_ms``).
       limit(int): The default limit of the key, used to hand the slot on at release.
       ttl_ms(int): The lease duration (renewed every third of it).
       cap_ms(int|None): The most the lease may be held, renewals included.
-      reserved_ms(int|None): Given when the slot was taken by a wake
-        (:attr:`AcquireResult.reserved_ms
-        <dramatiq_guard.backends.AcquireResult>`): the backend deadline is
-        still the hand-off reservation, at least this long from
-        ``valid_from``, so the lease is renewed (a third of the way into
-        that), whatever ``cap_ms``.
-      valid_from(float|None): :attr:`AcquireResult.valid_from
-        <dramatiq_guard.backends.AcquireResult>`: when the lease surely
-        started (``time.monotonic()`` before the acquire was sent, or when the
-        wake was taken). None: when this object is made.
 
     Attributes:
       key(str): The guard key.
@@ -107,23 +72,23 @@ class Lease:
       release_result(ReleaseResult|None): What the release reported, once released.
     """
 
-    def __init__(  # noqa: PLR0913
+    def __init__(
         self,
         backend: GuardBackend,
         key: str,
         holder: str,
-        token: int,
+        acquired: AcquireResult,
         *,
         limit: int,
         ttl_ms: int,
         cap_ms: int | None = None,
-        reserved_ms: int | None = None,
-        valid_from: float | None = None,
     ) -> None:
+        if acquired.token is None:
+            raise ValueError(f"a lease is made from an acquire that took the slot, not {acquired!r}")
         self.backend = backend
         self.key = key
         self.holder = holder
-        self.token = token
+        self.token = acquired.token
         self.limit = limit
         self.ttl_ms = ttl_ms
         self.cap_ms = cap_ms
@@ -132,6 +97,7 @@ class Lease:
         self._released = False
         self._lost = LostFlag()
         self._handle: LeaseHandle | None = None
+        valid_from, reserved_ms = acquired.valid_from, acquired.reserved_ms
         start = time.monotonic() if valid_from is None else valid_from
         # Past these (time.monotonic()) the lease is lost: the cap, and (when it
         # is not renewed) the known-valid time of the acquire.
@@ -157,13 +123,8 @@ class Lease:
 
     @property
     def lost(self) -> bool:
-        """Whether the lease was lost while held: it lapsed, was reclaimed, or hit its cap.
-
-        True from the moment the lease's known-valid time passed without a
-        renewal having come back, even while a renewal is still blocked on a
-        backend that does not answer: from then on another holder may have
-        it. Once True it stays True (also after :meth:`release`).
-        """
+        """Whether the lease was lost while held: it lapsed, was reclaimed, hit its cap, or its
+        known-valid time passed without a renewal coming back. Once True it stays True."""
         if self._lost.is_set():
             return True
         if self._released:
@@ -188,11 +149,7 @@ class Lease:
     def held(self) -> bool:
         """Whether the lease is, as far as this process knows, still held.
 
-        False once it was released or found lost, and from its known-valid
-        time on. True is only true at the moment it is read: a process paused
-        right after (a long GC, SIGSTOP) may act on it after the lease lapsed,
-        so protect downstream writes with :attr:`token`, not with this flag
-        alone.
+        True only at the moment it is read: protect downstream writes with :attr:`token`.
         """
         return not self._released and not self.lost
 
@@ -216,21 +173,9 @@ class Lease:
     def release(self, *, send_ahead: int = 0) -> ReleaseResult:
         """Stop renewing the lease and give the slot back (checked: only this holder's own).
 
-        The freed slot is handed to the oldest waiter of the key; the result's
-        ``handoffs`` with a payload must be re-enqueued by the caller (the
-        middlewares and the lock do it), and its ``standbys`` (sent ahead when
-        ``send_ahead`` > 0, see
-        :meth:`~dramatiq_guard.backends.GuardBackend.release`) enqueued and
-        confirmed. If ``released`` is False the lease had been lost before it
-        was released: :attr:`lost` is then True. :attr:`lost` is also True
-        (with ``released`` True) when its known-valid time passed before the
-        release: the backend did not answer a renewal in time, so the holder
-        was told it lost the lease, though nobody had taken it. The caller
-        reports a loss by :attr:`lost`. Releasing twice returns the first
-        result.
-
-        On a backend that does not answer, the call lasts as long as the
-        client lets it (its socket timeout).
+        The caller delivers the result's ``handoffs`` and ``standbys``
+        (:meth:`~dramatiq_guard.backends.GuardBackend.release`) and reports a
+        loss by :attr:`lost`. Releasing twice returns the first result.
 
         Raises:
           BackendUnavailable: The backend could not be reached; the lease is
@@ -259,21 +204,13 @@ class Lease:
         return result
 
     def _expire(self) -> None:
-        """The cap passed: stop renewing, tell the holder, and end the lease on the backend now.
-
-        The backend call runs on a thread of its own: a backend that does not
-        answer holds back neither this lease's holder nor the other caps.
-        """
+        """The cap passed: stop renewing, tell the holder, and end the lease on the backend now
+        (on a thread of its own: a silent backend holds back no other cap)."""
         if self._released:
             return
         if self._handle is not None:
             self._handle.unregister()
-        logger.warning(
-            "The lease of %r on guard key %r reached its ttl of %d ms and was ended.",
-            self.holder,
-            self.key,
-            self.cap_ms,
-        )
+        logger.warning("The lease of %r on %r reached its ttl of %d ms.", self.holder, self.key, self.cap_ms)
         if self._handle is not None:
             self._handle.mark_lost()
         self._lost.set()
@@ -294,11 +231,8 @@ class Lease:
 
 
 def release_leases(backend: GuardBackend, releases: Sequence[tuple[Lease, int]]) -> list[ReleaseResult]:
-    """:meth:`Lease.release` for several ``(lease, send_ahead)`` of ``backend``, in one backend call.
-
-    One pipelined round trip on Redis (:meth:`GuardBackend.release_many
-    <dramatiq_guard.backends.GuardBackend.release_many>`). A lease released
-    before keeps its first result.
+    """:meth:`Lease.release` for several ``(lease, send_ahead)`` of ``backend``, in one
+    :meth:`~GuardBackend.release_many`. A lease released before keeps its first result.
 
     Raises:
       BackendUnavailable: The backend could not be reached; none of them is
@@ -316,10 +250,8 @@ def release_leases(backend: GuardBackend, releases: Sequence[tuple[Lease, int]])
 class _Expirer:
     """One daemon thread that ends capped leases when their cap passes (a timer heap).
 
-    Cost: O(log n) per schedule and, amortized, per cancel, in the capped leases held (a
-    limit of 1,000 with a ttl has 1,000): a cancelled entry stays in the heap, skipped when
-    it comes up, until cancelled entries are half of the heap, when it is rebuilt without
-    them. The thread is woken only by a cap earlier than the one it sleeps until.
+    A cancelled entry stays in the heap until cancelled entries are half of it (O(log n)
+    amortized); the thread is woken only by a cap earlier than the one it sleeps until.
     """
 
     def __init__(self) -> None:

@@ -1,23 +1,5 @@
-"""A standalone lock for code that is not an actor, with the mutex's lease, renewal and fencing.
-
-In the shape of redis-py's :class:`redis.lock.Lock`::
-
-    from dramatiq_guard.lock import Lock
-
-    lock = Lock("nightly-report")                     # redis=None: the global broker's backend
-    if lock.acquire(blocking=False):                  # non-blocking: True if acquired
-        try:
-            build_report(fencing_token=lock.lease.token)
-        finally:
-            lock.release()                            # LeaseLost if the lease was lost
-
-    with Lock("nightly-report", blocking_timeout=5):  # seconds, as in redis-py; else LockNotAcquired
-        ...
-
-Its guard key is ``"mutex:<name>"``, shared with ``mutex`` actors. The
-semantics (leases, blocking waits, hand-offs to parked ``mutex`` messages,
-lost leases, durations) are in ``docs/lock.md``.
-"""
+"""A standalone lock for code that is not an actor, with the mutex's lease, renewal and fencing,
+in the shape of redis-py's :class:`redis.lock.Lock` (docs/lock.md)."""
 
 from __future__ import annotations
 
@@ -63,7 +45,12 @@ class LockRun(Generic[T]):
 
 
 class Lock:
-    """A lock on ``name``, for code outside actors; see the module docstring.
+    """A lock on ``name``, for code outside actors (docs/lock.md), in the shape of redis-py's.
+
+    Example:
+
+      >>> with Lock("nightly-report", blocking_timeout=5) as lease:  # seconds, as in redis-py
+      ...     build_report(fencing_token=lease.token)
 
     Parameters:
       name(str): The lock's name (its guard key is ``"mutex:<name>"``).
@@ -148,10 +135,8 @@ class Lock:
 
         Raises:
           BackendUnavailable: The backend could not be reached, or no replica
-            acknowledged the acquire (:class:`~dramatiq_guard.errors.ReplicasBehind`).
-            Whatever it may have done was taken back first (:meth:`GuardBackend.take_back
-            <dramatiq_guard.backends.GuardBackend.take_back>`), so a retry does not find
-            it; if that failed too, it lapses within ``lease_ttl``.
+            acknowledged the acquire; whatever it may have done was taken back
+            first (or lapses within ``lease_ttl``), so a retry does not find it.
           RuntimeError: This object already holds the lock.
           ValueError: ``blocking_timeout`` is out of range (0 to 366 days).
         """
@@ -167,8 +152,7 @@ class Lock:
             wait_ms = BACKSTOP_MS if timeout is None else int(timeout * 1000)
             result = claim.acquire(Waiter(wait_ms=entry_ms(wait_ms)) if blocking else None)
         except BackendUnavailable:
-            # The acquire may have been done (a reply lost, no replica acknowledged it): a holder id
-            # of its own has nothing else in the key, so what it got is taken back at once.
+            # The acquire may have been done (a reply lost): a fresh holder id has nothing else to lose.
             undone = claim.take_back()
             if undone is not None:
                 self._deliver(undone.handoffs)
@@ -179,21 +163,23 @@ class Lock:
         if not result.acquired:
             self._last_holders = result.holders
             return False
-        assert result.token is not None
         self.lease = Lease(
-            claim.backend, self.key, claim.holder, result.token, limit=1, ttl_ms=self.lease_ttl_ms,
-            cap_ms=self.ttl_ms, reserved_ms=result.reserved_ms, valid_from=result.valid_from,
-        )  # fmt: skip
+            claim.backend,
+            self.key,
+            claim.holder,
+            result,
+            limit=1,
+            ttl_ms=self.lease_ttl_ms,
+            cap_ms=self.ttl_ms,
+        )
         return True
 
     def release(self) -> None:
         """Release the lock and hand it to the next waiter.
 
         Raises:
-          LeaseLost: The lease was lost before the release (it lapsed, or its
-            known-valid time passed while the backend did not answer, and
-            another holder may have taken it meanwhile); also when the
-            release then failed for want of the backend.
+          LeaseLost: The lease was lost before the release (another holder may
+            have taken it meanwhile), whether the release then succeeded or not.
           BackendUnavailable: The backend could not be reached (and the lease
             was not lost before): it lapses within ``lease_ttl``.
           RuntimeError: This object does not hold the lock.

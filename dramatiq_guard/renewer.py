@@ -1,44 +1,9 @@
 """The lease renewer: one daemon thread per process keeps every held lease alive.
 
-A holder registers its lease right after acquiring it and unregisters it
-before releasing it. The renewer renews each lease every ``ttl_ms / 3``,
-batching the leases that are due on one backend into one
-:meth:`~dramatiq_guard.backends.GuardBackend.renew_many` call (one round trip
-on Redis); leases due within half a period more are renewed early along with
-them, so leases taken at nearly the same time share their round trips.
-
-Known-valid time
-  Each lease knows until when it is surely held: the moment the request that
-  last extended it was *sent* (``time.monotonic()`` just before the acquire,
-  the renewal, or when a hand-off's wake was taken), plus the ttl it asked
-  for, less a margin for the rate difference of the two clocks
-  (:func:`known_valid_until`: 1 % of the ttl plus 2 ms, as Redlock allows).
-  The backend counts the ttl from when it ran the request, which is later, so
-  the lease is held at least that long. Only a renewal whose reply came
-  back moves it forward, counted from that renewal's send time.
-
-A lease is *lost* when a renewal returns False (it lapsed and was reclaimed,
-or was released by force), or when its known-valid time passes without a
-renewal having come back: whatever the client is doing. A Redis that stops
-answering without closing the connection (a frozen primary, a partition, a
-stalled failover) leaves a renewal blocked in its socket; the lease is still
-lost on time, because the renewal calls run on a thread of their own (one in
-flight per backend; a backend that does not answer holds back none of the
-others) and this thread only keeps time. :attr:`LeaseHandle.lost` also
-checks the time itself, so a reader never sees a lease as held after its
-known-valid time, even if this thread was not scheduled yet. Lost is final:
-a renewal that comes back late does not make the lease held again. When
-found lost, the handle's ``lost`` turns True and its ``on_lost`` callbacks
-run once (on the renewer thread, or on the thread that noticed).
-
-How long a blocked renewal call lasts is up to the client (its
-``socket_timeout``, see :class:`~dramatiq_guard.backends.RedisBackend`): with
-no timeout it may last until the operating system gives up on the
-connection, and the leases of that backend are lost meanwhile (never kept
-by mistake).
-
-The renewer is per process: after :func:`os.fork` (Dramatiq forks its worker
-processes) the child starts with a fresh, empty renewer of its own.
+It renews each registered lease every third of its ttl, one backend's due leases in one
+:meth:`~dramatiq_guard.backends.GuardBackend.renew_many` call on a thread of its own (one call in
+flight per backend), and marks a lease lost when a renewal is refused or its known-valid time
+passes (docs/failure-model.md, "A silent Redis"). A forked child starts with a renewer of its own.
 """
 
 from __future__ import annotations
@@ -56,13 +21,8 @@ logger = logging.getLogger(__name__)
 
 
 class LostFlag:
-    """A flag that is set once, and that threads can wait for: what a lease's ``lost`` rests on.
-
-    It behaves as a :class:`threading.Event` that is never cleared, but makes
-    that Event (a Condition and its lock) only when a thread waits before the
-    flag is set: a lease is made and dropped per message, and nearly none is
-    ever waited for.
-    """
+    """A :class:`threading.Event` that is never cleared, whose Event is made only when a thread
+    waits before it is set (a lease is made per message, and nearly none is waited for)."""
 
     __slots__ = ("_event", "_lock", "_set")
 
@@ -111,31 +71,13 @@ _NOT_RENEWED = "it was not renewed before its known-valid time passed (the backe
 
 
 def known_valid_until(sent: float, ttl_ms: int) -> float:
-    """Until when a lease extended by ``ttl_ms`` is surely held, on ``time.monotonic()``'s clock.
-
-    Parameters:
-      sent(float): ``time.monotonic()`` just before the request that extended
-        the lease was sent (the backend counts the ttl from later than that).
-      ttl_ms(int): The ttl the request asked for.
-
-    Returns:
-      float: ``sent`` plus the ttl less 1 % of it and 2 ms.
-    """
+    """Until when a lease extended by ``ttl_ms`` in a request sent at ``sent`` (``time.monotonic()``)
+    is surely held: ``sent`` plus the ttl less 1 % of it and 2 ms."""
     return sent + ttl_ms * (1 - CLOCK_DRIFT) / 1000 - CLOCK_MARGIN_S
 
 
 class LeaseHandle:
-    """A lease registered with the renewer.
-
-    Parameters:
-      backend(GuardBackend): The backend the lease lives on.
-      key(str): The guard key.
-      holder(str): The holder id.
-      ttl_ms(int): The lease duration each renewal extends it by.
-      valid_for_ms(int|None): How long the lease lasts from ``valid_from``
-        without renewal, when not ``ttl_ms`` (see :meth:`LeaseRenewer.register`).
-      valid_from(float|None): ``time.monotonic()`` just before the request
-        that took the lease was sent (None: now).
+    """A lease registered with the renewer (made by :meth:`LeaseRenewer.register`, which says its parameters).
 
     Attributes:
       valid_until(float): The lease's known-valid time (``time.monotonic()``),
@@ -169,23 +111,16 @@ class LeaseHandle:
         self._active = False
         now = time.monotonic()
         start = now if valid_from is None else min(valid_from, now)
-        # Guarded by the renewer's lock: when the next renewal is due, and the
-        # known-valid time. A lease that starts with less than its ttl (a
-        # hand-off reservation, seconds long) is renewed a third of the way
-        # into it, as any lease a third of the way into its ttl: a short job
-        # ends before, and costs no renewal (and does not wake the renewer).
+        # Guarded by the renewer's lock. A lease that starts with less than its ttl (a hand-off
+        # reservation) is renewed a third of the way into it: a short job costs no renewal.
         valid_ms = ttl_ms if valid_for_ms is None else valid_for_ms
         self.due = start + min(ttl_ms, valid_ms) / 3000
         self.valid_until = known_valid_until(start, valid_ms)
 
     @property
     def lost(self) -> bool:
-        """Whether the lease is lost: found so, or (while renewed) past its known-valid time.
-
-        Reading it after the known-valid time marks the lease lost at once
-        (:meth:`mark_lost`), so it never turns back to False. Once
-        unregistered, a lease is no longer judged by time.
-        """
+        """Whether the lease is lost: found so, or (while registered) past its known-valid time,
+        which marks it lost at once (:meth:`mark_lost`), for good."""
         if self._marked:
             return True
         if self._active and time.monotonic() >= self.valid_until:
@@ -194,11 +129,7 @@ class LeaseHandle:
         return False
 
     def wait_lost(self, timeout: float | None = None) -> bool:
-        """Block until the lease is lost (and its ``on_lost`` callbacks ran) or ``timeout`` seconds pass.
-
-        Returns:
-          bool: Whether the lease is lost.
-        """
+        """Block until the lease is lost (its ``on_lost`` callbacks ran) or ``timeout`` s pass."""
         return self._lost.wait(timeout) or self.lost
 
     def unregister(self) -> None:
@@ -208,12 +139,7 @@ class LeaseHandle:
     def mark_lost(self, why: str | None = None) -> None:
         """Record that the lease is lost, stop renewing it and run the ``on_lost`` callbacks once.
 
-        Also for callers that learn it themselves (a release that reports
-        ``released=False``).
-
-        Parameters:
-          why(str|None): If given, a WARNING says the lease was lost and why
-            (once, by whoever marks it first).
+        ``why``, if given, is logged as a WARNING (once, by whoever marks it first).
         """
         with self._marking:
             first = not self._marked
@@ -267,22 +193,11 @@ class LeaseRenewer:
         valid_for_ms: int | None = None,
         valid_from: float | None = None,
     ) -> LeaseHandle:
-        """Start renewing a lease that was just acquired.
+        """Start renewing a lease that was just acquired, every third of ``ttl_ms``.
 
-        Parameters:
-          backend(GuardBackend): The backend holding the lease.
-          key(str): The guard key.
-          holder(str): The holder id.
-          ttl_ms(int): The lease duration; renewed every third of it.
-          valid_for_ms(int|None): How long the lease is held without renewal
-            from ``valid_from``, when less than ``ttl_ms`` (a slot taken by a
-            hand-off still has its reservation deadline): it is then renewed
-            at once.
-          valid_from(float|None): ``time.monotonic()`` just before the
-            request that took the lease was sent, or when its wake was taken
-            (:attr:`AcquireResult.valid_from
-            <dramatiq_guard.backends.AcquireResult>`); None: now (a little
-            late, by the acquire's round trip).
+        ``valid_from``: :attr:`AcquireResult.valid_from <dramatiq_guard.backends.AcquireResult>`
+        (None: now). ``valid_for_ms``: how long the lease is held from then without renewal, when
+        less than ``ttl_ms`` (a slot taken by a wake keeps its reservation's deadline).
 
         Returns:
           LeaseHandle: The handle to watch (``lost``) and to unregister.
@@ -347,13 +262,8 @@ class LeaseRenewer:
                 ).start()
 
     def _next(self) -> tuple[list[LeaseHandle], list[list[LeaseHandle]], float | None]:
-        """Under the lock: what is lapsed, what to renew now, and when to look again.
-
-        Returns:
-          tuple: The leases past their known-valid time (no longer renewed),
-          the batches to renew now, one per backend (marked busy), and the
-          ``time.monotonic()`` of the next look (None: when woken).
-        """
+        """Under the lock: the leases past their known-valid time, the batches to renew now (one
+        per backend, marked busy), and the ``time.monotonic()`` of the next look (None: when woken)."""
         now = time.monotonic()
         lapsed = [h for h in self._leases if h.valid_until <= now]
         for handle in lapsed:
@@ -412,11 +322,7 @@ _renewer_lock = threading.Lock()
 
 
 def get_renewer() -> LeaseRenewer:
-    """The process's lease renewer (created on first use, and anew in a forked child).
-
-    Returns:
-      LeaseRenewer: The renewer of the current process.
-    """
+    """The process's lease renewer (created on first use, and anew in a forked child)."""
     global _renewer
     with _renewer_lock:
         if _renewer is None:

@@ -454,11 +454,10 @@ def test_leases_released_together_report_as_each_would_alone(env: Env) -> None:
     held = backend.acquire(KEY, "a", limit=1, ttl_ms=60_000)
     early = backend.acquire(f"{KEY}:2", "b", limit=1, ttl_ms=60_000)
     short = backend.acquire(f"{KEY}:3", "c", limit=1, ttl_ms=200)
-    assert held.token is not None and early.token is not None and short.token is not None
     leases = [
-        Lease(backend, KEY, "a", held.token, limit=1, ttl_ms=60_000),
-        Lease(backend, f"{KEY}:2", "b", early.token, limit=1, ttl_ms=60_000),
-        Lease(backend, f"{KEY}:3", "c", short.token, limit=1, ttl_ms=200, cap_ms=200),
+        Lease(backend, KEY, "a", held, limit=1, ttl_ms=60_000),
+        Lease(backend, f"{KEY}:2", "b", early, limit=1, ttl_ms=60_000),
+        Lease(backend, f"{KEY}:3", "c", short, limit=1, ttl_ms=200, cap_ms=200),
     ]
     first = leases[1].release()  # released before: keeps its first result
     wait_lapsed(env, backend, f"{KEY}:3", "c")
@@ -996,7 +995,7 @@ def test_a_lease_taken_by_a_wake_is_renewed_from_its_reservation_before_it_ends(
     reserved_until = deadline_of(backend, KEY, "w")
     woken = backend.wait_for_handoff(KEY, "w", timeout_ms=10_000)
     assert woken is not None
-    lease = Lease(backend, KEY, "w", woken.token, limit=1, ttl_ms=60_000, reserved_ms=woken.reserved_ms)
+    lease = Lease(backend, KEY, "w", woken.result(1), limit=1, ttl_ms=60_000)
     try:
         # A third of the way into the reservation (not of the 60 s ttl), the renewer takes it up to
         # a full lease, and the lease was held all along.

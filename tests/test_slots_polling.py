@@ -80,7 +80,7 @@ def test_a_hand_off_pushed_by_a_worker_puts_its_consumer_back_to_the_shortest_ba
     key = f"{mutex.prefix}:{mutex.key_for(job)}"
     held = backend.acquire(key, "outsider", limit=1, ttl_ms=60_000)
     assert held.acquired
-    lease = Lease(backend, key, "outsider", cast(int, held.token), limit=1, ttl_ms=60_000)
+    lease = Lease(backend, key, "outsider", held, limit=1, ttl_ms=60_000)
     job.send()
     assert len(backend.inspect(key).waiters) == 1
 

@@ -9,7 +9,7 @@ step, a callback) never finds the key still held by the message before it.
 from __future__ import annotations
 
 import threading
-from typing import Any, cast
+from typing import Any
 
 import dramatiq
 import pytest
@@ -219,7 +219,7 @@ def test_releases_the_backend_cannot_take_are_reported_and_stop_being_renewed(
     backend = RedisBackend(client, namespace="releases")
     taken = [backend.acquire(f"mutex:k{n}", f"m{n}", limit=1, ttl_ms=60_000) for n in range(3)]
     leases = [
-        Lease(backend, f"mutex:k{n}", f"m{n}", cast(int, result.token), limit=1, ttl_ms=60_000)
+        Lease(backend, f"mutex:k{n}", f"m{n}", result, limit=1, ttl_ms=60_000)
         for n, result in enumerate(taken)
     ]
     renewing = get_renewer().leases - len(leases)

@@ -390,8 +390,7 @@ def test_mutex_park_is_a_one_slot_limit(env: Env) -> None:
 def test_a_lost_lease_is_reported_and_its_token_is_lower(env: Env) -> None:
     backend = env.backend
     first = backend.acquire("mutex:x", "a", limit=1, ttl_ms=100)
-    assert first.token is not None
-    lease = Lease(backend, "mutex:x", "a", first.token, limit=1, ttl_ms=100)
+    lease = Lease(backend, "mutex:x", "a", first, limit=1, ttl_ms=100)
     # The holder stalls: its renewals stop (as if paused), the lease lapses and is taken over.
     assert lease._handle is not None
     lease._handle.unregister()
@@ -408,8 +407,7 @@ def test_a_lost_lease_is_reported_and_its_token_is_lower(env: Env) -> None:
 def test_the_renewer_tells_a_holder_its_lease_was_taken(env: Env) -> None:
     backend = env.backend
     first = backend.acquire("mutex:y", "a", limit=1, ttl_ms=300)
-    assert first.token is not None
-    lease = Lease(backend, "mutex:y", "a", first.token, limit=1, ttl_ms=300)
+    lease = Lease(backend, "mutex:y", "a", first, limit=1, ttl_ms=300)
     backend.release("mutex:y", "a", limit=1)  # released by force (e.g. the CLI)
     assert lease.wait_lost(10)
     assert not lease.held
@@ -418,8 +416,7 @@ def test_the_renewer_tells_a_holder_its_lease_was_taken(env: Env) -> None:
 def test_a_capped_lease_ends_at_its_ttl(env: Env) -> None:
     backend = env.backend
     first = backend.acquire("mutex:z", "a", limit=1, ttl_ms=10_000)
-    assert first.token is not None
-    lease = Lease(backend, "mutex:z", "a", first.token, limit=1, ttl_ms=10_000, cap_ms=50)
+    lease = Lease(backend, "mutex:z", "a", first, limit=1, ttl_ms=10_000, cap_ms=50)
     assert lease.wait_lost(10)
     # The holder is told first; the lease is then ended on the backend (from a thread of its own).
     wait_until(
@@ -437,14 +434,12 @@ def test_capped_leases_released_early_never_end_and_do_not_pile_up(env: Env) -> 
     backend = env.backend
     released = []
     for i in range(300):
-        token = backend.acquire("concurrency:wide", f"h{i}", limit=1000, ttl_ms=60_000).token
-        assert token is not None
-        lease = Lease(backend, "concurrency:wide", f"h{i}", token, limit=1000, ttl_ms=60_000, cap_ms=60_000)
+        taken = backend.acquire("concurrency:wide", f"h{i}", limit=1000, ttl_ms=60_000)
+        lease = Lease(backend, "concurrency:wide", f"h{i}", taken, limit=1000, ttl_ms=60_000, cap_ms=60_000)
         lease.release()
         released.append(lease)
-    token = backend.acquire("concurrency:wide", "last", limit=1000, ttl_ms=10_000).token
-    assert token is not None
-    last = Lease(backend, "concurrency:wide", "last", token, limit=1000, ttl_ms=10_000, cap_ms=50)
+    taken = backend.acquire("concurrency:wide", "last", limit=1000, ttl_ms=10_000)
+    last = Lease(backend, "concurrency:wide", "last", taken, limit=1000, ttl_ms=10_000, cap_ms=50)
     assert len(_expirer._heap) <= 2 * len(_expirer._live) + 64
     assert last.wait_lost(10)
     assert not any(lease.lost for lease in released)

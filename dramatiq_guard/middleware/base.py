@@ -1,18 +1,8 @@
 """What every guard middleware shares: its option, its backend, its per-message state.
 
-A guard middleware:
-
-* owns one actor option (``policy_class.option``) and parses it at
-  ``@dramatiq.actor`` time, in ``before_declare_actor``, through
-  :func:`dramatiq_guard.policies.parse_policy` (a bad value fails the
-  declaration with a :class:`ValueError`);
-* is constructible with no arguments (django_dramatiq lists middleware by
-  dotted path) and resolves its backend lazily from the broker it is attached
-  to (:mod:`dramatiq_guard.resolve`);
-* joins the broker's enqueue gate (:mod:`dramatiq_guard.gate`) if it defines
-  ``before_push``;
-* keeps per-execution state on the message proxy (:func:`execution_state`),
-  never in ``message.options``, which Retries re-enqueues as they are.
+A guard middleware parses its option at ``@dramatiq.actor`` time, is constructible with no
+arguments (its backend is resolved lazily from its broker), joins the enqueue gate if it defines
+``before_push``, and keeps per-execution state on the message proxy (:func:`execution_state`).
 """
 
 from __future__ import annotations
@@ -53,13 +43,8 @@ class ActorGuard(Generic[P]):
 
 @dataclasses.dataclass
 class ExecutionState:
-    """What the guards know about one execution of one message (one pickup).
-
-    Attributes:
-      parked(bool): A guard parked the message instead of running it; the
-        skip that follows is not a terminal event of the message.
-      data(dict): Per-capability state, keyed by the capability's option name.
-    """
+    """What the guards know about one execution (one pickup) of one message: whether a guard parked it
+    (the skip that follows is not a terminal event), and each capability's state by option name."""
 
     parked: bool = False
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -72,10 +57,8 @@ _states_lock = threading.Lock()
 
 
 def fail_open(allowed: bool, error: BackendUnavailable, instead: str) -> None:
-    """The backend is unavailable: re-raise ``error`` (fail closed), unless failing open is ``allowed``.
-
-    Allowed (the policy's ``fail_open=True``), it logs a warning saying what
-    happens ``instead`` (e.g. "job(1) runs unguarded") and returns.
+    """The backend is unavailable: re-raise ``error`` (fail closed), unless failing open is ``allowed``:
+    then log a warning saying what happens ``instead`` (e.g. "job(1) runs unguarded").
 
     Raises:
       BackendUnavailable: ``error``, if failing open is not allowed.
@@ -126,11 +109,7 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
         return {self.option}
 
     def backend(self, broker: Broker) -> GuardBackend:
-        """The guard backend, resolved on first use.
-
-        The backend is checked the first time (:meth:`GuardBackend.check_health`,
-        as :func:`dramatiq_guard.install` does), so a middleware used without
-        ``install()`` refuses an evicting Redis too.
+        """The guard backend, resolved (and checked, as ``install()`` does) on first use.
 
         Raises:
           ConfigurationError: If no backend can be found.

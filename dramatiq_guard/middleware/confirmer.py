@@ -1,11 +1,4 @@
-"""Confirming sends' pending dedup locks off the send path, in batches (docs/dedup.md, "The lock's life").
-
-``send()`` takes the dedup lock for ``pending_ttl`` in one round trip; once the
-push succeeded, the lock is extended to its ``ttl`` here: a background thread
-of the producer batches the confirmations of every send of the last few
-milliseconds into one pipelined ``renew_many``. It is flushed at interpreter
-exit and when a worker shuts down.
-"""
+"""Sends' pending dedup locks confirmed off the send path, in batches (docs/dedup.md, "The lock's life")."""
 
 from __future__ import annotations
 
@@ -13,9 +6,7 @@ import logging
 import time
 
 from dramatiq_guard.backends.base import GuardBackend
-from dramatiq_guard.batching import RETRY_S, Batcher
-
-__all__ = ["RETRY_S", "Confirmer"]
+from dramatiq_guard.batching import Batcher
 
 logger = logging.getLogger("dramatiq_guard.dedup")
 
@@ -24,13 +15,8 @@ Pending = tuple[GuardBackend, str, str, int, float]
 
 
 class Confirmer(Batcher[Pending]):
-    """Confirms pushed sends (pending lock -> ``ttl``) in batches, from one daemon thread.
-
-    Each flush is one :meth:`~GuardBackend.renew_many` per backend: one
-    round trip on Redis, however many sends it confirms. A flush starts
-    ``linger`` seconds after the first unconfirmed send (or at once when
-    ``batch`` sends are waiting), so a burst shares one round trip.
-    """
+    """Confirms pushed sends (pending lock -> ``ttl``) in batches: one :meth:`~GuardBackend.renew_many`
+    per backend each."""
 
     thread_name = "dramatiq-guard-dedup"
 
@@ -63,8 +49,6 @@ class Confirmer(Batcher[Pending]):
                     self.requeue(retry)
                 continue
             for (_, key, holder, _, _), confirmed in zip(group, renewed, strict=True):
-                if not confirmed:
-                    # Released already (an until_executing holder that started at
-                    # once, a holder that finished) or lapsed before confirmation.
+                if not confirmed:  # released already (its holder started or finished), or lapsed
                     logger.debug("Dedup lock %r of %r was gone when confirmed.", key, holder)
         return ok

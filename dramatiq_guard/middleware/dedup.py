@@ -1,42 +1,38 @@
-"""Enqueue-time deduplication: the ``dedup`` actor option.
+"""Enqueue-time deduplication: the ``dedup`` actor option (docs/dedup.md).
 
-``send()`` takes a lock per *dedup key*, a limit-1 lease of the guard backend
-held by the sending message's id (the *holder*); while it holds, an
-identical message is diverted at the enqueue gate (:mod:`dramatiq_guard.gate`)
-instead of pushed. The lock is confirmed in the background once the push
-succeeded, and released at the holder's terminal event for its strategy.
-
-What a user needs (strategies, ``on_duplicate``, the message options written
-here, failures, cost) is in ``docs/dedup.md``; the backend rules it stands on
-are in :mod:`dramatiq_guard.backends.base`.
+``send()`` takes a limit-1 lease per dedup key, held by the message's id; while it holds, an
+identical message is diverted at the enqueue gate. The lock is confirmed in the background once
+pushed, and released at the holder's terminal event for its strategy.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
-import threading
 import time
-import uuid
-from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from collections.abc import Sequence
+from typing import Any
 
-from dramatiq import Broker, Message
+from dramatiq import Broker
 from dramatiq.broker import MessageProxy
 from dramatiq.middleware import Retries, SkipMessage
 
-from dramatiq_guard import events
-from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Waiter
-from dramatiq_guard.backends.values import Enqueue
-from dramatiq_guard.claim import Claim
-from dramatiq_guard.delivery import Courier, generation_of
-from dramatiq_guard.errors import BackendUnavailable, DuplicateMessage, GuardOptionError
-from dramatiq_guard.gate import Diverted, Outcome, gate_for
-from dramatiq_guard.keys import lone_surrogate
-from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware, execution_state, fail_open
-from dramatiq_guard.middleware.confirmer import Confirmer
-from dramatiq_guard.middleware.sweep import Sweeper, join_sweep, leave_sweep
-from dramatiq_guard.policies import DedupPolicy, duration_ms
+from dramatiq_guard.backends.base import GuardBackend, ReleaseResult
+from dramatiq_guard.delivery import generation_of
+from dramatiq_guard.errors import BackendUnavailable, DuplicateMessage
+from dramatiq_guard.middleware.base import execution_state, fail_open
+from dramatiq_guard.middleware.dedup_send import (
+    BY_OPTION,
+    EXEMPT_OPTION,
+    KEY_OPTION,
+    LOCK_OPTION,
+    PREFIX,
+    RERUN_OPTION,
+    DedupSender,
+    deduplicated_by,
+    rerun_id,
+)
+from dramatiq_guard.middleware.sweep import join_sweep, leave_sweep
+from dramatiq_guard.policies import DedupPolicy
 from dramatiq_guard.renewer import LeaseHandle, get_renewer
 
 __all__ = [
@@ -54,45 +50,12 @@ __all__ = [
 
 logger = logging.getLogger("dramatiq_guard.dedup")
 
-#: The prefix of every deduplication guard key.
-PREFIX = "dedup:"
-#: Message option: a dedup key given at send time, overriding the policy's.
-KEY_OPTION = "dedup_key"
-#: Message option (written): the guard key a holder holds; its message id is the holder.
-LOCK_OPTION = "dedup_lock"
-#: Message option (written): why a message was enqueued without deduplication.
-EXEMPT_OPTION = "dedup_exempt"
-#: Message option (written on the returned message of a deduplicated send): the holder's id.
-BY_OPTION = "deduplicated_by"
-#: Message option (written on the returned message of a rescheduled duplicate): the rerun's id.
-RERUN_OPTION = "dedup_rerun"
 
-_RERUN_NAMESPACE = uuid.UUID("6c1f8f0e-3a0e-4e55-9d3f-2f4f1c6a9b51")
-#: A lock's ttl when the message's actor is not declared in this process.
-_FALLBACK_TTL_MS = 3_600_000
+class Deduplication(DedupSender):
+    """Enqueue-time deduplication for actors declared with ``dedup=`` (docs/dedup.md).
 
-
-def deduplicated_by(message: Message[Any]) -> str | None:
-    """The message id of the holder that deduplicated ``message``, or None if it was enqueued.
-
-    Parameters:
-      message(Message): What ``send()`` (or ``broker.enqueue``) returned.
-    """
-    value = message.options.get(BY_OPTION)
-    return value if isinstance(value, str) else None
-
-
-def rerun_id(holder: str) -> str:
-    """The message id of the ``reschedule_once`` rerun of ``holder`` (a UUID derived from it)."""
-    return str(uuid.uuid5(_RERUN_NAMESPACE, holder))
-
-
-class Deduplication(GuardMiddleware[DedupPolicy]):
-    """Enqueue-time deduplication for actors declared with ``dedup=``.
-
-    See the module docstring for the semantics. Place it before Retries
-    (:func:`dramatiq_guard.install` does), after the mutex and concurrency
-    middlewares.
+    Place it before Retries, after the mutex and concurrency middlewares
+    (:func:`dramatiq_guard.install` does).
 
     Example:
 
@@ -112,203 +75,6 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         keys that have a ``reschedule_once`` rerun waiting, so a rerun whose
         re-enqueue failed is handed on again. Default: 1 second.
     """
-
-    policy_class = DedupPolicy
-    #: Deduplication decides before the slots middlewares park (20).
-    gate_priority = 10
-
-    def __init__(
-        self,
-        *,
-        redis: Any = None,
-        pending_ttl: int | datetime.timedelta = 10_000,
-        sweep_interval: int | datetime.timedelta = 1_000,
-    ) -> None:
-        super().__init__(redis=redis)
-        pending = duration_ms(pending_ttl, what="pending_ttl")
-        if not pending:
-            raise GuardOptionError(f"Deduplication: pending_ttl must be positive, not {pending_ttl!r}")
-        self.pending_ttl_ms: int = pending
-        self._confirmer = Confirmer(linger=min(0.05, pending / 10_000))
-        self._local = threading.local()
-        self._retries: dict[int, bool] = {}
-        self._couriers: dict[int, Courier] = {}
-        interval = duration_ms(sweep_interval, what="sweep_interval")
-        if not interval:
-            raise GuardOptionError(f"Deduplication: sweep_interval must be positive, not {sweep_interval!r}")
-        self.sweep_interval_ms: int = interval
-        self._sweeper: Sweeper | None = None
-        self._alone: dict[str, bool] = {}
-
-    @property
-    def actor_options(self) -> set[str]:
-        return {self.option}
-
-    def flush(self) -> None:
-        """Confirm now every pending lock whose push succeeded (normally done in the background)."""
-        self._confirmer.flush()
-
-    # --- enqueue time -----------------------------------------------------------------------
-
-    def before_push(
-        self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None = None
-    ) -> _LockTicket | _OneStepTicket | None:
-        """Take the dedup lock for ``message``, or divert it as a duplicate (see the module docstring)."""
-        options = message.options
-        if LOCK_OPTION in options or EXEMPT_OPTION in options:
-            # A holder's own re-enqueue (Retries, delay-queue move, slots
-            # hand-off, rerun) or a message already let through unguarded.
-            return None
-        guard = self.guard_of(message)
-        if guard is None:
-            return None
-        policy = guard.policy
-        reason = self._exemption(message, delay, policy)
-        if reason is not None:
-            options[EXEMPT_OPTION] = reason
-            return None
-
-        key = PREFIX + self._key(guard, message)
-        backend = self.backend(broker)
-        ttl = policy.ttl_ms + ((delay or 0) if policy.including_scheduled else 0)
-        if holds is None and not policy.fail_open and self._in_one_step(broker, backend, message):
-            options[LOCK_OPTION] = key  # encoded with the message: the push takes the lock
-            claim = Claim(backend, key, message.message_id, 1, ttl, info=message.actor_name)
-            return _OneStepTicket(self, broker, claim, message, policy)
-        claim = Claim(backend, key, message.message_id, 1, self.pending_ttl_ms, info=message.actor_name)
-        try:
-            result = self._try_lock(broker, claim)
-            self._deliver(broker, result.handoffs)
-            if result.acquired:
-                options[LOCK_OPTION] = key
-                return _LockTicket(self, broker, claim, message, ttl)
-            self._refused(broker, message, claim, result, policy)
-        except BackendUnavailable as e:
-            fail_open(policy.fail_open, e, f"{message} is enqueued without deduplication")
-            options.pop(LOCK_OPTION, None)
-            options[EXEMPT_OPTION] = "backend_unavailable"
-            return None
-
-    def _in_one_step(self, broker: Broker, backend: GuardBackend, message: Message[Any]) -> bool:
-        """Whether the lock and the push go in one step: the backend can, and only dedup guards the actor."""
-        alone = self._alone.get(message.actor_name)
-        if alone is None:
-            alone = self._alone[message.actor_name] = gate_for(broker).sole_guard(message.actor_name, self)
-        return alone and backend.enqueues_on(broker)
-
-    def _refused(
-        self, broker: Broker, message: Message[Any], claim: Claim, result: AcquireResult, policy: DedupPolicy
-    ) -> NoReturn:
-        """A duplicate of the lock's holder: raise, or divert it as dropped (or rescheduled once)."""
-        holder, key = (result.holders[0] if result.holders else ""), claim.key
-        events.deduplicated(message.actor_name)
-        logger.info("Deduplicated %s: %r is held by %s.", message, key, holder or "nobody")
-        if policy.on_duplicate == "raise":
-            raise DuplicateMessage(message.message_id, holder, key)
-        marks: dict[str, Any] = {BY_OPTION: holder}
-        if policy.on_duplicate == "reschedule_once":
-            marks = self._reschedule(broker, claim.backend, key, message, holder, policy)
-        copy = message.copy(options=marks)
-        copy.options.pop(LOCK_OPTION, None)
-        raise Diverted(copy, Outcome.DROPPED)
-
-    def _try_lock(self, broker: Broker, claim: Claim) -> AcquireResult:
-        """Take the pending lock of a new holder; one that raised is taken back first.
-
-        Raises:
-          BackendUnavailable: The backend could not be reached, or no replica acknowledged the lock
-            (:class:`~dramatiq_guard.errors.ReplicasBehind`): whatever it did was taken back
-            (:meth:`~GuardBackend.take_back`), so the caller's retry is not a duplicate of it.
-        """
-        try:
-            return claim.try_lock()
-        except BackendUnavailable:
-            undone = claim.take_back()
-            if undone is not None:
-                self._deliver(broker, undone.handoffs)
-            raise
-
-    def _exemption(self, message: Message[Any], delay: int | None, policy: DedupPolicy) -> str | None:
-        options = message.options
-        if delay and not policy.including_scheduled:
-            return "scheduled"
-        if "pipe_target" in options or message.message_id == getattr(self._local, "pipe_next", None):
-            return "pipeline"
-        if options.get("group_completion_uuid"):
-            return "group"
-        return None
-
-    def _key(self, guard: ActorGuard[DedupPolicy], message: Message[Any]) -> str:
-        override = message.options.get(KEY_OPTION)
-        if override is None:
-            return guard.key_of(message)
-        if not isinstance(override, str) or not override or lone_surrogate(override):
-            raise GuardOptionError(
-                f"actor {guard.actor_name!r}: message option {KEY_OPTION}={override!r} is not valid: "
-                f"it must be a non-empty str of valid Unicode (no lone surrogates)"
-            )
-        return override
-
-    def _reschedule(
-        self,
-        broker: Broker,
-        backend: GuardBackend,
-        key: str,
-        message: Message[Any],
-        holder: str,
-        policy: DedupPolicy,
-    ) -> dict[str, Any]:
-        """Park (or refresh) the single rerun of ``holder`` in the lock's waiter queue.
-
-        ``limit=0`` makes the acquire park the rerun even if the lock was freed
-        since the holder was seen; it only "acquires" if the rerun already holds
-        the lock (it was handed it meanwhile), which leaves it as it is.
-        """
-        rerun = rerun_id(holder)
-        copy = message.copy(message_id=rerun, options={LOCK_OPTION: key})
-        for name in (KEY_OPTION, BY_OPTION, RERUN_OPTION, EXEMPT_OPTION):
-            copy.options.pop(name, None)
-        result = backend.acquire(
-            key, rerun, limit=0, ttl_ms=policy.ttl_ms, wait=Waiter(payload=copy.encode())
-        )
-        self._deliver(broker, result.handoffs)
-        if result.parked and not result.holders:
-            # The holder finished between the two calls: nobody will hand the
-            # lock on, so hand it to the rerun now.
-            swept = backend.sweep(key, limit=1)
-            self._deliver(broker, swept.handoffs)
-        return {BY_OPTION: holder, RERUN_OPTION: rerun}
-
-    def claims(self, key: str) -> bool:
-        """Whether ``key`` is a dedup guard key."""
-        return key.startswith(PREFIX)
-
-    def courier(self, broker: Broker) -> Courier:
-        """How reruns handed the lock go back to ``broker``.
-
-        Confirmed for their actor's ``ttl``; a rerun that a slots guard parks
-        on its way keeps the lock (it has not run yet).
-        """
-        courier = self._couriers.get(id(broker))
-        if courier is None:
-
-            def ttl_ms(rerun: Message[Any]) -> int:
-                guard = self.guard_of(rerun)
-                return guard.policy.ttl_ms if guard is not None else _FALLBACK_TTL_MS
-
-            courier = self._couriers[id(broker)] = Courier(
-                broker,
-                self.backend(broker),
-                ttl_ms=ttl_ms,
-                default_limit=lambda _key: 1,
-                keep_when_parked=True,
-            )
-        return courier
-
-    def _deliver(self, broker: Broker, handoffs: Sequence[Handoff]) -> None:
-        """Re-enqueue the reruns that were just handed the lock, then confirm them."""
-        if handoffs:
-            self.courier(broker).deliver(handoffs)
 
     # --- execution time ---------------------------------------------------------------------
 
@@ -351,18 +117,13 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
     ) -> tuple[bool, float | None]:
         """Make the holder's lock its lease as it starts, counting its ``ttl`` from now.
 
-        A first run (no generation) renews the lock its send took: 6 Redis
-        commands (``renew.lua``) where a re-entrant acquire runs 14; a lock
-        that lapsed while the message was queued is then the acquire's to
-        reclaim and hand on. A ``reschedule_once`` holder cancels the rerun
-        asked for before it started (its run covers them). A copy
-        re-enqueued by a hand-off (a rerun) is acquired, checking its
-        generation: a stale one (a newer hand-off of it exists) is skipped.
+        A first run renews the lock its send took (cheaper than an acquire); a lapsed one, and a
+        rerun (checked by its generation), is acquired. A ``reschedule_once`` holder cancels the
+        rerun asked for before it started: its run covers it.
 
         Returns:
-          (held, valid_from): whether it holds the lock (False: it starts
-          without it), and ``time.monotonic()`` just before the request that
-          extended it was sent (the lease's start for the renewer).
+          (held, valid_from): whether it holds the lock (False: it runs without it), and the
+          lease's start for the renewer.
 
         Raises:
           SkipMessage: The message is a stale copy of a rerun.
@@ -375,8 +136,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
                 self._cancel_covered_rerun(broker, backend, key, holder, policy)
                 return True, sent
             if policy.on_duplicate == "reschedule_once":
-                # Its rerun stays queued behind the lapsed lock (a sweep hands it on): this
-                # run covers it all the same.
+                # Its rerun stays queued behind the lapsed lock: this run covers it all the same.
                 self._cancel_covered_rerun(broker, backend, key, holder, policy)
                 _started_without_lock(holder, key, None)
                 return False, None
@@ -420,8 +180,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         options = message.options
         target = options.get("pipe_target")
         if isinstance(target, dict) and exception is None and not message.failed:
-            # Pipelines (after this middleware in the after-hooks) enqueues
-            # this next step from this thread: let it through.
+            # Pipelines (after this middleware) enqueues this next step from this thread: let it through.
             self._local.pipe_next = target.get("message_id")
         if LOCK_OPTION not in options:
             return  # not a holder (its lock and lease exist only with the option): nothing to release
@@ -437,9 +196,8 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         self._sweeper = join_sweep(self, broker, self.sweep_interval_ms)
 
     def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
-        sweeper, self._sweeper = self._sweeper, None
-        if sweeper is not None:
-            leave_sweep(self, sweeper)
+        leave_sweep(self, self._sweeper)
+        self._sweeper = None
         self.flush()
 
     def sweep_limit(self, key: str) -> int:
@@ -480,93 +238,6 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         if known is None:
             known = self._retries[id(broker)] = any(isinstance(m, Retries) for m in broker.middleware)
         return known
-
-
-class _LockTicket:
-    """The pending lock of one send: confirmed in the background once pushed, released if not."""
-
-    __slots__ = ("broker", "claim", "message", "middleware", "ttl_ms")
-
-    def __init__(
-        self, middleware: Deduplication, broker: Broker, claim: Claim, message: Message[Any], ttl_ms: int
-    ) -> None:
-        self.middleware = middleware
-        self.broker = broker
-        self.claim = claim
-        self.message = message
-        self.ttl_ms = ttl_ms
-
-    def pushed(self) -> None:
-        lapses_at = time.monotonic() + self.middleware.pending_ttl_ms / 1000
-        claim = self.claim
-        self.middleware._confirmer.add_pending(claim.backend, claim.key, claim.holder, self.ttl_ms, lapses_at)
-
-    def parked(self) -> None:
-        """A slots guard parked it: it will run, so it keeps the lock, as if pushed."""
-        self.pushed()
-
-    def failed(self) -> None:
-        self.message.options.pop(LOCK_OPTION, None)
-        self.middleware._deliver(self.broker, self.claim.release().handoffs)
-
-
-class _OneStepTicket:
-    """A lock taken with the broker's push, in one step (:meth:`GuardBackend.lock_and_enqueue`).
-
-    The gate hands this ticket the broker's push; where the backend cannot decide in one step, it
-    takes the pending lock and pushes as :class:`_LockTicket` does, and settles like it.
-    """
-
-    __slots__ = ("broker", "claim", "message", "middleware", "policy", "two_steps")
-
-    def __init__(
-        self,
-        middleware: Deduplication,
-        broker: Broker,
-        claim: Claim,
-        message: Message[Any],
-        policy: DedupPolicy,
-    ) -> None:
-        self.middleware = middleware
-        self.policy = policy
-        self.broker = broker
-        self.claim = claim
-        self.message = message
-        self.two_steps: _LockTicket | None = None
-
-    def enqueue(
-        self, queue_name: str, message_id: str, data: bytes, push: Callable[[str, str, bytes], Any]
-    ) -> None:
-        """Lock and push ``data`` (the broker's own ``push`` if it takes two steps), or divert a duplicate."""
-        claim, middleware, message = self.claim, self.middleware, self.message
-        info = claim.info or message.actor_name
-        one = Enqueue(self.broker, queue_name, message_id, data)
-        result = claim.backend.lock_and_enqueue(
-            claim.key, claim.holder, ttl_ms=claim.ttl_ms, info=info, push=one
-        )
-        if result is None:
-            pending = Claim(claim.backend, claim.key, claim.holder, 1, middleware.pending_ttl_ms, info=info)
-            result = middleware._try_lock(self.broker, pending)
-            middleware._deliver(self.broker, result.handoffs)
-            if result.acquired:
-                self.two_steps = _LockTicket(middleware, self.broker, pending, message, claim.ttl_ms)
-                push(queue_name, message_id, data)
-                return
-        if not result.acquired:
-            middleware._refused(self.broker, message, claim, result, self.policy)
-
-    def pushed(self) -> None:
-        if self.two_steps is not None:
-            self.two_steps.pushed()
-
-    def parked(self) -> None:
-        self.pushed()
-
-    def failed(self) -> None:
-        """Not pushed: a lock taken in two steps is released (one step: neither happened)."""
-        self.message.options.pop(LOCK_OPTION, None)
-        if self.two_steps is not None:
-            self.two_steps.failed()
 
 
 def _started_without_lock(holder: str, key: str, holders: Sequence[str] | None) -> None:

@@ -1,68 +1,8 @@
 """The ``idempotency_key`` actor option: a message's effects committed at most once, in SQL.
 
-::
-
-    @dramatiq.actor(idempotency_key=lambda transfer_id, *_: transfer_id)
-    def transfer(transfer_id, source_id, destination_id, amount):
-        session = dramatiq_guard.ledger_session()   # commits together with the ledger row
-        ...
-
-The key of a message, first match wins:
-
-1. the message's own ``idempotency_key`` option
-   (``actor.send_with_options(args=..., idempotency_key="...")``), used as given;
-2. the actor's ``idempotency_key``: a callable of the arguments (its string
-   used as given, so actors returning the same string share the key) or a
-   list of argument names (``"<actor>:<digest>"``, see :mod:`dramatiq_guard.keys`);
-3. with ``idempotency_key=True``, the message's ``message_id``: the default
-   protection, against redelivery after a worker crash and against Retries
-   running a message whose first run did commit.
-
-A message may carry ``idempotency_key`` only for an actor declared with the
-option: ``send()`` raises a :class:`~dramatiq_guard.errors.GuardOptionError`
-otherwise, rather than silently running it unguarded.
-
-The key is bound to the message's payload: the SHA-256 (via
-:func:`dramatiq_guard.keys.digest`) of the canonical JSON of
-``{"actor": actor_name, "arguments": {name: value}}``, the arguments bound
-through the actor's signature so positional and keyword calls agree. A key
-reused with another payload fails with
-:class:`~dramatiq_guard.ledger.IdempotencyConflict`, which names both.
-
-**Why the actor's function is wrapped.** The ledger must (a) commit the
-actor's writes and the row's move to completed in one transaction, which
-has to be open around the call and committed after it returns, and (b) make
-a completed key return its stored result *as the actor's return value*, so
-that the Results middleware stores it and a pipeline passes it on. No
-middleware hook can do (b): ``before_process_message`` can only let the
-actor run or skip it (and Results then stores None), and
-``after_process_message`` cannot change the result. So at
-``before_declare_actor`` the middleware replaces ``actor.fn`` with a wrapper
-(``functools.wraps``, so the signature is unchanged) that runs the call
-through :meth:`dramatiq_guard.ledger.Ledger.run`; ``before_process_message``
-tells the wrapper which message it is running. Consequences:
-
-* the middleware must be on the broker before the actor is declared (as for
-  any actor option);
-* calling the actor directly (``transfer(...)``, not ``send``) also goes
-  through the ledger, as a message of its own: the key comes from the
-  arguments (or is unique per call with ``idempotency_key=True``) and the
-  holder is ``call:<hex>``;
-* async actors work: Dramatiq turns them into a synchronous function first,
-  and the ledger session is set in the context the coroutine inherits. The
-  session is a synchronous SQLAlchemy Session.
-
-**Retries.** :class:`~dramatiq_guard.ledger.IdempotencyConflict` and
-:class:`~dramatiq_guard.ledger.UnstorableResult` are added to each guarded
-actor's ``throws`` option, so Retries fails such a message at once instead
-of retrying it (a ``throws`` message option replaces the actor's and loses
-this). Any other exception, database deadlocks and lock timeouts included,
-rolls the run back and is retried as usual.
-
-**Retention.** A completed key is protected for the actor's ``retention``,
-else the middleware's (default 7 days); then its row counts as absent and
-:meth:`~dramatiq_guard.ledger.Ledger.prune` (``dramatiq-guard ledger prune``)
-deletes it.
+docs/ledger.md says which key a message gets, and why the actor's function is wrapped: at
+``before_declare_actor`` ``actor.fn`` is replaced by a wrapper that runs the call through
+:meth:`dramatiq_guard.ledger.Ledger.run`, and ``before_process_message`` tells it which message runs.
 """
 
 from __future__ import annotations
@@ -87,8 +27,8 @@ from dramatiq_guard.keys import KeyResolver, canonical_json, digest, lone_surrog
 from dramatiq_guard.ledger.errors import IdempotencyConflict, UnstorableResult
 from dramatiq_guard.ledger.schema import DEFAULT_TABLE_NAME
 from dramatiq_guard.ledger.store import DEFAULT_RETENTION, Ledger
-from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware
-from dramatiq_guard.policies import Duration, IdempotencyPolicy, duration_ms, option_error, parse_policy
+from dramatiq_guard.middleware.base import GuardMiddleware
+from dramatiq_guard.policies import Duration, IdempotencyPolicy, duration_ms, option_error
 
 #: The message option that carries a message's own idempotency key.
 MESSAGE_OPTION = "idempotency_key"
@@ -110,11 +50,7 @@ class _LedgerActor:
 
 
 class Idempotency(GuardMiddleware[IdempotencyPolicy]):
-    """Runs actors declared with ``idempotency_key=`` through the SQL idempotency ledger.
-
-    Constructible with no arguments. See the module docstring for keys,
-    results and retries, and :mod:`dramatiq_guard.ledger.store` for how a run
-    claims its key.
+    """Runs actors declared with ``idempotency_key=`` through the SQL idempotency ledger (docs/ledger.md).
 
     Parameters:
       ledger: An SQLAlchemy Engine, a database URL, a
@@ -183,22 +119,15 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
     # --- declaration ----------------------------------------------------------------------
 
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
-        value = actor.options.get(self.option)
-        if value is None or value is False:
-            self.guarded.pop(actor.actor_name, None)
+        super().before_declare_actor(broker, actor)  # parses the option into self.guarded
+        guard = self.guarded.get(actor.actor_name)
+        if guard is None:
             self._actors.pop(actor.actor_name, None)
             return
-        policy = parse_policy(IdempotencyPolicy, value, actor_name=actor.actor_name)
-        try:
-            resolver = KeyResolver(actor.actor_name, actor.fn, policy.key, option=self.option)
-        except ValueError as e:
-            raise option_error(actor.actor_name, self.option, value, str(e)) from None
-        self.guarded[actor.actor_name] = ActorGuard(actor.actor_name, policy, resolver)
+        policy = guard.policy
+        resolver = guard.resolve_key if policy.key is not None else None
         self._actors[actor.actor_name] = _LedgerActor(
-            actor.actor_name,
-            policy,
-            resolver if policy.key is not None else None,
-            inspect.signature(actor.fn),
+            actor.actor_name, policy, resolver, inspect.signature(actor.fn)
         )
         actor.options["throws"] = _with_permanent_errors(actor.options.get("throws"))
         if not getattr(actor.fn, "__dramatiq_guard_ledger__", False):
@@ -252,8 +181,7 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
         result: Any = None,
         exception: BaseException | None = None,
     ) -> None:
-        if _running.get() is message:
-            _running.set(None)
+        self.after_skip_message(broker, message)
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         if _running.get() is message:
@@ -293,7 +221,8 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
 def _fingerprint(
     actor_name: str, signature: inspect.Signature, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[Any, str]:
-    """The payload recorded with a key and its fingerprint (see the module docstring)."""
+    """The payload recorded with a key (the actor and its arguments bound through its signature),
+    and its fingerprint."""
     try:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()

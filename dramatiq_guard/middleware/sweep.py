@@ -1,12 +1,7 @@
 """Each worker process's sweep: waiters are never stranded when every holder died.
 
-One thread per process and backend, started in ``after_worker_boot`` by the
-first guard middleware that needs it (slots, and deduplication for its
-``reschedule_once`` reruns): every ``sweep_interval`` it reclaims the lapsed
-leases and reservations of the waiting keys that are due (a deadline passed:
-:meth:`~dramatiq_guard.backends.GuardBackend.due_keys`) and hands them on, each
-key by the middleware that claims it, in pipelined batches (docs/slots.md,
-"Waiters are never stranded").
+One thread per process and backend, shared by the guard middlewares that join it (docs/slots.md,
+"Waiters are never stranded"); each key it hands on is delivered by the middleware that claims it.
 """
 
 from __future__ import annotations
@@ -54,24 +49,17 @@ class Sweeper:
     def _run(self) -> None:
         while not self.stop_event.wait(self.interval_s):
             sweep_all(self.backend, list(self.members.values()))
-            # State the store lost since the last pass (Redis: and the record of the library we run).
+            # State the store lost since the last pass (docs/failure-model.md).
             self.backend.watch(self.interval_s)
         self.backend.stop_watching()  # again, if a pass ran after leave_sweep's
 
 
 def sweep_all(backend: GuardBackend, members: list[Member], *, waiting: bool = False) -> None:
-    """Sweep every due key (:meth:`GuardBackend.due_keys`) that belongs to one of ``members``.
+    """Sweep every due key (:meth:`GuardBackend.due_keys`) of ``members``, one
+    :meth:`GuardBackend.sweep_many` per middleware; what failed is logged, and due again next pass.
 
-    Each middleware's keys go to the backend in one :meth:`GuardBackend.sweep_many`
-    (pipelined batches on Redis), so a pass costs what is due, not what waits.
-    Failures are logged; what failed is due again at the next pass.
-
-    Parameters:
-      backend(GuardBackend): The backend of the members.
-      members(list): The middlewares (and their brokers) whose keys are swept.
-      waiting(bool): Sweep every waiting key (:meth:`GuardBackend.waiting_keys`),
-        due or not: after a change no deadline tells of, such as an actor's
-        default limit raised.
+    ``waiting``: sweep every waiting key, due or not (after a change no deadline tells of, such as
+    an actor's default limit raised).
     """
     try:
         keys = backend.waiting_keys() if waiting else backend.due_keys()
@@ -110,14 +98,14 @@ def join_sweep(middleware: Sweepable, broker: Broker, interval_ms: int) -> Sweep
         return sweeper
 
 
-def leave_sweep(middleware: Sweepable, sweeper: Sweeper) -> None:
-    """Remove ``middleware`` from ``sweeper``; the last one out stops it.
+def leave_sweep(middleware: Sweepable, sweeper: Sweeper | None) -> None:
+    """Remove ``middleware`` from ``sweeper`` (if it joined one); the last one out stops it.
 
-    The last one also withdraws what the backend's watch recorded of this
-    process (:meth:`GuardBackend.stop_watching`; Redis: the record of the
-    library it runs, which ``dramatiq-guard functions prune`` reads): here, as
-    the sweep thread is a daemon that may not get to it before the process exits.
+    The last one also withdraws what the backend's watch recorded of this process
+    (:meth:`GuardBackend.stop_watching`): here, as the daemon thread may not get to it before exit.
     """
+    if sweeper is None:
+        return
     with _sweepers_lock:
         sweeper.members.pop(id(middleware), None)
         stopped = not sweeper.members

@@ -1,8 +1,5 @@
-"""One execution of a guarded message: the lease it holds, or why it did not run.
-
-Per-execution state lives on the message proxy (:func:`~dramatiq_guard.middleware.base.execution_state`),
-never in ``message.options``, which Retries re-enqueues as they are.
-"""
+"""One execution of a guarded message: the lease it holds, or why it did not run (its state is on
+the message proxy, never in ``message.options``, which Retries re-enqueues as they are)."""
 
 from __future__ import annotations
 
@@ -47,10 +44,8 @@ def hold(message: MessageProxy, state: ExecutionState, option: str, lease: Lease
 
 
 def take_held(state: ExecutionState, option: str) -> Held | None:
-    """The lease this execution held, if any, forgotten (and ``current_lease()`` reset).
-
-    Why it did not run (:class:`NotRun`) stays, for ``after_ack``.
-    """
+    """The lease this execution held, if any, forgotten (and ``current_lease()`` reset); a
+    :class:`NotRun` stays, for ``after_ack``."""
     held = state.data.get(option)
     if not isinstance(held, Held):
         return None
@@ -74,11 +69,8 @@ def skip_dropped(
 
 
 def skip_parked(message: MessageProxy, state: ExecutionState, option: str, key: str, limit: int) -> NoReturn:
-    """Skip the message: it was parked after pickup (not a terminal event: no result is stored)."""
-    state.parked = True
-    state.data[option] = NotRun("parked", key)
-    # The parked copy was encoded before the acquire; this copy is only acked.
-    message.options["store_results"] = False
+    """Skip the message: it was parked after pickup (its parked copy was encoded before the acquire)."""
+    _not_terminal(message, state, option, NotRun("parked", key))
     logger.info("Parked %s after pickup: %r is full (limit %d).", message, key, limit)
     events.parked(message.actor_name)
     events.lockwait_changed()
@@ -86,13 +78,8 @@ def skip_parked(message: MessageProxy, state: ExecutionState, option: str, key: 
 
 
 def skip_stale(message: MessageProxy, state: ExecutionState, option: str, key: str) -> NoReturn:
-    """Skip the message: a stale copy of a hand-off (a newer copy of it may start, this one never).
-
-    Not a terminal event: the message lives on in its newer copy (or in the lockwait area).
-    """
-    state.parked = True
-    state.data[option] = NotRun("stale", key)
-    message.options["store_results"] = False
+    """Skip the message: a stale copy of a hand-off (not a terminal event: a newer copy runs)."""
+    _not_terminal(message, state, option, NotRun("stale", key))
     logger.info("Skipped %s: a stale copy (a newer hand-off of %r runs instead).", message, key)
     raise SkipMessage(f"stale copy of a hand-off of {key!r}")
 
@@ -100,15 +87,8 @@ def skip_stale(message: MessageProxy, state: ExecutionState, option: str, key: s
 def defer_second_copy(
     broker: Broker, message: MessageProxy, state: ExecutionState, option: str, key: str, delay_ms: int
 ) -> NoReturn:
-    """Skip this copy and send the message again in ``delay_ms``: another copy of it holds ``key``.
-
-    The broker delivered the message again while its first copy still runs (RabbitMQ, when a
-    consumer's connection drops), or after the first copy's worker died and before its lease
-    lapsed (``delay_ms``: until that copy's lease, or its wait, would lapse, and at most a lease's
-    ttl; a dead holder's has lapsed by the time this copy comes back, a live one's copy is
-    deferred again). Not a terminal event, and no retry
-    is consumed: the message goes back as it is (same ``message_id`` and options), past the
-    enqueue gate as Retries' re-enqueues do, and this copy is acked, storing no result.
+    """Skip this copy and send the message again in ``delay_ms``: another copy of it holds ``key``
+    (docs/slots.md, "Execution"). No retry is consumed and no result stored.
 
     Raises:
       SkipMessage: The message was sent again.
@@ -121,9 +101,7 @@ def defer_second_copy(
         raise GuardError(
             f"{message}: another copy of it holds {key!r}, and sending this one again failed: {e}"
         ) from e
-    state.parked = True
-    state.data[option] = NotRun("deferred", key)
-    message.options["store_results"] = False
+    _not_terminal(message, state, option, NotRun("deferred", key))
     logger.warning(
         "Deferred %s by %d ms: another copy of it holds %r (the broker delivered it again while it "
         "runs, or after its worker died and before its lease lapsed).",
@@ -132,3 +110,10 @@ def defer_second_copy(
         key,
     )
     raise SkipMessage(f"another copy holds {key!r}")
+
+
+def _not_terminal(message: MessageProxy, state: ExecutionState, option: str, not_run: NotRun) -> None:
+    """Record why this copy does not run: not a terminal event of the message, and no result stored."""
+    state.parked = True
+    state.data[option] = not_run
+    message.options["store_results"] = False

@@ -1,10 +1,5 @@
-"""Limits: an actor's run-time default, and which actor a guard key belongs to.
-
-A key's limit is, in order: its run-time limit (in the backend, set with
-``set_limit``), the actor's run-time default (the run-time limit of the
-pseudo-key ``"concurrency-default:<actor>"``, read with a short cache), or
-the option's ``limit`` (docs/slots.md, "Limits at run time").
-"""
+"""Limits: an actor's run-time default, and which actor a guard key belongs to
+(docs/slots.md, "Limits at run time")."""
 
 from __future__ import annotations
 
@@ -25,11 +20,7 @@ ACTOR_LIMIT_PREFIX = "concurrency-default"
 
 
 class ActorLimits:
-    """Actors' run-time default limits, each cached for ``cache_ms``.
-
-    Parameters:
-      cache_ms(int): How long a value read from the backend is used.
-    """
+    """Actors' run-time default limits, each read from the backend used for ``cache_ms``."""
 
     def __init__(self, cache_ms: int) -> None:
         self.cache_ms = cache_ms
@@ -41,12 +32,8 @@ class ActorLimits:
         return backend.get_limit(f"{ACTOR_LIMIT_PREFIX}:{actor_name}")
 
     def get(self, backend: GuardBackend, actor_name: str) -> int | None:
-        """The actor's run-time default limit, or None (cached).
-
-        If the backend cannot be reached, the last value read (None if none
-        was): the operation that needs the limit meets the same backend next
-        and fails closed (or open, as its policy says) there.
-        """
+        """The actor's run-time default limit, or None (cached); the last value read if the backend
+        cannot be reached (the operation that needs it fails closed, or open, there next)."""
         now = time.monotonic()
         cached = self._cache.get(actor_name)
         if cached is None or cached[0] <= now:
@@ -65,16 +52,8 @@ class ActorLimits:
 
 
 class KeyDirectory(Generic[P]):
-    """Which actor a guard key belongs to, as far as this process can tell.
-
-    It can for a key it has computed (the last ``size`` are remembered), and
-    for a digested key (``<prefix>:<actor>:<sha256>``); not for a key given
-    by a callable that it never computed.
-
-    Parameters:
-      prefix(str): The capability's key prefix (``"mutex"``, ``"concurrency"``).
-      guarded(dict): The capability's guarded actors, by name.
-    """
+    """Which of ``guarded``'s actors a guard key belongs to, as far as this process can tell: a key it
+    computed (the last ``size``), or a digested key (``<prefix>:<actor>:<sha256>``)."""
 
     def __init__(self, prefix: str, guarded: dict[str, ActorGuard[P]], size: int = 10_000) -> None:
         self.prefix = prefix

@@ -1,29 +1,9 @@
 """Releasing finished messages' leases off the worker thread, in batches (docs/slots.md, "Execution").
 
-In a worker on a real broker, a worker thread that finished a guarded message
-of a key without waiters hands its lease to this process's release thread and
-takes its next message at once; the thread releases every lease handed to it
-meanwhile in one backend call (one pipelined round trip on Redis), then
-delivers what those releases handed on. A release lands within about one round
-trip of the message's end. A key this process saw waiters on lately
-(:class:`ContendedKeys`: its last release here handed the slot on or sent
-standbys, or a message of it here did not get a slot at once) is released on the
-worker thread: there the next holder is waiting for the slot, and the hop to
-another thread would only delay it (docs/slots.md, "Execution").
-
-Invariant: every lease handed here is released (or, if the backend cannot be
-reached, stops being renewed and lapses within ``lease_ttl``), and what each
-release hands on is delivered, exactly as a release on the worker thread
-would. What changes is only when: the message may be acked a moment before its
-slot frees. So a message whose completion enqueues a follow-up
-(``pipe_target``, ``on_success``, ``on_failure``) is still released on its
-worker thread, before the follow-up exists: a follow-up on the same key never
-finds its predecessor holding it. On a StubBroker (tests) every release is on
-the worker thread, so ``broker.join()`` and ``worker.join()`` return with the
-slots free. A worker's shutdown, and the interpreter's exit, release what is
-left (:meth:`~dramatiq_guard.batching.Batcher.flush`); a process killed with
-releases pending leaves them to lapse, as it does the leases of the messages
-it was running.
+Invariant: every lease handed here is released (or lapses within ``lease_ttl``) and what each
+release hands on is delivered, as on the worker thread; only the moment changes (a message may be
+acked just before its slot frees). A key with waiters, a message that enqueues a follow-up, and
+every release on a StubBroker stay on the worker thread.
 """
 
 from __future__ import annotations
@@ -51,7 +31,7 @@ Release = tuple[Lease, int, Callable[[ReleaseResult | None], None]]
 
 
 def starts_follow_ups(message: Message[object] | MessageProxy) -> bool:
-    """Whether the completion of ``message`` enqueues another message (see the module docstring)."""
+    """Whether the completion of ``message`` enqueues another (released first, so it never finds it held)."""
     options = message.options
     return any(name in options for name in FOLLOW_UP_OPTIONS)
 
@@ -83,11 +63,9 @@ class Releaser(Batcher[Release]):
 class ContendedKeys:
     """The guard keys this process saw waiters on lately (their releases stay on the worker thread).
 
-    A key is marked when a message of it did not get a slot at once here (it
-    parked, waited, was dropped, or took a slot handed to it), and when a
-    release here handed the slot on or sent standbys; a release that handed
-    nothing on unmarks it. At most ``most`` keys are kept (past that the marks
-    start over: a key unmarked by mistake costs one release's hop, nothing more).
+    Marked when a message of it did not get a slot at once, or a release handed the slot on or
+    sent standbys; unmarked by a release that handed nothing on. Past ``most`` keys the marks
+    start over (a key unmarked by mistake costs one release's hop).
     """
 
     def __init__(self, most: int = 10_000) -> None:

@@ -1,10 +1,5 @@
-"""Enqueue time: a message that finds a free slot reserves it; one that finds the key full parks.
-
-Reserving at enqueue lets a burst of sends fill the limit exactly while the
-rest park without costing a broker pickup (docs/slots.md, "Parking"). The
-reservation lasts ``pickup_ttl``; a failed push gives it back, and so does a
-later guard that parks the message elsewhere.
-"""
+"""Enqueue time: a message that finds a free slot reserves it for ``pickup_ttl``; one that finds
+the key full parks (docs/slots.md, "Parking")."""
 
 from __future__ import annotations
 
@@ -47,10 +42,7 @@ def reserve_or_park(
 ) -> ReservationTicket | None:
     """Reserve a slot of the claimed key for ``message``, or park it if the key is full.
 
-    ``claim``'s lease is the pickup's (``pickup_ttl``) and its generation the copy's: a copy of a
-    hand-off of this key (back from another guard that parked it on its way) is judged as a
-    worker's copy is, so a stale one never starts (contract, *generations*). ``fail_open_allowed``:
-    the actor's ``fail_open``.
+    ``claim`` carries the copy's generation: a stale copy of a hand-off never starts.
 
     Raises:
       Diverted: The message was parked (``Outcome.PARKED``): ``send()`` returns it; or it is a
@@ -61,10 +53,8 @@ def reserve_or_park(
         result = claim.acquire(Waiter(payload=message.encode()))
     except BackendUnavailable as e:
         if claim.generation is None:
-            # A message being sent had nothing in the key: what the acquire may have done (a
-            # reservation, a park) is taken back, so neither the caller's retry (fail closed) nor
-            # the unguarded push (fail open) runs beside a parked copy. A copy of a hand-off keeps
-            # its entry: it may be its only place.
+            # What the acquire may have done is taken back, so no retry or unguarded push runs
+            # beside a parked copy; a copy of a hand-off keeps its entry (it may be its only place).
             undone = claim.take_back()
             if undone is not None:
                 deliver(undone.handoffs)

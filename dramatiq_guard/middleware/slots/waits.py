@@ -1,10 +1,5 @@
-"""A worker thread blocked for a slot: a mutex's ``on_busy="wait"`` (and, in :mod:`.standbys`, a standby).
-
-Both wait through :meth:`dramatiq_guard.claim.Claim.block` (woken by a
-push, re-checking every backstop). The Dramatiq policy is here: the TimeLimit
-timer is paused while the thread waits, so waiting does not eat the actor's
-``time_limit`` (docs/slots.md, ``on_busy``).
-"""
+"""A worker thread blocked for a slot (a mutex's ``on_busy="wait"``, a standby), its TimeLimit
+timer paused so that waiting does not eat the actor's ``time_limit`` (docs/slots.md, ``on_busy``)."""
 
 from __future__ import annotations
 
@@ -48,10 +43,7 @@ def time_limit_paused(broker: Broker, message: MessageProxy) -> Iterator[Callabl
 def wait_for_mutex(
     broker: Broker, message: MessageProxy, claim: Claim, *, wait_ms: int, deliver: Deliver
 ) -> AcquireResult:
-    """Block as a waiter of the claimed key up to ``wait_ms``, the TimeLimit timer paused.
-
-    A waiter not served in time leaves the queue (:meth:`~dramatiq_guard.claim.Claim.block`).
-    """
+    """Block as a waiter of the claimed key up to ``wait_ms`` (then it leaves the queue)."""
     with time_limit_paused(broker, message) as rearm:
         result = claim.block(time.monotonic() + wait_ms / 1000, deliver)
         if result.acquired:

@@ -1,0 +1,236 @@
+"""What a slots middleware does outside a message's run (docs/slots.md).
+
+Its settings, its keys and their limits, the enqueue gate (reserve a slot or park), and the
+delivery of what its key operations hand on; the worker hooks are in :mod:`.middleware`.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import threading
+from collections.abc import Sequence
+from typing import Any, ClassVar, Generic, TypeVar
+
+import dramatiq
+from dramatiq import Broker, Message, Worker
+from dramatiq.broker import MessageProxy
+
+from dramatiq_guard import events
+from dramatiq_guard.backends.base import Handoff, ReleaseResult
+from dramatiq_guard.claim import Claim
+from dramatiq_guard.delivery import Courier, generation_of, keep_polling
+from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware
+from dramatiq_guard.middleware.slots.limits import KeyDirectory
+from dramatiq_guard.middleware.slots.releases import ContendedKeys, Releaser
+from dramatiq_guard.middleware.slots.reservation import ReservationTicket, reserve_or_park
+from dramatiq_guard.middleware.slots.standbys import Standbys
+from dramatiq_guard.middleware.sweep import Sweeper
+from dramatiq_guard.policies import ConcurrencyPolicy, MutexPolicy, OnBusy, duration_ms
+
+P = TypeVar("P", ConcurrencyPolicy, MutexPolicy)
+
+
+class SlotsBase(GuardMiddleware[P], Generic[P]):
+    """The base of :class:`~dramatiq_guard.middleware.slots.SlotsMiddleware` (its parameters)."""
+
+    #: The guard key prefix (``"mutex"`` or ``"concurrency"``).
+    prefix: ClassVar[str]
+    #: Slots decide after deduplication (10) in the enqueue gate.
+    gate_priority = 20
+
+    def __init__(  # `redis` goes on to GuardMiddleware in **kwargs
+        self,
+        *,
+        lease_ttl: Any = 30_000,
+        pickup_ttl: Any = 60_000,
+        sweep_interval: Any = 1_000,
+        limit_cache: Any = 1_000,
+        lookahead: int | None = None,
+        standby_wait: Any = 5_000,
+        standby_threads: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.lease_ttl_ms = _positive(lease_ttl, "lease_ttl")
+        self.pickup_ttl_ms = _positive(pickup_ttl, "pickup_ttl")
+        self.sweep_interval_ms = _positive(sweep_interval, "sweep_interval")
+        self.limit_cache_ms = _positive(limit_cache, "limit_cache", allow_zero=True)
+        self.lookahead = _count(lookahead, "lookahead")
+        self.standby_wait_ms = _positive(standby_wait, "standby_wait")
+        self.standby_threads = _count(standby_threads, "standby_threads")
+        self.standbys = Standbys(self.lookahead, standby_threads or 0, self.standby_wait_ms)
+        self.broker: Broker | None = None
+        self.keys: KeyDirectory[P] = KeyDirectory(self.prefix, self.guarded)
+        self._inflight: set[str] = set()  # messages holding a slot here (Retries' re-enqueue passes)
+        self._inflight_lock = threading.Lock()
+        self._couriers: dict[int, Courier] = {}
+        self._sweeper: Sweeper | None = None
+        self._releaser: Releaser | None = None
+        self._worker: Worker | None = None  # this process's, once it boots (see keep_polling)
+        self._contended = ContendedKeys()
+
+    @abc.abstractmethod
+    def on_busy(self, policy: P) -> OnBusy:
+        """What a message that finds the key full does."""
+
+    @abc.abstractmethod
+    def default_limit(self, guard: ActorGuard[P]) -> int:
+        """The default limit of the actor's keys (a per-key run-time limit overrides it)."""
+
+    def wait_ms(self, policy: P) -> int:
+        """How long ``on_busy="wait"`` blocks."""
+        return 0
+
+    def count_drop(self) -> None:
+        """Count a message dropped because its key was held (:class:`~dramatiq_guard.Mutex`)."""
+
+    # -- keys -----------------------------------------------------------------
+
+    def claims(self, key: str) -> bool:
+        """Whether ``key`` is a guard key of this capability."""
+        return key.startswith(self.prefix + ":")
+
+    def guard_key_of(self, guard: ActorGuard[P], message: Message[Any] | MessageProxy) -> str:
+        """The guard key of ``message`` (with this capability's prefix).
+
+        Raises:
+          GuardKeyError: If the key cannot be computed.
+        """
+        key = f"{self.prefix}:{guard.key_of(message)}"
+        if callable(guard.resolve_key.spec):  # a digested key names its actor (KeyDirectory.guard_of)
+            self.keys.remember(key, guard.actor_name)
+        return key
+
+    def key_for(self, actor: dramatiq.Actor[Any, Any] | str, *args: Any, **kwargs: Any) -> str:
+        """The key (without prefix) a message of ``actor`` with these arguments would use.
+
+        Raises:
+          ValueError: If ``actor`` is not guarded by this middleware.
+        """
+        name = actor if isinstance(actor, str) else actor.actor_name
+        guard = self.guarded.get(name)
+        if guard is None:
+            raise ValueError(f"actor {name!r} has no {self.option}= option")
+        return guard.resolve_key(args, kwargs)
+
+    def limit_for_key(self, key: str) -> int | None:
+        """The default limit of ``key``'s actor, or None if this process cannot tell which it is
+        (the backend then uses the limit recorded with the key's waiters: it never guesses)."""
+        guard = self.keys.guard_of(key)
+        return self.default_limit(guard) if guard is not None else None
+
+    # -- enqueue --------------------------------------------------------------
+
+    def attach(self, broker: Broker) -> None:
+        """Remember ``broker`` and join its enqueue gate."""
+        self.broker = broker
+        super().attach(broker)
+
+    def before_push(
+        self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None = None
+    ) -> ReservationTicket | None:
+        """Reserve a slot for ``message``, or park it if its key is full (see :mod:`.reservation`).
+
+        A delayed message is decided when it comes due; a hand-off going back
+        (``holds`` a key of this capability) and a message holding a slot here
+        (its re-enqueue by Retries) pass.
+        """
+        guard = self.guard_of(message)
+        if guard is None or delay is not None or self.on_busy(guard.policy) != "park":
+            return None
+        if holds is not None and self.claims(holds):
+            return None
+        with self._inflight_lock:
+            if message.message_id in self._inflight:
+                return None
+        key = self.guard_key_of(guard, message)
+        claim = Claim(
+            self.backend(broker), key, message.message_id, self.default_limit(guard), self.pickup_ttl_ms,
+            info=message.actor_name, generation=generation_of(message, key),
+        )  # fmt: skip
+        deliver = functools.partial(self.deliver, broker)
+        return reserve_or_park(claim, message, deliver, fail_open_allowed=guard.policy.fail_open)
+
+    # -- hand-offs ------------------------------------------------------------
+
+    def courier(self, broker: Broker) -> Courier:
+        """How this capability's hand-offs go back to ``broker``: confirmed for ``pickup_ttl``; a
+        slot handed to a message that another guard parks on its way is given back."""
+        courier = self._couriers.get(id(broker))
+        if courier is None:
+            courier = self._couriers[id(broker)] = Courier(
+                broker,
+                self.backend(broker),
+                ttl_ms=lambda _message: self.pickup_ttl_ms,
+                default_limit=self.limit_for_key,
+                keep_when_parked=False,
+                counts_handoffs=True,
+                after_push=lambda message: keep_polling(self._worker, message.queue_name),
+            )
+        return courier
+
+    def deliver(self, broker: Broker, handoffs: Sequence[Handoff]) -> None:
+        """Deliver the parked messages handed a slot, counting every hand-off (a woken blocking
+        waiter's under the key's actor, when this process can tell it)."""
+        if not handoffs:
+            return
+        for handoff in handoffs:
+            if handoff.payload is None:
+                guard = self.keys.guard_of(handoff.key)
+                if guard is not None:
+                    events.handed_off(guard.actor_name)
+        self.courier(broker).deliver(handoffs)
+
+    def sweep_limit(self, key: str) -> int | None:
+        """The default limit the sweep hands ``key`` on with (None if no actor here declares it)."""
+        return self.limit_for_key(key)
+
+    def swept(self, broker: Broker, key: str, result: ReleaseResult) -> None:
+        """Re-enqueue what the sweep of ``key`` handed on."""
+        self.deliver(broker, result.handoffs)
+        if result.released or result.handoffs:
+            events.lockwait_changed()
+
+    # -- run-time limits ------------------------------------------------------
+
+    def set_limit(self, key: str, limit: int | None, *, broker: Broker | None = None) -> ReleaseResult:
+        """Set (or with None, clear) the run-time limit of a key; 0 halts it.
+
+        Raising it hands the new slots to the key's waiters at once (their
+        messages are re-enqueued). The limit stays in the backend until cleared.
+
+        Parameters:
+          key(str): The key as the option's ``key`` gives it, without the
+            capability prefix (see :meth:`key_for`).
+          limit(int|None): The new limit, or None to go back to the default.
+          broker(Broker|None): The broker to re-enqueue on (default: the one
+            this middleware is attached to).
+        """
+        broker = self._broker_or(broker)
+        guard_key = f"{self.prefix}:{key}"
+        result = self.backend(broker).set_limit(guard_key, limit, default=self.limit_for_key(guard_key))
+        self.deliver(broker, result.handoffs)
+        events.lockwait_changed()
+        return result
+
+    def get_limit(self, key: str, *, broker: Broker | None = None) -> int | None:
+        """The run-time limit of a key (without the capability prefix), or None."""
+        return self.backend(self._broker_or(broker)).get_limit(f"{self.prefix}:{key}")
+
+    def _broker_or(self, broker: Broker | None) -> Broker:
+        return broker or self.broker or dramatiq.get_broker()
+
+
+def _count(value: int | None, what: str) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"{what} must be a non-negative int or None, not {value!r}")
+    return value
+
+
+def _positive(value: Any, what: str, *, allow_zero: bool = False) -> int:
+    ms = duration_ms(value, what=what)
+    assert ms is not None
+    if ms == 0 and not allow_zero:
+        raise ValueError(f"{what} must be positive, not {value!r}")
+    return ms
