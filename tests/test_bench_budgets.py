@@ -55,7 +55,7 @@ def test_a_budget_whose_figures_were_not_measured_says_so() -> None:
 
 def test_a_plain_figure_budget_is_judged_as_it_is() -> None:
     lines = render_budgets(_figures(dedup__lock_commands_per_send=6.0))
-    assert _row(lines, "dedup: at most 6 Redis commands on the send path").endswith("| 6.00 | - | - | met |")
+    assert _row(lines, "dedup: at most 6 Redis commands in the lock alone").endswith("| 6.00 | - | - | met |")
 
 
 def test_the_runs_noise_is_read_off_the_unguarded_row_and_its_twin() -> None:

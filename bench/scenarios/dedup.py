@@ -26,19 +26,19 @@ def dedup(ctx: Context) -> list[Figure]:
       the other send rates are read against (the four kinds of send take turns, one run of
       each per round, 5 rounds, medians, so drift of the machine falls on all alike).
     * send rate, accepted: ``actor.send(i)`` with a new key each time, so every send takes a
-      lock (one Lua script) and is pushed; the confirmations (pending lock -> ttl) are
-      batched by the producer's background thread.
+      lock and is pushed, in one Lua script (the broker shares the guard's Redis; elsewhere a
+      pending lock, the broker's push, and confirmations batched in the background).
     * send rate, duplicates: ``actor.send(0)`` N times: the first takes the lock, the
       others are dropped after one round trip, without touching the broker.
     * send rate, floor: a plain send (an actor without ``dedup``) after a Lua script that
-      does nothing (``return 1``): what one extra round trip costs on this machine, so the
-      accepted send rate can be read against the floor of its budget ("one extra round trip").
+      does nothing (``return 1``): what one extra round trip costs on this machine (the two-step
+      path's floor, for brokers that cannot take the one-step send).
     * round trips / commands per accepted send: as in the baseline, over a batch of sends
       with new keys. The round trips the sending thread waits for are counted apart from
       the background confirmations made during the batch (the batch ends with a flush of
       the last ones, so they are counted too); the commands count both.
-    * commands on the send path: what the lock script runs for a free key, counted alone
-      (``try_lock`` over new keys, the script call itself not counted).
+    * commands in the lock alone: what the lock script runs for a free key without the push
+      (``try_lock`` over new keys, the script call itself not counted): the two-step path.
     """
     broker = RedisBroker(url=ctx.redis_url)
     middleware = Deduplication()
