@@ -28,8 +28,14 @@ from dramatiq_guard.ledger import IdempotencyConflict, Ledger, LedgerError, Unst
 from dramatiq_guard.lock import Lock, LockNotAcquired, LockRun
 from dramatiq_guard.middleware.dedup import Deduplication, DuplicateMessage, deduplicated_by
 from dramatiq_guard.middleware.idempotency import Idempotency
-from dramatiq_guard.middleware.slots import Concurrency, Mutex, MutexWaitTimeout
-from dramatiq_guard.policies import ConcurrencyPolicy, DedupPolicy, IdempotencyPolicy, MutexPolicy
+from dramatiq_guard.middleware.slots import Concurrency, Mutex, MutexWaitTimeout, Throttle
+from dramatiq_guard.policies import (
+    ConcurrencyPolicy,
+    DedupPolicy,
+    IdempotencyPolicy,
+    MutexPolicy,
+    ThrottlePolicy,
+)
 
 __all__ = [  # noqa: RUF022 - grouped by capability, not sorted
     # Setting up
@@ -45,6 +51,8 @@ __all__ = [  # noqa: RUF022 - grouped by capability, not sorted
     "MutexWaitTimeout",
     "Concurrency",
     "ConcurrencyPolicy",
+    "Throttle",
+    "ThrottlePolicy",
     # Leases, inside a guarded actor and outside (the standalone lock)
     "Lease",
     "LeaseLost",

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 MIDDLEWARE: tuple[str, ...] = (
     "dramatiq_guard.middleware.slots:Mutex",
     "dramatiq_guard.middleware.slots:Concurrency",
+    "dramatiq_guard.middleware.slots:Throttle",
     "dramatiq_guard.middleware.dedup:Deduplication",
     "dramatiq_guard.middleware.idempotency:Idempotency",
 )

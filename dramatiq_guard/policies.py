@@ -263,6 +263,54 @@ class ConcurrencyPolicy:
 
 
 @dataclasses.dataclass(frozen=True)
+class ThrottlePolicy:
+    """At most ``limit`` starts per key in any window of ``period`` (the ``throttle`` actor option).
+
+    Parameters:
+      limit: At most this many starts per key in any window of ``period`` (0 halts the key;
+        at most 2**31 - 1). A run-time limit set in the backend overrides it.
+      period: The window, in ms or a ``timedelta`` (at least 1 ms).
+      key: Which messages share the limit (see :mod:`dramatiq_guard.keys`).
+      fail_open: Run unthrottled when the backend is unreachable.
+    """
+
+    option: ClassVar[str] = "throttle"
+    shorthands: ClassVar[tuple[Any, ...]] = ()
+
+    limit: int
+    period: Duration
+    key: KeySpec = None
+    fail_open: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.limit, int) or isinstance(self.limit, bool) or self.limit < 0:
+            raise ValueError(f"limit must be a non-negative int, not {self.limit!r}")
+        if self.limit > MAX_COUNT:
+            raise ValueError(f"limit must be at most {MAX_COUNT}, not {self.limit!r}")
+        period = duration_ms(self.period, what="period")
+        if not period:
+            raise ValueError(f"period must be at least 1 ms, not {self.period!r}")
+        _set(self, "period", period)
+        _set(self, "key", key_spec(self.key))
+        _flag(self.fail_open, what="fail_open")
+
+    @property
+    def period_ms(self) -> int:
+        """``period`` in milliseconds."""
+        return cast(int, self.period)
+
+    @property
+    def ttl_ms(self) -> int:
+        """How long a start holds its place: the period."""
+        return self.period_ms
+
+    @classmethod
+    def from_shorthand(cls, value: object) -> ThrottlePolicy:
+        """None: a throttle is a dict or a :class:`ThrottlePolicy`."""
+        raise ValueError("not one of the allowed forms (a dict with limit and period)")
+
+
+@dataclasses.dataclass(frozen=True)
 class IdempotencyPolicy:
     """The idempotency ledger (the ``idempotency_key`` actor option).
 
@@ -299,7 +347,7 @@ class IdempotencyPolicy:
         return cls(key=None if value is True else cast(KeySpec, value))
 
 
-Policy = DedupPolicy | MutexPolicy | ConcurrencyPolicy | IdempotencyPolicy
+Policy = DedupPolicy | MutexPolicy | ConcurrencyPolicy | ThrottlePolicy | IdempotencyPolicy
 P = TypeVar("P", bound=Policy)
 
 #: How each option's forms read in an error message.

@@ -23,6 +23,7 @@ from dramatiq_guard.middleware.base import GuardMiddleware
 GUARDS = [
     dramatiq_guard.Mutex,
     dramatiq_guard.Concurrency,
+    dramatiq_guard.Throttle,
     dramatiq_guard.Deduplication,
     dramatiq_guard.Idempotency,
 ]

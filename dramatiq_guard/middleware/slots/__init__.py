@@ -1,6 +1,7 @@
 """Mutexes and concurrency slots: at most N messages per key execute at a time (docs/slots.md).
 
-The ``mutex`` option is a one-slot limit, ``concurrency`` an N-slot one; docs/internals.md says
+The ``mutex`` option is a one-slot limit, ``concurrency`` an N-slot one, ``throttle`` N starts per
+window; docs/internals.md says
 what each module of this package holds.
 """
 
@@ -8,5 +9,6 @@ from dramatiq_guard.errors import MutexWaitTimeout
 from dramatiq_guard.middleware.slots.concurrency import Concurrency
 from dramatiq_guard.middleware.slots.middleware import SlotsMiddleware
 from dramatiq_guard.middleware.slots.mutex import Mutex
+from dramatiq_guard.middleware.slots.throttle import Throttle
 
-__all__ = ["Concurrency", "Mutex", "MutexWaitTimeout", "SlotsMiddleware"]
+__all__ = ["Concurrency", "Mutex", "MutexWaitTimeout", "SlotsMiddleware", "Throttle"]

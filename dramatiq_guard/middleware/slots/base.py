@@ -26,9 +26,9 @@ from dramatiq_guard.middleware.slots.releases import ContendedKeys, Releaser
 from dramatiq_guard.middleware.slots.reservation import ReservationTicket, reserve_or_park
 from dramatiq_guard.middleware.slots.standbys import Standbys
 from dramatiq_guard.middleware.sweep import Sweeper
-from dramatiq_guard.policies import ConcurrencyPolicy, MutexPolicy, OnBusy, duration_ms
+from dramatiq_guard.policies import ConcurrencyPolicy, MutexPolicy, OnBusy, ThrottlePolicy, duration_ms
 
-P = TypeVar("P", ConcurrencyPolicy, MutexPolicy)
+P = TypeVar("P", ConcurrencyPolicy, MutexPolicy, ThrottlePolicy)
 
 
 class SlotsBase(GuardMiddleware[P], Generic[P]):
@@ -81,6 +81,10 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
     def wait_ms(self, policy: P) -> int:
         """How long ``on_busy="wait"`` blocks."""
         return 0
+
+    def holder_of(self, message: Message[Any] | MessageProxy) -> str:
+        """The holder (and waiter) id of ``message`` in its key: its message id."""
+        return message.message_id
 
     def count_drop(self) -> None:
         """Count a message dropped because its key was held (:class:`~dramatiq_guard.Mutex`)."""
@@ -146,7 +150,7 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
                 return None
         key = self.guard_key_of(guard, message)
         claim = Claim(
-            self.backend(broker), key, message.message_id, self.default_limit(guard), self.pickup_ttl_ms,
+            self.backend(broker), key, self.holder_of(message), self.default_limit(guard), self.pickup_ttl_ms,
             info=message.actor_name, generation=generation_of(message, key),
         )  # fmt: skip
         deliver = functools.partial(self.deliver, broker)

@@ -145,7 +145,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         Returns None if the backend is unavailable and the policy says ``fail_open``.
         """
         claim = Claim(
-            self.backend(broker), key, message.message_id, limit, self._lease_ttl(guard),
+            self.backend(broker), key, self.holder_of(message), limit, self._lease_ttl(guard),
             info=message.actor_name, generation=copy_generation(message, key),
             runner=runner_id(),  # a second copy of the message, delivered while this one holds, is refused
         )  # fmt: skip
@@ -228,7 +228,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         if not (isinstance(not_run, NotRun) and not_run.reason == "parked" and acks_are_final(broker)):
             return
         try:
-            self.backend(broker).forget_parked_copy(not_run.key, message.message_id)
+            self.backend(broker).forget_parked_copy(not_run.key, self.holder_of(message))
         except BackendUnavailable:
             logger.debug("Could not forget the parked copy of %s; its record lapses on its own.", message)
 

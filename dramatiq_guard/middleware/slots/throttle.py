@@ -1,0 +1,202 @@
+"""The ``throttle`` actor option: at most N starts per key in any window of a period (docs/throttle.md).
+
+A throttle is a slot key whose lease is the window: a start holds a place until ``start + period``,
+is never released by the job's end and never renewed, so "at most N holders" is "at most N starts
+in any window" (docs/flow-control-design.md). A retry is a new start: its holder id carries its
+retry count. Over the limit a message parks, as with ``concurrency``; a place that opens is handed
+to the oldest waiter by the next operation on the key, by this process's timer for the key (armed
+when a message parks, for the moment the oldest start lapses), or by the sweep.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from typing import Any
+
+from dramatiq import Broker, Message
+from dramatiq.broker import MessageProxy
+from dramatiq.middleware import SkipMessage
+
+from dramatiq_guard.backends.base import AcquireResult
+from dramatiq_guard.errors import BackendUnavailable
+from dramatiq_guard.gate import Diverted, Outcome
+from dramatiq_guard.middleware.base import ActorGuard, ExecutionState, execution_state
+from dramatiq_guard.middleware.slots.execution import NotRun
+from dramatiq_guard.middleware.slots.middleware import SlotsMiddleware
+from dramatiq_guard.middleware.slots.reservation import ReservationTicket
+from dramatiq_guard.policies import OnBusy, ThrottlePolicy
+
+logger = logging.getLogger("dramatiq_guard.middleware.slots")
+
+
+class Throttle(SlotsMiddleware[ThrottlePolicy]):
+    """At most N starts per key in any window of ``period``; the rest park (the ``throttle`` option).
+
+    ``throttle={"limit": 3, "period": 1_000, "key": ...}`` or a
+    :class:`~dramatiq_guard.ThrottlePolicy`. A start counts from the moment its message acquires,
+    whatever the job's length or outcome; a retry is a new start. See ``docs/throttle.md``, and
+    :class:`~dramatiq_guard.middleware.slots.SlotsMiddleware` for the parameters.
+    """
+
+    policy_class = ThrottlePolicy
+    prefix = "throttle"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._timers = _KeyTimers(self._sweep_key)
+
+    def on_busy(self, policy: ThrottlePolicy) -> OnBusy:
+        return "park"
+
+    def default_limit(self, guard: ActorGuard[ThrottlePolicy]) -> int:
+        return guard.policy.limit
+
+    def holder_of(self, message: Message[Any] | MessageProxy) -> str:
+        """The message id and its retry count: each attempt is a start of its own."""
+        return f"{message.message_id}:{message.options.get('retries', 0)}"
+
+    def _lease_ttl(self, guard: ActorGuard[ThrottlePolicy]) -> int:
+        return guard.policy.period_ms
+
+    def _hold(
+        self,
+        message: MessageProxy,
+        state: ExecutionState,
+        guard: ActorGuard[ThrottlePolicy],
+        key: str,
+        limit: int,
+        result: AcquireResult,
+    ) -> None:
+        # The start holds its place until it lapses: no lease to renew or release. A start that had
+        # waited (a reservation) or of a key with waiters arms the key's timer for its lapse.
+        with self._inflight_lock:
+            self._inflight.add(message.message_id)
+        if key in self._timers.keys:
+            self._timers.arm(self._broker_or(None), key, guard.policy.period_ms / 1000)
+
+    def _finish(self, broker: Broker, message: MessageProxy) -> None:
+        with self._inflight_lock:
+            self._inflight.discard(message.message_id)
+
+    def before_push(
+        self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None = None
+    ) -> ReservationTicket | None:
+        """Reserve a place in the window for ``message``, or park it (and arm the key's timer)."""
+        try:
+            return super().before_push(broker, message, delay, holds=holds)
+        except Diverted as diverted:
+            guard = self.guard_of(message)
+            if diverted.outcome is Outcome.PARKED and guard is not None:
+                self._timers.arm(
+                    broker, self.guard_key_of(guard, message), self._opens_in(broker, guard, message)
+                )
+            raise
+
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        """Take a place in the window, or park until one opens (and arm the key's timer)."""
+        try:
+            super().before_process_message(broker, message)
+        except SkipMessage:
+            not_run = execution_state(message).data.get(self.option)
+            guard = self.guard_of(message)
+            if isinstance(not_run, NotRun) and not_run.reason == "parked" and guard is not None:
+                self._timers.arm(broker, not_run.key, self._opens_in(broker, guard, message))
+            raise
+
+    def _opens_in(
+        self, broker: Broker, guard: ActorGuard[ThrottlePolicy], message: Message[Any] | MessageProxy
+    ) -> float | None:
+        """In how many seconds a place of the message's key opens (None: unknown, the sweep will see)."""
+        try:
+            return self._next_place(broker, self.guard_key_of(guard, message), guard.policy.period_ms)
+        except BackendUnavailable:
+            return None
+
+    def _next_place(self, broker: Broker, key: str, period_ms: int) -> float | None:
+        """When the key's oldest start lapses; a quarter period if only reservations hold it (they
+        start soon); None if nobody waits."""
+        backend = self.backend(broker)
+        state = backend.inspect(key, waiters=1)
+        if not state.waiters:
+            return None
+        started = {holder for holder, _, _ in state.holder_info}
+        deadlines = [deadline for holder, deadline in state.holders if holder in started]
+        if not deadlines:
+            return period_ms / 4000 if state.holders else 0.0
+        return max(0.001, (min(deadlines) - backend.now_ms()) / 1000)
+
+    def _sweep_key(self, broker: Broker, key: str) -> float | None:
+        """Hand the places that opened on ``key`` to its waiters; when the next one opens, or None."""
+        guard = self.keys.guard_of(key)
+        if guard is None:
+            return None
+        try:
+            result = self.backend(broker).sweep(key, limit=self.default_limit(guard))
+            self.swept(broker, key, result)
+            return self._next_place(broker, key, guard.policy.period_ms)
+        except BackendUnavailable:
+            return None
+
+    def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
+        self._timers.stop()
+        super().before_worker_shutdown(broker, worker)
+
+
+class _KeyTimers:
+    """One timer per key in this process, on one thread: ``fire(broker, key)`` at its time, again
+    at the time it answers (None: not again)."""
+
+    def __init__(self, fire: Any) -> None:
+        self._fire = fire
+        self._heap: list[tuple[float, str, Broker]] = []
+        self._armed: dict[str, float] = {}
+        #: The keys a message of parked in this process, while they have waiters.
+        self.keys: set[str] = set()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def arm(self, broker: Broker, key: str, in_s: float | None) -> None:
+        if in_s is None:
+            self.keys.discard(key)
+            return
+        self.keys.add(key)
+        at = time.monotonic() + in_s
+        with self._cond:
+            if self._armed.get(key, float("inf")) <= at:
+                return
+            self._armed[key] = at
+            heapq.heappush(self._heap, (at, key, broker))
+            if self._thread is None or not self._thread.is_alive():
+                self._stopped = False
+                self._thread = threading.Thread(target=self._run, name="dramatiq-guard-throttle", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._heap.clear()
+            self._armed.clear()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                if self._stopped:
+                    return
+                at, key, broker = heapq.heappop(self._heap)
+                if self._armed.get(key) != at:
+                    continue  # re-armed earlier since
+                del self._armed[key]
+            try:
+                again = self._fire(broker, key)
+            except Exception:
+                logger.exception("The throttle timer of %r failed; the sweep hands its places on.", key)
+                again = None
+            self.arm(broker, key, again)
