@@ -1,10 +1,4 @@
-"""Exceptions raised by dramatiq-guard.
-
-Every exception a guard middleware raises from a Dramatiq hook subclasses
-:class:`dramatiq.middleware.MiddlewareError`: Dramatiq re-raises only those
-from ``before_*`` hooks and swallows (logs) anything else, which would let a
-guarded message run unguarded.
-"""
+"""Exceptions raised by dramatiq-guard (each a Dramatiq ``MiddlewareError``: see docs/design.md)."""
 
 from __future__ import annotations
 
@@ -21,22 +15,14 @@ class GuardError(MiddlewareError):
 
 
 class GuardOptionError(GuardError, ValueError):
-    """An actor option or a setting has a value that is not allowed.
-
-    It is a :class:`ValueError` (what a user expects from a bad argument) and
-    a :class:`~dramatiq.middleware.MiddlewareError` (so Dramatiq lets it out
-    of ``before_declare_actor`` and ``@dramatiq.actor`` fails at declaration).
-    """
+    """An actor option or a setting has a value that is not allowed (raised at ``@dramatiq.actor``)."""
 
 
 class GuardKeyError(GuardOptionError):
     """A message's guard key cannot be derived from its arguments.
 
-    Raised where the key is derived: by ``send()`` (nothing is pushed, and
-    nothing of the message is written to the backend), by a worker that
-    picks up a message sent without the guard, and by ``key_for``. A
-    :class:`ValueError` (through :class:`GuardOptionError`) and a
-    :class:`~dramatiq.middleware.MiddlewareError`.
+    Raised where the key is derived (``send()``, before anything is pushed
+    or written; a worker; ``key_for``).
 
     Parameters:
       actor_name(str): The message's actor.
@@ -57,25 +43,17 @@ class GuardKeyError(GuardOptionError):
 
 
 class BackendUnavailable(GuardError):
-    """The guard backend (Redis) could not be reached.
-
-    Raised instead of running a guarded message unguarded: the Retries
-    middleware retries the message later (fail closed).
-    """
+    """The guard backend (Redis) could not be reached: the message fails closed and Retries retries it."""
 
 
 class BackendRefused(BackendUnavailable):
-    """The guard's Redis refused a call: its ACL user lacks a permission the guard needs (``NOPERM``).
+    """The guard's Redis refused a call: its ACL user lacks a permission (``NOPERM``).
 
-    It fails closed like an unreachable Redis (``fail_open`` applies, the
-    Retries middleware retries the message): the message names what was
-    refused. Nothing in the process is changed by it, so once an operator
-    grants the permission (or loads the guard's function library: see
-    ``docs/redis.md``, "A restricted ACL user"), the next call succeeds.
+    It fails closed like an unreachable Redis; once the permission is
+    granted, the next call succeeds (docs/redis.md, "A restricted ACL user").
 
     Parameters:
-      refusal(str): What was refused (Redis's ``NOPERM`` reply names the
-        command or the keys).
+      refusal(str): What was refused (the command or the keys).
       cure(str): What an operator should do.
     """
 
@@ -89,39 +67,9 @@ class BackendRefused(BackendUnavailable):
 class ReplicasBehind(BackendUnavailable):
     """Fewer replicas than asked acknowledged a decision in time (``replica_waits``, Redis ``WAIT``).
 
-    Raised after the operation ran on the primary: it may not survive a
-    failover, so it fails closed, as if Redis had been unreachable. What the
-    caller can rely on (the same holds for a connection lost after a call was
-    sent, which is a plain :class:`BackendUnavailable`):
-
-    * ``send()`` that raises this left nothing a retry trips on: a dedup
-      lock, a slot reserved or a message parked for it was taken back, by its
-      message id, before the error reached the caller
-      (:meth:`GuardBackend.take_back
-      <dramatiq_guard.backends.GuardBackend.take_back>`), so a new ``send()``
-      is neither dropped as a duplicate nor run beside a parked copy; with
-      ``fail_open=True`` the message is pushed unguarded and nothing of it is
-      kept. So is a :class:`~dramatiq_guard.lock.Lock`'s acquire. (A
-      ``reschedule_once`` rerun asked for by a duplicate stays asked for: a
-      retry asks for the same one, whose id comes from the holder's.)
-    * If the take-back failed too (logged; Redis gone), what the call may have
-      done lapses on its own: a dedup lock within ``pending_ttl``, a
-      reservation within ``pickup_ttl``, a lock within ``lease_ttl``; a parked
-      message stays parked and runs once. A retry that sends the same message
-      again (``broker.enqueue(message)``: same ``message_id``) joins what is
-      there instead of adding a second copy; a new ``send()`` may not.
-    * A worker's acquire takes nothing back (another copy of the message may
-      hold the key): the message fails and is retried. A slot it got keeps
-      the retry out (deferred) until its lease lapses; a message it parked
-      runs from there, and the retried copy is skipped as stale. A blocking
-      wait (``on_busy="wait"``, a standby, a blocking lock) leaves its place
-      or lapses within seconds.
-    * A release may have freed the slot (the message is done anyway); a
-      renewal, a hand-off's confirmation, a withdrawal, a sweep or a limit
-      may have been done: each is idempotent, and a retry is safe. A
-      hand-off the lost answer carried is nobody's to deliver: its
-      reservation lapses within ``handoff_ttl_ms`` and its message waits
-      again in its place; nothing is lost.
+    The operation ran on the primary but may not survive a failover, so it
+    fails closed. What a caller may rely on afterwards (``send()`` took back
+    what it stored, a worker's acquire is retried...): docs/failure-model.md.
 
     Attributes:
       acknowledged(int): How many replicas acknowledged.
@@ -176,10 +124,7 @@ class DuplicateMessage(GuardError):
 
 
 class MutexWaitTimeout(GuardError):
-    """A ``mutex`` with ``on_busy="wait"`` was still held when ``wait`` ran out.
-
-    The Retries middleware retries the message (it is a MiddlewareError, so
-    Dramatiq does not swallow it in ``before_process_message``).
+    """A ``mutex`` with ``on_busy="wait"`` was still held when ``wait`` ran out (Retries retries it).
 
     Parameters:
       key(str): The guard key.
@@ -189,9 +134,8 @@ class MutexWaitTimeout(GuardError):
     """
 
     def __init__(self, key: str, message_id: str, wait_ms: int, holders: tuple[str, ...] = ()) -> None:
-        held_by = f" (held by {', '.join(holders)})" if holders else ""
         super().__init__(
-            f"message {message_id} waited {wait_ms} ms for the mutex {key!r}{held_by}; giving up"
+            f"message {message_id} waited {wait_ms} ms for the mutex {key!r}{_held_by(holders)}; giving up"
         )
         self.key = key
         self.message_id = message_id
@@ -208,19 +152,20 @@ class LockNotAcquired(GuardError):
     """
 
     def __init__(self, key: str, holders: tuple[str, ...] = ()) -> None:
-        held_by = f" (held by {', '.join(holders)})" if holders else ""
-        super().__init__(f"could not acquire the lock {key!r}{held_by}")
+        super().__init__(f"could not acquire the lock {key!r}{_held_by(holders)}")
         self.key = key
         self.holders = holders
 
 
-class EvictingRedis(ConfigurationError):
-    """The guard's Redis may evict keys: its ``maxmemory-policy`` is not ``noeviction``.
+def _held_by(holders: tuple[str, ...]) -> str:
+    return f" (held by {', '.join(holders)})" if holders else ""
 
-    An evicted guard key is a parked message, a dedup lock or a holder lost
-    without a trace, so the guard refuses such a Redis unless told otherwise
-    (``install(broker, allow_evicting_redis=True)``, or the
-    ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` environment variable).
+
+class EvictingRedis(ConfigurationError):
+    """The guard's Redis may evict keys (its ``maxmemory-policy`` is not ``noeviction``).
+
+    Refused unless ``install(broker, allow_evicting_redis=True)`` or
+    ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` says otherwise.
 
     Parameters:
       policy(str): The ``maxmemory-policy`` the server reported.
@@ -241,11 +186,6 @@ class EvictingRedis(ConfigurationError):
 class LayoutTooNew(ConfigurationError):
     """The guard's Redis holds state in a layout newer than this version reads (a downgrade).
 
-    Each namespace records the layout of its state (``<namespace>:layout``,
-    see :data:`dramatiq_guard.backends.redis_health.LAYOUT`); a process whose
-    version knows only older layouts would misread parked messages, holders
-    and dedup locks, so it refuses to start instead.
-
     Parameters:
       stored(int): The layout recorded in Redis.
       known(int): The newest layout this version reads.
@@ -265,10 +205,7 @@ class LayoutTooNew(ConfigurationError):
 
 
 class PayloadTooLarge(GuardError, ValueError):
-    """A message that would park is larger than the backend's ``max_payload_bytes``.
-
-    Raised before anything is written, so nothing of the message is stored.
-    At enqueue it reaches the caller of ``send()``.
+    """A message that would park is larger than the backend's ``max_payload_bytes`` (nothing is stored).
 
     Parameters:
       key(str): The guard key.
@@ -290,7 +227,7 @@ class PayloadTooLarge(GuardError, ValueError):
         self.limit = limit
 
 
-# -- the idempotency ledger (which of these Retries retries: dramatiq_guard.ledger.errors) --
+# -- the idempotency ledger (IdempotencyConflict and UnstorableResult are not retried: docs/ledger.md) --
 
 _repr = reprlib.Repr()
 _repr.maxstring = 200
@@ -303,10 +240,7 @@ class LedgerError(GuardError):
 
 
 class IdempotencyConflict(LedgerError):
-    """An idempotency key already in the ledger was used with a different payload.
-
-    The key is bound to the payload (actor name and arguments) of its first
-    use until its row expires. The stored row is left untouched. Not retried.
+    """An idempotency key already in the ledger was used with a different payload (not retried).
 
     Parameters:
       key(str): The idempotency key.
@@ -342,11 +276,7 @@ class IdempotencyConflict(LedgerError):
 
 
 class UnstorableResult(LedgerError, TypeError):
-    """The actor returned a value the ledger cannot store as JSON.
-
-    Nothing of the run is committed. Not retried: the same code would return
-    the same kind of value again.
-    """
+    """The actor returned a value the ledger cannot store as JSON (nothing is committed; not retried)."""
 
 
 __all__ = ["IdempotencyConflict", "LedgerError", "UnstorableResult"]
