@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dramatiq_guard.backends.base import GuardBackend, Handoff, KeyState, KeySummary, WaiterPeek
+from dramatiq_guard.bounds import MAX_COUNT
 
 if TYPE_CHECKING:
     from dramatiq import Broker
@@ -50,6 +51,15 @@ def format_ms(ms: int | None) -> str:
     if seconds < 86_400:
         return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
     return f"{seconds // 86_400}d{(seconds % 86_400) // 3600:02d}h"
+
+
+def parse_limit(text: str) -> int | None:
+    """``text`` as a limit (an integer from 0 to :data:`~dramatiq_guard.bounds.MAX_COUNT`), else None."""
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if 0 <= value <= MAX_COUNT else None
 
 
 def indexed_keys(backend: GuardBackend) -> list[str]:

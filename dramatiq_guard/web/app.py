@@ -336,11 +336,8 @@ class Dashboard:
 
     def _limit_arg(self, request: Request, values: Any) -> int:
         text = values.get("limit", "")
-        try:
-            limit = int(text)
-        except ValueError:
-            limit = -1
-        if not 0 <= limit <= MAX_COUNT:
+        limit = admin.parse_limit(text)
+        if limit is None:
             raise BadRequest(f"A limit must be an integer from 0 to {MAX_COUNT}, got {text!r}.")
         return limit
 
