@@ -1,13 +1,8 @@
 """What the ``dramatiq-guard`` command and the web dashboard show and do.
 
-Both read the guard through the functions here, so the dashboard shows
-nothing the command's view (``inspect --json``, ``inspect --summary --json``,
-``ledger list --json``) does not have, and both change it through the same
-two writes: :func:`set_limit` and :func:`release_holders`.
-
-Views are plain dicts of JSON values (the command prints them as JSON;
-the dashboard renders them with autoescaping on). Keys, actor names and
-arguments come from messages: they are data, never markup.
+Both read through the view functions here (plain dicts of JSON values; keys and
+arguments are data, never markup) and write through :func:`set_limit` and
+:func:`release_holders`, so the dashboard shows and does nothing the command does not.
 """
 
 from __future__ import annotations
@@ -79,11 +74,7 @@ def kind_of(key: str) -> str:
 
 
 def describe_payload(payload: bytes | None) -> tuple[str | None, str | None]:
-    """A parked message's actor and its first arguments (shortened), or ``(None, None)``.
-
-    Decoded with Dramatiq's global encoder; a payload it cannot decode is
-    described as such, never raised.
-    """
+    """A parked message's actor and its first arguments (shortened), or ``(None, None)``; never raises."""
     if payload is None:
         return None, None
     from dramatiq import Message
@@ -117,10 +108,9 @@ def key_view(key: str, state: KeyState, now: int, summary: KeySummary | None = N
 
     Parameters:
       state(KeyState): The key's snapshot (:meth:`GuardBackend.inspect`).
-      now(int): Now on the backend's clock (:meth:`GuardBackend.now_ms`).
-      summary(KeySummary|None): Its summary with the first waiters
-        (:meth:`GuardBackend.summaries`), for their actors and arguments and
-        the recorded limit; without it those are left out.
+      now(int): Now on the backend's clock.
+      summary(KeySummary|None): Its summary, for the first waiters' actors and
+        arguments and the recorded limit (left out without it).
     """
     reserved = set(state.reserved)
     info = {holder: (since, actor) for holder, since, actor in state.holder_info}
@@ -219,10 +209,6 @@ def overview(
 ) -> dict[str, Any]:
     """Every indexed key with holders, waiters or a run-time limit, most in need of a look first.
 
-    Keys come from the backend's indexes (:func:`indexed_keys`), never from
-    a scan; one :meth:`GuardBackend.summaries` call reads them all, and the
-    sort and pagination happen here.
-
     Parameters:
       pattern(str): A glob the keys must match.
       kind(str|None): Only keys of this kind (:func:`kind_of`).
@@ -233,8 +219,7 @@ def overview(
       dict: ``now_ms``, ``total`` (matching keys), ``counts`` (per kind:
       keys, holders, waiters), ``page``, ``pages`` and ``keys`` (the rows).
     """
-    # Compiled here rather than by fnmatchcase(), whose cache keeps 32,768 patterns: the dashboard's
-    # readers choose them (re's own cache keeps 512).
+    # Not fnmatchcase(), whose cache keeps 32,768 patterns: the dashboard's readers choose them.
     match = re.compile(fnmatch.translate(pattern)).match
     keys = [k for k in indexed_keys(backend) if match(k)]
     if kind is not None:
@@ -315,14 +300,7 @@ def load_broker(spec: str) -> Broker:
 
 
 def broker_requeue(broker: Broker, backend: GuardBackend) -> Requeue:
-    """How to re-enqueue hand-offs on ``broker``, exactly as a worker would.
-
-    Each hand-off is delivered by :func:`dramatiq_guard.delivery.courier_for`:
-    by the guard middleware on that broker that claims its key, else enqueued
-    through the gate as holding its key and confirmed. The backend's route
-    becomes the broker's (:func:`dramatiq_guard.resolve.route_of`: the one
-    named by ``install(broker, route=...)`` if the broker's module installed
-    the guard so), so its parked messages may be handed their slots.
+    """How to re-enqueue hand-offs on ``broker``, exactly as a worker would; the backend takes its route.
 
     Raises:
       ConfigurationError: If the broker has no route the guard can tell.
@@ -356,8 +334,7 @@ def deliver(backend: GuardBackend, handoffs: Sequence[Handoff], requeue: Requeue
         )
         return "; ".join(notes)
     requeue(parked)
-    # A hand-off whose re-enqueue failed is still an unconfirmed reservation
-    # (its payload stored): it lapses back into the queue by itself.
+    # A hand-off whose re-enqueue failed is still an unconfirmed reservation: it lapses back by itself.
     failed = [h.waiter_id for h in parked if h.waiter_id in backend.inspect(h.key).reserved]
     notes.append(f"{len(parked) - len(failed)} parked message(s) re-enqueued")
     if failed:
@@ -366,10 +343,7 @@ def deliver(backend: GuardBackend, handoffs: Sequence[Handoff], requeue: Requeue
 
 
 def set_limit(backend: GuardBackend, key: str, limit: int, requeue: Requeue | None) -> list[str]:
-    """Set ``key``'s run-time limit (0 halts it), hand new slots to waiters; returns what was done.
-
-    The write of ``dramatiq-guard limit set`` and of the dashboard's limit form.
-    """
+    """Set ``key``'s run-time limit (0 halts it), hand new slots to waiters; returns what was done."""
     # The default is only used if no run-time limit is in force; here one always is.
     result = backend.set_limit(key, limit, default=0)
     lines = [f"{key}: limit set to {limit}" + (" (halted)" if limit == 0 else "")]
@@ -389,11 +363,8 @@ def release_holders(
 ) -> list[str]:
     """Release ``holders`` of ``key`` by force and hand their slots on; returns what was done.
 
-    The write of ``dramatiq-guard release`` and of the dashboard's release
-    button. Each holder is released by its id, so one that started since
-    ``holders`` was read is not touched. The backend hands the freed slots to
-    the oldest waiters with the limit recorded with them (the caller does
-    not know the actor, and never guesses its limit).
+    Each is released by its id (one that started since is not touched); the freed
+    slots go to the oldest waiters within the limit recorded with them.
     """
     released = 0
     handoffs: list[Handoff] = []
