@@ -104,13 +104,9 @@ def _waiter_view(peek: WaiterPeek, now: int) -> dict[str, Any]:
 
 
 def key_view(key: str, state: KeyState, now: int, summary: KeySummary | None = None) -> dict[str, Any]:
-    """One key as the command (``inspect --json``) and the dashboard's key page show it.
+    """One key as ``inspect --json`` and the dashboard's key page show it (``now``: the backend's clock).
 
-    Parameters:
-      state(KeyState): The key's snapshot (:meth:`GuardBackend.inspect`).
-      now(int): Now on the backend's clock.
-      summary(KeySummary|None): Its summary, for the first waiters' actors and
-        arguments and the recorded limit (left out without it).
+    ``summary`` adds the first waiters' actors and arguments and the recorded limit.
     """
     reserved = set(state.reserved)
     info = {holder: (since, actor) for holder, since, actor in state.holder_info}
@@ -207,17 +203,10 @@ def overview(
     page: int = 1,
     per_page: int | None = None,
 ) -> dict[str, Any]:
-    """Every indexed key with holders, waiters or a run-time limit, most in need of a look first.
+    """Every indexed key matching ``pattern`` (and ``kind``) with holders, waiters or a run-time limit.
 
-    Parameters:
-      pattern(str): A glob the keys must match.
-      kind(str|None): Only keys of this kind (:func:`kind_of`).
-      page(int): Which page (from 1) of ``per_page`` rows.
-      per_page(int|None): Rows per page; None for all.
-
-    Returns:
-      dict: ``now_ms``, ``total`` (matching keys), ``counts`` (per kind:
-      keys, holders, waiters), ``page``, ``pages`` and ``keys`` (the rows).
+    Most in need of a look first, page ``page`` of ``per_page`` rows (None: all): ``now_ms``,
+    ``total``, ``counts`` (per kind: keys, holders, waiters), ``page``, ``pages`` and ``keys``.
     """
     # Not fnmatchcase(), whose cache keeps 32,768 patterns: the dashboard's readers choose them.
     match = re.compile(fnmatch.translate(pattern)).match
@@ -253,12 +242,7 @@ def _record_view(record: Any) -> dict[str, Any]:
 def ledger_view(
     ledger: Ledger, *, states: Iterable[str] = ("in_progress", "failed"), limit: int = 50
 ) -> dict[str, Any]:
-    """The ledger as ``ledger list --json`` and the dashboard show it: counts by state, and rows.
-
-    Parameters:
-      states: Which rows to list (the ones that may need a look, by default).
-      limit(int): At most this many rows per state, most recently updated first.
-    """
+    """Counts by state, and the last ``limit`` rows of each of ``states`` (``ledger list --json``)."""
     return {
         "counts": ledger.counts(),
         "rows": {state: [_record_view(r) for r in ledger.rows(state=state, limit=limit)] for state in states},

@@ -37,9 +37,7 @@ class GuardKeyError(GuardOptionError):
             f"actor {actor_name!r}: the {option} key of this message cannot be derived from its "
             f"arguments: {reason}. {allowed}"
         )
-        self.actor_name = actor_name
-        self.option = option
-        self.reason = reason
+        self.actor_name, self.option, self.reason = actor_name, option, reason
 
 
 class BackendUnavailable(GuardError):
@@ -82,9 +80,7 @@ class ReplicasBehind(BackendUnavailable):
             f"the guard's Redis backend: only {acknowledged} of {wanted} replica(s) acknowledged "
             f"a decision within {timeout_ms} ms (replica_waits={wanted}): failing closed"
         )
-        self.acknowledged = acknowledged
-        self.wanted = wanted
-        self.timeout_ms = timeout_ms
+        self.acknowledged, self.wanted, self.timeout_ms = acknowledged, wanted, timeout_ms
 
 
 class ConfigurationError(GuardError, ValueError):
@@ -101,8 +97,7 @@ class LeaseLost(GuardError):
 
     def __init__(self, key: str, holder: str) -> None:
         super().__init__(f"the lease of {holder!r} on guard key {key!r} was lost before it was released")
-        self.key = key
-        self.holder = holder
+        self.key, self.holder = key, holder
 
 
 class DuplicateMessage(GuardError):
@@ -118,9 +113,7 @@ class DuplicateMessage(GuardError):
         super().__init__(
             f"message {message_id!r} is a duplicate of message {holder!r}, which holds dedup key {key!r}"
         )
-        self.message_id = message_id
-        self.holder = holder
-        self.key = key
+        self.message_id, self.holder, self.key = message_id, holder, key
 
 
 class MutexWaitTimeout(GuardError):
@@ -137,10 +130,7 @@ class MutexWaitTimeout(GuardError):
         super().__init__(
             f"message {message_id} waited {wait_ms} ms for the mutex {key!r}{_held_by(holders)}; giving up"
         )
-        self.key = key
-        self.message_id = message_id
-        self.wait_ms = wait_ms
-        self.holders = holders
+        self.key, self.message_id, self.wait_ms, self.holders = key, message_id, wait_ms, holders
 
 
 class LockNotAcquired(GuardError):
@@ -153,8 +143,7 @@ class LockNotAcquired(GuardError):
 
     def __init__(self, key: str, holders: tuple[str, ...] = ()) -> None:
         super().__init__(f"could not acquire the lock {key!r}{_held_by(holders)}")
-        self.key = key
-        self.holders = holders
+        self.key, self.holders = key, holders
 
 
 def _held_by(holders: tuple[str, ...]) -> str:
@@ -200,8 +189,7 @@ class LayoutTooNew(ConfigurationError):
             f"newer version, or another namespace; to go back to this version, let the namespace drain "
             f"(no parked message, holder or dedup lock left) and delete the key {key!r}"
         )
-        self.stored = stored
-        self.known = known
+        self.stored, self.known = stored, known
 
 
 class PayloadTooLarge(GuardError, ValueError):
@@ -221,10 +209,7 @@ class PayloadTooLarge(GuardError, ValueError):
             f"to the data instead of the data, or raise the bound: "
             f"dramatiq_guard.install(broker, max_payload_bytes=...) (or the backend's max_payload_bytes)"
         )
-        self.key = key
-        self.waiter_id = waiter_id
-        self.size = size
-        self.limit = limit
+        self.key, self.waiter_id, self.size, self.limit = key, waiter_id, size, limit
 
 
 # -- the idempotency ledger (IdempotencyConflict and UnstorableResult are not retried: docs/ledger.md) --
@@ -267,12 +252,9 @@ class IdempotencyConflict(LedgerError):
             f"this message has fingerprint {fingerprint} ({_repr.repr(payload)}). "
             f"A key must identify one operation; use a new key for a different payload."
         )
-        self.key = key
-        self.stored_fingerprint = stored_fingerprint
-        self.fingerprint = fingerprint
-        self.stored_payload = stored_payload
-        self.payload = payload
-        self.holder = holder
+        self.key, self.holder = key, holder
+        self.fingerprint, self.stored_fingerprint = fingerprint, stored_fingerprint
+        self.payload, self.stored_payload = payload, stored_payload
 
 
 class UnstorableResult(LedgerError, TypeError):

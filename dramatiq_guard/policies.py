@@ -25,15 +25,10 @@ OnBusy = Literal["drop", "wait", "park"]
 def duration_ms(
     value: object, *, what: str, allow_none: bool = False, maximum: int = MAX_DURATION_MS
 ) -> int | None:
-    """Normalise a duration to integer milliseconds.
-
-    Parameters:
-      value: An ``int`` of milliseconds (not a bool), a ``timedelta``, or None when ``allow_none``.
-      what(str): The field's name, for the error.
-      maximum(int): The longest allowed, in ms (default: 366 days).
+    """``value`` (int ms, not a bool, or a timedelta; None if ``allow_none``) in ms, from 0 to ``maximum``.
 
     Raises:
-      ValueError: If ``value`` is not a duration from 0 to ``maximum``.
+      ValueError: Naming ``what``, if ``value`` is not such a duration.
     """
     if value is None and allow_none:
         return None
@@ -57,14 +52,10 @@ def duration_ms(
 
 
 def timeout_s(value: object, *, what: str) -> float | None:
-    """Normalise a timeout in seconds (redis-py's unit for lock timeouts) to a float.
-
-    Parameters:
-      value: An ``int`` or ``float`` of seconds (not a bool), a ``timedelta``, or None (no timeout).
-      what(str): The field's name, for the error.
+    """``value`` (seconds, not a bool, or a timedelta; None: no timeout) as float seconds, up to 366 days.
 
     Raises:
-      ValueError: If ``value`` is not a number of seconds from 0 to 366 days.
+      ValueError: Naming ``what``, if ``value`` is not such a timeout.
     """
     if value is None:
         return None
@@ -316,16 +307,10 @@ def _is_shorthand(cls: type[Any], value: object) -> bool:
 
 
 def parse_policy(cls: type[P], value: object, *, actor_name: str) -> P:
-    """Turn an actor option's value into a frozen policy of type ``cls``.
-
-    Parameters:
-      cls: The policy class (its ``option`` names the actor option).
-      value: What the user wrote: a shorthand, a dict, or a ``cls`` instance.
-      actor_name(str): The actor's name, for the error.
+    """Turn an actor option's value (a shorthand, a dict, or a ``cls``) into a frozen ``cls``.
 
     Raises:
-      GuardOptionError: Naming the actor, the option, the value and the
-        allowed forms.
+      GuardOptionError: Naming the actor, the option, the value and the allowed forms.
     """
     try:
         if isinstance(value, cls):
