@@ -21,6 +21,8 @@ from dramatiq_guard.backends.base import GuardBackend
 from dramatiq_guard.errors import ConfigurationError
 
 REDIS_URL_ENV = "DRAMATIQ_GUARD_REDIS_URL"
+#: The Redis of the command and the dashboard when neither names one.
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 ROUTE_ENV = "DRAMATIQ_GUARD_ROUTE"
 
 _shared: weakref.WeakKeyDictionary[Broker, GuardBackend] = weakref.WeakKeyDictionary()

@@ -26,7 +26,6 @@ from dramatiq_guard.cli.commands import (
 )
 from dramatiq_guard.cli.common import (
     DEFAULT_NAMESPACE,
-    DEFAULT_REDIS_URL,
     LEDGER_URL_ENV,
     PROG,
     Context,
@@ -37,7 +36,7 @@ from dramatiq_guard.cli.common import (
     parse_duration,
 )
 from dramatiq_guard.cli.serve import _serve_parser
-from dramatiq_guard.resolve import REDIS_URL_ENV
+from dramatiq_guard.resolve import DEFAULT_REDIS_URL, REDIS_URL_ENV
 
 __all__ = ["REDIS_URL_ENV", "Context", "build_parser", "main", "parse_duration"]
 

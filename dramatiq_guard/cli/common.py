@@ -11,10 +11,9 @@ from typing import Any, TextIO
 from dramatiq_guard.admin import parse_limit
 from dramatiq_guard.backends.base import GuardBackend
 from dramatiq_guard.bounds import MAX_COUNT, MAX_RETENTION_MS
-from dramatiq_guard.resolve import REDIS_URL_ENV
+from dramatiq_guard.resolve import DEFAULT_REDIS_URL, REDIS_URL_ENV
 
 PROG = "dramatiq-guard"
-DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_NAMESPACE = "dramatiq-guard"
 LEDGER_URL_ENV = "DRAMATIQ_GUARD_LEDGER_URL"
 

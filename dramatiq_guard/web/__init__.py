@@ -103,10 +103,10 @@ def _backend(redis: Any, namespace: str) -> GuardBackend:
     import os
 
     from dramatiq_guard.backends.redis import RedisBackend
-    from dramatiq_guard.resolve import REDIS_URL_ENV
+    from dramatiq_guard.resolve import DEFAULT_REDIS_URL, REDIS_URL_ENV
 
     if redis is None or isinstance(redis, str):
-        url = redis or os.environ.get(REDIS_URL_ENV) or "redis://localhost:6379/0"
+        url = redis or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
         return RedisBackend.from_url(url, namespace=namespace)
     return RedisBackend(redis, namespace=namespace)
 
