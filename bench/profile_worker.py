@@ -16,7 +16,9 @@ in-process :class:`dramatiq.Worker` and drains them. The rows mirror ``bench/sce
 
 Per message of the drain it prints: the process's CPU (``time.process_time``, every thread:
 worker threads, consumers, the guard's release and renewal threads), the Redis commands the
-drain ran (``INFO commandstats``, inside scripts too), the Python function calls, and under
+drain ran (``INFO commandstats``, inside scripts too), the requests sent to it, the Python
+function calls (all, and the guard's: calls of its functions and the calls they make, one level
+down, which idle polling does not move: the figure to compare before and after a change), and under
 cProfile the top functions by cumulative CPU time (``time.thread_time``: a blocked thread costs
 nothing) among the guard's and Dramatiq's worker, broker and middleware functions, then the top
 functions by their own CPU time. The profiled drain runs in a child process of its own, every
@@ -56,6 +58,7 @@ if str(TESTS_DIR) not in sys.path:
 
 from harness import RedisServer
 
+_GUARD = "/dramatiq_guard/"
 ROWS = ("plain", "floor", "mutex", "dedup", "concurrency")
 
 
@@ -169,8 +172,12 @@ def _drain(broker: RedisBroker, actor: Any, n: int, threads: int) -> tuple[float
     return cpu * 1e6 / n, (commands_after - commands) / n, (server_cpu_after - server_cpu) * 1e6 / n
 
 
-def _hot_spots(profiles: list[cProfile.Profile], n: int, top: int) -> tuple[tuple[float, float], str]:
-    """((Python calls, Redis round trips) per message, the top functions)."""
+def _hot_spots(profiles: list[cProfile.Profile], n: int, top: int) -> tuple[tuple[float, float, float], str]:
+    """((Python calls, Redis round trips, the guard's calls) per message, the top functions).
+
+    The guard's calls: of its functions, and those they make (builtins, redis-py, ...), not the
+    calls those make in turn. Unlike the total, idle polling does not move them.
+    """
     stats = pstats.Stats(_Snapshot(profiles[0]))  # type: ignore[arg-type]
     for profile in profiles[1:]:
         stats.add(_Snapshot(profile))  # type: ignore[arg-type]
@@ -179,11 +186,17 @@ def _hot_spots(profiles: list[cProfile.Profile], n: int, top: int) -> tuple[tupl
         for (path, _, name), (_, calls, *_) in stats.stats.items()  # type: ignore[attr-defined]
         if name == "send_packed_command" and path.endswith("redis/connection.py")
     )
+    guard = 0  # calls of the guard's functions, and calls they make (to anything, one level down)
+    for (path, _, _), (_, calls, _, _, callers) in stats.stats.items():  # type: ignore[attr-defined]
+        if _GUARD in path:
+            guard += calls
+        else:
+            guard += sum(c[1] for (caller, _, _), c in callers.items() if _GUARD in caller)
     out = io.StringIO()
     stats.stream = out  # type: ignore[attr-defined]
     stats.sort_stats("cumulative").print_stats("dramatiq_guard|dramatiq/(worker|broker|middleware)", top)
     stats.sort_stats("tottime").print_stats(top)
-    return (stats.total_calls / n, sent / n), out.getvalue()  # type: ignore[attr-defined]
+    return (stats.total_calls / n, sent / n, guard / n), out.getvalue()  # type: ignore[attr-defined]
 
 
 def _profile_row(url: str, row: str, n: int, threads: int, top: int) -> None:
@@ -191,8 +204,8 @@ def _profile_row(url: str, row: str, n: int, threads: int, top: int) -> None:
     profiles = _profile_threads()
     broker, actor = _declare(url, row)
     _drain(broker, actor, n, threads)
-    (calls, round_trips), report = _hot_spots(profiles, n, top)
-    print(f"{calls:.1f} {round_trips:.3f}")
+    (calls, round_trips, guard), report = _hot_spots(profiles, n, top)
+    print(f"{calls:.1f} {round_trips:.3f} {guard:.2f}")
     print(report)
     sys.stdout.flush()
     os._exit(0)  # the guard's daemon threads are profiled still: no exit-time flush to wait for
@@ -234,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
         for broker, _ in declared.values():
             broker.close()
         for row in args.rows:
-            calls = round_trips = 0.0
+            calls = round_trips = guard = 0.0
             if args.top:
                 child = subprocess.run(
                     [sys.executable, "-m", "bench.profile_worker", "--profile-row", row, "--url", server.url,
@@ -242,23 +255,23 @@ def main(argv: list[str] | None = None) -> None:
                     check=True, capture_output=True, text=True,
                 )  # fmt: skip
                 first, _, reports[row] = child.stdout.partition("\n")
-                calls, round_trips = map(float, first.split())
+                calls, round_trips, guard = map(float, first.split())
             cpu, commands, server_us = (statistics.median(run[i] for run in runs[row]) for i in range(3))
-            table[row] = [cpu, server_us, commands, round_trips, calls]
+            table[row] = [cpu, server_us, commands, round_trips, calls, guard]
     print(
         f"\nper message of a drain, {args.threads} worker threads; CPU: the median of {args.repeats} drains"
     )
     print(
         f"{'row':<12} {'CPU µs':>7} {'x floor':>7} {'redis µs':>8} {'commands':>8} {'requests':>8} "
-        f"{'py calls':>8} {'x floor':>7}"
+        f"{'py calls':>8} {'x floor':>7} {'guard calls':>11}"
     )
     floor = table.get("floor")
-    for row, (cpu, server_us, commands, round_trips, calls) in table.items():
+    for row, (cpu, server_us, commands, round_trips, calls, guard) in table.items():
         cpu_ratio = f"{cpu / floor[0]:.2f}" if floor else "-"
         calls_ratio = f"{calls / floor[4]:.2f}" if floor and floor[4] else "-"
         print(
             f"{row:<12} {cpu:7.0f} {cpu_ratio:>7} {server_us:8.0f} {commands:8.2f} {round_trips:8.2f} "
-            f"{calls:8.0f} {calls_ratio:>7}"
+            f"{calls:8.0f} {calls_ratio:>7} {guard:11.1f}"
         )
     for row, report in reports.items():
         print(f"\n===== {row}: CPU time by function (every thread, one profiled drain of N)")
