@@ -11,6 +11,7 @@ in-process :class:`dramatiq.Worker` and drains them. The rows mirror ``bench/sce
 
 * ``plain``: an actor doing one INCR, no guard installed;
 * ``floor``: the same with two no-op Lua script round trips (one before the work, one after);
+* ``installed``: the plain actor, on a broker with the guard installed (nobody opts in);
 * ``mutex``: ``mutex=True``, a key per message; ``dedup``: ``dedup="until_executed"``, a key
   per message; ``concurrency``: a limit of 1,000 on one key (N <= 1,000: nothing parks).
 
@@ -59,7 +60,7 @@ if str(TESTS_DIR) not in sys.path:
 from harness import RedisServer
 
 _GUARD = "/dramatiq_guard/"
-ROWS = ("plain", "floor", "mutex", "dedup", "concurrency")
+ROWS = ("plain", "floor", "installed", "mutex", "dedup", "concurrency")
 
 
 def _server(client: redis.Redis) -> tuple[int, float]:
