@@ -392,6 +392,8 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         Only on a broker whose ack cannot be undone (:func:`~dramatiq_guard.delivery.acks_are_final`):
         elsewhere, and if the backend cannot be reached, the record lapses after ``stale_ttl_ms``.
         """
+        if self.guard_of(message) is None:
+            return  # not this capability's: no state to make (every message is acked here)
         not_run = execution_state(message).data.get(self.option)
         if not (isinstance(not_run, NotRun) and not_run.reason == "parked" and acks_are_final(broker)):
             return
