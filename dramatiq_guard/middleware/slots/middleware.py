@@ -224,6 +224,8 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
     def after_ack(self, broker: Broker, message: MessageProxy) -> None:
         """A copy that parked after pickup was acked: its generation record goes (contract,
         *generations*), on a broker whose ack is final; elsewhere it lapses after ``stale_ttl_ms``."""
+        if self.guard_of(message) is None:
+            return  # not this capability's: no state to make (every message is acked here)
         not_run = execution_state(message).data.get(self.option)
         if not (isinstance(not_run, NotRun) and not_run.reason == "parked" and acks_are_final(broker)):
             return
