@@ -21,7 +21,7 @@ from harness import free_port, wait_until
 from harness.dashboard import serving
 from werkzeug.test import Client, TestResponse
 
-from dramatiq_guard.backends import RedisBackend, Waiter
+from dramatiq_guard.backends import RedisBackend, Stake, Waiter
 from dramatiq_guard.backends import redis as redis_backend
 from dramatiq_guard.cli import main
 from dramatiq_guard.web import Access, Dashboard, History, UnlockLimit, make_app
@@ -36,12 +36,12 @@ MARKER = "card-4242-4242"
 def backend(redis_url: str) -> Iterator[RedisBackend]:
     """A Redis backend with one holder and one parked message (whose arguments carry MARKER) on KEY."""
     backend = RedisBackend.from_url(redis_url)
-    assert backend.acquire(KEY, "h1", limit=1, ttl_ms=60_000, info="deliver").acquired
+    assert backend.acquire(Stake(KEY, "h1", limit=1, ttl_ms=60_000, info="deliver")).acquired
     message: Message[Any] = Message(
         queue_name="q", actor_name="deliver", args=(42, MARKER), kwargs={}, options={}
     )
     parked = backend.acquire(
-        KEY, message.message_id, limit=1, ttl_ms=60_000, wait=Waiter(payload=message.encode())
+        Stake(KEY, message.message_id, limit=1, ttl_ms=60_000), wait=Waiter(payload=message.encode())
     )
     assert parked.parked
     yield backend
@@ -157,7 +157,7 @@ def test_long_keys_are_refused_at_the_edge_and_made_up_keys_are_not_remembered(b
     assert redis_backend._used_key_names.cache_info().currsize == names_before
     assert len(history.of(KEY)) == 1 and len(history) == 1  # made-up keys (nothing in them) start no chart
     for n in range(20):  # keys that exist are remembered up to the bound, the least recent forgotten
-        assert backend.acquire(f"real:{n}", "h", limit=1, ttl_ms=60_000).acquired
+        assert backend.acquire(Stake(f"real:{n}", "h", limit=1, ttl_ms=60_000)).acquired
         assert client.get("/api/key", query_string={"k": f"real:{n}"}).status_code == 200
     assert len(history) == 10 and history.of("real:9") == [] and history.of("real:19")
 
@@ -179,7 +179,7 @@ def test_a_known_key_that_drains_is_charted_down_to_zero(backend: RedisBackend) 
     now = [0.0]
     history = History(clock=lambda: now[0])
     client = Client(Dashboard(backend, history=history))
-    assert backend.acquire("mutex:report", "h", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake("mutex:report", "h", limit=1, ttl_ms=60_000)).acquired
     client.get("/api/key?k=mutex:report")
     backend.release("mutex:report", "h", limit=1)
     now[0] = 10.0

@@ -31,6 +31,7 @@ from dramatiq_guard.backends.values import (
     KeyState,
     KeySummary,
     ReleaseResult,
+    Stake,
     Waiter,
     WaiterPeek,
     Woken,
@@ -48,6 +49,7 @@ __all__ = [
     "KeyState",
     "KeySummary",
     "ReleaseResult",
+    "Stake",
     "Waiter",
     "WaiterPeek",
     "Woken",
@@ -131,95 +133,41 @@ class GuardBackend(abc.ABC):
         return Woken(token, self.handoff_ttl_ms - self.wake_ttl_ms)
 
     @abc.abstractmethod
-    def acquire(  # noqa: PLR0913
-        self,
-        key: str,
-        holder: str,
-        *,
-        limit: int | None,
-        ttl_ms: int,
-        wait: Waiter | None = None,
-        info: str | None = None,
-        generation: int | None = None,
-        fenced: bool = True,
-        runner: str | None = None,
-    ) -> AcquireResult:
-        """Try to become a holder of ``key``.
+    def acquire(self, stake: Stake, wait: Waiter | None = None) -> AcquireResult:
+        """Try to become a holder of ``stake.key``.
 
-        Re-entrant: if ``holder`` already holds ``key`` (including a reservation handed to it),
-        its deadline becomes ``now + ttl_ms`` and it gets a new fencing token. Either way, an
-        acquiring holder leaves the waiters (its stored payload dropped). Otherwise it acquires
-        if fewer than the limit in force hold the key and no waiter is queued ahead of it; if
-        refused and ``wait`` is given, it is queued as a waiter (keeping its place if it was).
-        The outcome is one :class:`~dramatiq_guard.backends.values.AcquireOutcome`.
-
-        A ``wait.payload`` larger than :attr:`max_payload_bytes` is refused first, whether it
-        would park or not, with nothing written (:meth:`check_payload`).
+        Re-entrant: a holder that already holds the key (a reservation handed to it included)
+        gets a deadline of ``now + ttl_ms`` and a new fencing token. An acquiring holder leaves
+        the waiters (its stored payload dropped). Otherwise it acquires if fewer than the limit
+        in force hold the key and no waiter is queued ahead of it; if refused and ``wait`` is
+        given, it is queued as a waiter (keeping its place if it was). A ``wait.payload`` over
+        :attr:`max_payload_bytes` is refused first, with nothing written (:meth:`check_payload`).
 
         Parameters:
-          key(str): The guard key.
-          holder(str): The would-be holder's id.
-          limit(int|None): The default limit, used unless a run-time limit is
-            set; None if the caller does not know it (the recorded one, see
-            *limits known from the backend*).
-          ttl_ms(int): The lease duration.
+          stake(Stake): The key, the holder and what identifies the copy that acquires.
           wait(Waiter|None): Queue the holder as a waiter if refused.
-          info(str|None): A short description of the holder (e.g. its actor's
-            name), kept with the time it first acquired while it holds the
-            key, for :meth:`inspect` (``KeyState.holder_info``).
-          generation(int|None): The generation of the copy acquiring (see
-            *generations*): a handed-off copy's, :data:`ORIGINAL_GENERATION`
-            for a message as sent and picked up from the broker, None for one
-            not on a broker (enqueue time). A stale one is refused (``stale``)
-            with nothing done.
-          fenced(bool): False for a lock that fences no writes (a dedup lock, as
-            :meth:`try_lock`): no token is issued (``token`` is None) and none is
-            kept for the key, so a key per message leaves nothing behind.
-          runner(str|None): Who runs the holder's job if it acquires (a worker
-            thread: :func:`dramatiq_guard.lease.runner_id`), or None (nobody
-            yet: an enqueue-time reservation). Kept with the holder (and with a
-            ready waiter, so a slot handed to it keeps it) until it leaves. A
-            holder that holds the key, or blocks for it as a ready waiter, for a
-            runner is re-entered by that runner only: any other acquire of it
-            (another runner's, or one without a runner) is refused
-            (``running``), with nothing done and nothing queued. So two copies of
-            one message (a broker's redelivery while the first still runs, or
-            after its worker died and before its lease lapsed) never hold a slot
-            at once. A holder without a runner (a reservation, a hand-off) is
-            taken up by any acquire, as above. At most 200 characters, without
-            ``|`` or ``@`` (:func:`~dramatiq_guard.backends.checks.check_acquire`).
+
+        Returns:
+          AcquireResult: Its :class:`~dramatiq_guard.backends.AcquireOutcome` and token.
+
+        Raises:
+          ValueError: If the key, a number or the runner is not allowed (:func:`check_acquire`).
+          PayloadTooLarge: If ``wait.payload`` is over :attr:`max_payload_bytes`.
+          BackendUnavailable: If the store cannot be reached.
         """
 
     def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:
         """Take ``key`` as a limit-1 lock for ``holder`` if it is free: the send-time dedup lock.
 
-        The same as :meth:`acquire` with ``limit=1`` and no ``wait``
-        (re-entrant, refused while another holder is live or a waiter is
-        queued ahead, a run-time limit respected, free slots handed to
-        waiters), except that no fencing token is returned: the lock fences
-        no writes (``token`` is None). The state it leaves is the state
-        :meth:`acquire` would leave, so every other operation works on the
-        key as usual (a ``reschedule_once`` rerun parks in its waiter queue,
-        the holder's release hands it the lock).
-
-        It is here so a backend can decide the common cases (the key is free;
-        it is held by another) more cheaply than the general acquire: the
-        Redis backend runs a small script of its own (``lua/lock.lua``) and
-        falls back to :meth:`acquire` for anything else. The default calls
+        :meth:`acquire` of ``Stake(key, holder, 1, ttl_ms, info=info)`` without ``wait``, except
+        that no fencing token is returned (the lock fences no writes). A backend may decide the
+        common cases (the key is free, or held by another) more cheaply; the default calls
         :meth:`acquire`.
 
-        Parameters:
-          key(str): The guard key.
-          holder(str): The would-be holder's id (a message id).
-          ttl_ms(int): The lease duration (the pending lock's, for a send).
-          info(str|None): A short description of the holder, as for :meth:`acquire`.
-
         Returns:
-          AcquireResult: ``acquired``, or the live ``holders`` in the way
-          (``limit`` is the limit in force; ``handoffs`` to deliver as for
-          :meth:`acquire`).
+          AcquireResult: ``acquired``, or the live ``holders`` in the way.
         """
-        result = self.acquire(key, holder, limit=1, ttl_ms=ttl_ms, info=info)
+        result = self.acquire(Stake(key, holder, 1, ttl_ms, info=info))
         return dataclasses.replace(result, token=None)
 
     @abc.abstractmethod

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from dramatiq_guard.bounds import MAX_COUNT, MAX_DURATION_MS
 
 if TYPE_CHECKING:
-    from dramatiq_guard.backends.values import Waiter
+    from dramatiq_guard.backends.values import Stake, Waiter
 
 #: The default bound on a parked message's encoded size (:attr:`GuardBackend.max_payload_bytes`).
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
@@ -57,18 +57,18 @@ def check_count(value: int | None, what: str) -> None:
 MAX_RUNNER_CHARS = 200
 
 
-def check_acquire(limit: int | None, ttl_ms: int, wait: Waiter | None, runner: str | None = None) -> None:
+def check_acquire(stake: Stake, wait: Waiter | None) -> None:
     """The checks of :meth:`GuardBackend.acquire`'s numbers (see :func:`check_ms`) and runner.
 
     Raises:
-      ValueError: If a number is out of its bounds, or ``runner`` is not a
-        non-empty str of at most :data:`MAX_RUNNER_CHARS` characters without
-        ``|`` or ``@``.
+      ValueError: If a number is out of its bounds, or the runner is not a non-empty str of at
+        most :data:`MAX_RUNNER_CHARS` characters without ``|`` or ``@``.
     """
-    check_count(limit, "limit")
-    check_ms(ttl_ms, "ttl_ms")
+    check_count(stake.limit, "limit")
+    check_ms(stake.ttl_ms, "ttl_ms")
     if wait is not None:
         check_ms(wait.wait_ms, "wait_ms", minimum=0)
+    runner = stake.runner
     if runner is not None and (
         not isinstance(runner, str)
         or not runner

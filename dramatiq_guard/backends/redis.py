@@ -56,7 +56,7 @@ from dramatiq_guard.backends.redis_client import (
 )
 from dramatiq_guard.backends.redis_layout import KeyNames
 from dramatiq_guard.backends.redis_scripts import LuaScript, ScriptLibrary
-from dramatiq_guard.backends.values import AcquireOutcome
+from dramatiq_guard.backends.values import AcquireOutcome, Stake
 
 __all__ = ["DEFAULT_SOCKET_TIMEOUT_S", "RedisBackend", "RedisClient", "replica_waits_of"]
 
@@ -361,72 +361,34 @@ class RedisBackend(GuardBackend):
 
     # -- operations ---------------------------------------------------------
 
-    def acquire(  # noqa: PLR0913
-        self,
-        key: str,
-        holder: str,
-        *,
-        limit: int | None,
-        ttl_ms: int,
-        wait: Waiter | None = None,
-        info: str | None = None,
-        generation: int | None = None,
-        fenced: bool = True,
-        runner: str | None = None,
-    ) -> AcquireResult:
-        """Try to become a holder of ``key``; see :meth:`GuardBackend.acquire`.
-
-        When ``wait`` is given, the key is added to the waiting-keys index
-        by the script itself (on a Redis Cluster: in the same pipelined round
-        trip, before the script).
-
-        Raises:
-          BackendUnavailable: If Redis cannot be reached.
-          ValueError: If ``key``, a number or (with ``wait``) ``holder`` is not allowed.
-          PayloadTooLarge: If ``wait.payload`` is over ``max_payload_bytes`` (nothing is written).
-        """
-        return self._acquire(key, holder, limit, ttl_ms, wait, info, generation, fenced=fenced, runner=runner)
-
-    def _acquire(  # noqa: PLR0913
-        self,
-        key: str,
-        holder: str,
-        limit: int | None,
-        ttl_ms: int,
-        wait: Waiter | None,
-        info: str | None,
-        generation: int | None,
-        *,
-        fenced: bool,
-        runner: str | None = None,
-    ) -> AcquireResult:
-        """Run ``acquire.lua``; unless ``fenced``, no token is issued nor kept (:meth:`try_lock`)."""
-        check_acquire(limit, ttl_ms, wait, runner)
-        self.check_payload(key, holder, wait)
+    def acquire(self, stake: Stake, wait: Waiter | None = None) -> AcquireResult:
+        check_acquire(stake, wait)
+        key = stake.key
+        self.check_payload(key, stake.holder, wait)
         if wait is not None:
-            self._check_waiter(holder)
+            self._check_waiter(stake.holder)
         own = layout.AcquireArgs(
-            holder=holder,
-            ttl_ms=ttl_ms,
+            holder=stake.holder,
+            ttl_ms=stake.ttl_ms,
             mode="" if wait is None else "park" if wait.payload is not None else "block",
             payload=b"" if wait is None or wait.payload is None else wait.payload,
             wait_ms=0 if wait is None else wait.wait_ms,
-            info=info or "",
-            generation="" if generation is None else generation,
-            fenced="1" if fenced else "0",
-            runner=runner or "",
+            info=stake.info or "",
+            generation="" if stake.generation is None else stake.generation,
+            fenced="1" if stake.fenced else "0",
+            runner=stake.runner or "",
         )
         sent = time.monotonic()  # the result's valid_from: Redis counts the ttl from later
         if wait is not None and self._in_cluster():
             [reply] = run_scripts(
                 self.client,
                 self.scripts,
-                [self._script_call(key, limit, own)],
+                [self._script_call(key, stake.limit, own)],
                 zadd_first=(self._index, key),
                 replicas=self.replicas,
             )
         else:
-            reply = self._run(key, limit, own)
+            reply = self._run(key, stake.limit, own)
         return self._acquire_reply(key, reply, sent)
 
     def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:
@@ -449,7 +411,7 @@ class RedisBackend(GuardBackend):
         own = layout.LockArgs(holder=holder, ttl_ms=ttl_ms, info=info or "")
         status, holders = self._call(self.scripts["lock"], list(layout.lock_keys(names)), list(own))
         if int(status) < 0:
-            return self._acquire(key, holder, 1, ttl_ms, None, info, None, fenced=False)
+            return self.acquire(Stake(key, holder, 1, ttl_ms, info=info, fenced=False))
         acquired = int(status) == 1
         return AcquireResult(
             AcquireOutcome.ACQUIRED if acquired else AcquireOutcome.BUSY,

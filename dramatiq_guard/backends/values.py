@@ -35,6 +35,40 @@ def standby_window(count: int, limit: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class Stake:
+    """What one holder claims of one guard key: what :meth:`GuardBackend.acquire` takes.
+
+    Parameters:
+      key(str): The guard key.
+      holder(str): The would-be holder's id (a message id, or a lock's random id).
+      limit(int|None): The key's default limit, used unless a run-time limit is set; None if
+        the caller does not know it (the recorded one, see *limits known from the backend*).
+      ttl_ms(int): The lease an acquire takes.
+      info(str|None): A short description of the holder (its actor's name), kept while it
+        holds the key, for :meth:`GuardBackend.inspect` (``KeyState.holder_info``).
+      generation(int|None): The generation of the copy acquiring (see *generations*): a
+        hand-off's, :data:`ORIGINAL_GENERATION` for a message picked up as sent, None for one
+        not on a broker (enqueue time). A stale one is refused (``stale``) with nothing done.
+      runner(str|None): Who runs the holder's job once it holds (a worker thread,
+        :func:`~dramatiq_guard.lease.runner_id`), or None (an enqueue-time reservation, a
+        lock). A holder held, or blocked for, by a runner is re-entered by that runner only:
+        any other acquire of it is refused (``running``), with nothing done, so two copies of
+        one message never hold a slot at once. At most 200 characters, without ``|`` or ``@``.
+      fenced(bool): False for a lock that fences no writes (a dedup lock): no fencing token
+        is issued (``token`` is None) nor kept for the key.
+    """
+
+    key: str
+    holder: str
+    limit: int | None
+    ttl_ms: int
+    info: str | None = None
+    generation: int | None = None
+    runner: str | None = None
+    fenced: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class Handoff:
     """A waiter that was just given a slot.
 

@@ -26,7 +26,7 @@ from dramatiq.broker import MessageProxy
 from dramatiq.middleware import Retries, SkipMessage
 
 from dramatiq_guard import events
-from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Waiter
+from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Stake, Waiter
 from dramatiq_guard.claim import Claim
 from dramatiq_guard.delivery import Courier, generation_of
 from dramatiq_guard.errors import BackendUnavailable, DuplicateMessage, GuardOptionError
@@ -168,7 +168,9 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
 
         key = PREFIX + self._key(guard, message)
         backend = self.backend(broker)
-        claim = Claim(backend, key, message.message_id, 1, self.pending_ttl_ms, info=message.actor_name)
+        claim = Claim(
+            key, message.message_id, 1, self.pending_ttl_ms, info=message.actor_name, backend=backend
+        )
         try:
             result = self._try_lock(broker, claim)
             self._deliver(broker, result.handoffs)
@@ -247,9 +249,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         copy = message.copy(message_id=rerun, options={LOCK_OPTION: key})
         for name in (KEY_OPTION, BY_OPTION, RERUN_OPTION, EXEMPT_OPTION):
             copy.options.pop(name, None)
-        result = backend.acquire(
-            key, rerun, limit=0, ttl_ms=policy.ttl_ms, wait=Waiter(payload=copy.encode())
-        )
+        result = backend.acquire(Stake(key, rerun, 0, policy.ttl_ms), Waiter(payload=copy.encode()))
         self._deliver(broker, result.handoffs)
         if result.parked and not result.holders:
             # The holder finished between the two calls: nobody will hand the
@@ -360,13 +360,15 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
                 _started_without_lock(holder, key, None)
                 return False, None
         result = backend.acquire(
-            key,
-            holder,
-            limit=1,
-            ttl_ms=policy.ttl_ms,
-            info=message.actor_name,
-            generation=generation,
-            fenced=False,  # a dedup lock fences nothing: no token kept per key
+            Stake(
+                key,
+                holder,
+                1,
+                policy.ttl_ms,
+                info=message.actor_name,
+                generation=generation,
+                fenced=False,  # a dedup lock fences nothing: no token kept per key
+            )
         )
         self._deliver(broker, result.handoffs)
         if result.stale:

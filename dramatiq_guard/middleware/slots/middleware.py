@@ -244,8 +244,8 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
                 return None
         key = self.guard_key_of(guard, message)
         claim = Claim(
-            self.backend(broker), key, message.message_id, self.default_limit(guard), self.pickup_ttl_ms,
-            info=message.actor_name, generation=generation_of(message, key),
+            key, message.message_id, self.default_limit(guard), self.pickup_ttl_ms,
+            info=message.actor_name, generation=generation_of(message, key), backend=self.backend(broker),
         )  # fmt: skip
         deliver = functools.partial(self.deliver, broker)
         return reserve_or_park(claim, message, deliver, fail_open_allowed=guard.policy.fail_open)
@@ -303,7 +303,7 @@ class SlotsMiddleware(GuardMiddleware[P], Generic[P]):
         Returns None if the backend is unavailable and the policy says ``fail_open``.
         """
         claim = Claim(
-            self.backend(broker), key, message.message_id, limit, self._lease_ttl(guard),
+            key, message.message_id, limit, self._lease_ttl(guard), backend=self.backend(broker),
             info=message.actor_name, generation=copy_generation(message, key),
             runner=runner_id(),  # a second copy of the message, delivered while this one holds, is refused
         )  # fmt: skip
