@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
+from typing import TypedDict
 
 from dramatiq_guard.backends.checks import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -44,6 +45,7 @@ __all__ = [
     "MIN_STANDBY_WINDOW",
     "ORIGINAL_GENERATION",
     "AcquireResult",
+    "BackendSettings",
     "GuardBackend",
     "Handoff",
     "KeyState",
@@ -61,6 +63,14 @@ __all__ = [
 ]
 
 logger = logging.getLogger("dramatiq_guard.backends")
+
+
+class BackendSettings(TypedDict, total=False):
+    """The settings of :class:`GuardBackend`, as a backend's ``**settings`` passes them on."""
+
+    handoff_ttl_ms: int
+    max_payload_bytes: int
+    stale_ttl_ms: int
 
 
 class GuardBackend(abc.ABC):
