@@ -23,7 +23,6 @@ FUNCTION_LINES = 60
 
 #: Modules over MODULE_LINES today, with their lines: each may only shrink.
 LONG_MODULES: dict[str, int] = {
-    "backends/base.py": 545,
     "backends/lua/_prelude.lua": 678,
     "middleware/slots/middleware.py": 583,
 }
