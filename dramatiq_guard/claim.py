@@ -82,13 +82,9 @@ class Claim(Stake):
     ) -> AcquireResult:
         """Block as the ready waiter of the key (already queued) until it holds a slot.
 
-        Woken by the push of the hand-off that gives it the slot; re-checks the key every
-        :data:`BACKSTOP_MS` (an acquire that keeps its place). Gives up at ``deadline``:
-
-        * a blocking waiter (``payload`` None) leaves the queue (:meth:`withdraw`; a slot
-          handed to it meanwhile is handed on);
-        * a standby (``payload``: its encoded message) parks again in its place, as it does at
-          once if its entry lapsed meanwhile.
+        Woken by the push of the hand-off; re-checks the key every :data:`BACKSTOP_MS` (an
+        acquire that keeps its place). At ``deadline`` a blocking waiter leaves the queue
+        (:meth:`withdraw`), and a standby parks again in its place (at once if its entry lapsed).
 
         Parameters:
           deadline(float|None): When to give up, on ``time.monotonic()``; None: never.
@@ -96,8 +92,7 @@ class Claim(Stake):
           payload(bytes|None): A standby's encoded message; None for a blocking waiter.
 
         Returns:
-          AcquireResult: Acquired (from a wake: ``reserved_ms`` is set, and the lease must be
-          renewed within it), or the last refused result.
+          AcquireResult: Acquired (from a wake: ``reserved_ms`` is set), or the last refusal.
         """
         done = False  # acquired, or refused as running (the entry is another copy's: not ours to cancel)
         try:

@@ -1,9 +1,7 @@
 """What every backend checks before it touches anything: keys, durations, counts, payload sizes.
 
-Redis does not roll back a script that fails half-way, so a value no backend
-can use is refused first, with the same :class:`ValueError` from every backend
-(the bounds are :mod:`dramatiq_guard.bounds`'; the Lua scripts check them
-again in ``validate_args``).
+The same :class:`ValueError` from every backend, before anything is written (Redis does not roll
+back a script that fails half-way); the bounds are :mod:`dramatiq_guard.bounds`'.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ def check_ms(value: int, what: str, *, minimum: int = 1) -> None:
     Parameters:
       value(int): The duration.
       what(str): The argument's name, for the error.
-      minimum(int): The shortest allowed: 1 for a lease or reservation
-        being taken, 0 for a wait or a renewal (0 ends a lease now).
+      minimum(int): 1 for a lease or reservation being taken, 0 for a wait or a renewal.
 
     Raises:
       ValueError: If ``value`` is not an int from ``minimum`` to 366 days.
@@ -98,7 +95,7 @@ def check_max_payload_bytes(value: int) -> int:
     Raises:
       ValueError: If ``value`` is not a positive int.
     """
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    if not _is_int(value) or value <= 0:
         raise ValueError(f"max_payload_bytes must be a positive int (bytes), not {value!r}")
     return value
 
@@ -107,9 +104,8 @@ def check_replica_waits(count: int, timeout_ms: int) -> None:
     """Reject replica waits no backend accepts (:meth:`GuardBackend.wait_for_replicas`).
 
     Raises:
-      ValueError: If ``count`` is not an int from 0 to 2**31 - 1, or
-        ``timeout_ms`` not a duration from 1 ms (:func:`check_ms`; Redis's
-        ``WAIT`` with 0 would wait without end).
+      ValueError: If ``count`` is not an int from 0 to 2**31 - 1, or ``timeout_ms`` not a
+        duration from 1 ms (``WAIT`` with 0 would wait without end).
     """
     check_count(count, "replica_waits")
     check_ms(timeout_ms, "replica_wait_timeout_ms")
