@@ -145,7 +145,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         Returns None if the backend is unavailable and the policy says ``fail_open``.
         """
         claim = Claim(
-            self.backend(broker), key, message.message_id, limit, self._lease_ttl(guard),
+            key, message.message_id, limit, self._lease_ttl(guard), backend=self.backend(broker),
             info=message.actor_name, generation=copy_generation(message, key),
             runner=runner_id(),  # a second copy of the message, delivered while this one holds, is refused
         )  # fmt: skip
