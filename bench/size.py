@@ -36,7 +36,7 @@ if str(ROOT / "tests") not in sys.path:
 
 from harness import RedisServer  # noqa: E402
 
-from dramatiq_guard.backends import RedisBackend  # noqa: E402
+from dramatiq_guard.backends import RedisBackend, Stake  # noqa: E402
 from dramatiq_guard.backends.redis_client import run_scripts  # noqa: E402
 from dramatiq_guard.backends.redis_layout import AcquireArgs  # noqa: E402
 
@@ -102,7 +102,7 @@ class Sizer:
     def hold(self, keys: list[str], holders: int = 1, limit: int = 1) -> None:
         for key in keys:
             for h in range(holders):
-                assert self.backend.acquire(key, f"{key}:h{h}", limit=limit, ttl_ms=LEASE_MS).acquired
+                assert self.backend.acquire(Stake(key, f"{key}:h{h}", limit=limit, ttl_ms=LEASE_MS)).acquired
 
 
 def cli(*args: str, url: str) -> float:
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
             [handoff] = result.handoffs
             mid = handoff.waiter_id
             assert backend.confirm_handoff(key, mid, ttl_ms=60_000, generation=handoff.generation)
-            assert backend.acquire(key, mid, limit=1, ttl_ms=LEASE_MS).acquired
+            assert backend.acquire(Stake(key, mid, limit=1, ttl_ms=LEASE_MS)).acquired
             holders[key] = mid
         elapsed = time.perf_counter() - began
         how = f"{options.handoffs:,} hand-offs (release, confirm, start: 3 round trips), one thread"

@@ -1,13 +1,8 @@
 """What the ``dramatiq-guard`` command and the web dashboard show and do.
 
-Both read the guard through the functions here, so the dashboard shows
-nothing the command's view (``inspect --json``, ``inspect --summary --json``,
-``ledger list --json``) does not have, and both change it through the same
-two writes: :func:`set_limit` and :func:`release_holders`.
-
-Views are plain dicts of JSON values (the command prints them as JSON;
-the dashboard renders them with autoescaping on). Keys, actor names and
-arguments come from messages: they are data, never markup.
+Both read through the view functions here (plain dicts of JSON values; keys and
+arguments are data, never markup) and write through :func:`set_limit` and
+:func:`release_holders`, so the dashboard shows and does nothing the command does not.
 """
 
 from __future__ import annotations
@@ -23,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dramatiq_guard.backends.base import GuardBackend, Handoff, KeyState, KeySummary, WaiterPeek
+from dramatiq_guard.bounds import MAX_COUNT
 
 if TYPE_CHECKING:
     from dramatiq import Broker
@@ -52,6 +48,15 @@ def format_ms(ms: int | None) -> str:
     return f"{seconds // 86_400}d{(seconds % 86_400) // 3600:02d}h"
 
 
+def parse_limit(text: str) -> int | None:
+    """``text`` as a limit (an integer from 0 to :data:`~dramatiq_guard.bounds.MAX_COUNT`), else None."""
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if 0 <= value <= MAX_COUNT else None
+
+
 def indexed_keys(backend: GuardBackend) -> list[str]:
     """The keys of the backend's indexes: keys with waiters, then keys with a run-time limit."""
     keys = list(backend.waiting_keys())
@@ -69,11 +74,7 @@ def kind_of(key: str) -> str:
 
 
 def describe_payload(payload: bytes | None) -> tuple[str | None, str | None]:
-    """A parked message's actor and its first arguments (shortened), or ``(None, None)``.
-
-    Decoded with Dramatiq's global encoder; a payload it cannot decode is
-    described as such, never raised.
-    """
+    """A parked message's actor and its first arguments (shortened), or ``(None, None)``; never raises."""
     if payload is None:
         return None, None
     from dramatiq import Message
@@ -103,14 +104,9 @@ def _waiter_view(peek: WaiterPeek, now: int) -> dict[str, Any]:
 
 
 def key_view(key: str, state: KeyState, now: int, summary: KeySummary | None = None) -> dict[str, Any]:
-    """One key as the command (``inspect --json``) and the dashboard's key page show it.
+    """One key as ``inspect --json`` and the dashboard's key page show it (``now``: the backend's clock).
 
-    Parameters:
-      state(KeyState): The key's snapshot (:meth:`GuardBackend.inspect`).
-      now(int): Now on the backend's clock (:meth:`GuardBackend.now_ms`).
-      summary(KeySummary|None): Its summary with the first waiters
-        (:meth:`GuardBackend.summaries`), for their actors and arguments and
-        the recorded limit; without it those are left out.
+    ``summary`` adds the first waiters' actors and arguments and the recorded limit.
     """
     reserved = set(state.reserved)
     info = {holder: (since, actor) for holder, since, actor in state.holder_info}
@@ -207,24 +203,12 @@ def overview(
     page: int = 1,
     per_page: int | None = None,
 ) -> dict[str, Any]:
-    """Every indexed key with holders, waiters or a run-time limit, most in need of a look first.
+    """Every indexed key matching ``pattern`` (and ``kind``) with holders, waiters or a run-time limit.
 
-    Keys come from the backend's indexes (:func:`indexed_keys`), never from
-    a scan; one :meth:`GuardBackend.summaries` call reads them all, and the
-    sort and pagination happen here.
-
-    Parameters:
-      pattern(str): A glob the keys must match.
-      kind(str|None): Only keys of this kind (:func:`kind_of`).
-      page(int): Which page (from 1) of ``per_page`` rows.
-      per_page(int|None): Rows per page; None for all.
-
-    Returns:
-      dict: ``now_ms``, ``total`` (matching keys), ``counts`` (per kind:
-      keys, holders, waiters), ``page``, ``pages`` and ``keys`` (the rows).
+    Most in need of a look first, page ``page`` of ``per_page`` rows (None: all): ``now_ms``,
+    ``total``, ``counts`` (per kind: keys, holders, waiters), ``page``, ``pages`` and ``keys``.
     """
-    # Compiled here rather than by fnmatchcase(), whose cache keeps 32,768 patterns: the dashboard's
-    # readers choose them (re's own cache keeps 512).
+    # Not fnmatchcase(), whose cache keeps 32,768 patterns: the dashboard's readers choose them.
     match = re.compile(fnmatch.translate(pattern)).match
     keys = [k for k in indexed_keys(backend) if match(k)]
     if kind is not None:
@@ -258,12 +242,7 @@ def _record_view(record: Any) -> dict[str, Any]:
 def ledger_view(
     ledger: Ledger, *, states: Iterable[str] = ("in_progress", "failed"), limit: int = 50
 ) -> dict[str, Any]:
-    """The ledger as ``ledger list --json`` and the dashboard show it: counts by state, and rows.
-
-    Parameters:
-      states: Which rows to list (the ones that may need a look, by default).
-      limit(int): At most this many rows per state, most recently updated first.
-    """
+    """Counts by state, and the last ``limit`` rows of each of ``states`` (``ledger list --json``)."""
     return {
         "counts": ledger.counts(),
         "rows": {state: [_record_view(r) for r in ledger.rows(state=state, limit=limit)] for state in states},
@@ -305,14 +284,7 @@ def load_broker(spec: str) -> Broker:
 
 
 def broker_requeue(broker: Broker, backend: GuardBackend) -> Requeue:
-    """How to re-enqueue hand-offs on ``broker``, exactly as a worker would.
-
-    Each hand-off is delivered by :func:`dramatiq_guard.delivery.courier_for`:
-    by the guard middleware on that broker that claims its key, else enqueued
-    through the gate as holding its key and confirmed. The backend's route
-    becomes the broker's (:func:`dramatiq_guard.resolve.route_of`: the one
-    named by ``install(broker, route=...)`` if the broker's module installed
-    the guard so), so its parked messages may be handed their slots.
+    """How to re-enqueue hand-offs on ``broker``, exactly as a worker would; the backend takes its route.
 
     Raises:
       ConfigurationError: If the broker has no route the guard can tell.
@@ -346,8 +318,7 @@ def deliver(backend: GuardBackend, handoffs: Sequence[Handoff], requeue: Requeue
         )
         return "; ".join(notes)
     requeue(parked)
-    # A hand-off whose re-enqueue failed is still an unconfirmed reservation
-    # (its payload stored): it lapses back into the queue by itself.
+    # A hand-off whose re-enqueue failed is still an unconfirmed reservation: it lapses back by itself.
     failed = [h.waiter_id for h in parked if h.waiter_id in backend.inspect(h.key).reserved]
     notes.append(f"{len(parked) - len(failed)} parked message(s) re-enqueued")
     if failed:
@@ -356,10 +327,7 @@ def deliver(backend: GuardBackend, handoffs: Sequence[Handoff], requeue: Requeue
 
 
 def set_limit(backend: GuardBackend, key: str, limit: int, requeue: Requeue | None) -> list[str]:
-    """Set ``key``'s run-time limit (0 halts it), hand new slots to waiters; returns what was done.
-
-    The write of ``dramatiq-guard limit set`` and of the dashboard's limit form.
-    """
+    """Set ``key``'s run-time limit (0 halts it), hand new slots to waiters; returns what was done."""
     # The default is only used if no run-time limit is in force; here one always is.
     result = backend.set_limit(key, limit, default=0)
     lines = [f"{key}: limit set to {limit}" + (" (halted)" if limit == 0 else "")]
@@ -379,11 +347,8 @@ def release_holders(
 ) -> list[str]:
     """Release ``holders`` of ``key`` by force and hand their slots on; returns what was done.
 
-    The write of ``dramatiq-guard release`` and of the dashboard's release
-    button. Each holder is released by its id, so one that started since
-    ``holders`` was read is not touched. The backend hands the freed slots to
-    the oldest waiters with the limit recorded with them (the caller does
-    not know the actor, and never guesses its limit).
+    Each is released by its id (one that started since is not touched); the freed
+    slots go to the oldest waiters within the limit recorded with them.
     """
     released = 0
     handoffs: list[Handoff] = []

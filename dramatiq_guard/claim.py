@@ -1,17 +1,9 @@
-"""A claim: one holder's stake in one guard key, and the verbs that act on it.
+"""A claim: one holder's stake in one guard key on one backend, and the verbs that act on it.
 
-Everything an operation on a key needs from its caller travels together in a :class:`Claim`:
-the backend, the key, the holder (a message id, or a lock's random id), the key's default limit,
-the lease to take, and what identifies the copy that claims (its actor, its generation, the
-worker thread that would run it). The middlewares and :class:`~dramatiq_guard.lock.Lock` make
-one per (message, key) and call its verbs; what each verb does atomically is the backend's
-contract (:mod:`dramatiq_guard.backends.base`).
-
-Blocking. A thread that blocks for a slot (a mutex ``on_busy="wait"``, a standby picked up, a
-blocking lock) is a *ready waiter* of the key: the backend hands it a freed slot by a push that
-carries its fencing token (:meth:`~dramatiq_guard.backends.GuardBackend.wait_for_handoff`). It
-never polls; every :data:`BACKSTOP_MS` it re-checks the key with an acquire, which reclaims a dead
-holder's lapsed lease and finds a slot whose push it missed (:meth:`Claim.block`).
+The middlewares and :class:`~dramatiq_guard.lock.Lock` make one per (message, key) and call its
+verbs; what each does atomically is the backend's contract (:mod:`dramatiq_guard.backends.base`).
+A thread that blocks for a slot is a *ready waiter*: woken by the push of the hand-off, it never
+polls, and re-checks the key every :data:`BACKSTOP_MS` (:meth:`Claim.block`).
 """
 
 from __future__ import annotations
@@ -21,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Waiter
+from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Stake, Waiter
 
 logger = logging.getLogger(__name__)
 
@@ -51,42 +43,19 @@ def _left_ms(deadline: float | None) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Claim:
-    """One holder's claim on one guard key.
+class Claim(Stake):
+    """One holder's claim on one guard key: a :class:`~dramatiq_guard.backends.Stake` on ``backend``.
 
-    Parameters:
-      backend(GuardBackend): The guard backend.
-      key(str): The guard key.
-      holder(str): The holder's id (a message id, or a lock's holder id).
-      limit(int): The key's default limit (a run-time limit set on the backend overrides it).
-      ttl_ms(int): The lease an acquire takes.
-      info(str|None): What ``inspect`` shows of the holder (its actor's name).
-      generation(int|None): The generation of the copy that claims (see
-        :meth:`GuardBackend.acquire <dramatiq_guard.backends.GuardBackend.acquire>`): a
-        hand-off's, ``ORIGINAL_GENERATION`` for a message picked up as sent, None for one not
-        on a broker yet.
-      runner(str|None): Who runs the job once it holds (a worker thread,
-        :func:`~dramatiq_guard.lease.runner_id`), or None (an enqueue-time reservation, a lock).
-      fenced(bool): False for a lock that fences nothing (a dedup lock): no fencing token is
-        issued or kept for the key.
+    ``limit`` is the key's default limit, known here (a run-time limit set on the backend
+    overrides it).
     """
 
-    backend: GuardBackend
-    key: str
-    holder: str
     limit: int
-    ttl_ms: int
-    info: str | None = None
-    generation: int | None = None
-    runner: str | None = None
-    fenced: bool = True
+    backend: GuardBackend = dataclasses.field(kw_only=True)
 
     def acquire(self, wait: Waiter | None = None) -> AcquireResult:
         """Try to hold a slot now; queue as ``wait`` says if the key is full (contract: ``acquire``)."""
-        return self.backend.acquire(
-            self.key, self.holder, limit=self.limit, ttl_ms=self.ttl_ms, wait=wait, info=self.info,
-            generation=self.generation, fenced=self.fenced, runner=self.runner,
-        )  # fmt: skip
+        return self.backend.acquire(self, wait)
 
     def try_lock(self) -> AcquireResult:
         """Take the key as a limit-1 lock that fences nothing, if it is free (contract: ``try_lock``)."""
@@ -113,13 +82,9 @@ class Claim:
     ) -> AcquireResult:
         """Block as the ready waiter of the key (already queued) until it holds a slot.
 
-        Woken by the push of the hand-off that gives it the slot; re-checks the key every
-        :data:`BACKSTOP_MS` (an acquire that keeps its place). Gives up at ``deadline``:
-
-        * a blocking waiter (``payload`` None) leaves the queue (:meth:`withdraw`; a slot
-          handed to it meanwhile is handed on);
-        * a standby (``payload``: its encoded message) parks again in its place, as it does at
-          once if its entry lapsed meanwhile.
+        Woken by the push of the hand-off; re-checks the key every :data:`BACKSTOP_MS` (an
+        acquire that keeps its place). At ``deadline`` a blocking waiter leaves the queue
+        (:meth:`withdraw`), and a standby parks again in its place (at once if its entry lapsed).
 
         Parameters:
           deadline(float|None): When to give up, on ``time.monotonic()``; None: never.
@@ -127,8 +92,7 @@ class Claim:
           payload(bytes|None): A standby's encoded message; None for a blocking waiter.
 
         Returns:
-          AcquireResult: Acquired (from a wake: ``reserved_ms`` is set, and the lease must be
-          renewed within it), or the last refused result.
+          AcquireResult: Acquired (from a wake: ``reserved_ms`` is set), or the last refusal.
         """
         done = False  # acquired, or refused as running (the entry is another copy's: not ours to cancel)
         try:

@@ -1,18 +1,18 @@
 """What a guarded actor can ask about its own execution.
 
-The guard middlewares set these context variables in ``before_process_message``
-on the worker thread and reset them when the message is done. Dramatiq runs
-async actors on its event loop thread with the worker thread's context, so
-they see them too.
+Set by the guard middlewares on the worker thread while a message runs (async
+actors run with the worker thread's context, so they see them too).
 """
 
 from __future__ import annotations
 
 import contextvars
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
+
+T = TypeVar("T")
 
 #: The lease of the running message (set by the mutex and concurrency middlewares).
 current_lease_var: contextvars.ContextVar[Any] = contextvars.ContextVar("dramatiq_guard_lease", default=None)
@@ -29,12 +29,7 @@ def current_lease() -> Any:
     Raises:
       RuntimeError: Outside an actor guarded by ``mutex=`` or ``concurrency=``.
     """
-    lease = current_lease_var.get()
-    if lease is None:
-        raise RuntimeError(
-            "dramatiq_guard.current_lease() was called outside an actor guarded by mutex= or concurrency="
-        )
-    return lease
+    return required(current_lease_var, "dramatiq_guard.current_lease()", "mutex= or concurrency=")
 
 
 def ledger_session() -> Session:
@@ -46,9 +41,12 @@ def ledger_session() -> Session:
     Raises:
       RuntimeError: Outside an actor guarded by ``idempotency_key=``.
     """
-    session = ledger_session_var.get()
-    if session is None:
-        raise RuntimeError(
-            "dramatiq_guard.ledger_session() was called outside an actor guarded by idempotency_key="
-        )
-    return session
+    return required(ledger_session_var, "dramatiq_guard.ledger_session()", "idempotency_key=")
+
+
+def required(var: contextvars.ContextVar[T | None], call: str, options: str) -> T:
+    """The value of ``var``, or a RuntimeError saying ``call`` was made outside an actor guarded so."""
+    value = var.get()
+    if value is None:
+        raise RuntimeError(f"{call} was called outside an actor guarded by {options}")
+    return value

@@ -1,10 +1,4 @@
-"""Exceptions raised by dramatiq-guard.
-
-Every exception a guard middleware raises from a Dramatiq hook subclasses
-:class:`dramatiq.middleware.MiddlewareError`: Dramatiq re-raises only those
-from ``before_*`` hooks and swallows (logs) anything else, which would let a
-guarded message run unguarded.
-"""
+"""Exceptions raised by dramatiq-guard (each a Dramatiq ``MiddlewareError``: see docs/design.md)."""
 
 from __future__ import annotations
 
@@ -21,22 +15,14 @@ class GuardError(MiddlewareError):
 
 
 class GuardOptionError(GuardError, ValueError):
-    """An actor option or a setting has a value that is not allowed.
-
-    It is a :class:`ValueError` (what a user expects from a bad argument) and
-    a :class:`~dramatiq.middleware.MiddlewareError` (so Dramatiq lets it out
-    of ``before_declare_actor`` and ``@dramatiq.actor`` fails at declaration).
-    """
+    """An actor option or a setting has a value that is not allowed (raised at ``@dramatiq.actor``)."""
 
 
 class GuardKeyError(GuardOptionError):
     """A message's guard key cannot be derived from its arguments.
 
-    Raised where the key is derived: by ``send()`` (nothing is pushed, and
-    nothing of the message is written to the backend), by a worker that
-    picks up a message sent without the guard, and by ``key_for``. A
-    :class:`ValueError` (through :class:`GuardOptionError`) and a
-    :class:`~dramatiq.middleware.MiddlewareError`.
+    Raised where the key is derived (``send()``, before anything is pushed
+    or written; a worker; ``key_for``).
 
     Parameters:
       actor_name(str): The message's actor.
@@ -51,31 +37,21 @@ class GuardKeyError(GuardOptionError):
             f"actor {actor_name!r}: the {option} key of this message cannot be derived from its "
             f"arguments: {reason}. {allowed}"
         )
-        self.actor_name = actor_name
-        self.option = option
-        self.reason = reason
+        self.actor_name, self.option, self.reason = actor_name, option, reason
 
 
 class BackendUnavailable(GuardError):
-    """The guard backend (Redis) could not be reached.
-
-    Raised instead of running a guarded message unguarded: the Retries
-    middleware retries the message later (fail closed).
-    """
+    """The guard backend (Redis) could not be reached: the message fails closed and Retries retries it."""
 
 
 class BackendRefused(BackendUnavailable):
-    """The guard's Redis refused a call: its ACL user lacks a permission the guard needs (``NOPERM``).
+    """The guard's Redis refused a call: its ACL user lacks a permission (``NOPERM``).
 
-    It fails closed like an unreachable Redis (``fail_open`` applies, the
-    Retries middleware retries the message): the message names what was
-    refused. Nothing in the process is changed by it, so once an operator
-    grants the permission (or loads the guard's function library: see
-    ``docs/redis.md``, "A restricted ACL user"), the next call succeeds.
+    It fails closed like an unreachable Redis; once the permission is
+    granted, the next call succeeds (docs/redis.md, "A restricted ACL user").
 
     Parameters:
-      refusal(str): What was refused (Redis's ``NOPERM`` reply names the
-        command or the keys).
+      refusal(str): What was refused (the command or the keys).
       cure(str): What an operator should do.
     """
 
@@ -89,39 +65,9 @@ class BackendRefused(BackendUnavailable):
 class ReplicasBehind(BackendUnavailable):
     """Fewer replicas than asked acknowledged a decision in time (``replica_waits``, Redis ``WAIT``).
 
-    Raised after the operation ran on the primary: it may not survive a
-    failover, so it fails closed, as if Redis had been unreachable. What the
-    caller can rely on (the same holds for a connection lost after a call was
-    sent, which is a plain :class:`BackendUnavailable`):
-
-    * ``send()`` that raises this left nothing a retry trips on: a dedup
-      lock, a slot reserved or a message parked for it was taken back, by its
-      message id, before the error reached the caller
-      (:meth:`GuardBackend.take_back
-      <dramatiq_guard.backends.GuardBackend.take_back>`), so a new ``send()``
-      is neither dropped as a duplicate nor run beside a parked copy; with
-      ``fail_open=True`` the message is pushed unguarded and nothing of it is
-      kept. So is a :class:`~dramatiq_guard.lock.Lock`'s acquire. (A
-      ``reschedule_once`` rerun asked for by a duplicate stays asked for: a
-      retry asks for the same one, whose id comes from the holder's.)
-    * If the take-back failed too (logged; Redis gone), what the call may have
-      done lapses on its own: a dedup lock within ``pending_ttl``, a
-      reservation within ``pickup_ttl``, a lock within ``lease_ttl``; a parked
-      message stays parked and runs once. A retry that sends the same message
-      again (``broker.enqueue(message)``: same ``message_id``) joins what is
-      there instead of adding a second copy; a new ``send()`` may not.
-    * A worker's acquire takes nothing back (another copy of the message may
-      hold the key): the message fails and is retried. A slot it got keeps
-      the retry out (deferred) until its lease lapses; a message it parked
-      runs from there, and the retried copy is skipped as stale. A blocking
-      wait (``on_busy="wait"``, a standby, a blocking lock) leaves its place
-      or lapses within seconds.
-    * A release may have freed the slot (the message is done anyway); a
-      renewal, a hand-off's confirmation, a withdrawal, a sweep or a limit
-      may have been done: each is idempotent, and a retry is safe. A
-      hand-off the lost answer carried is nobody's to deliver: its
-      reservation lapses within ``handoff_ttl_ms`` and its message waits
-      again in its place; nothing is lost.
+    The operation ran on the primary but may not survive a failover, so it
+    fails closed. What a caller may rely on afterwards (``send()`` took back
+    what it stored, a worker's acquire is retried...): docs/failure-model.md.
 
     Attributes:
       acknowledged(int): How many replicas acknowledged.
@@ -134,9 +80,7 @@ class ReplicasBehind(BackendUnavailable):
             f"the guard's Redis backend: only {acknowledged} of {wanted} replica(s) acknowledged "
             f"a decision within {timeout_ms} ms (replica_waits={wanted}): failing closed"
         )
-        self.acknowledged = acknowledged
-        self.wanted = wanted
-        self.timeout_ms = timeout_ms
+        self.acknowledged, self.wanted, self.timeout_ms = acknowledged, wanted, timeout_ms
 
 
 class ConfigurationError(GuardError, ValueError):
@@ -153,8 +97,7 @@ class LeaseLost(GuardError):
 
     def __init__(self, key: str, holder: str) -> None:
         super().__init__(f"the lease of {holder!r} on guard key {key!r} was lost before it was released")
-        self.key = key
-        self.holder = holder
+        self.key, self.holder = key, holder
 
 
 class DuplicateMessage(GuardError):
@@ -170,16 +113,11 @@ class DuplicateMessage(GuardError):
         super().__init__(
             f"message {message_id!r} is a duplicate of message {holder!r}, which holds dedup key {key!r}"
         )
-        self.message_id = message_id
-        self.holder = holder
-        self.key = key
+        self.message_id, self.holder, self.key = message_id, holder, key
 
 
 class MutexWaitTimeout(GuardError):
-    """A ``mutex`` with ``on_busy="wait"`` was still held when ``wait`` ran out.
-
-    The Retries middleware retries the message (it is a MiddlewareError, so
-    Dramatiq does not swallow it in ``before_process_message``).
+    """A ``mutex`` with ``on_busy="wait"`` was still held when ``wait`` ran out (Retries retries it).
 
     Parameters:
       key(str): The guard key.
@@ -189,14 +127,10 @@ class MutexWaitTimeout(GuardError):
     """
 
     def __init__(self, key: str, message_id: str, wait_ms: int, holders: tuple[str, ...] = ()) -> None:
-        held_by = f" (held by {', '.join(holders)})" if holders else ""
         super().__init__(
-            f"message {message_id} waited {wait_ms} ms for the mutex {key!r}{held_by}; giving up"
+            f"message {message_id} waited {wait_ms} ms for the mutex {key!r}{_held_by(holders)}; giving up"
         )
-        self.key = key
-        self.message_id = message_id
-        self.wait_ms = wait_ms
-        self.holders = holders
+        self.key, self.message_id, self.wait_ms, self.holders = key, message_id, wait_ms, holders
 
 
 class LockNotAcquired(GuardError):
@@ -208,19 +142,19 @@ class LockNotAcquired(GuardError):
     """
 
     def __init__(self, key: str, holders: tuple[str, ...] = ()) -> None:
-        held_by = f" (held by {', '.join(holders)})" if holders else ""
-        super().__init__(f"could not acquire the lock {key!r}{held_by}")
-        self.key = key
-        self.holders = holders
+        super().__init__(f"could not acquire the lock {key!r}{_held_by(holders)}")
+        self.key, self.holders = key, holders
+
+
+def _held_by(holders: tuple[str, ...]) -> str:
+    return f" (held by {', '.join(holders)})" if holders else ""
 
 
 class EvictingRedis(ConfigurationError):
-    """The guard's Redis may evict keys: its ``maxmemory-policy`` is not ``noeviction``.
+    """The guard's Redis may evict keys (its ``maxmemory-policy`` is not ``noeviction``).
 
-    An evicted guard key is a parked message, a dedup lock or a holder lost
-    without a trace, so the guard refuses such a Redis unless told otherwise
-    (``install(broker, allow_evicting_redis=True)``, or the
-    ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` environment variable).
+    Refused unless ``install(broker, allow_evicting_redis=True)`` or
+    ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` says otherwise.
 
     Parameters:
       policy(str): The ``maxmemory-policy`` the server reported.
@@ -241,11 +175,6 @@ class EvictingRedis(ConfigurationError):
 class LayoutTooNew(ConfigurationError):
     """The guard's Redis holds state in a layout newer than this version reads (a downgrade).
 
-    Each namespace records the layout of its state (``<namespace>:layout``,
-    see :data:`dramatiq_guard.backends.redis_health.LAYOUT`); a process whose
-    version knows only older layouts would misread parked messages, holders
-    and dedup locks, so it refuses to start instead.
-
     Parameters:
       stored(int): The layout recorded in Redis.
       known(int): The newest layout this version reads.
@@ -260,15 +189,11 @@ class LayoutTooNew(ConfigurationError):
             f"newer version, or another namespace; to go back to this version, let the namespace drain "
             f"(no parked message, holder or dedup lock left) and delete the key {key!r}"
         )
-        self.stored = stored
-        self.known = known
+        self.stored, self.known = stored, known
 
 
 class PayloadTooLarge(GuardError, ValueError):
-    """A message that would park is larger than the backend's ``max_payload_bytes``.
-
-    Raised before anything is written, so nothing of the message is stored.
-    At enqueue it reaches the caller of ``send()``.
+    """A message that would park is larger than the backend's ``max_payload_bytes`` (nothing is stored).
 
     Parameters:
       key(str): The guard key.
@@ -284,13 +209,10 @@ class PayloadTooLarge(GuardError, ValueError):
             f"to the data instead of the data, or raise the bound: "
             f"dramatiq_guard.install(broker, max_payload_bytes=...) (or the backend's max_payload_bytes)"
         )
-        self.key = key
-        self.waiter_id = waiter_id
-        self.size = size
-        self.limit = limit
+        self.key, self.waiter_id, self.size, self.limit = key, waiter_id, size, limit
 
 
-# -- the idempotency ledger (which of these Retries retries: dramatiq_guard.ledger.errors) --
+# -- the idempotency ledger (IdempotencyConflict and UnstorableResult are not retried: docs/ledger.md) --
 
 _repr = reprlib.Repr()
 _repr.maxstring = 200
@@ -303,10 +225,7 @@ class LedgerError(GuardError):
 
 
 class IdempotencyConflict(LedgerError):
-    """An idempotency key already in the ledger was used with a different payload.
-
-    The key is bound to the payload (actor name and arguments) of its first
-    use until its row expires. The stored row is left untouched. Not retried.
+    """An idempotency key already in the ledger was used with a different payload (not retried).
 
     Parameters:
       key(str): The idempotency key.
@@ -333,20 +252,13 @@ class IdempotencyConflict(LedgerError):
             f"this message has fingerprint {fingerprint} ({_repr.repr(payload)}). "
             f"A key must identify one operation; use a new key for a different payload."
         )
-        self.key = key
-        self.stored_fingerprint = stored_fingerprint
-        self.fingerprint = fingerprint
-        self.stored_payload = stored_payload
-        self.payload = payload
-        self.holder = holder
+        self.key, self.holder = key, holder
+        self.fingerprint, self.stored_fingerprint = fingerprint, stored_fingerprint
+        self.payload, self.stored_payload = payload, stored_payload
 
 
 class UnstorableResult(LedgerError, TypeError):
-    """The actor returned a value the ledger cannot store as JSON.
-
-    Nothing of the run is committed. Not retried: the same code would return
-    the same kind of value again.
-    """
+    """The actor returned a value the ledger cannot store as JSON (nothing is committed; not retried)."""
 
 
 __all__ = ["IdempotencyConflict", "LedgerError", "UnstorableResult"]

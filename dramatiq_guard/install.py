@@ -18,11 +18,9 @@ from dramatiq_guard.resolve import name_route, resolve_backend
 
 logger = logging.getLogger(__name__)
 
-#: The guard middlewares, in broker order. At execution time the slots
-#: middlewares go first (a message they park must not count as started for
-#: deduplication), then deduplication, then the ledger, which wraps the
-#: actor's own work. Enqueue-time order is set separately by each
-#: middleware's ``gate_priority`` (deduplication before parking).
+#: The guard middlewares, in broker order: slots first (a message they park has not started for
+#: deduplication), then deduplication, then the ledger around the actor's work. Enqueue-time order
+#: is each middleware's ``gate_priority``.
 MIDDLEWARE: tuple[str, ...] = (
     "dramatiq_guard.middleware.slots:Mutex",
     "dramatiq_guard.middleware.slots:Concurrency",
@@ -56,41 +54,23 @@ def _keywords(cls: type[Middleware]) -> set[str]:
 
 @dataclasses.dataclass(frozen=True)
 class InstallSettings:
-    """The settings :func:`install` takes for itself, as keyword arguments beside ``redis`` and ``ledger``.
-
-    Every other setting goes to the guard middlewares that take a keyword of
-    that name (e.g. ``lease_ttl``).
+    """The settings :func:`install` takes for itself; every other goes to the middlewares that take it.
 
     Parameters:
       allow_evicting_redis(bool): Run on a Redis whose ``maxmemory-policy``
-        may evict keys (anything but ``noeviction``), with a warning, instead
-        of refusing it. An evicted guard key is a message lost silently; see
-        :mod:`dramatiq_guard.backends.redis_health`.
+        may evict keys, with a warning, instead of refusing it.
       max_payload_bytes(int|None): The largest encoded message that may park
-        (None: the backend's, 256 KiB by default). A larger message of a
-        parking actor is refused at ``send()`` with
-        :class:`~dramatiq_guard.errors.PayloadTooLarge`, nothing stored.
+        (None: the backend's, 256 KiB); a larger one is refused at ``send()``
+        with :class:`~dramatiq_guard.errors.PayloadTooLarge`.
       route(str|None): The name under which this process's parked messages
-        are recorded and which parked messages it delivers; it becomes the
-        broker's route for everything in the process that delivers on it.
-        None: the ``DRAMATIQ_GUARD_ROUTE`` environment variable, else the
-        broker as configured (:func:`dramatiq_guard.resolve.route_of`: host
-        names as written, never resolved). Every process of one application
-        must have the same route, and no other application's (see
-        docs/failure-model.md, "Two applications on one guard Redis"). It
-        is required where the guard cannot describe the broker: a broker
-        other than Redis, RabbitMQ or Stub, or a RedisBroker whose
-        connection pool names no server.
+        are recorded and delivered: the same in every process of one
+        application and in no other (docs/failure-model.md). None:
+        ``DRAMATIQ_GUARD_ROUTE``, else the broker as configured; required
+        for a broker the guard cannot describe.
       replica_waits(int): How many replicas of the guard's Redis must
-        acknowledge every decision before it stands (Redis ``WAIT`` after
-        each script; see :class:`~dramatiq_guard.backends.RedisBackend` and
-        :meth:`~dramatiq_guard.backends.GuardBackend.wait_for_replicas`). 0
-        (the default): none; a failover may then lose the last decisions
-        (docs/scaling.md).
-      replica_wait_timeout_ms(int): How long to wait for them; if fewer
-        acknowledge in time, the operation fails closed
-        (:class:`~dramatiq_guard.errors.ReplicasBehind`, a
-        ``BackendUnavailable``: the message is retried).
+        acknowledge every decision (Redis ``WAIT``; docs/redis.md). 0: none.
+      replica_wait_timeout_ms(int): How long to wait for them; fewer in time
+        fail the operation closed (:class:`~dramatiq_guard.errors.ReplicasBehind`).
     """
 
     allow_evicting_redis: bool = False
@@ -107,13 +87,10 @@ INSTALL_SETTINGS = frozenset(field.name for field in dataclasses.fields(InstallS
 def install(broker: Broker, *, redis: Any = None, ledger: Any = None, **settings: Any) -> list[Middleware]:
     """Add every guard middleware to ``broker`` and return them, in broker order.
 
-    Call it before importing the modules that declare guarded actors:
-    Dramatiq rejects actor options no middleware has declared.
-
-    The middlewares go just before Dramatiq's Retries middleware (so they see
-    its decision when a message fails), or at the end if the broker has none.
-    Calling it again on the same broker adds nothing and returns the guard
-    middlewares already there.
+    Call it before importing the modules that declare guarded actors. The
+    middlewares go just before Retries (else at the end); a second call adds
+    nothing. It checks the guard's Redis (eviction, persistence) and warns if
+    a call could block longer than the shortest lease.
 
     Parameters:
       broker(Broker): The broker.
@@ -124,31 +101,18 @@ def install(broker: Broker, *, redis: Any = None, ledger: Any = None, **settings
         environment variable, else a ConfigurationError.
       ledger: The idempotency ledger's database: an SQLAlchemy Engine, a
         URL, or None: ``DRAMATIQ_GUARD_LEDGER_URL``, else a SQLite file.
-      **settings: Those of :class:`InstallSettings` (``allow_evicting_redis``,
-        ``max_payload_bytes``, ``route``, ``replica_waits``,
-        ``replica_wait_timeout_ms``); any other is passed to each middleware
-        that takes a keyword of that name (e.g. ``lease_ttl``).
-
-    The guard's Redis is checked here (its ``maxmemory-policy`` and
-    persistence, best effort: a Redis that forbids ``CONFIG`` gets a logged
-    note; :meth:`~dramatiq_guard.backends.GuardBackend.check_health`).
-    Without persistence, a warning says what a restart would lose.
-    A WARNING is logged if one call to the backend could block longer than
-    the shortest lease when Redis stops answering (a client without
-    ``socket_timeout``, such as a RedisBroker's made without one; see
-    :meth:`~dramatiq_guard.backends.GuardBackend.slow_call_warning`).
+      **settings: Those of :class:`InstallSettings`; any other goes to each
+        middleware that takes a keyword of that name (e.g. ``lease_ttl``).
 
     Raises:
       ConfigurationError: If no backend can be found, a setting is taken by
-        no middleware (the error lists the settings that exist), or no route
-        is given where the guard cannot describe the broker (two applications
-        on such brokers would deliver each other's parked messages; the error
-        asks for ``route=``), or ``replica_waits`` is not 0 for a backend
-        with no replicas (not Redis). Nothing is installed.
+        no middleware, no route is given where one is needed, or
+        ``replica_waits`` is not 0 for a backend with no replicas. Nothing is
+        installed.
       EvictingRedis: If the guard's Redis may evict keys and
-        ``allow_evicting_redis`` is False (the error says what to set).
-      ValueError: If ``max_payload_bytes`` is not a positive int, or
-        ``replica_waits`` or ``replica_wait_timeout_ms`` is out of range.
+        ``allow_evicting_redis`` is False.
+      ValueError: If ``max_payload_bytes``, ``replica_waits`` or
+        ``replica_wait_timeout_ms`` is out of range.
     """
     classes = [_load(path) for path in MIDDLEWARE]
     existing = [m for m in broker.middleware if type(m) in classes]
@@ -188,10 +152,7 @@ def _add(
     settings: dict[str, Any],
     stores: dict[str, Any],
 ) -> list[Middleware]:
-    """Each middleware class of ``accepted``, made with the settings and stores it takes, added to ``broker``.
-
-    They go just before Retries, or at the end if the broker has none.
-    """
+    """Each middleware class of ``accepted``, made with what it takes, added just before Retries."""
     retries = next((m for m in broker.middleware if isinstance(m, Retries)), None)
     added: list[Middleware] = []
     for cls, names in accepted.items():

@@ -1,31 +1,10 @@
 """Guard keys: how a message's arguments become the key of a lock or a limit.
 
-A ``key`` option takes one of three forms:
-
-* a callable of the actor's arguments returning a string. The string is used
-  as given, so two actors whose callables return the same string share a
-  lock or a limit;
-* a list of argument names, resolved through the actor's signature (so
-  ``f(1, b=2)`` and ``f(a=1, b=2)`` agree, and defaults count as passed);
-* absent: all the arguments, resolved the same way.
-
-The last two are scoped to the actor and digested: the key is
-``"<actor_name>:<digest>"`` where the digest is the SHA-256 of the canonical
-JSON of a mapping from argument name to value.
-
-Canonical JSON is :func:`json.dumps` with sorted keys, ``(",", ":")``
-separators, ``ensure_ascii=False``, ``allow_nan=False``, encoded as UTF-8.
-Tuples encode as lists; floats use Python's shortest round-tripping repr,
-which has been the same since Python 3.1. The digest of the same arguments is
-therefore the same across processes, machines and Python versions; the test
-vectors in ``tests/data/key_vectors.json`` pin it.
-
-Arguments a key cannot be derived from (a NaN or an infinity, a str with a lone
-surrogate, a value JSON cannot encode or nested too deeply, arguments that do not fit the actor),
-and a key callable that raises or returns anything but a str of valid Unicode,
-raise :class:`~dramatiq_guard.errors.GuardKeyError`, naming the actor, the
-option, the argument and what is wrong: at ``send()``, before anything is
-pushed or written.
+A ``key`` option is a callable of the actor's arguments returning a str (used
+as given), a list of argument names, or absent (all the arguments). The last
+two are bound through the actor's signature and digested, scoped to the actor:
+``"<actor_name>:<sha256 of canonical JSON>"`` (docs/design.md, "Keys"). What
+cannot make a key raises :class:`~dramatiq_guard.errors.GuardKeyError` at ``send()``.
 """
 
 from __future__ import annotations
@@ -49,7 +28,7 @@ _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_asci
 
 
 def canonical_json(value: Any) -> bytes:
-    """Encode ``value`` as canonical JSON (see the module docstring).
+    """Encode ``value`` as canonical JSON (sorted keys, no spaces, UTF-8, no NaN).
 
     Raises:
       TypeError: If ``value`` holds something JSON cannot encode.
@@ -156,9 +135,8 @@ class KeyResolver:
         self.spec = spec
         self.option = option
         self.signature = inspect.signature(fn)
-        #: The parameter names, when every parameter can be passed by position and none is
-        #: variadic: then a call with exactly that many positional arguments and no keywords
-        #: binds each name to its argument, without Signature.bind (the common case, per message).
+        #: The parameter names if all are positional and none variadic: a call with that many
+        #: positional arguments then binds them without Signature.bind (the common case).
         kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         every = self.signature.parameters.values()
         self._positional: tuple[str, ...] | None = (
@@ -178,9 +156,8 @@ class KeyResolver:
 
         Raises:
           GuardKeyError: If the arguments do not fit the actor's signature, a
-            digested argument cannot be encoded (see the module docstring),
-            or a key callable raised or returned something other than a str
-            of valid Unicode.
+            digested argument cannot be encoded, or a key callable raised or
+            returned something other than a str of valid Unicode.
         """
         if callable(self.spec):
             try:

@@ -195,7 +195,8 @@ class Lease:
         self._released = True
         if self._handle is not None:
             self._handle.unregister()
-        _expirer.cancel(self)
+        if self.cap_ms is not None:  # only a capped lease was scheduled: no other takes the expirer's lock
+            _expirer.cancel(self)
 
     def _released_as(self, result: ReleaseResult) -> ReleaseResult:
         if not result.released:

@@ -147,7 +147,7 @@ class Lock:
             self.blocking_timeout if blocking_timeout is None else blocking_timeout, what="blocking_timeout"
         )
         ttl = self.lease_ttl_ms if self.ttl_ms is None else max(1, min(self.lease_ttl_ms, self.ttl_ms))
-        claim = Claim(self.backend(), self.key, uuid.uuid4().hex, 1, ttl)
+        claim = Claim(self.key, uuid.uuid4().hex, 1, ttl, backend=self.backend())
         try:
             wait_ms = BACKSTOP_MS if timeout is None else int(timeout * 1000)
             result = claim.acquire(Waiter(wait_ms=entry_ms(wait_ms)) if blocking else None)

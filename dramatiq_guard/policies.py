@@ -1,15 +1,8 @@
 """Actor options and the frozen policies they turn into.
 
-This module is the one place that turns what a user writes in an actor
-option (a shorthand, a plain dict or a policy object) into a frozen policy,
-and the one place that words the error when it cannot. Every error names the
-actor, the option, the value and the allowed forms, and is raised at
-``@dramatiq.actor`` time as a :class:`~dramatiq_guard.errors.GuardOptionError`
-(a :class:`ValueError`).
-
-Durations follow Dramatiq: integer milliseconds, or a :class:`datetime.timedelta`,
-from 0 to 366 days (the ledger's ``retention``: 100 years); limits run from 0 to
-2**31 - 1 (:mod:`dramatiq_guard.bounds`).
+The one place that turns an option (a shorthand, a dict or a policy) into a
+policy, and that words the error when it cannot (naming the actor, the option,
+the value and the allowed forms). Durations and limits: :mod:`dramatiq_guard.bounds`.
 """
 
 from __future__ import annotations
@@ -32,17 +25,10 @@ OnBusy = Literal["drop", "wait", "park"]
 def duration_ms(
     value: object, *, what: str, allow_none: bool = False, maximum: int = MAX_DURATION_MS
 ) -> int | None:
-    """Normalise a duration to integer milliseconds.
-
-    Parameters:
-      value: An ``int`` of milliseconds (not a bool), a ``timedelta``, or None
-        when ``allow_none``.
-      what(str): The field's name, for the error.
-      maximum(int): The longest allowed, in ms: 366 days
-        (:data:`~dramatiq_guard.bounds.MAX_DURATION_MS`) unless given.
+    """``value`` (int ms, not a bool, or a timedelta; None if ``allow_none``) in ms, from 0 to ``maximum``.
 
     Raises:
-      ValueError: If ``value`` is not a duration from 0 to ``maximum``.
+      ValueError: Naming ``what``, if ``value`` is not such a duration.
     """
     if value is None and allow_none:
         return None
@@ -66,15 +52,10 @@ def duration_ms(
 
 
 def timeout_s(value: object, *, what: str) -> float | None:
-    """Normalise a timeout in seconds (redis-py's unit for lock timeouts) to a float.
-
-    Parameters:
-      value: An ``int`` or ``float`` of seconds (not a bool), a ``timedelta``,
-        or None (no timeout).
-      what(str): The field's name, for the error.
+    """``value`` (seconds, not a bool, or a timedelta; None: no timeout) as float seconds, up to 366 days.
 
     Raises:
-      ValueError: If ``value`` is not a number of seconds from 0 to 366 days.
+      ValueError: Naming ``what``, if ``value`` is not such a timeout.
     """
     if value is None:
         return None
@@ -227,7 +208,7 @@ class ConcurrencyPolicy:
 
     Parameters:
       limit: At most this many messages per key execute at once (0 halts the
-        key; at most 2**31 - 1). A run-time limit set in the backend overrides it.
+        key). A run-time limit set in the backend overrides it.
       key: Which messages share the limit (see :mod:`dramatiq_guard.keys`).
       ttl: The most a holder keeps its slot, renewals included (None: as
         long as it runs).
@@ -316,13 +297,10 @@ class IdempotencyPolicy:
 
     Parameters:
       key: A callable of the actor's arguments returning the idempotency key
-        (a str), a list of argument names, or None (the ``True`` shorthand):
-        no key from the arguments, so each message is its own key (its
-        ``idempotency_key`` message option if it carries one, else its
-        ``message_id``, which guards against redelivery and retries of that
-        message). Required: a dict must name it.
-      retention: How long completed rows are kept before pruning, up to 100
-        years (None: the ledger's default).
+        (a str), a list of argument names, or None (the ``True`` shorthand:
+        each message is its own key, its ``idempotency_key`` option, else its
+        ``message_id``). Required: a dict must name it.
+      retention: How long completed rows are kept, up to 100 years (None: the ledger's default).
     """
 
     option: ClassVar[str] = "idempotency_key"
@@ -377,16 +355,10 @@ def _is_shorthand(cls: type[Any], value: object) -> bool:
 
 
 def parse_policy(cls: type[P], value: object, *, actor_name: str) -> P:
-    """Turn an actor option's value into a frozen policy of type ``cls``.
-
-    Parameters:
-      cls: The policy class (its ``option`` names the actor option).
-      value: What the user wrote: a shorthand, a dict, or a ``cls`` instance.
-      actor_name(str): The actor's name, for the error.
+    """Turn an actor option's value (a shorthand, a dict, or a ``cls``) into a frozen ``cls``.
 
     Raises:
-      GuardOptionError: Naming the actor, the option, the value and the
-        allowed forms.
+      GuardOptionError: Naming the actor, the option, the value and the allowed forms.
     """
     try:
         if isinstance(value, cls):

@@ -1,23 +1,10 @@
-"""Finding the guard backend for a broker.
+"""Finding the guard backend for a broker, and the broker's route.
 
-``redis`` (the argument of :func:`dramatiq_guard.install` and of every guard
-middleware) may be:
-
-* a :class:`~dramatiq_guard.backends.GuardBackend`: used as is;
-* a redis-py client (``Redis``, ``RedisCluster``, or one made by ``Sentinel``);
-* a Redis URL string;
-* None: the broker decides. A ``RedisBroker`` lends its own client; a
-  ``StubBroker`` gets an in-memory backend; any other broker (RabbitMQ...)
-  uses the ``DRAMATIQ_GUARD_REDIS_URL`` environment variable, and without it
-  is a :class:`~dramatiq_guard.errors.ConfigurationError`.
-
-Every middleware attached to one broker with ``redis=None`` shares one
-backend (so the in-memory backend of a StubBroker is one store).
-
-A backend resolved for a broker records the broker's *route*
-(:func:`route_of`): parked messages it parks are delivered back only by
-processes of the same route (see the backend contract, *routes*), so two
-applications sharing one guard Redis never deliver each other's messages.
+``redis`` (of :func:`dramatiq_guard.install` and every guard middleware) is a
+:class:`~dramatiq_guard.backends.GuardBackend`, a redis-py client, a URL, or
+None: a RedisBroker lends its client, a StubBroker gets an in-memory backend,
+any other broker needs ``DRAMATIQ_GUARD_REDIS_URL``. Every middleware of one
+broker with ``redis=None`` shares one backend. Routes: docs/failure-model.md.
 """
 
 from __future__ import annotations
@@ -34,6 +21,8 @@ from dramatiq_guard.backends.base import GuardBackend
 from dramatiq_guard.errors import ConfigurationError
 
 REDIS_URL_ENV = "DRAMATIQ_GUARD_REDIS_URL"
+#: The Redis of the command and the dashboard when neither names one.
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 ROUTE_ENV = "DRAMATIQ_GUARD_ROUTE"
 
 _shared: weakref.WeakKeyDictionary[Broker, GuardBackend] = weakref.WeakKeyDictionary()
@@ -65,7 +54,7 @@ def backend_from(redis: Any) -> GuardBackend:
 
 
 def resolve_backend(broker: Broker, redis: Any = None) -> GuardBackend:
-    """The backend for ``broker`` (see the module docstring).
+    """The backend for ``broker``, with the broker's route.
 
     Raises:
       ConfigurationError: If no backend can be found for the broker.
@@ -96,33 +85,15 @@ def name_route(broker: Broker, route: str) -> None:
 
 
 def route_of(broker: Broker) -> str:
-    """Which broker (and queues) a process delivers parked messages to.
+    """Which broker (and queues) a process delivers parked messages to (docs/failure-model.md).
 
-    A route must be the same in every process of one application, across
-    restarts and whatever address its servers have now, and differ between
-    two applications. So it is, in this order:
-
-    * the route named for this broker, ``install(broker, route=...)``;
-    * the ``DRAMATIQ_GUARD_ROUTE`` environment variable;
-    * the broker as configured, as written: never a resolved address (a
-      recreated container, a failed-over endpoint keep their route). For a
-      RedisBroker, its server's host name (lowercased) and port, or its Unix
-      socket, then its database and Dramatiq namespace; made by Sentinel, its
-      Sentinels' hosts and ports (in any order), service name, database and
-      namespace. For a RabbitmqBroker, its hosts and ports (in any order) and
-      virtual host. For a StubBroker, that very object (it lives in one
-      process).
-
-    Two ways of writing one server are two routes (``localhost`` and
-    ``127.0.0.1``, or a different list of Sentinels): configure the broker
-    alike in every process of an application, or name its route.
+    The route named by ``install(broker, route=...)``, else ``DRAMATIQ_GUARD_ROUTE``,
+    else the broker as configured, as written (never a resolved address; a
+    StubBroker: that very object).
 
     Raises:
       ConfigurationError: If no route is named and the guard cannot describe
-        the broker: a broker of another kind (dramatiq-postgres, SQS...), of
-        which it sees only the class, or a RedisBroker whose connection pool
-        names no server. Two applications on such brokers would share a route
-        and deliver each other's parked messages, so each must be named.
+        the broker (another kind, or a RedisBroker whose pool names no server).
     """
     named = _named.get(broker) or os.environ.get(ROUTE_ENV)
     if named:

@@ -1,27 +1,17 @@
-"""Test helpers for users of dramatiq-guard with Dramatiq's StubBroker.
+"""Test helpers for users of dramatiq-guard with Dramatiq's StubBroker (docs/testing.md).
 
-``StubBroker.join(queue_name)`` returns once the queue and its delay queue
-are empty, but a message parked by a ``concurrency`` limit or a
-``mutex(on_busy="park")`` has left the queue: it waits in the guard's
-lockwait area and comes back when a slot frees. :func:`join` waits for those
-too::
-
-    from dramatiq_guard.testing import join
+:func:`join` waits for the queue *and* for messages parked by a ``concurrency``
+limit or a ``mutex(on_busy="park")``, which ``StubBroker.join`` does not see::
 
     for n in range(10):
         deliver_webhook.send(customer_id, n)
     join(stub_broker, deliver_webhook.queue_name)
-    worker.join()
 
-:class:`GuardLimits` records, from the guard's events, the most messages
-that held each guard key at once, to assert that a limit held::
+:class:`GuardLimits` records the most messages that held each guard key at once::
 
     with GuardLimits() as limits:
         ...  # send, run a worker, join
     limits.assert_held("webhooks:42", limit=2)
-
-The pytest plugin (:mod:`dramatiq_guard_pytest`, docs/testing.md) offers both as
-fixtures: ``guard_join`` and ``guard_limits``.
 """
 
 from __future__ import annotations
@@ -41,12 +31,7 @@ __all__ = ["GuardLimits", "join", "parked_count"]
 
 
 def parked_count(broker: Broker) -> int:
-    """How many messages wait in the lockwait areas of ``broker``'s slot keys.
-
-    Parked messages and hand-offs not yet confirmed count, over every key of
-    every :class:`~dramatiq_guard.middleware.slots.SlotsMiddleware` on the
-    broker (the lockwait area does not record queues).
-    """
+    """How many messages (parked, or handed off and not yet confirmed) wait in ``broker``'s slot keys."""
     total = 0
     for middleware in broker.middleware:
         if not isinstance(middleware, SlotsMiddleware):
@@ -62,10 +47,8 @@ def parked_count(broker: Broker) -> int:
 def join(broker: Broker, queue_name: str, *, timeout: int | None = None, **join_options: Any) -> None:
     """Wait until ``queue_name`` is drained *and* no message is parked in any slot key.
 
-    On a broker whose worker releases leases on a thread of its own (any but
-    a StubBroker: see ``docs/slots.md``, Execution), the releases still
-    waiting for that thread are made first, so every finished message's slot
-    is free when this returns.
+    Releases still waiting for a release thread are made first, so every
+    finished message's slot is free when this returns.
 
     Parameters:
       broker(Broker): A StubBroker (any broker with ``join``) with a worker running.
@@ -87,14 +70,12 @@ def join(broker: Broker, queue_name: str, *, timeout: int | None = None, **join_
             if isinstance(middleware, SlotsMiddleware):
                 middleware.flush_releases()
         with activity:
-            # A handed-off message re-enters the queue before its hand-off is
-            # confirmed, so "nothing parked" is only final with an empty queue.
+            # A handed-off message re-enters the queue before it is confirmed: both must be empty.
             if parked_count(broker) == 0 and _queue_empty(broker, queue_name):
                 return
             if deadline is not None and time.monotonic() >= deadline:
                 raise QueueJoinTimeout(queue_name)  # type: ignore[no-untyped-call]
-            # Wake on the next park or hand-off in this process (the
-            # only places the lockwait area changes); the bound is a backstop.
+            # Wake on the next change of the lockwait area in this process; the bound is a backstop.
             bound = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
             activity.wait(bound)
 
@@ -115,26 +96,11 @@ def _queue_empty(broker: Broker, queue_name: str) -> bool:
 class GuardLimits:
     """The most messages that held each guard key at once, recorded from the guard's events.
 
-    While it records (from :meth:`start`, or entering it as a context
-    manager, to :meth:`stop`), it is the event sink of
-    :mod:`dramatiq_guard.events`; every event also goes on to the sink it
-    replaced (e.g. :class:`~dramatiq_guard.metrics.GuardMetrics`), which is
-    put back when it stops.
-
-    A message counts as a holder of its ``mutex`` or ``concurrency`` key from
-    the moment it holds the slot, before the actor starts, until the actor
-    has finished, before the slot is released: exactly while the actor's own
-    code may run. Only this process's holders are seen, so run the actors in
-    a :class:`dramatiq.Worker` of this process (as with a StubBroker), not in
-    worker processes of their own.
-
-    Keys are the guard keys that ``dramatiq-guard inspect`` shows
-    (``"concurrency:webhooks:42"``, ``"mutex:report"``); the methods also
-    take the key as the actor's ``key`` callable returned it
-    (``"webhooks:42"``). A key derived from argument names is digested: get
-    it with :meth:`Concurrency.key_for
-    <dramatiq_guard.middleware.slots.SlotsMiddleware.key_for>`, or read
-    :attr:`peaks`.
+    While it records it is the event sink, passing every event on to the sink
+    it replaced. A message holds its key while the actor's own code may run;
+    only this process's holders are seen. Keys are as ``dramatiq-guard
+    inspect`` shows them (``"concurrency:webhooks:42"``) or as a ``key``
+    callable returned them (``"webhooks:42"``).
     """
 
     def __init__(self) -> None:
@@ -223,30 +189,28 @@ class GuardLimits:
             holding = self._holding[key] = self._holding.get(key, 0) + delta
             if holding > self._peaks.get(key, 0):
                 self._peaks[key] = holding
-        forward = getattr(self._previous, "key_holders", None)
-        if forward is not None:
-            forward(key, delta)
+        self._forward("key_holders", key, delta)
 
     def count(self, event: str, actor: str) -> None:
-        if self._previous is not None:
-            self._previous.count(event, actor)
+        self._forward("count", event, actor)
 
     def holders(self, actor: str, delta: int) -> None:
-        if self._previous is not None:
-            self._previous.holders(actor, delta)
+        self._forward("holders", actor, delta)
 
     def waiters(self, actor: str, delta: int) -> None:
-        if self._previous is not None:
-            self._previous.waiters(actor, delta)
+        self._forward("waiters", actor, delta)
 
     def lock_waited(self, actor: str, duration_ms: float) -> None:
-        if self._previous is not None:
-            self._previous.lock_waited(actor, duration_ms)
+        self._forward("lock_waited", actor, duration_ms)
 
     def redis_settings(self, evicting: bool | None, persistent: bool | None) -> None:
-        forward = getattr(self._previous, "redis_settings", None)
-        if forward is not None:
-            forward(evicting, persistent)
+        self._forward("redis_settings", evicting, persistent)
+
+    def _forward(self, event: str, *args: Any) -> None:
+        """Pass an event on to the sink this one replaced, if it takes it."""
+        method = getattr(self._previous, event, None)
+        if method is not None:
+            method(*args)
 
 
 def _names_of(key: str) -> list[str]:

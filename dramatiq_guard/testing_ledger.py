@@ -1,31 +1,12 @@
-"""A pytest helper: assert that an actor's effects happen once when it runs twice.
+"""A pytest helper: assert that an actor's effects happen once when it runs twice (docs/testing.md).
 
-Like GitLab's "an idempotent worker" shared example: run the actor twice with
-the same arguments, for real (a real broker, a real worker, your real
-database, no mocks), and compare what you can observe of its effects after
-the first run and after the second::
+It runs the actor twice with the same arguments, for real (a real broker and
+worker, your real database, no mocks), and compares its effects after each run::
 
     from dramatiq_guard.testing_ledger import assert_idempotent
 
     def test_transfer_is_idempotent(broker, db):
-        assert_idempotent(
-            transfer, "t-1", 1, 2, 10,
-            effects=lambda: db.execute(select(accounts)).all(),
-        )
-
-It fails if the first run changed nothing (``expect_change=False`` to allow
-it), if a run raised, or if the second run changed the effects again.
-
-The runs happen in a :class:`dramatiq.Worker` started in this process on the
-actor's broker (or the ``worker`` you pass): with a RedisBroker or a
-RabbitmqBroker, no other worker must consume the actor's queue meanwhile.
-
-What "twice" means: for an actor keyed by its arguments (``idempotency_key=``
-a callable or argument names), and for a message that carries its own
-``idempotency_key`` option, the second run is a *new* message with the same
-arguments (a duplicate send). For ``idempotency_key=True`` (each message is its
-own key) and for an actor with no ``idempotency_key``, it is the *same*
-message enqueued again (a redelivery); pass ``same_message=`` to choose.
+        assert_idempotent(transfer, "t-1", 1, 2, 10, effects=lambda: db.execute(select(accounts)).all())
 """
 
 from __future__ import annotations
@@ -136,11 +117,12 @@ def assert_idempotent(
         the second run.
       options: Message options (e.g. ``{"idempotency_key": "order-1"}``).
       same_message: Enqueue the same message twice (a redelivery) rather than
-        two messages with the same arguments (a duplicate send). Default: see
-        the module docstring.
+        two messages with the same arguments (a duplicate send). Default: a
+        redelivery for ``idempotency_key=True`` or no key, unless ``options``
+        carry an ``idempotency_key``; else a duplicate send.
       expect_change: Require the first run to change the effects.
-      worker: A running worker on the actor's broker; default: one started
-        (with one thread) for the call and stopped after.
+      worker: A running worker on the actor's broker (no other may consume
+        its queue meanwhile); default: one of one thread, for the call.
       timeout: Seconds to wait for each run.
       **kwargs: Its keyword arguments.
 

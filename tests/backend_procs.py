@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from dramatiq_guard.backends import GuardBackend, RedisBackend, Waiter
+from dramatiq_guard.backends import GuardBackend, RedisBackend, Stake, Waiter
 
 
 def contend(
@@ -55,7 +55,9 @@ def contend(
         try:
             for _ in range(rounds):
                 holder = uuid.uuid4().hex
-                result = backend.acquire(key, holder, limit=limit, ttl_ms=30_000, wait=Waiter(wait_ms=30_000))
+                result = backend.acquire(
+                    Stake(key, holder, limit=limit, ttl_ms=30_000), wait=Waiter(wait_ms=30_000)
+                )
                 while not result.acquired:
                     woken = backend.wait_for_handoff(key, holder, timeout_ms=30_000)
                     if woken is None:
@@ -118,14 +120,14 @@ def main(argv: list[str]) -> None:
         from dramatiq_guard.renewer import get_renewer
 
         holder, ttl = args[0], int(args[1])
-        result = backend.acquire(key, holder, limit=1, ttl_ms=ttl)
+        result = backend.acquire(Stake(key, holder, limit=1, ttl_ms=ttl))
         assert result.acquired
         get_renewer().register(backend, key, holder, ttl)
         _emit(token=result.token, deadline=dict(backend.inspect(key).holders)[holder])
         threading.Event().wait()
     elif mode == "woken":
         waiter = args[0]
-        queued = backend.acquire(key, waiter, limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000))
+        queued = backend.acquire(Stake(key, waiter, limit=1, ttl_ms=60_000), wait=Waiter(wait_ms=60_000))
         assert queued.parked
         _emit(queued=True)
         woken = backend.wait_for_handoff(key, waiter, timeout_ms=60_000)

@@ -34,6 +34,7 @@ from dramatiq_guard.backends.base import (
     KeyState,
     KeySummary,
     ReleaseResult,
+    Stake,
     Waiter,
     WaiterPeek,
     Woken,
@@ -300,41 +301,11 @@ class OracleBackend(GuardBackend):
 
     # The operations.
 
-    def acquire(
-        self,
-        key: str,
-        holder: str,
-        *,
-        limit: int | None,
-        ttl_ms: int,
-        wait: Waiter | None = None,
-        info: str | None = None,
-        generation: int | None = None,
-        fenced: bool = True,
-        runner: str | None = None,
-    ) -> AcquireResult:
-        """Try to become a holder of ``key``; see :meth:`GuardBackend.acquire`."""
-        return self._acquire(key, holder, limit, ttl_ms, wait, info, generation, fenced=fenced, runner=runner)
-
-    def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:
-        """Take ``key`` as a limit-1 lock; see :meth:`GuardBackend.try_lock` (no token issued nor kept)."""
-        check_ms(ttl_ms, "ttl_ms")
-        return self._acquire(key, holder, 1, ttl_ms, None, info, None, fenced=False)
-
-    def _acquire(
-        self,
-        key: str,
-        holder: str,
-        limit: int | None,
-        ttl_ms: int,
-        wait: Waiter | None,
-        info: str | None,
-        generation: int | None,
-        *,
-        fenced: bool,
-        runner: str | None = None,
-    ) -> AcquireResult:
-        check_acquire(limit, ttl_ms, wait, runner)
+    def acquire(self, stake: Stake, wait: Waiter | None = None) -> AcquireResult:
+        """Try to become a holder of ``stake.key``; see :meth:`GuardBackend.acquire`."""
+        check_acquire(stake, wait)
+        key, holder, limit, ttl_ms = stake.key, stake.holder, stake.limit, stake.ttl_ms
+        info, generation, runner = stake.info, stake.generation, stake.runner
         self.check_payload(key, holder, wait)
         sent = time.monotonic()  # the result's valid_from: the deadline counts from later
         with self._changed:
@@ -357,7 +328,7 @@ class OracleBackend(GuardBackend):
                 if generation is not None and holder in guard.live:
                     # This copy started: it is the one that may start again (a redelivery).
                     guard.live[holder] = (generation, now + self.stale_ttl_ms, guard.live[holder][2])
-                token = guard.next_token() if fenced else None
+                token = guard.next_token() if stake.fenced else None
             elif wait is not None:
                 entry = guard.queue.get(holder)
                 standby = (

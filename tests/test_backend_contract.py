@@ -38,6 +38,7 @@ from dramatiq_guard.backends import (
     MemoryBackend,
     RedisBackend,
     ReleaseResult,
+    Stake,
     Waiter,
     Woken,
 )
@@ -251,7 +252,7 @@ def waiter_ids(state: KeyState) -> list[str]:
 
 def park(backend: GuardBackend, waiter: str, *, limit: int = 1, key: str = KEY) -> None:
     result = backend.acquire(
-        key, waiter, limit=limit, ttl_ms=60_000, wait=Waiter(payload=f"msg:{waiter}".encode())
+        Stake(key, waiter, limit=limit, ttl_ms=60_000), wait=Waiter(payload=f"msg:{waiter}".encode())
     )
     assert not result.acquired and result.parked
 
@@ -391,7 +392,7 @@ def test_fencing_tokens_grow_across_processes(redis_env: Env, procs: Callable[..
     assert len(tokens) == 80
     assert all(earlier < later for earlier, later in itertools.pairwise(tokens))
     backend = redis_env.backend()
-    later = backend.acquire(KEY, "later", limit=1, ttl_ms=1000)
+    later = backend.acquire(Stake(KEY, "later", limit=1, ttl_ms=1000))
     assert later.token is not None and later.token > max(tokens)
 
 
@@ -400,17 +401,17 @@ def test_fencing_tokens_strictly_increase(env: Env) -> None:
     second = env.another_client(first)
     tokens: list[int | None] = []
     for backend, holder in [(first, "a"), (second, "b"), (first, "c")]:
-        result = backend.acquire(KEY, holder, limit=3, ttl_ms=60_000)
+        result = backend.acquire(Stake(KEY, holder, limit=3, ttl_ms=60_000))
         assert result.acquired
         tokens.append(result.token)
-    again = second.acquire(KEY, "a", limit=3, ttl_ms=120_000)  # re-entrant: a new token too
+    again = second.acquire(Stake(KEY, "a", limit=3, ttl_ms=120_000))  # re-entrant: a new token too
     assert again.acquired and again.holders == ()  # an acquired reply names nobody
     assert backend_holders(second) == ["b", "c", "a"]
     tokens.append(again.token)
     for holder in "abc":
         assert first.release(KEY, holder, limit=3).released
     assert_drained(env, first)  # the key's state, token included, is gone...
-    recreated = second.acquire(KEY, "d", limit=3, ttl_ms=60_000)
+    recreated = second.acquire(Stake(KEY, "d", limit=3, ttl_ms=60_000))
     tokens.append(recreated.token)  # ...and the next token is still greater
     assert None not in tokens
     assert tokens == sorted(t for t in tokens if t is not None) and len(set(tokens)) == len(tokens)
@@ -421,7 +422,7 @@ def test_fencing_tokens_strictly_increase(env: Env) -> None:
 
 def test_release_by_a_non_holder_is_refused(env: Env) -> None:
     backend = env.backend()
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     refused = backend.release(KEY, "intruder", limit=1)
     assert refused.released is False
     assert backend.inspect(KEY).holders[0][0] == "a"
@@ -433,9 +434,9 @@ def test_release_by_a_non_holder_is_refused(env: Env) -> None:
 def test_release_many_is_each_release_in_order(env: Env) -> None:
     backend = env.backend()
     other = f"{KEY}:other"
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     park(backend, "p")
-    assert backend.acquire(other, "b", limit=2, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(other, "b", limit=2, ttl_ms=60_000)).acquired
     handed, freed, refused, empty = backend.release_many(
         [(KEY, "a", 1, 0), (other, "b", 2, 0), (other, "intruder", 2, 0), (f"{KEY}:none", "c", 1, 0)]
     )
@@ -451,9 +452,10 @@ def test_leases_released_together_report_as_each_would_alone(env: Env) -> None:
     from dramatiq_guard.lease import release_leases
 
     backend = env.backend()
-    held = backend.acquire(KEY, "a", limit=1, ttl_ms=60_000)
-    early = backend.acquire(f"{KEY}:2", "b", limit=1, ttl_ms=60_000)
-    short = backend.acquire(f"{KEY}:3", "c", limit=1, ttl_ms=200)
+    held = backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000))
+    early = backend.acquire(Stake(f"{KEY}:2", "b", limit=1, ttl_ms=60_000))
+    short = backend.acquire(Stake(f"{KEY}:3", "c", limit=1, ttl_ms=200))
+    assert held.token is not None and early.token is not None and short.token is not None
     leases = [
         Lease(backend, KEY, "a", held, limit=1, ttl_ms=60_000),
         Lease(backend, f"{KEY}:2", "b", early, limit=1, ttl_ms=60_000),
@@ -461,7 +463,7 @@ def test_leases_released_together_report_as_each_would_alone(env: Env) -> None:
     ]
     first = leases[1].release()  # released before: keeps its first result
     wait_lapsed(env, backend, f"{KEY}:3", "c")
-    assert backend.acquire(f"{KEY}:3", "d", limit=1, ttl_ms=60_000).acquired  # c lapsed and was taken
+    assert backend.acquire(Stake(f"{KEY}:3", "d", limit=1, ttl_ms=60_000)).acquired  # c lapsed and was taken
     results = release_leases(backend, [(lease, 0) for lease in leases])
     assert [r.released for r in results] == [True, True, False]
     assert results[1] is first
@@ -473,20 +475,20 @@ def test_leases_released_together_report_as_each_would_alone(env: Env) -> None:
 def test_holders_carry_since_and_info_until_they_go(env: Env) -> None:
     backend = env.backend(handoff_ttl_ms=60_000)
     before = env.now_ms()
-    assert backend.acquire(KEY, "a", limit=2, ttl_ms=60_000, info="report").acquired
-    assert backend.acquire(KEY, "b", limit=2, ttl_ms=200).acquired  # no info: only since
+    assert backend.acquire(Stake(KEY, "a", limit=2, ttl_ms=60_000, info="report")).acquired
+    assert backend.acquire(Stake(KEY, "b", limit=2, ttl_ms=200)).acquired  # no info: only since
     park(backend, "p1", limit=2)
     [(holder, since, info), (other, _, no_info)] = sorted(backend.inspect(KEY).holder_info)
     assert (holder, info, other, no_info) == ("a", "report", "b", None)
     assert before <= since <= env.now_ms()
-    assert backend.acquire(KEY, "a", limit=2, ttl_ms=60_000, info="again").acquired  # re-entrant
+    assert backend.acquire(Stake(KEY, "a", limit=2, ttl_ms=60_000, info="again")).acquired  # re-entrant
     assert ("a", since, "report") in backend.inspect(KEY).holder_info  # keeps its since and info
     wait_lapsed(env, backend, KEY, "b")
     [handoff] = backend.sweep(KEY, limit=2).handoffs  # b lapsed: p1 is handed the slot...
     assert handoff.waiter_id == "p1"
     assert [h for h, _, _ in backend.inspect(KEY).holder_info] == ["a"]  # ...a reservation has none
     assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000)
-    assert backend.acquire(KEY, "p1", limit=2, ttl_ms=60_000, info="park").acquired
+    assert backend.acquire(Stake(KEY, "p1", limit=2, ttl_ms=60_000, info="park")).acquired
     assert {(h, i) for h, _, i in backend.inspect(KEY).holder_info} == {("a", "report"), ("p1", "park")}
     assert backend.release(KEY, "a", limit=2).released
     assert [h for h, _, _ in backend.inspect(KEY).holder_info] == ["p1"]
@@ -500,30 +502,32 @@ def test_holders_carry_since_and_info_until_they_go(env: Env) -> None:
 def test_a_second_copy_of_a_running_holder_is_refused_with_nothing_done(env: Env) -> None:
     """The broker delivers a running message again (RabbitMQ, a lost connection): refused as running."""
     backend = env.backend()
-    first = backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, info="report", runner="p1:1")
+    first = backend.acquire(Stake(KEY, "m", limit=1, ttl_ms=60_000, info="report", runner="p1:1"))
     assert first.acquired
     park(backend, "p")  # a waiter too: the full path, not only the fast one
     before = backend.inspect(KEY)
     for wait in (None, Waiter(payload=b"msg:m"), Waiter(wait_ms=60_000)):
         for runner in ("p2:7", None):  # another thread; or none: the message sent again meanwhile
-            again = backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, wait=wait, runner=runner)
+            again = backend.acquire(Stake(KEY, "m", limit=1, ttl_ms=60_000, runner=runner), wait=wait)
             assert again.running and not again.acquired and not again.parked and again.token is None
             assert again.lapses_in_ms is not None and 0 < again.lapses_in_ms <= 60_000  # its lease's end
             assert backend.inspect(KEY) == before  # not queued, not renewed, nothing handed on
-    same = backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, runner="p1:1")  # its own thread
+    same = backend.acquire(Stake(KEY, "m", limit=1, ttl_ms=60_000, runner="p1:1"))  # its own thread
     assert same.acquired and not same.running
     assert ("m", "report") in {(h, i) for h, _, i in backend.inspect(KEY).holder_info}
     assert backend.release(KEY, "m", limit=1).handoffs[0].waiter_id == "p"
-    later = backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, runner="p2:7")  # released: no longer running
+    later = backend.acquire(
+        Stake(KEY, "m", limit=1, ttl_ms=60_000, runner="p2:7")
+    )  # released: no longer running
     assert not later.running and not later.acquired and later.holders == ("p",)
 
 
 def test_a_reservation_is_taken_up_by_whichever_thread_picks_it_up(env: Env) -> None:
     """A slot reserved at enqueue (no runner) or handed on is anyone's; then it is that runner's."""
     backend = env.backend()
-    assert backend.acquire(KEY, "m", limit=1, ttl_ms=5_000, wait=Waiter(payload=b"msg:m")).acquired
-    assert backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, runner="p2:7").acquired
-    assert backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, runner="p1:1").running
+    assert backend.acquire(Stake(KEY, "m", limit=1, ttl_ms=5_000), wait=Waiter(payload=b"msg:m")).acquired
+    assert backend.acquire(Stake(KEY, "m", limit=1, ttl_ms=60_000, runner="p2:7")).acquired
+    assert backend.acquire(Stake(KEY, "m", limit=1, ttl_ms=60_000, runner="p1:1")).running
     assert backend.release(KEY, "m", limit=1).released
     assert_drained(env, backend)
 
@@ -532,26 +536,30 @@ def test_a_second_copy_of_a_blocked_waiter_is_refused_and_the_slot_goes_to_the_f
     """A thread blocks for a slot; a second copy of its message, on another thread, is refused, and
     the slot handed to the waiter is held for the first thread's runner."""
     backend = env.backend()
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
-    blocked = backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000), runner="p1:1")
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
+    blocked = backend.acquire(
+        Stake(KEY, "w", limit=1, ttl_ms=60_000, runner="p1:1"), wait=Waiter(wait_ms=60_000)
+    )
     assert blocked.parked and not blocked.running
     before = backend.inspect(KEY)
-    second = backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000), runner="p2:7")
+    second = backend.acquire(
+        Stake(KEY, "w", limit=1, ttl_ms=60_000, runner="p2:7"), wait=Waiter(wait_ms=60_000)
+    )
     assert second.running and not second.parked and backend.inspect(KEY) == before
     assert second.lapses_in_ms is not None and 0 < second.lapses_in_ms <= 60_000  # the first's wait
     assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "w", None),)
-    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, runner="p2:7").running  # w's is p1:1's
-    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, runner="p1:1").acquired  # a missed wake
+    assert backend.acquire(Stake(KEY, "w", limit=1, ttl_ms=60_000, runner="p2:7")).running  # w's is p1:1's
+    assert backend.acquire(Stake(KEY, "w", limit=1, ttl_ms=60_000, runner="p1:1")).acquired  # a missed wake
     assert backend.release(KEY, "w", limit=1).released
     assert_drained(env, backend)
 
 
 def test_a_dead_runners_holder_is_free_for_another_once_its_lease_lapsed(env: Env) -> None:
     backend = env.backend()
-    assert backend.acquire(KEY, "m", limit=1, ttl_ms=200, runner="p1:1").acquired
-    assert backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, runner="p2:7").running
+    assert backend.acquire(Stake(KEY, "m", limit=1, ttl_ms=200, runner="p1:1")).acquired
+    assert backend.acquire(Stake(KEY, "m", limit=1, ttl_ms=60_000, runner="p2:7")).running
     wait_lapsed(env, backend, KEY, "m")
-    assert backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, runner="p2:7").acquired
+    assert backend.acquire(Stake(KEY, "m", limit=1, ttl_ms=60_000, runner="p2:7")).acquired
     assert backend.release(KEY, "m", limit=1).released
     assert_drained(env, backend)
 
@@ -561,8 +569,8 @@ def test_a_waiter_refused_as_running_leaves_the_other_copys_slot_alone(env: Env)
     from dramatiq_guard.claim import Claim
 
     backend = env.backend()
-    assert backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, runner="p2:7").acquired
-    claim = Claim(backend, KEY, "m", limit=1, ttl_ms=60_000, runner="p1:1")
+    assert backend.acquire(Stake(KEY, "m", limit=1, ttl_ms=60_000, runner="p2:7")).acquired
+    claim = Claim(KEY, "m", limit=1, ttl_ms=60_000, runner="p1:1", backend=backend)
     result = claim.block(time.monotonic(), lambda _: None)
     assert result.running and not result.acquired
     assert backend_holders(backend) == ["m"]  # still the other copy's
@@ -574,18 +582,18 @@ def test_a_waiter_refused_as_running_leaves_the_other_copys_slot_alone(env: Env)
 def test_a_runner_the_backends_cannot_keep_is_refused(env: Env, runner: str) -> None:
     backend = env.backend()
     with pytest.raises(ValueError, match="a runner must be a non-empty str of at most 200 characters"):
-        backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, runner=runner)
+        backend.acquire(Stake(KEY, "m", limit=1, ttl_ms=60_000, runner=runner))
     assert backend.inspect(KEY).holders == ()
 
 
 def test_a_lapsed_holder_is_reclaimed(env: Env) -> None:
     backend = env.backend()
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=200).acquired
-    refused = backend.acquire(KEY, "b", limit=1, ttl_ms=60_000)
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=200)).acquired
+    refused = backend.acquire(Stake(KEY, "b", limit=1, ttl_ms=60_000))
     assert not refused.acquired and refused.holders == ("a",) and refused.token is None
     wait_lapsed(env, backend, KEY, "a")
     assert backend.renew(KEY, "a", ttl_ms=60_000) is False  # a lapsed lease is never revived
-    taken = backend.acquire(KEY, "b", limit=1, ttl_ms=60_000)
+    taken = backend.acquire(Stake(KEY, "b", limit=1, ttl_ms=60_000))
     assert taken.acquired and backend_holders(backend) == ["b"]
     assert backend.release(KEY, "a", limit=1).released is False  # the lapsed holder is told
     assert backend.release(KEY, "b", limit=1).released
@@ -598,14 +606,14 @@ def test_the_memory_backend_runs_on_its_servers_clock_which_a_test_can_drive() -
     now_ms = [1_900_000_000_000]
     with fakeredis_clock(lambda: now_ms[0]):
         backend = MemoryBackend()
-        first = backend.acquire(KEY, "a", limit=1, ttl_ms=1_000)
+        first = backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=1_000))
         # A token is at least the time in us (TIME reads <ms>.000500 s on this clock).
         assert first.acquired and first.token == now_ms[0] * 1000 + 500
         assert deadline_of(backend, KEY, "a") == now_ms[0] + 1_000
         now_ms[0] += 999
-        assert not backend.acquire(KEY, "b", limit=1, ttl_ms=1_000).acquired
+        assert not backend.acquire(Stake(KEY, "b", limit=1, ttl_ms=1_000)).acquired
         now_ms[0] += 1  # the deadline itself: lapsed, without sleeping
-        taken = backend.acquire(KEY, "b", limit=1, ttl_ms=1_000)
+        taken = backend.acquire(Stake(KEY, "b", limit=1, ttl_ms=1_000))
         assert taken.acquired and backend_holders(backend) == ["b"] and taken.token == now_ms[0] * 1000 + 500
         assert backend.release(KEY, "b", limit=1).released
 
@@ -617,12 +625,12 @@ TTL = 1_000
 
 def test_renewal_keeps_a_lease_alive_past_its_ttl(env: Env) -> None:
     backend = env.backend()
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=TTL).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=TTL)).acquired
     first_deadline = deadline_of(backend, KEY, "a")
     while env.now_ms() <= first_deadline + TTL:  # renew by hand across two ttls
         assert backend.renew(KEY, "a", ttl_ms=TTL)
         time.sleep(0.05)
-    assert not backend.acquire(KEY, "b", limit=1, ttl_ms=TTL).acquired
+    assert not backend.acquire(Stake(KEY, "b", limit=1, ttl_ms=TTL)).acquired
     assert backend.renew_many([(KEY, "a", TTL), (KEY, "b", TTL), ("other", "a", TTL)]) == [True, False, False]
     assert backend.release(KEY, "a", limit=1).released
 
@@ -635,7 +643,7 @@ def test_a_large_renewal_batch_reports_each_lease_in_order(env: Env) -> None:
     held = [i % 3 != 0 for i in range(len(leases))]
     for (key, holder), holds in zip(leases, held, strict=True):
         if holds:
-            assert backend.acquire(key, holder, limit=1_000, ttl_ms=60_000).acquired
+            assert backend.acquire(Stake(key, holder, limit=1_000, ttl_ms=60_000)).acquired
     before = {lease: deadline_of(backend, *lease) for lease, holds in zip(leases, held, strict=True) if holds}
     renewed = backend.renew_many([(key, holder, 120_000) for key, holder in leases])
     assert renewed == held
@@ -646,8 +654,8 @@ def test_the_renewer_keeps_leases_alive_and_reports_lost_ones(env: Env) -> None:
     backend = env.backend()
     renewer = LeaseRenewer()
     try:
-        assert backend.acquire(KEY, "a", limit=2, ttl_ms=TTL).acquired
-        assert backend.acquire(KEY, "b", limit=2, ttl_ms=TTL).acquired
+        assert backend.acquire(Stake(KEY, "a", limit=2, ttl_ms=TTL)).acquired
+        assert backend.acquire(Stake(KEY, "b", limit=2, ttl_ms=TTL)).acquired
         lost: list[LeaseHandle] = []
         handle_a = renewer.register(backend, KEY, "a", TTL)
         handle_b = renewer.register(backend, KEY, "b", TTL)
@@ -666,7 +674,9 @@ def test_the_renewer_keeps_leases_alive_and_reports_lost_ones(env: Env) -> None:
         handle_a.unregister()
         last_deadline = deadline_of(backend, KEY, "a")
         env.wait_past(last_deadline)
-        assert backend.acquire(KEY, "c", limit=1, ttl_ms=1000).acquired and backend_holders(backend) == ["c"]
+        assert backend.acquire(Stake(KEY, "c", limit=1, ttl_ms=1000)).acquired and backend_holders(
+            backend
+        ) == ["c"]
         assert not handle_a.lost
     finally:
         renewer.stop(MARGIN_S)
@@ -696,7 +706,7 @@ def test_the_renewer_batches_the_leases_of_a_backend() -> None:
     try:
         # All three held first, then registered at once, so the first round finds them all.
         for holder in "abc":
-            assert backend.acquire(KEY, holder, limit=3, ttl_ms=1_000).acquired
+            assert backend.acquire(Stake(KEY, holder, limit=3, ttl_ms=1_000)).acquired
         for holder in "abc":
             renewer.register(backend, KEY, holder, 1_000)
         assert backend.renewed_twice.wait(MARGIN_S)
@@ -709,7 +719,7 @@ def test_a_lease_that_cannot_be_renewed_for_a_whole_ttl_is_lost() -> None:
     backend = RecordingBackend()
     renewer = LeaseRenewer()
     try:
-        assert backend.acquire(KEY, "a", limit=1, ttl_ms=300).acquired
+        assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=300)).acquired
         handle = renewer.register(backend, KEY, "a", 300)
         backend.unreachable = True
         assert handle.wait_lost(MARGIN_S)
@@ -726,13 +736,13 @@ def test_a_killed_holders_lease_lapses_within_a_ttl(redis_env: Env, procs: Calla
     first = holder.read()
     # The process's renewer keeps the lease past its ttl...
     redis_env.wait_past(first["deadline"] + ttl)
-    assert not backend.acquire(KEY, "next", limit=1, ttl_ms=1000).acquired
+    assert not backend.acquire(Stake(KEY, "next", limit=1, ttl_ms=1000)).acquired
     holder.kill()
     killed_at = redis_env.now_ms()
     # ...and once it is killed, the lease lapses within one ttl.
     assert deadline_of(backend, KEY, "doomed") <= killed_at + ttl
     give_up = time.monotonic() + ttl / 1000 + MARGIN_S
-    while not (taken := backend.acquire(KEY, "next", limit=1, ttl_ms=1000)).acquired:
+    while not (taken := backend.acquire(Stake(KEY, "next", limit=1, ttl_ms=1000))).acquired:
         assert time.monotonic() < give_up
         time.sleep(0.02)
     assert taken.token is not None and taken.token > first["token"]
@@ -745,10 +755,10 @@ def test_a_waiter_killed_between_its_wake_and_its_renewal_strands_nothing(
     # died before its lease was renewed. The slot lapses within the hand-off reservation and goes
     # on, with a higher token.
     backend = redis_env.backend(handoff_ttl_ms=1_000)
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     doomed = procs(redis_env, "woken", KEY, "doomed", handoff_ttl_ms=1_000)
     assert doomed.read() == {"queued": True}
-    assert backend.acquire(KEY, "next", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.acquire(Stake(KEY, "next", limit=1, ttl_ms=60_000), wait=Waiter(wait_ms=60_000)).parked
     assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "doomed", None),)
     token = doomed.read()["token"]
     reserved_until = deadline_of(backend, KEY, "doomed")
@@ -785,7 +795,7 @@ def test_the_renewer_is_per_process_and_fresh_after_fork() -> None:
 
 def test_parked_payloads_come_out_fifo_and_reparking_keeps_the_place(env: Env) -> None:
     backend = env.backend()
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     for waiter in ["p1", "p2", "p3", "p4"]:
         park(backend, waiter)
     park(backend, "p2")  # again: keeps its place
@@ -799,7 +809,7 @@ def test_parked_payloads_come_out_fifo_and_reparking_keeps_the_place(env: Env) -
     holder = "p1"
     while True:
         assert backend.confirm_handoff(KEY, holder, ttl_ms=60_000)  # re-enqueued on the broker
-        started = backend.acquire(KEY, holder, limit=1, ttl_ms=60_000)  # the message starts
+        started = backend.acquire(Stake(KEY, holder, limit=1, ttl_ms=60_000))  # the message starts
         assert started.acquired and started.handoffs == ()
         released = backend.release(KEY, holder, limit=1)
         assert released.released
@@ -819,9 +829,9 @@ def test_an_acquirer_with_free_slots_lets_waiters_go_first(env: Env) -> None:
     park(backend, "p1", limit=2)
     park(backend, "p2", limit=2)
     backend.set_limit(KEY, None)  # the default (2) is back, but nobody acted on it yet
-    result = backend.acquire(KEY, "p1", limit=2, ttl_ms=60_000)  # p1 itself starts: no hand-off of p1
+    result = backend.acquire(Stake(KEY, "p1", limit=2, ttl_ms=60_000))  # p1 itself starts: no hand-off of p1
     assert result.acquired and result.handoffs == (Handoff(KEY, "p2", b"msg:p2"),)
-    newcomer = backend.acquire(KEY, "n", limit=2, ttl_ms=60_000)
+    newcomer = backend.acquire(Stake(KEY, "n", limit=2, ttl_ms=60_000))
     assert not newcomer.acquired and newcomer.holders == ("p2", "p1")
 
 
@@ -830,7 +840,7 @@ def test_a_handoff_whose_caller_dies_before_confirming_goes_back_to_the_head(
 ) -> None:
     env, in_a_process = crash_env
     backend = env.backend(handoff_ttl_ms=300)
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     for waiter in ["p1", "p2"]:
         park(backend, waiter)
     if in_a_process:
@@ -842,7 +852,7 @@ def test_a_handoff_whose_caller_dies_before_confirming_goes_back_to_the_head(
     # The caller died before re-enqueuing and confirming: the slot stays reserved for p1...
     state = backend.inspect(KEY)
     assert state.reserved == ("p1",) and waiter_ids(state) == ["p2"]
-    assert not backend.acquire(KEY, "n", limit=1, ttl_ms=60_000).acquired
+    assert not backend.acquire(Stake(KEY, "n", limit=1, ttl_ms=60_000)).acquired
     # ...until the reservation lapses; then p1 is back at the head with its payload.
     wait_lapsed(env, backend, KEY, "p1")
     assert backend.sweep(KEY, limit=1) == ReleaseResult(True, (Handoff(KEY, "p1", b"msg:p1"),))
@@ -854,7 +864,7 @@ def test_a_confirmed_handoff_is_not_duplicated_when_its_caller_dies(
 ) -> None:
     env, in_a_process = crash_env
     backend = env.backend(handoff_ttl_ms=300)
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     for waiter in ["p1", "p2"]:
         park(backend, waiter)
     if in_a_process:
@@ -871,14 +881,14 @@ def test_a_confirmed_handoff_is_not_duplicated_when_its_caller_dies(
     assert backend.sweep(KEY, limit=1).handoffs == ()
     state = backend.inspect(KEY)
     assert state.holders[0][0] == "p1" and state.reserved == () and waiter_ids(state) == ["p2"]
-    started = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000)  # the re-enqueued copy starts
+    started = backend.acquire(Stake(KEY, "p1", limit=1, ttl_ms=60_000))  # the re-enqueued copy starts
     assert started.acquired and started.handoffs == ()
     assert backend.release(KEY, "p1", limit=1).handoffs == (Handoff(KEY, "p2", b"msg:p2"),)
 
 
 def test_confirm_after_the_reservation_lapsed_removes_the_reparked_copy(env: Env) -> None:
     backend = env.backend(handoff_ttl_ms=200)
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     for waiter in ["p1", "p2"]:
         park(backend, waiter)
     assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
@@ -903,24 +913,25 @@ def test_a_late_confirm_leaves_the_entry_its_own_copy_parked_again(env: Env) -> 
     re-enqueued copy wins") even when that copy had been picked up meanwhile and had parked
     again in its place: the message was lost."""
     backend = env.backend(handoff_ttl_ms=200)
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     park(backend, "p1")
     [handoff] = backend.release(KEY, "a", limit=1).handoffs  # pushed; its confirmation is slow
     wait_lapsed(env, backend, KEY, "p1")
     assert backend.set_limit(KEY, 0).handoffs == ()  # reclaims: p1 is back in the queue
     picked = backend.acquire(
-        KEY, "p1", limit=1, ttl_ms=60_000, wait=Waiter(payload=b"msg:p1"), generation=handoff.generation
+        Stake(KEY, "p1", limit=1, ttl_ms=60_000, generation=handoff.generation),
+        wait=Waiter(payload=b"msg:p1"),
     )
     assert picked.parked and not picked.acquired  # the pushed copy finds no slot: it parks in its place
     assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000, generation=handoff.generation) is False
     assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000) is False
     assert waiter_ids(backend.inspect(KEY)) == ["p1"]  # still parked: not lost
-    stale = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=handoff.generation)
+    stale = backend.acquire(Stake(KEY, "p1", limit=1, ttl_ms=60_000, generation=handoff.generation))
     assert stale.stale  # a duplicate of the copy that parked may not start either
     [again] = backend.set_limit(KEY, None, default=1).handoffs
     assert (again.waiter_id, again.payload) == ("p1", b"msg:p1")
     assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000, generation=again.generation)
-    assert backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=again.generation).acquired
+    assert backend.acquire(Stake(KEY, "p1", limit=1, ttl_ms=60_000, generation=again.generation)).acquired
     assert backend.release(KEY, "p1", limit=1).released
     assert_drained(env, backend, lapsed=("p1",))
 
@@ -931,9 +942,11 @@ def test_a_late_confirm_leaves_the_entry_its_own_copy_parked_again(env: Env) -> 
 def test_a_blocking_waiter_is_woken_by_a_push_that_hands_it_the_slot_and_its_token(env: Env) -> None:
     backend = env.backend()
     waiter_side = env.another_client(backend)
-    first = backend.acquire(KEY, "a", limit=1, ttl_ms=60_000)
+    first = backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000))
     assert first.acquired and first.token is not None
-    result = waiter_side.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000), info="report")
+    result = waiter_side.acquire(
+        Stake(KEY, "w", limit=1, ttl_ms=60_000, info="report"), wait=Waiter(wait_ms=60_000)
+    )
     assert not result.acquired and result.parked
     assert backend.inspect(KEY).waiters[0][::2] == ("w", False)
     woken: list[Woken | None] = []
@@ -959,12 +972,12 @@ def test_a_blocking_waiter_is_woken_by_a_push_that_hands_it_the_slot_and_its_tok
 
 def test_tokens_a_handoff_pushes_stay_below_the_acquirers_in_the_same_step(env: Env) -> None:
     backend = env.backend()
-    lapsing = backend.acquire(KEY, "a", limit=1, ttl_ms=200)
+    lapsing = backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=200))
     assert lapsing.acquired and lapsing.token is not None
-    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.acquire(Stake(KEY, "w", limit=1, ttl_ms=60_000), wait=Waiter(wait_ms=60_000)).parked
     wait_lapsed(env, backend, KEY, "a")
     # One operation reclaims a, hands its slot to w (pushing w's token), and lets b acquire.
-    taken = backend.acquire(KEY, "b", limit=2, ttl_ms=60_000)
+    taken = backend.acquire(Stake(KEY, "b", limit=2, ttl_ms=60_000))
     assert taken.acquired and taken.token is not None and taken.handoffs == (Handoff(KEY, "w", None),)
     woken = backend.wait_for_handoff(KEY, "w", timeout_ms=10_000)
     assert woken is not None and lapsing.token < woken.token < taken.token
@@ -975,13 +988,13 @@ def test_tokens_a_handoff_pushes_stay_below_the_acquirers_in_the_same_step(env: 
 
 def test_a_waiter_that_misses_its_wake_still_finds_its_slot(env: Env) -> None:
     backend = env.backend(handoff_ttl_ms=2_000)
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
-    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
+    assert backend.acquire(Stake(KEY, "w", limit=1, ttl_ms=60_000), wait=Waiter(wait_ms=60_000)).parked
     assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "w", None),)
     # The wake is dropped after half the reservation (a popped token always has the other half).
     env.wait_past(deadline_of(backend, KEY, "w") - 1_000)
     assert backend.wait_for_handoff(KEY, "w", timeout_ms=0) is None
-    late = backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000))
+    late = backend.acquire(Stake(KEY, "w", limit=1, ttl_ms=60_000), wait=Waiter(wait_ms=60_000))
     assert late.acquired and late.token is not None
     assert backend.release(KEY, "w", limit=1).released
     assert_drained(env, backend)
@@ -989,8 +1002,8 @@ def test_a_waiter_that_misses_its_wake_still_finds_its_slot(env: Env) -> None:
 
 def test_a_lease_taken_by_a_wake_is_renewed_from_its_reservation_before_it_ends(env: Env) -> None:
     backend = env.backend(handoff_ttl_ms=3_000)  # a wake has 1.5 s of reservation left, at least
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
-    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
+    assert backend.acquire(Stake(KEY, "w", limit=1, ttl_ms=60_000), wait=Waiter(wait_ms=60_000)).parked
     backend.release(KEY, "a", limit=1)
     reserved_until = deadline_of(backend, KEY, "w")
     woken = backend.wait_for_handoff(KEY, "w", timeout_ms=10_000)
@@ -1012,9 +1025,9 @@ def test_a_lease_taken_by_a_wake_is_renewed_from_its_reservation_before_it_ends(
 
 def test_blocking_and_parked_waiters_share_one_fifo(env: Env) -> None:
     backend = env.backend()
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     park(backend, "p1")
-    assert backend.acquire(KEY, "w2", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.acquire(Stake(KEY, "w2", limit=1, ttl_ms=60_000), wait=Waiter(wait_ms=60_000)).parked
     park(backend, "p3")
     assert [(w, parked) for w, _, parked in backend.inspect(KEY).waiters] == [
         ("p1", True),
@@ -1025,14 +1038,14 @@ def test_blocking_and_parked_waiters_share_one_fifo(env: Env) -> None:
     assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000)
     assert backend.release(KEY, "p1", limit=1).handoffs == (Handoff(KEY, "w2", None),)
     assert backend.wait_for_handoff(KEY, "w2", timeout_ms=10_000)
-    assert backend.acquire(KEY, "w2", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "w2", limit=1, ttl_ms=60_000)).acquired
     assert backend.release(KEY, "w2", limit=1).handoffs == (Handoff(KEY, "p3", b"msg:p3"),)
 
 
 def test_a_dead_blocking_waiters_entry_is_dropped_after_wait_ms(env: Env) -> None:
     backend = env.backend()
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
-    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=200)).parked
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
+    assert backend.acquire(Stake(KEY, "w", limit=1, ttl_ms=60_000), wait=Waiter(wait_ms=200)).parked
     since = backend.inspect(KEY).waiters[0][1]
     env.wait_past(since + 200)  # its thread died: nobody waits on it
     assert backend.release(KEY, "a", limit=1) == ReleaseResult(True, ())
@@ -1041,9 +1054,9 @@ def test_a_dead_blocking_waiters_entry_is_dropped_after_wait_ms(env: Env) -> Non
 
 def test_cancel_wait_hands_a_reservation_on(env: Env) -> None:
     backend = env.backend()
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
-    assert backend.acquire(KEY, "w1", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
-    assert backend.acquire(KEY, "w2", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
+    assert backend.acquire(Stake(KEY, "w1", limit=1, ttl_ms=60_000), wait=Waiter(wait_ms=60_000)).parked
+    assert backend.acquire(Stake(KEY, "w2", limit=1, ttl_ms=60_000), wait=Waiter(wait_ms=60_000)).parked
     park(backend, "p3")
     # w2 gives up while still queued: it just leaves.
     assert backend.cancel_wait(KEY, "w2", limit=1).released is False
@@ -1061,10 +1074,7 @@ def test_cancel_wait_hands_a_reservation_on(env: Env) -> None:
 def pick_up(backend: GuardBackend, waiter: str, *, limit: int = 1, wait_ms: int = 60_000) -> Any:
     """The standby's message is picked up and acquires in park mode, allowed to block."""
     return backend.acquire(
-        KEY,
-        waiter,
-        limit=limit,
-        ttl_ms=60_000,
+        Stake(KEY, waiter, limit=limit, ttl_ms=60_000),
         wait=Waiter(payload=f"msg:{waiter}".encode(), wait_ms=wait_ms),
     )
 
@@ -1072,7 +1082,7 @@ def pick_up(backend: GuardBackend, waiter: str, *, limit: int = 1, wait_ms: int 
 def test_standbys_are_sent_ahead_in_fifo_order_and_block_when_picked_up(env: Env) -> None:
     backend = env.backend()
     for holder in ["a", "b"]:
-        assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired
+        assert backend.acquire(Stake(KEY, holder, limit=2, ttl_ms=60_000)).acquired
     for waiter in ["p1", "p2", "p3", "p4"]:
         park(backend, waiter, limit=2)
     handoffs, sent = backend.send_standbys(KEY, limit=2, count=2)  # the first two (see the window's test)
@@ -1090,7 +1100,7 @@ def test_standbys_are_sent_ahead_in_fifo_order_and_block_when_picked_up(env: Env
     # A freed slot goes to it by a push; nothing to re-enqueue.
     assert backend.release(KEY, "a", limit=2).handoffs == (Handoff(KEY, "p1", None),)
     assert backend.wait_for_handoff(KEY, "p1", timeout_ms=10_000)
-    assert backend.acquire(KEY, "p1", limit=2, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "p1", limit=2, ttl_ms=60_000)).acquired
     # p2 gets a slot before it is picked up: it starts as soon as it is.
     assert backend.release(KEY, "b", limit=2).handoffs == (Handoff(KEY, "p2", None),)
     started = pick_up(backend, "p2", limit=2)
@@ -1103,7 +1113,7 @@ def test_standbys_are_sent_ahead_in_fifo_order_and_block_when_picked_up(env: Env
         assert handoff.waiter_id == waiter
     assert backend.confirm_handoff(KEY, "p4", ttl_ms=60_000)
     for holder in ["p3", "p4"]:
-        assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired
+        assert backend.acquire(Stake(KEY, holder, limit=2, ttl_ms=60_000)).acquired
         assert backend.release(KEY, holder, limit=2).released
     assert_drained(env, backend)
 
@@ -1111,11 +1121,11 @@ def test_standbys_are_sent_ahead_in_fifo_order_and_block_when_picked_up(env: Env
 def test_a_freed_slot_goes_to_a_ready_standby_before_an_older_one_still_on_the_broker(env: Env) -> None:
     backend = env.backend()
     for holder in ["a", "b"]:
-        assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired
+        assert backend.acquire(Stake(KEY, holder, limit=2, ttl_ms=60_000)).acquired
     for waiter in ["p1", "p2", "p3"]:
         park(backend, waiter, limit=2)
     # w4 blocks too, but behind the first `limit` waiters: it does not jump them.
-    assert backend.acquire(KEY, "w4", limit=2, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.acquire(Stake(KEY, "w4", limit=2, ttl_ms=60_000), wait=Waiter(wait_ms=60_000)).parked
     _, sent = backend.send_standbys(KEY, limit=2, count=2)
     assert [s.waiter_id for s in sent] == ["p1", "p2"]
     for waiter in ["p1", "p2"]:
@@ -1128,25 +1138,25 @@ def test_a_freed_slot_goes_to_a_ready_standby_before_an_older_one_still_on_the_b
     # The freed slot goes to p2, which starts on the push, not to p1 that no thread holds yet.
     assert backend.release(KEY, "a", limit=2).handoffs == (Handoff(KEY, "p2", None),)
     assert backend.wait_for_handoff(KEY, "p2", timeout_ms=10_000)
-    assert backend.acquire(KEY, "p2", limit=2, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "p2", limit=2, ttl_ms=60_000)).acquired
     # With no ready waiter in the window, the oldest goes first: p1, not w4 (beyond the window).
     assert backend.release(KEY, "b", limit=2).handoffs == (Handoff(KEY, "p1", None),)
     assert pick_up(backend, "p1", limit=2).acquired
     # w4 is in the window now, and ready: it goes before the older p3, which is parked.
     assert backend.release(KEY, "p2", limit=2).handoffs == (Handoff(KEY, "w4", None),)
     assert backend.wait_for_handoff(KEY, "w4", timeout_ms=10_000)
-    assert backend.acquire(KEY, "w4", limit=2, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "w4", limit=2, ttl_ms=60_000)).acquired
     assert backend.release(KEY, "p1", limit=2).handoffs == (Handoff(KEY, "p3", b"msg:p3"),)
     assert backend.confirm_handoff(KEY, "p3", ttl_ms=60_000)
     for holder in ["p3", "w4"]:
-        assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired
+        assert backend.acquire(Stake(KEY, holder, limit=2, ttl_ms=60_000)).acquired
         assert backend.release(KEY, holder, limit=2).released
     assert_drained(env, backend)
 
 
 def test_a_standby_whose_sender_dies_before_confirming_parks_again_in_its_place(env: Env) -> None:
     backend = env.backend(handoff_ttl_ms=200)
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     for waiter in ["p1", "p2"]:
         park(backend, waiter)
     _, sent = backend.send_standbys(KEY, limit=1, count=1)
@@ -1160,7 +1170,7 @@ def test_a_standby_whose_sender_dies_before_confirming_parks_again_in_its_place(
 
 def test_a_standby_handed_a_slot_before_it_is_confirmed_keeps_its_payload_until_then(env: Env) -> None:
     backend = env.backend(handoff_ttl_ms=TTL)  # the confirmations below must come before it lapses
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     for waiter in ["p1", "p2"]:
         park(backend, waiter)
     _, sent = backend.send_standbys(KEY, limit=1, count=1)
@@ -1172,7 +1182,7 @@ def test_a_standby_handed_a_slot_before_it_is_confirmed_keeps_its_payload_until_
     assert backend.sweep(KEY, limit=1) == ReleaseResult(True, (Handoff(KEY, "p1", b"msg:p1"),))
     # Or the sender confirms: the slot is held for the enqueued copy, the payload is dropped.
     assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000)
-    assert backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "p1", limit=1, ttl_ms=60_000)).acquired
     _, sent = backend.send_standbys(KEY, limit=1, count=1)
     assert sent == (Handoff(KEY, "p2", b"msg:p2"),)
     assert backend.release(KEY, "p1", limit=1).handoffs == (Handoff(KEY, "p2", None),)
@@ -1186,12 +1196,12 @@ def test_a_standby_handed_a_slot_before_it_is_confirmed_keeps_its_payload_until_
 
 def test_a_standby_that_parks_again_keeps_its_place_and_a_late_confirm_leaves_it(env: Env) -> None:
     backend = env.backend()
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     for waiter in ["p1", "p2"]:
         park(backend, waiter)
     backend.send_standbys(KEY, limit=1, count=1)
     # Picked up before its sender confirmed, by a worker that lets no standby block (wait_ms=0).
-    reparked = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, wait=Waiter(payload=b"msg:p1 again"))
+    reparked = backend.acquire(Stake(KEY, "p1", limit=1, ttl_ms=60_000), wait=Waiter(payload=b"msg:p1 again"))
     assert reparked.parked and not reparked.standby
     assert backend.confirm_standby(KEY, "p1", b"msg:p1", ttl_ms=60_000) is False
     state = backend.inspect(KEY)
@@ -1201,7 +1211,7 @@ def test_a_standby_that_parks_again_keeps_its_place_and_a_late_confirm_leaves_it
 
 def test_a_standby_whose_entry_lapsed_is_an_ordinary_message(env: Env) -> None:
     backend = env.backend()
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     for waiter in ["p1", "p2"]:
         park(backend, waiter)
     backend.send_standbys(KEY, limit=1, count=1)
@@ -1218,7 +1228,7 @@ def test_a_standby_whose_entry_lapsed_is_an_ordinary_message(env: Env) -> None:
 def test_a_release_sends_the_next_waiters_ahead_in_the_same_step(env: Env) -> None:
     backend = env.backend()
     for holder in ["a", "b"]:
-        assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired
+        assert backend.acquire(Stake(KEY, holder, limit=2, ttl_ms=60_000)).acquired
     for waiter in ["p1", "p2", "p3", "p4"]:
         park(backend, waiter, limit=2)
     # a's slot goes to p1 (re-enqueued by the caller); then p2 and p3, the first two waiters, are
@@ -1238,7 +1248,7 @@ def test_a_release_sends_the_next_waiters_ahead_in_the_same_step(env: Env) -> No
     # Nobody waiting: nothing to send. Without send_ahead, a release sends nothing.
     assert backend.release(KEY, "b", limit=2).standbys == ()
     assert pick_up(backend, "p2", limit=2).acquired
-    assert backend.acquire(KEY, "p1", limit=2, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "p1", limit=2, ttl_ms=60_000)).acquired
     # p1's slot goes to the standby p3 by a push; p4, the last waiter, is sent ahead.
     assert backend.release(KEY, "p1", limit=2, send_ahead=2) == ReleaseResult(
         True, (Handoff(KEY, "p3", None),), (Handoff(KEY, "p4", b"msg:p4"),)
@@ -1260,7 +1270,7 @@ def test_the_standby_window_is_the_limit_in_force_and_at_least_min_standby_windo
     wide = f"{KEY}-wide"
     for key, limit in [(KEY, 1), (wide, MIN_STANDBY_WINDOW + 1)]:
         for holder in range(limit):
-            assert backend.acquire(key, f"h{holder}", limit=limit, ttl_ms=60_000).acquired
+            assert backend.acquire(Stake(key, f"h{holder}", limit=limit, ttl_ms=60_000)).acquired
         waiters = [f"p{i}" for i in range(MIN_STANDBY_WINDOW + 3)]
         for waiter in waiters:
             park(backend, waiter, limit=limit, key=key)
@@ -1285,7 +1295,7 @@ def test_no_standby_is_sent_while_the_key_is_halted(env: Env) -> None:
     park(backend, "p1")
     assert backend.send_standbys(KEY, limit=1, count=1) == ((), ())
     assert backend.send_standbys(KEY, limit=1, count=8) == ((), ())  # not MIN_STANDBY_WINDOW either
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).parked is False
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).parked is False
     assert backend.release(KEY, "a", limit=1, send_ahead=1) == ReleaseResult(False)
     assert [(w, parked) for w, _, parked in backend.inspect(KEY).waiters] == [("p1", True)]
     assert backend.set_limit(KEY, None).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
@@ -1299,7 +1309,7 @@ def test_set_limit_halts_releases_and_clears(env: Env) -> None:
     assert backend.get_limit(KEY) is None
     assert backend.set_limit(KEY, 0, default=1).handoffs == ()
     assert backend.get_limit(KEY) == 0
-    halted = backend.acquire(KEY, "a", limit=1, ttl_ms=60_000)
+    halted = backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000))
     assert not halted.acquired and halted.limit == 0 and not halted.parked
     for waiter in ["p1", "p2", "p3"]:
         park(backend, waiter)
@@ -1330,7 +1340,7 @@ def test_limited_keys_are_found_through_the_limits_index(env: Env) -> None:
     assert other.limit_keys() == ["slots:other"]
     backend.set_limit(KEY, None)  # clearing an unset limit is harmless
     assert backend.limit_keys() == ["slots:other"]
-    assert backend.acquire("slots:other", "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake("slots:other", "a", limit=1, ttl_ms=60_000)).acquired
     assert backend.release("slots:other", "a", limit=1).released
     assert_drained(env, backend, key="slots:other", limit=5)
     other.set_limit("slots:other", None)
@@ -1341,12 +1351,12 @@ def test_limited_keys_are_found_through_the_limits_index(env: Env) -> None:
 def test_a_lowered_limit_evicts_nobody(env: Env) -> None:
     backend = env.backend()
     for holder in "abc":
-        assert backend.acquire(KEY, holder, limit=3, ttl_ms=60_000).acquired
+        assert backend.acquire(Stake(KEY, holder, limit=3, ttl_ms=60_000)).acquired
     backend.set_limit(KEY, 1)
-    assert backend.acquire(KEY, "a", limit=3, ttl_ms=60_000).acquired  # re-entrant still works
-    assert not backend.acquire(KEY, "d", limit=3, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=3, ttl_ms=60_000)).acquired  # re-entrant still works
+    assert not backend.acquire(Stake(KEY, "d", limit=3, ttl_ms=60_000)).acquired
     assert backend.release(KEY, "b", limit=3).released
-    assert not backend.acquire(KEY, "d", limit=3, ttl_ms=60_000).acquired  # 2 holders > 1
+    assert not backend.acquire(Stake(KEY, "d", limit=3, ttl_ms=60_000)).acquired  # 2 holders > 1
 
 
 # --- Memory -------------------------------------------------------------------------------------
@@ -1355,18 +1365,18 @@ def test_a_lowered_limit_evicts_nobody(env: Env) -> None:
 def test_nothing_is_left_after_the_work_drains_but_the_limit(env: Env) -> None:
     backend = env.backend(handoff_ttl_ms=10_000)
     backend.set_limit(KEY, 1)
-    assert backend.acquire(KEY, "a", limit=5, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=5, ttl_ms=60_000)).acquired
     park(backend, "p1")
-    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
-    assert backend.acquire(KEY, "dead", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=1)).parked
+    assert backend.acquire(Stake(KEY, "w", limit=1, ttl_ms=60_000), wait=Waiter(wait_ms=60_000)).parked
+    assert backend.acquire(Stake(KEY, "dead", limit=1, ttl_ms=60_000), wait=Waiter(wait_ms=1)).parked
     env.wait_past(backend.inspect(KEY).waiters[-1][1] + 1)  # its thread died: dropped
     [handoff] = backend.release(KEY, "a", limit=5).handoffs
     assert handoff.waiter_id == "p1"
     assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000)
-    assert backend.acquire(KEY, "p1", limit=5, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "p1", limit=5, ttl_ms=60_000)).acquired
     assert backend.release(KEY, "p1", limit=5).handoffs == (Handoff(KEY, "w", None),)
     assert backend.wait_for_handoff(KEY, "w", timeout_ms=10_000)
-    assert backend.acquire(KEY, "w", limit=5, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "w", limit=5, ttl_ms=60_000)).acquired
     assert backend.release(KEY, "w", limit=5).handoffs == ()
     assert_drained(env, backend, limit=1)
 
@@ -1376,9 +1386,9 @@ def test_a_drained_key_leaves_the_waiting_keys_index_at_once(env: Env) -> None:
     # in the same step as the waiters, so it does not matter; on a Redis Cluster it is the
     # documented time a drained key's entry may stay.
     backend = env.backend(index_grace_ms=3_600_000)
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     park(backend, "p1")
-    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.acquire(Stake(KEY, "w", limit=1, ttl_ms=60_000), wait=Waiter(wait_ms=60_000)).parked
     assert backend.waiting_keys() == [KEY]
     assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
     assert backend.waiting_keys() == [KEY]  # an unconfirmed reservation and a waiter
@@ -1390,7 +1400,7 @@ def test_a_drained_key_leaves_the_waiting_keys_index_at_once(env: Env) -> None:
         assert env.backend(index_grace_ms=0).waiting_keys() == []  # ...and dropped after it
     else:
         assert backend.waiting_keys() == []
-    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "w", limit=1, ttl_ms=60_000)).acquired
     assert backend.release(KEY, "w", limit=1).released
     assert dataclasses.replace(backend.inspect(KEY), token=None) == KeyState((), (), (), None, None)
     if env.client is not None:
@@ -1404,11 +1414,11 @@ def test_a_park_racing_the_drain_is_never_left_unindexed(env: Env) -> None:
     other = env.another_client(backend)
     for round_ in range(50):
         holder, waiter = f"a{round_}", f"p{round_}"
-        assert backend.acquire(KEY, holder, limit=1, ttl_ms=60_000).acquired
+        assert backend.acquire(Stake(KEY, holder, limit=1, ttl_ms=60_000)).acquired
         parked = threading.Event()
 
         def park_now(waiter: str = waiter, parked: threading.Event = parked) -> None:
-            result = other.acquire(KEY, waiter, limit=1, ttl_ms=60_000, wait=Waiter(payload=b"m"))
+            result = other.acquire(Stake(KEY, waiter, limit=1, ttl_ms=60_000), wait=Waiter(payload=b"m"))
             if result.parked:
                 parked.set()
 
@@ -1439,23 +1449,23 @@ def test_a_drained_key_keeps_its_last_token_and_a_dedup_lock_keeps_none(env: Env
     again = backend.try_lock(dedup, "m1", ttl_ms=60_000)  # re-entrant: not the fast path on Redis
     assert again.acquired and again.token is None
     # The dedup lock's holder starts: an unfenced acquire (deduplication's) keeps none either.
-    started = backend.acquire(dedup, "m1", limit=1, ttl_ms=60_000, fenced=False)
+    started = backend.acquire(Stake(dedup, "m1", limit=1, ttl_ms=60_000, fenced=False))
     assert started.acquired and started.token is None
     assert backend.release(dedup, "m1", limit=1).released
     assert backend.inspect(dedup).token is None
     assert_drained(env, backend, key=dedup)  # nothing at all is left
-    first = backend.acquire(KEY, "a", limit=1, ttl_ms=60_000)
+    first = backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000))
     assert backend.release(KEY, "a", limit=1).released
     assert backend.inspect(KEY).token == first.token
     assert_drained(env, backend)  # but the token
     assert first.token is not None
-    assert (backend.acquire(KEY, "b", limit=1, ttl_ms=60_000).token or 0) > first.token
+    assert (backend.acquire(Stake(KEY, "b", limit=1, ttl_ms=60_000)).token or 0) > first.token
 
 
 def test_a_key_whose_holders_all_died_vanishes_by_itself(redis_env: Env) -> None:
     backend = redis_env.backend()
-    assert backend.acquire(KEY, "a", limit=2, ttl_ms=200).acquired
-    assert backend.acquire(KEY, "b", limit=2, ttl_ms=300).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=2, ttl_ms=200)).acquired
+    assert backend.acquire(Stake(KEY, "b", limit=2, ttl_ms=300)).acquired
     assert redis_env.client is not None
     assert redis_env.stored()
     wait_lapsed(redis_env, backend, KEY, "b")
@@ -1471,21 +1481,21 @@ def test_holders_of_a_key_nobody_waits_for_come_and_go_and_it_still_expires(env:
     grow, the limit holds, the others keep their slots, and once the last deadline passes
     nothing is left but the last token (on Redis: every key expired by itself)."""
     backend = env.backend()
-    a = backend.acquire(KEY, "a", limit=2, ttl_ms=400)
-    b = backend.acquire(KEY, "b", limit=2, ttl_ms=200)  # its deadline is not the latest
+    a = backend.acquire(Stake(KEY, "a", limit=2, ttl_ms=400))
+    b = backend.acquire(Stake(KEY, "b", limit=2, ttl_ms=200))  # its deadline is not the latest
     assert a.acquired and b.acquired and (b.token or 0) > (a.token or 0)
-    refused = backend.acquire(KEY, "c", limit=2, ttl_ms=60_000)
+    refused = backend.acquire(Stake(KEY, "c", limit=2, ttl_ms=60_000))
     assert not refused.acquired and set(refused.holders) == {"a", "b"}
     assert backend.release(KEY, "a", limit=2).released  # one of two leaves: b keeps its slot
     assert [holder for holder, _ in backend.inspect(KEY).holders] == ["b"]
-    again = backend.acquire(KEY, "b", limit=2, ttl_ms=300)  # re-entrant: the latest deadline now
+    again = backend.acquire(Stake(KEY, "b", limit=2, ttl_ms=300))  # re-entrant: the latest deadline now
     assert again.acquired and (again.token or 0) > (b.token or 0)
     assert backend.inspect(KEY).holder_info[0][0] == "b"
     wait_lapsed(env, backend, KEY, "b")
     if env.client is not None:
         token = f"{env.namespace}:{{{KEY}}}:token"
         assert env.stored() == {token}
-    assert backend.acquire(KEY, "d", limit=1, ttl_ms=60_000).acquired  # the lapsed holder is gone
+    assert backend.acquire(Stake(KEY, "d", limit=1, ttl_ms=60_000)).acquired  # the lapsed holder is gone
 
 
 def test_a_slot_handed_on_by_the_last_holder_still_expires(env: Env) -> None:
@@ -1494,8 +1504,8 @@ def test_a_slot_handed_on_by_the_last_holder_still_expires(env: Env) -> None:
     the waiters' meta hash, which has none), so a woken waiter whose thread died before taking
     its slot up left both in Redis for good: nothing was queued, so no sweep ever came."""
     backend = env.backend()
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
-    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
+    assert backend.acquire(Stake(KEY, "w", limit=1, ttl_ms=60_000), wait=Waiter(wait_ms=60_000)).parked
     assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "w", None),)
     assert backend.waiting_keys() == []  # w's thread dies here: nobody touches the key again
     if env.client is not None:
@@ -1509,11 +1519,11 @@ def test_the_limit_recorded_for_a_keys_waiters_goes_with_them(env: Env) -> None:
     process that does not know the key's limit finds none (on Redis the meta hash, which never
     expires, is gone; the memory backend forgets it too)."""
     backend = env.backend()
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
-    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
+    assert backend.acquire(Stake(KEY, "w", limit=1, ttl_ms=60_000), wait=Waiter(wait_ms=60_000)).parked
     assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "w", None),)
     assert backend.wait_for_handoff(KEY, "w", timeout_ms=0) is not None
-    unknown = backend.acquire(KEY, "p1", limit=None, ttl_ms=60_000, wait=Waiter(payload=b"msg:p1"))
+    unknown = backend.acquire(Stake(KEY, "p1", limit=None, ttl_ms=60_000), wait=Waiter(payload=b"msg:p1"))
     assert unknown.parked and unknown.limit == 0  # nothing recorded any more, and p1 records nothing
     assert backend.release(KEY, "w", limit=None).handoffs == ()  # so nothing is guessed
     assert backend.sweep(KEY, limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)  # its own app's
@@ -1524,7 +1534,7 @@ def test_the_limit_recorded_for_a_keys_waiters_goes_with_them(env: Env) -> None:
 
 def test_waiters_and_payloads_never_expire_and_a_sweep_recovers_them(redis_env: Env) -> None:
     backend = redis_env.backend(handoff_ttl_ms=1_000)
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=200).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=200)).acquired
     park(backend, "p1")
     park(backend, "p2")
     backend.release(KEY, "a", limit=1)  # p1 is handed the slot; then everybody dies
@@ -1551,8 +1561,8 @@ def test_a_key_is_due_for_a_sweep_once_a_deadline_passed_and_swept_in_batches(en
     """
     backend = env.backend(handoff_ttl_ms=60_000)
     other = "other-key"
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=300).acquired
-    assert backend.acquire(other, "b", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=300)).acquired
+    assert backend.acquire(Stake(other, "b", limit=1, ttl_ms=60_000)).acquired
     park(backend, "p1")
     park(backend, "p2", key=other)
     if env.kind == "redis":
@@ -1578,9 +1588,9 @@ def test_a_key_is_due_for_a_sweep_once_a_deadline_passed_and_swept_in_batches(en
 @pytest.mark.parametrize("key", ["plain", "with{braces}inside", "a}b{c", "{leading}", "x{}y"])
 def test_every_key_of_a_guard_key_is_in_one_cluster_slot(redis_env: Env, key: str) -> None:
     backend = redis_env.backend()
-    assert backend.acquire(key, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(key, "a", limit=1, ttl_ms=60_000)).acquired
     park(backend, "p1", key=key)
-    assert backend.acquire(key, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.acquire(Stake(key, "w", limit=1, ttl_ms=60_000), wait=Waiter(wait_ms=60_000)).parked
     park(backend, "p2", key=key)
     assert backend.set_limit(key, 3).handoffs == (Handoff(key, "p1", b"msg:p1"), Handoff(key, "w", None))
     names = redis_env.stored(":{*")
@@ -1593,8 +1603,8 @@ def test_every_key_of_a_guard_key_is_in_one_cluster_slot(redis_env: Env, key: st
 def test_keys_that_would_leave_the_hash_tag_empty_are_rejected(env: Env, key: str) -> None:
     backend = env.backend()
     calls: list[Callable[[], object]] = [
-        lambda: backend.acquire(key, "a", limit=1, ttl_ms=1000),
-        lambda: backend.acquire(key, "a", limit=1, ttl_ms=1000, wait=Waiter(payload=b"m")),
+        lambda: backend.acquire(Stake(key, "a", limit=1, ttl_ms=1000)),
+        lambda: backend.acquire(Stake(key, "a", limit=1, ttl_ms=1000), wait=Waiter(payload=b"m")),
         lambda: backend.renew(key, "a", ttl_ms=1000),
         lambda: backend.release(key, "a", limit=1),
         lambda: backend.confirm_handoff(key, "a", ttl_ms=1000),
@@ -1615,8 +1625,8 @@ def test_wait_for_handoff_outlasts_the_clients_socket_timeout(env: Env) -> None:
     # redis-py 8 clients time a read out after socket_timeout (5 s by default): a longer wait is
     # made of shorter BLPOPs, transparently.
     backend = env.backend(socket_timeout=0.3)
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
-    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
+    assert backend.acquire(Stake(KEY, "w", limit=1, ttl_ms=60_000), wait=Waiter(wait_ms=60_000)).parked
     assert backend.wait_for_handoff(KEY, "w", timeout_ms=1000) is None  # timed out, no error
     woken: list[Woken | None] = []
     started = env.now_ms()
@@ -1628,14 +1638,14 @@ def test_wait_for_handoff_outlasts_the_clients_socket_timeout(env: Env) -> None:
     assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "w", None),)
     thread.join(MARGIN_S)
     assert len(woken) == 1 and woken[0] is not None
-    assert backend.acquire(KEY, "w", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "w", limit=1, ttl_ms=60_000)).acquired
     assert backend.release(KEY, "w", limit=1).released
     assert_drained(env, backend)
 
 
 def test_a_client_that_decodes_responses_works_too(redis_env: Env) -> None:
     backend = redis_env.backend(decode=True)
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     park(backend, "p1")
     assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
     assert backend.inspect(KEY).reserved == ("p1",)
@@ -1646,7 +1656,7 @@ def test_an_unreachable_redis_raises_backend_unavailable() -> None:
     client = redis.Redis(port=free_port(), socket_connect_timeout=2, retry=Retry(NoBackoff(), 0))
     backend = RedisBackend(client)
     with pytest.raises(BackendUnavailable):
-        backend.acquire(KEY, "a", limit=1, ttl_ms=1000)
+        backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=1000))
     with pytest.raises(BackendUnavailable):
         backend.renew_many([(KEY, "a", 1000)])
     with pytest.raises(BackendUnavailable):
@@ -1657,7 +1667,7 @@ def test_an_unreachable_redis_raises_backend_unavailable() -> None:
 def test_scripts_are_reloaded_after_a_function_or_script_flush(redis_env: Env) -> None:
     """A call refused for want of its code (a restart without persistence, a flush) loads it and runs."""
     backend = redis_env.backend()
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     client = redis_env.client
     assert client is not None
 
@@ -1681,7 +1691,7 @@ def test_a_process_that_does_not_know_a_keys_limit_uses_the_one_recorded_with_it
     key's own application declared (it does not guess a limit from its own actors)."""
     backend = env.backend()
     stranger = env.another_client(backend)  # before the lease starts: a cluster client is slow
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=500).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=500)).acquired
     deadline = deadline_of(backend, KEY, "a")
     for waiter in ["p1", "p2", "p3"]:
         park(backend, waiter)  # parked while "a" holds, its lease not yet lapsed
@@ -1712,7 +1722,7 @@ def test_parked_messages_are_handed_only_to_a_process_of_their_route(env: Env) -
         app_b.route = "app-b"
         return app_b
 
-    assert a().acquire(KEY, "h", limit=1, ttl_ms=60_000).acquired
+    assert a().acquire(Stake(KEY, "h", limit=1, ttl_ms=60_000)).acquired
     park(a(), "p1")
     park(b(), "q1")
     assert b().release(KEY, "h", limit=None).handoffs == ()
@@ -1720,13 +1730,13 @@ def test_parked_messages_are_handed_only_to_a_process_of_their_route(env: Env) -
     assert backend_holders(a()) == []
     assert a().sweep(KEY, limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
     assert a().confirm_handoff(KEY, "p1", ttl_ms=60_000)
-    assert a().acquire(KEY, "p1", limit=1, ttl_ms=60_000).acquired
+    assert a().acquire(Stake(KEY, "p1", limit=1, ttl_ms=60_000)).acquired
     assert a().release(KEY, "p1", limit=1).handoffs == ()  # q1 is app B's to deliver
     assert b().sweep(KEY, limit=None).handoffs == (Handoff(KEY, "q1", b"msg:q1"),)
     assert b().confirm_handoff(KEY, "q1", ttl_ms=60_000)
     # A blocking waiter needs no delivery: app A's release wakes app B's thread.
-    assert b().acquire(KEY, "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
-    assert b().acquire(KEY, "q1", limit=1, ttl_ms=60_000).acquired
+    assert b().acquire(Stake(KEY, "w", limit=1, ttl_ms=60_000), wait=Waiter(wait_ms=60_000)).parked
+    assert b().acquire(Stake(KEY, "q1", limit=1, ttl_ms=60_000)).acquired
     assert a().release(KEY, "q1", limit=None).handoffs == (Handoff(KEY, "w", None),)
     assert b().wait_for_handoff(KEY, "w", timeout_ms=0) is not None
     b().release(KEY, "w", limit=None)
@@ -1741,11 +1751,11 @@ def test_a_new_acquirer_leaves_the_slot_of_another_routes_parked_waiter(env: Env
     backend = env.backend()
     other = env.another_client(backend)
     backend.route = "app-a"
-    assert backend.acquire(KEY, "h", limit=1, ttl_ms=200).acquired
+    assert backend.acquire(Stake(KEY, "h", limit=1, ttl_ms=200)).acquired
     park(backend, "p1")
     wait_lapsed(env, backend, KEY, "h")
     other.route = "app-b"
-    refused = other.acquire(KEY, "n", limit=1, ttl_ms=60_000)
+    refused = other.acquire(Stake(KEY, "n", limit=1, ttl_ms=60_000))
     assert not refused.acquired and refused.handoffs == () and refused.holders == ()
     backend.route = "app-a"
     assert backend.sweep(KEY, limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
@@ -1764,7 +1774,7 @@ def test_a_standby_being_sent_behind_another_routes_waiter_is_still_handed_its_s
     other = env.another_client(backend)  # the same object for the in-memory backend: set routes as we go
     backend.route = "app-a"
     for holder in ("h1", "h2"):
-        assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired
+        assert backend.acquire(Stake(KEY, holder, limit=2, ttl_ms=60_000)).acquired
     other.route = "app-b"
     park(other, "p1", limit=2)
     backend.route = "app-a"
@@ -1783,9 +1793,9 @@ def test_a_refused_acquire_names_the_first_holders_and_an_acquired_one_nobody(en
     backend = env.backend()
     count = HOLDERS_SHOWN + 2
     for i in range(count):
-        taken = backend.acquire(KEY, f"h{i:02}", limit=count, ttl_ms=60_000 + 1_000 * i)
+        taken = backend.acquire(Stake(KEY, f"h{i:02}", limit=count, ttl_ms=60_000 + 1_000 * i))
         assert taken.acquired and taken.holders == ()
-    refused = backend.acquire(KEY, "late", limit=count, ttl_ms=60_000)
+    refused = backend.acquire(Stake(KEY, "late", limit=count, ttl_ms=60_000))
     assert not refused.acquired
     assert refused.holders == tuple(f"h{i:02}" for i in range(HOLDERS_SHOWN))  # earliest deadline first
     assert len(backend_holders(backend)) == count  # inspect lists them all
@@ -1796,7 +1806,7 @@ def test_a_refused_acquire_names_the_first_holders_and_an_acquired_one_nobody(en
 
 def block(backend: GuardBackend, waiter: str, *, limit: int) -> None:
     """Queue ``waiter`` as a ready waiter (a thread blocking for a slot)."""
-    assert backend.acquire(KEY, waiter, limit=limit, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.acquire(Stake(KEY, waiter, limit=limit, ttl_ms=60_000), wait=Waiter(wait_ms=60_000)).parked
 
 
 def test_with_more_ready_waiters_than_the_window_a_slot_goes_to_the_first_ready_one_in_it(env: Env) -> None:
@@ -1804,7 +1814,7 @@ def test_with_more_ready_waiters_than_the_window_a_slot_goes_to_the_first_ready_
     else to the oldest waiter; ready waiters behind the window wait their turn, however many."""
     backend = env.backend()
     for holder in ("h1", "h2", "h3"):
-        assert backend.acquire(KEY, holder, limit=3, ttl_ms=60_000).acquired
+        assert backend.acquire(Stake(KEY, holder, limit=3, ttl_ms=60_000)).acquired
     park(backend, "p1", limit=3)
     park(backend, "p2", limit=3)
     for n in range(4):
@@ -1837,9 +1847,11 @@ def test_a_hand_off_costs_the_same_whatever_the_number_of_ready_waiters(redis_en
     def release_cost(ready: int, limit: int = 4) -> int:
         key = f"cost:{ready}:{limit}"
         for h in range(limit):
-            assert backend.acquire(key, f"h{h}", limit=limit, ttl_ms=60_000).acquired
+            assert backend.acquire(Stake(key, f"h{h}", limit=limit, ttl_ms=60_000)).acquired
         for n in range(ready):
-            waited = backend.acquire(key, f"b{n}", limit=limit, ttl_ms=60_000, wait=Waiter(wait_ms=60_000))
+            waited = backend.acquire(
+                Stake(key, f"b{n}", limit=limit, ttl_ms=60_000), wait=Waiter(wait_ms=60_000)
+            )
             assert waited.parked
         before = commands()
         assert backend.release(key, "h0", limit=limit).handoffs == (Handoff(key, "b0", None),)
@@ -1853,7 +1865,7 @@ def test_a_hand_off_costs_the_same_whatever_the_number_of_ready_waiters(redis_en
 def test_inspect_lists_at_most_the_first_waiters_asked_for(env: Env) -> None:
     """inspect(waiters=N) reads the head of a queue only (a queue may be 100,000 long)."""
     backend = env.backend()
-    assert backend.acquire(KEY, "h", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "h", limit=1, ttl_ms=60_000)).acquired
     for n in range(5):
         park(backend, f"p{n}")
     full = backend.inspect(KEY)
@@ -1877,7 +1889,7 @@ def test_a_stale_copy_of_a_handed_off_message_never_starts(env: Env) -> None:
     stale from then on, before and after the live copy ran; a redelivery of the live copy is not.
     """
     backend = env.backend(handoff_ttl_ms=200)
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     for waiter in ["p1", "p2"]:
         park(backend, waiter)
     [first] = backend.release(KEY, "a", limit=1).handoffs
@@ -1889,14 +1901,14 @@ def test_a_stale_copy_of_a_handed_off_message_never_starts(env: Env) -> None:
     # The stalled deliverer confirms at last: that changes nothing, the payload stays stored.
     assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000, generation=first.generation) is False
     assert backend.inspect(KEY).reserved == ("p1",)
-    stale = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=first.generation)
+    stale = backend.acquire(Stake(KEY, "p1", limit=1, ttl_ms=60_000, generation=first.generation))
     assert stale.stale and not stale.acquired and stale.handoffs == ()
     assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000, generation=second.generation)
-    live = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=second.generation)
+    live = backend.acquire(Stake(KEY, "p1", limit=1, ttl_ms=60_000, generation=second.generation))
     assert live.acquired and not live.stale
     assert backend.release(KEY, "p1", limit=1).handoffs == (Handoff(KEY, "p2", b"msg:p2"),)
-    assert backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=first.generation).stale
-    redelivered = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=second.generation)
+    assert backend.acquire(Stake(KEY, "p1", limit=1, ttl_ms=60_000, generation=first.generation)).stale
+    redelivered = backend.acquire(Stake(KEY, "p1", limit=1, ttl_ms=60_000, generation=second.generation))
     assert not redelivered.stale  # refused only because p2 holds the slot
     assert backend.confirm_handoff(KEY, "p2", ttl_ms=60_000)
     backend.release(KEY, "p2", limit=1)
@@ -1907,7 +1919,7 @@ def test_a_standby_confirmed_too_late_cannot_start_beside_its_newer_copy(env: En
     """Invariant: a standby whose sender stalled past its deadline parks again; once it is sent
     again, the first copy is stale."""
     backend = env.backend(handoff_ttl_ms=200)
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     park(backend, "p1")
     _, [first] = backend.send_standbys(KEY, limit=1, count=1)
     env.wait_past(env.now_ms() + 200)
@@ -1918,10 +1930,10 @@ def test_a_standby_confirmed_too_late_cannot_start_beside_its_newer_copy(env: En
     assert not backend.confirm_standby(KEY, "p1", first.payload, ttl_ms=60_000, generation=first.generation)
     assert backend.confirm_standby(KEY, "p1", second.payload, ttl_ms=60_000, generation=second.generation)
     assert backend.acquire(
-        KEY, "p1", limit=1, ttl_ms=60_000, wait=Waiter(payload=b"msg:p1"), generation=first.generation
+        Stake(KEY, "p1", limit=1, ttl_ms=60_000, generation=first.generation), wait=Waiter(payload=b"msg:p1")
     ).stale
     backend.release(KEY, "a", limit=1)
-    started = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=second.generation)
+    started = backend.acquire(Stake(KEY, "p1", limit=1, ttl_ms=60_000, generation=second.generation))
     assert started.acquired
     backend.release(KEY, "p1", limit=1)
     assert_drained(env, backend, lapsed=("p1",))
@@ -1942,7 +1954,7 @@ def test_a_copy_that_parked_after_pickup_and_is_delivered_again_never_runs_besid
     would be two runs on one lease).
     """
     backend = env.backend()
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     if picked_up == "original":
         generation = ORIGINAL_GENERATION
     else:
@@ -1952,20 +1964,24 @@ def test_a_copy_that_parked_after_pickup_and_is_delivered_again_never_runs_besid
         assert sent.generation is not None
         generation = sent.generation
     again = Waiter(payload=b"msg:p1")
-    parked = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, wait=again, generation=generation)
+    parked = backend.acquire(Stake(KEY, "p1", limit=1, ttl_ms=60_000, generation=generation), wait=again)
     assert parked.parked and not parked.acquired
     [handoff] = backend.release(KEY, "a", limit=1).handoffs
     assert handoff.waiter_id == "p1" and handoff.payload == b"msg:p1" and handoff.generation is not None
     assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000, generation=handoff.generation)
     if first == "redelivered copy":
-        redelivered = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, wait=again, generation=generation)
+        redelivered = backend.acquire(
+            Stake(KEY, "p1", limit=1, ttl_ms=60_000, generation=generation), wait=again
+        )
         assert redelivered.stale and not redelivered.acquired
-    live = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, wait=again, generation=handoff.generation)
+    live = backend.acquire(
+        Stake(KEY, "p1", limit=1, ttl_ms=60_000, generation=handoff.generation), wait=again
+    )
     assert live.acquired and not live.stale
-    redelivered = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, wait=again, generation=generation)
+    redelivered = backend.acquire(Stake(KEY, "p1", limit=1, ttl_ms=60_000, generation=generation), wait=again)
     assert redelivered.stale and not redelivered.acquired
     assert backend.release(KEY, "p1", limit=1).released
-    assert backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, generation=generation).stale
+    assert backend.acquire(Stake(KEY, "p1", limit=1, ttl_ms=60_000, generation=generation)).stale
     assert_drained(env, backend, lapsed=("p1",))
 
 
@@ -1984,7 +2000,7 @@ def test_withdrawing_a_message_parked_elsewhere_never_takes_out_its_entry_after_
     (found by tests/test_combinations.py with real workers, about 1 run in 50 on a loaded machine).
     """
     backend = env.backend()
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     park(backend, "p1")
     if what == "hand-off":
         [sent] = backend.release(KEY, "a", limit=1).handoffs
@@ -1996,7 +2012,7 @@ def test_withdrawing_a_message_parked_elsewhere_never_takes_out_its_entry_after_
     assert sent.generation is not None
     back = Waiter(payload=b"msg:p1 from elsewhere")
     if came_back:  # the other key handed it on at once, and its enqueue reached KEY's gate first
-        again = backend.acquire(KEY, "p1", limit=1, ttl_ms=60_000, wait=back)
+        again = backend.acquire(Stake(KEY, "p1", limit=1, ttl_ms=60_000), wait=back)
         assert again.acquired is (what != "standby send")
     withdrawn = backend.cancel_wait(KEY, "p1", limit=1, generation=sent.generation)
     state = backend.inspect(KEY)
@@ -2039,10 +2055,10 @@ def test_a_copy_back_at_the_gate_from_another_guard_is_judged_by_the_generation_
 
     def copy_acquires(generation: int | None) -> AcquireResult:  # at the gate, or picked up
         return backend.acquire(
-            KEY, "p1", limit=1, ttl_ms=60_000, wait=Waiter(payload=b"msg:p1"), generation=generation
+            Stake(KEY, "p1", limit=1, ttl_ms=60_000, generation=generation), wait=Waiter(payload=b"msg:p1")
         )
 
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
     park(backend, "p1")
     [first] = backend.release(KEY, "a", limit=1).handoffs
     assert first.generation is not None
@@ -2073,7 +2089,8 @@ def test_a_message_picked_up_with_room_costs_no_generation_record(env: Env) -> N
     backend = env.backend()
     for _ in range(2):
         started = backend.acquire(
-            KEY, "m1", limit=1, ttl_ms=60_000, wait=Waiter(payload=b"msg:m1"), generation=ORIGINAL_GENERATION
+            Stake(KEY, "m1", limit=1, ttl_ms=60_000, generation=ORIGINAL_GENERATION),
+            wait=Waiter(payload=b"msg:m1"),
         )
         assert started.acquired and not started.stale
         assert backend.release(KEY, "m1", limit=1).released
@@ -2086,11 +2103,11 @@ def test_a_free_slot_kept_for_another_routes_waiter_is_not_taken_by_a_newcomer(e
     app_a = env.backend()
     app_b = env.another_client(app_a)
     app_a.route = "app-a"
-    assert app_a.acquire(KEY, "h", limit=1, ttl_ms=60_000).acquired
+    assert app_a.acquire(Stake(KEY, "h", limit=1, ttl_ms=60_000)).acquired
     park(app_a, "p1")
     app_b.route = "app-b"
     assert app_b.release(KEY, "h", limit=None).handoffs == ()
-    newcomer = app_b.acquire(KEY, "n", limit=1, ttl_ms=60_000, wait=Waiter(payload=b"msg:n"))
+    newcomer = app_b.acquire(Stake(KEY, "n", limit=1, ttl_ms=60_000), wait=Waiter(payload=b"msg:n"))
     assert not newcomer.acquired and newcomer.parked
     app_a.route = "app-a"
     assert app_a.sweep(KEY, limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
@@ -2122,7 +2139,7 @@ def test_try_lock_takes_a_free_key_and_names_the_holder_when_held(env: Env) -> N
     assert backend.release(KEY, "m1", limit=1).released
     assert_drained(env, backend)
     assert other.try_lock(KEY, "m2", ttl_ms=10_000).acquired  # free again
-    assert backend.acquire(KEY, "m2", limit=1, ttl_ms=10_000).token is not None  # the holder starts
+    assert backend.acquire(Stake(KEY, "m2", limit=1, ttl_ms=10_000)).token is not None  # the holder starts
     assert backend.release(KEY, "m2", limit=1).released
     assert_drained(env, backend)
 
@@ -2132,7 +2149,7 @@ def test_try_lock_never_takes_the_lock_from_a_queued_rerun(env: Env) -> None:
     send is refused, whether the holder is live or lapsed (then the rerun is handed the lock)."""
     backend = env.backend()
     assert backend.try_lock(KEY, "h", ttl_ms=300).acquired
-    rerun = backend.acquire(KEY, "rerun", limit=0, ttl_ms=60_000, wait=Waiter(payload=b"msg:rerun"))
+    rerun = backend.acquire(Stake(KEY, "rerun", limit=0, ttl_ms=60_000), wait=Waiter(payload=b"msg:rerun"))
     assert rerun.parked and rerun.holders == ("h",)
     refused = backend.try_lock(KEY, "m1", ttl_ms=10_000)
     assert (refused.acquired, refused.holders, refused.handoffs) == (False, ("h",), ())
@@ -2216,10 +2233,12 @@ def test_the_stale_copy_window_is_a_setting_of_each_backend(env: Env) -> None:
 def test_summaries_count_holders_waiters_and_limits_without_changing_anything(env: Env) -> None:
     backend = env.backend()
     other = "slots:other"
-    assert backend.acquire(KEY, "h1", limit=2, ttl_ms=60_000, info="deliver").acquired
-    assert backend.acquire(KEY, "h2", limit=2, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "h1", limit=2, ttl_ms=60_000, info="deliver")).acquired
+    assert backend.acquire(Stake(KEY, "h2", limit=2, ttl_ms=60_000)).acquired
     park(backend, "w1", limit=2)
-    blocking = backend.acquire(KEY, "w2", limit=2, ttl_ms=60_000, wait=Waiter(wait_ms=60_000), info="report")
+    blocking = backend.acquire(
+        Stake(KEY, "w2", limit=2, ttl_ms=60_000, info="report"), wait=Waiter(wait_ms=60_000)
+    )
     assert blocking.parked
     park(backend, "w3", limit=2)
     backend.set_limit(other, 0)
@@ -2249,7 +2268,7 @@ def test_summaries_of_many_keys_come_back_in_order(env: Env) -> None:
     backend = env.backend()
     keys = [f"slots:many:{i}" for i in range(25)]
     for i, key in enumerate(keys):
-        assert backend.acquire(key, f"h{i}", limit=1, ttl_ms=60_000).acquired
+        assert backend.acquire(Stake(key, f"h{i}", limit=1, ttl_ms=60_000)).acquired
         if i % 2:
             park(backend, f"w{i}", key=key)
     if isinstance(backend, RedisBackend):

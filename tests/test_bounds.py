@@ -27,7 +27,7 @@ from dramatiq.brokers.stub import StubBroker
 from test_backend_contract import KEY, Env, _env, env, redis_cluster_url
 
 import dramatiq_guard
-from dramatiq_guard.backends import GuardBackend, MemoryBackend, RedisBackend, Waiter
+from dramatiq_guard.backends import GuardBackend, MemoryBackend, RedisBackend, Stake, Waiter
 from dramatiq_guard.cli import main
 from dramatiq_guard.errors import GuardOptionError
 from dramatiq_guard.ledger import Ledger
@@ -158,18 +158,18 @@ def _stored(env: Env) -> set[str]:
 
 
 BAD_CALLS: list[tuple[str, Callable[[GuardBackend], object], str]] = [
-    ("ttl absurd", lambda b: b.acquire(KEY, "h", limit=1, ttl_ms=ABSURD), "ttl_ms"),
-    ("ttl zero", lambda b: b.acquire(KEY, "h", limit=1, ttl_ms=0), "ttl_ms"),
-    ("ttl bool", lambda b: b.acquire(KEY, "h", limit=1, ttl_ms=True), "ttl_ms"),
-    ("limit negative", lambda b: b.acquire(KEY, "h", limit=-1, ttl_ms=1000), "limit"),
+    ("ttl absurd", lambda b: b.acquire(Stake(KEY, "h", limit=1, ttl_ms=ABSURD)), "ttl_ms"),
+    ("ttl zero", lambda b: b.acquire(Stake(KEY, "h", limit=1, ttl_ms=0)), "ttl_ms"),
+    ("ttl bool", lambda b: b.acquire(Stake(KEY, "h", limit=1, ttl_ms=True)), "ttl_ms"),
+    ("limit negative", lambda b: b.acquire(Stake(KEY, "h", limit=-1, ttl_ms=1000)), "limit"),
     (
         "wait absurd",
-        lambda b: b.acquire(KEY, "h", limit=0, ttl_ms=1000, wait=Waiter(wait_ms=ABSURD)),
+        lambda b: b.acquire(Stake(KEY, "h", limit=0, ttl_ms=1000), wait=Waiter(wait_ms=ABSURD)),
         "wait_ms",
     ),
     (
         "wait negative",
-        lambda b: b.acquire(KEY, "h", limit=0, ttl_ms=1000, wait=Waiter(payload=b"m", wait_ms=-1)),
+        lambda b: b.acquire(Stake(KEY, "h", limit=0, ttl_ms=1000), wait=Waiter(payload=b"m", wait_ms=-1)),
         "wait_ms",
     ),
     ("renew absurd", lambda b: b.renew(KEY, "h", ttl_ms=ABSURD), "ttl_ms"),
@@ -288,7 +288,7 @@ def test_the_common_numbers_are_checked_too(redis_env: Env, name: str) -> None:
 def test_a_renewal_with_an_insane_ttl_leaves_the_lease_as_it_was(redis_env: Env) -> None:
     backend = redis_env.backend()
     assert isinstance(backend, RedisBackend)
-    assert backend.acquire(KEY, "h", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "h", limit=1, ttl_ms=60_000)).acquired
     before = backend.inspect(KEY)
     stored = redis_env.stored()
     for ttl in NOT_SANE:
@@ -302,7 +302,7 @@ def test_a_renewal_batch_with_one_insane_ttl_renews_none_of_it(redis_env: Env) -
     backend = redis_env.backend()
     assert isinstance(backend, RedisBackend)
     for holder in ("h1", "h2"):  # one key: a batch's keys may share a cluster slot
-        assert backend.acquire(KEY, holder, limit=2, ttl_ms=60_000).acquired
+        assert backend.acquire(Stake(KEY, holder, limit=2, ttl_ms=60_000)).acquired
     before = backend.inspect(KEY)
     keys = backend._renew_keys(KEY) * 2
     for ttl in NOT_SANE:

@@ -18,7 +18,7 @@ import dramatiq
 import pytest
 import redis
 
-from dramatiq_guard.backends import RedisBackend, Waiter
+from dramatiq_guard.backends import RedisBackend, Stake, Waiter
 from dramatiq_guard.cli import main, parse_duration
 
 MINUTE = 60_000
@@ -48,7 +48,7 @@ def run(redis_url: str, capsys: pytest.CaptureFixture[str]) -> Run:
 
 
 def _park(backend: RedisBackend, key: str, waiter: str, payload: bytes = b"{}") -> None:
-    result = backend.acquire(key, waiter, limit=1, ttl_ms=MINUTE, wait=Waiter(payload=payload))
+    result = backend.acquire(Stake(key, waiter, limit=1, ttl_ms=MINUTE), wait=Waiter(payload=payload))
     assert result.parked
 
 
@@ -142,10 +142,10 @@ def test_durations() -> None:
 
 
 def test_inspect_lists_indexed_keys_with_holders_waiters_and_limits(backend: RedisBackend, run: Run) -> None:
-    assert backend.acquire("slots:c1", "m1", limit=1, ttl_ms=MINUTE, info="deliver_webhook").acquired
+    assert backend.acquire(Stake("slots:c1", "m1", limit=1, ttl_ms=MINUTE, info="deliver_webhook")).acquired
     _park(backend, "slots:c1", "m2")
     _park(backend, "slots:c1", "m3")
-    assert backend.acquire("mutex:only-held", "m4", limit=1, ttl_ms=MINUTE).acquired
+    assert backend.acquire(Stake("mutex:only-held", "m4", limit=1, ttl_ms=MINUTE)).acquired
     [(_, since, _)] = backend.inspect("slots:c1").holder_info
 
     status, out, err = run("inspect", "--json")
@@ -185,7 +185,7 @@ def test_inspect_lists_indexed_keys_with_holders_waiters_and_limits(backend: Red
 
 
 def test_inspect_never_scans_the_keyspace(backend: RedisBackend, run: Run, redisdb: redis.Redis) -> None:
-    assert backend.acquire("slots:c1", "m1", limit=1, ttl_ms=MINUTE).acquired
+    assert backend.acquire(Stake("slots:c1", "m1", limit=1, ttl_ms=MINUTE)).acquired
     _park(backend, "slots:c1", "m2")
     before = {name: stats["calls"] for name, stats in redisdb.info("commandstats").items()}
     assert run("inspect")[0] == 0
@@ -234,7 +234,7 @@ def test_limit_zero_halts_and_raising_it_hands_off_leaving_reservations(
     backend: RedisBackend, run: Run
 ) -> None:
     assert run("limit", "set", "slots:c1", "0")[:2] == (0, "slots:c1: limit set to 0 (halted)\n")
-    assert not backend.acquire("slots:c1", "m1", limit=5, ttl_ms=MINUTE).acquired
+    assert not backend.acquire(Stake("slots:c1", "m1", limit=5, ttl_ms=MINUTE)).acquired
     _park(backend, "slots:c1", "m1", b"payload-1")
     _park(backend, "slots:c1", "m2", b"payload-2")
 
@@ -305,7 +305,7 @@ def test_a_bad_broker_fails_before_anything_changes(backend: RedisBackend, run: 
 
 
 def test_release_asks_and_hands_off_to_the_oldest_waiter(backend: RedisBackend, run: Run) -> None:
-    assert backend.acquire("mutex:report", "m1", limit=1, ttl_ms=MINUTE).acquired
+    assert backend.acquire(Stake("mutex:report", "m1", limit=1, ttl_ms=MINUTE)).acquired
     _park(backend, "mutex:report", "m2")
     _park(backend, "mutex:report", "m3")
 
@@ -373,10 +373,10 @@ def test_inspect_describes_the_first_waiters_and_summarizes_many_keys(
     message: dramatiq.Message[object] = dramatiq.Message(
         queue_name="q", actor_name="deliver_webhook", args=(42, "x" * 200), kwargs={}, options={}
     )
-    assert backend.acquire("slots:c1", "m1", limit=1, ttl_ms=MINUTE).acquired
+    assert backend.acquire(Stake("slots:c1", "m1", limit=1, ttl_ms=MINUTE)).acquired
     _park(backend, "slots:c1", message.message_id, message.encode())
     _park(backend, "slots:c1", "m3", b"not a message")
-    assert backend.acquire("slots:c2", "m4", limit=1, ttl_ms=MINUTE).acquired
+    assert backend.acquire(Stake("slots:c2", "m4", limit=1, ttl_ms=MINUTE)).acquired
     _park(backend, "slots:c2", "m5")
     backend.set_limit("slots:halted", 0)
 

@@ -23,7 +23,7 @@ from dramatiq import Message
 from harness import DramatiqWorker, Recorder, guard_leftovers, wait_for_redis_broker_drain, wait_until
 
 import dramatiq_guard
-from dramatiq_guard.backends import ReleaseResult
+from dramatiq_guard.backends import ReleaseResult, Stake
 from dramatiq_guard.backends.redis import RedisBackend
 from dramatiq_guard.delivery import carry_generation
 from dramatiq_guard.gate import Outcome, gate_for
@@ -239,9 +239,9 @@ def test_a_standby_parked_by_the_other_guard_is_never_lost_when_it_comes_back_fi
 
     [mutex] = [m for m in stub_broker.middleware if isinstance(m, Mutex)]
     [concurrency] = [m for m in stub_broker.middleware if isinstance(m, Concurrency)]
-    assert backend.acquire("mutex:u", "holder", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake("mutex:u", "holder", limit=1, ttl_ms=60_000)).acquired
     message = both.send("u")  # parks behind the holder
-    assert backend.acquire("concurrency:pool", "busy", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake("concurrency:pool", "busy", limit=1, ttl_ms=60_000)).acquired
     withdraw = backend.cancel_wait
     came_back: list[str] = []
 
@@ -285,7 +285,7 @@ def test_a_hand_off_back_from_another_guard_after_its_reservation_lapsed_runs_on
     def job(user: str) -> None:
         done.append(user)
 
-    assert backend.acquire("mutex:u", "holder", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake("mutex:u", "holder", limit=1, ttl_ms=60_000)).acquired
     message = job.send("u")  # parks behind the holder
     [handoff] = backend.release("mutex:u", "holder", limit=1).handoffs
     assert handoff.waiter_id == message.message_id and handoff.payload is not None

@@ -15,6 +15,7 @@ from harness import RedisServer
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from dramatiq_guard.backends import Stake
 from dramatiq_guard.backends.redis import RedisBackend
 from dramatiq_guard.middleware.confirmer import Confirmer as _Confirmer
 
@@ -43,7 +44,7 @@ def pending(backend: RedisBackend, key: str, holder: str) -> tuple[RedisBackend,
 def test_a_failed_group_followed_by_a_confirmed_group_is_reported_failed(
     unreachable: RedisBackend, reachable: RedisBackend
 ) -> None:
-    assert reachable.acquire("b", "m2", limit=1, ttl_ms=10_000).acquired
+    assert reachable.acquire(Stake("b", "m2", limit=1, ttl_ms=10_000)).acquired
     confirmer = _Confirmer(linger=0.01)
     lost = pending(unreachable, "a", "m1")
 
@@ -54,7 +55,7 @@ def test_a_failed_group_followed_by_a_confirmed_group_is_reported_failed(
 
 
 def test_a_lock_gone_before_its_confirmation_is_not_a_failure(reachable: RedisBackend) -> None:
-    assert reachable.acquire("b", "m2", limit=1, ttl_ms=10_000).acquired
+    assert reachable.acquire(Stake("b", "m2", limit=1, ttl_ms=10_000)).acquired
     confirmer = _Confirmer(linger=0.01)
     # "c" was released (or lapsed) before the flush: nothing to confirm, nothing to retry.
     assert confirmer.send([pending(reachable, "b", "m2"), pending(reachable, "c", "m3")]) is True

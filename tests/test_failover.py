@@ -25,7 +25,7 @@ from harness import FakeClock, RedisServer, libfaketime, unavailable, wait_until
 from harness.topology import RedisCluster3x1, ReplicatedRedis, SentinelRedis, replicate_all
 
 import dramatiq_guard
-from dramatiq_guard.backends import RedisBackend, Waiter
+from dramatiq_guard.backends import RedisBackend, Stake, Waiter
 from dramatiq_guard.backends.redis_client import ReplicaWaits
 from dramatiq_guard.errors import BackendUnavailable, ConfigurationError, ReplicasBehind
 from dramatiq_guard.lock import Lock
@@ -54,7 +54,7 @@ def test_a_token_never_goes_back_across_a_failover_to_a_replica_whose_clock_is_b
     with ReplicatedRedis(replica_env=behind.server_env()) as pair:
         with pair.primary.client() as client:
             old = RedisBackend(client)
-            first = old.acquire(KEY, "m1", limit=1, ttl_ms=60_000)
+            first = old.acquire(Stake(KEY, "m1", limit=1, ttl_ms=60_000))
             assert first.acquired and first.token is not None
             if idle:  # the key drains: nothing of it is left but its last token
                 assert old.release(KEY, "m1", limit=1).released
@@ -66,7 +66,7 @@ def test_a_token_never_goes_back_across_a_failover_to_a_replica_whose_clock_is_b
             new = RedisBackend(client)
             if not idle:  # the holder's release reached the new primary
                 assert new.release(KEY, "m1", limit=1).released
-            second = new.acquire(KEY, "m2", limit=1, ttl_ms=60_000)
+            second = new.acquire(Stake(KEY, "m2", limit=1, ttl_ms=60_000))
             assert second.acquired and second.token is not None
             assert second.token > first.token
 
@@ -81,7 +81,7 @@ def test_with_replica_waits_a_decision_no_replica_acknowledges_fails_closed(how:
         # While the replica is healthy, WAIT returns once it acknowledged: a generous timeout keeps a
         # loaded machine's slow acknowledgement from failing the decision (it costs nothing otherwise).
         healthy = RedisBackend(client, replica_waits=1, replica_wait_timeout_ms=10_000)
-        assert healthy.acquire(KEY, "m1", limit=1, ttl_ms=60_000).acquired
+        assert healthy.acquire(Stake(KEY, "m1", limit=1, ttl_ms=60_000)).acquired
         assert healthy.release(KEY, "m1", limit=1).released
         backend = RedisBackend(client, replica_waits=1, replica_wait_timeout_ms=50)  # waits in vain
         if how == "partitioned":
@@ -89,7 +89,7 @@ def test_with_replica_waits_a_decision_no_replica_acknowledges_fails_closed(how:
         else:
             pair.replica.stop()
         with pytest.raises(ReplicasBehind) as caught:
-            backend.acquire(KEY, "m2", limit=1, ttl_ms=60_000)
+            backend.acquire(Stake(KEY, "m2", limit=1, ttl_ms=60_000))
         assert isinstance(caught.value, BackendUnavailable)
         assert (caught.value.acknowledged, caught.value.wanted) == (0, 1)
         with pytest.raises(ReplicasBehind):
@@ -114,12 +114,12 @@ def test_a_failover_loses_an_acquire_the_replica_did_not_get_unless_replica_wait
             pair.partition()
             if replica_waits:
                 with pytest.raises(ReplicasBehind):  # the caller does not start: fail closed
-                    backend.acquire(KEY, "m1", limit=1, ttl_ms=60_000)
+                    backend.acquire(Stake(KEY, "m1", limit=1, ttl_ms=60_000))
             else:  # the caller starts, on a decision no replica has
-                assert backend.acquire(KEY, "m1", limit=1, ttl_ms=60_000).acquired
+                assert backend.acquire(Stake(KEY, "m1", limit=1, ttl_ms=60_000)).acquired
             pair.primary.stop()
         with pair.promote().client() as client:
-            second = RedisBackend(client).acquire(KEY, "m2", limit=1, ttl_ms=60_000)
+            second = RedisBackend(client).acquire(Stake(KEY, "m2", limit=1, ttl_ms=60_000))
             assert second.acquired  # the new primary never heard of m1
             # With replica waits, m1 was told it did not acquire: one holder. Without, two run.
 
@@ -128,12 +128,12 @@ def test_with_replica_waits_a_holder_and_a_parked_message_survive_a_failover() -
     with ReplicatedRedis() as pair:
         with pair.primary.client() as client:
             backend = RedisBackend(client, replica_waits=1, replica_wait_timeout_ms=5_000)
-            assert backend.acquire(KEY, "m1", limit=1, ttl_ms=60_000).acquired
-            parked = backend.acquire(KEY, "m2", limit=1, ttl_ms=60_000, wait=Waiter(payload=b"msg:m2"))
+            assert backend.acquire(Stake(KEY, "m1", limit=1, ttl_ms=60_000)).acquired
+            parked = backend.acquire(Stake(KEY, "m2", limit=1, ttl_ms=60_000), wait=Waiter(payload=b"msg:m2"))
             assert parked.parked
         with pair.promote().client() as client:
             new = RedisBackend(client, replica_waits=0)
-            refused = new.acquire(KEY, "m3", limit=1, ttl_ms=60_000)
+            refused = new.acquire(Stake(KEY, "m3", limit=1, ttl_ms=60_000))
             assert not refused.acquired and refused.holders == ("m1",)
             [handoff] = new.release(KEY, "m1", limit=1).handoffs
             assert (handoff.waiter_id, handoff.payload) == ("m2", b"msg:m2")
@@ -252,13 +252,13 @@ def survives_failover(
     The new primary has no replica (its only one was the old primary), so with replica waits
     every operation fails closed (no decision can be made durable) until a replica is back.
     """
-    assert backend.acquire(KEY, "m1", limit=1, ttl_ms=60_000).acquired
-    assert backend.acquire(KEY, "m2", limit=1, ttl_ms=60_000, wait=Waiter(payload=b"msg:m2")).parked
+    assert backend.acquire(Stake(KEY, "m1", limit=1, ttl_ms=60_000)).acquired
+    assert backend.acquire(Stake(KEY, "m2", limit=1, ttl_ms=60_000), wait=Waiter(payload=b"msg:m2")).parked
     fail_over()
 
     def replicas_behind() -> bool:
         try:
-            backend.acquire(KEY, "m3", limit=1, ttl_ms=60_000)
+            backend.acquire(Stake(KEY, "m3", limit=1, ttl_ms=60_000))
         except ReplicasBehind:
             return True
         except BackendUnavailable:
@@ -268,7 +268,7 @@ def survives_failover(
     wait_until(replicas_behind, timeout=30, what="the new primary to answer (and fail closed)")
     meanwhile()
     restore_a_replica()
-    refused = retried(lambda: backend.acquire(KEY, "m3", limit=1, ttl_ms=60_000))
+    refused = retried(lambda: backend.acquire(Stake(KEY, "m3", limit=1, ttl_ms=60_000)))
     assert not refused.acquired and refused.holders == ("m1",)  # no second holder
     [handoff] = retried(lambda: backend.release(KEY, "m1", limit=1)).handoffs
     assert (handoff.waiter_id, handoff.payload) == ("m2", b"msg:m2")
@@ -297,7 +297,7 @@ def test_with_replica_waits_a_limit_1_key_survives_a_cluster_failover() -> None:
 
             failing = cluster.owner_of(KEY)
             other = next(k for k in (f"other:{i}" for i in range(100)) if cluster.owner_of(k) is not failing)
-            assert backend.acquire(other, "o1", limit=1, ttl_ms=60_000).acquired
+            assert backend.acquire(Stake(other, "o1", limit=1, ttl_ms=60_000)).acquired
 
             def fail_over() -> None:
                 cluster.fail_over(KEY)
@@ -335,9 +335,9 @@ def test_with_replica_waits_a_manual_cluster_failover_moves_calls_to_the_new_pri
         client = cluster.client(socket_timeout=2, socket_connect_timeout=1)
         try:
             backend = RedisBackend(client, replica_waits=1, replica_wait_timeout_ms=1_000)
-            assert backend.acquire(KEY, "m1", limit=1, ttl_ms=60_000).acquired
+            assert backend.acquire(Stake(KEY, "m1", limit=1, ttl_ms=60_000)).acquired
             cluster.switch_over(KEY)
-            refused = backend.acquire(KEY, "m2", limit=1, ttl_ms=60_000)  # no retry needed
+            refused = backend.acquire(Stake(KEY, "m2", limit=1, ttl_ms=60_000))  # no retry needed
             assert not refused.acquired and refused.holders == ("m1",)
             assert backend.renew_many([(KEY, "m1", 60_000)]) == [True]
             assert backend.release(KEY, "m1", limit=1).released

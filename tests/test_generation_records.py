@@ -21,6 +21,7 @@ from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import Retries
 from harness import wait_until
 
+from dramatiq_guard.backends import Stake
 from dramatiq_guard.backends.base import ORIGINAL_GENERATION, GuardBackend, Waiter
 from dramatiq_guard.backends.memory import MemoryBackend
 from dramatiq_guard.backends.redis import RedisBackend
@@ -47,9 +48,9 @@ def backend(request: pytest.FixtureRequest) -> GuardBackend:
 
 def park_a_picked_up_copy(backend: GuardBackend) -> None:
     """'h' holds KEY (limit 1); the copy of 'm' a worker picked up parks."""
-    assert backend.acquire(KEY, "h", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "h", limit=1, ttl_ms=60_000)).acquired
     parked = backend.acquire(
-        KEY, "m", limit=1, ttl_ms=60_000, wait=Waiter(payload=b"m"), generation=ORIGINAL_GENERATION
+        Stake(KEY, "m", limit=1, ttl_ms=60_000, generation=ORIGINAL_GENERATION), wait=Waiter(payload=b"m")
     )
     assert parked.parked
     assert records(backend) == ["m"]
@@ -60,7 +61,7 @@ def hand_off_and_run(backend: GuardBackend) -> None:
     [handoff] = backend.release(KEY, "h", limit=1).handoffs
     assert handoff.waiter_id == "m" and handoff.generation is not None
     assert backend.confirm_handoff(KEY, "m", ttl_ms=60_000, generation=handoff.generation)
-    assert backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, generation=handoff.generation).acquired
+    assert backend.acquire(Stake(KEY, "m", limit=1, ttl_ms=60_000, generation=handoff.generation)).acquired
     assert backend.release(KEY, "m", limit=1).released
 
 
@@ -86,7 +87,7 @@ def test_without_the_ack_the_record_stays_and_the_copy_delivered_again_never_sta
     park_a_picked_up_copy(backend)
     hand_off_and_run(backend)
     # The parked copy's worker died before the ack: the broker delivers that copy again.
-    again = backend.acquire(KEY, "m", limit=1, ttl_ms=60_000, generation=ORIGINAL_GENERATION)
+    again = backend.acquire(Stake(KEY, "m", limit=1, ttl_ms=60_000, generation=ORIGINAL_GENERATION))
     assert again.stale and not again.acquired
     assert records(backend) == ["m"]
 
@@ -116,7 +117,7 @@ def test_a_message_parked_after_pickup_leaves_no_record_once_it_ran(
 
     # Another holder has the key; the message reaches the broker without a reservation (sent by
     # a process without the guard), so the worker that picks it up parks it.
-    assert backend.acquire(KEY, "someone", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake(KEY, "someone", limit=1, ttl_ms=60_000)).acquired
     message = job.message()
     gate_for(broker).original(message)
     worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=20)

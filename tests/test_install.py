@@ -16,7 +16,7 @@ from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import Retries
 
 import dramatiq_guard
-from dramatiq_guard.backends import MemoryBackend, RedisBackend
+from dramatiq_guard.backends import MemoryBackend, RedisBackend, Stake
 from dramatiq_guard.backends.memory import STUB_EXTRA_MISSING
 from dramatiq_guard.middleware.base import GuardMiddleware
 
@@ -120,7 +120,7 @@ def test_a_rabbitmq_broker_uses_the_environment_url(
         installed = dramatiq_guard.install(broker, ledger=f"sqlite:///{tmp_path / 'ledger.db'}")
         backend = cast(GuardMiddleware[Any], installed[0]).backend(broker)
         assert isinstance(backend, RedisBackend)
-        assert backend.acquire("install-probe", "h1", limit=1, ttl_ms=60_000).acquired
+        assert backend.acquire(Stake("install-probe", "h1", limit=1, ttl_ms=60_000)).acquired
         assert redisdb.keys("dramatiq-guard:{install-probe}:*"), "state went to the configured Redis"
         backend.release("install-probe", "h1", limit=1)
     finally:

@@ -80,6 +80,7 @@ from dramatiq_guard.backends import (
     MemoryBackend,
     RedisBackend,
     ReleaseResult,
+    Stake,
     Waiter,
     Woken,
 )
@@ -440,8 +441,8 @@ class GuardModel(RuleBasedStateMachine):
             results = self.call(
                 key,
                 lambda b: b.acquire(
-                    key, mid, limit=DEFAULTS[key], ttl_ms=LEASE_MS, wait=wait, info=info,
-                    generation=generation, runner=runner,
+                    Stake(key, mid, DEFAULTS[key], LEASE_MS, info=info, generation=generation, runner=runner),
+                    wait,
                 ),
                 route=route,
                 lost=lost,

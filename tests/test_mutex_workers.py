@@ -18,6 +18,7 @@ from harness import (
     wait_until,
 )
 
+from dramatiq_guard.backends import Stake
 from dramatiq_guard.backends.redis import RedisBackend
 
 SOURCE = """
@@ -135,7 +136,7 @@ def test_a_sigkilled_holders_lock_is_free_within_one_lease(
     state = backend.inspect("mutex:killed")
     assert state.holders == () or state.holders[0][1] <= deadline_ms + 2_000
     probe = wait_until(
-        lambda: (r := backend.acquire("mutex:killed", "probe", limit=1, ttl_ms=1_000)).acquired and r,
+        lambda: (r := backend.acquire(Stake("mutex:killed", "probe", limit=1, ttl_ms=1_000))).acquired and r,
         timeout=30,
         what="the dead holder's lease to lapse",
     )

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 
 import dramatiq_guard
 from dramatiq_guard import events
-from dramatiq_guard.backends import MemoryBackend, RedisBackend, Waiter, redis_health, redis_watch
+from dramatiq_guard.backends import MemoryBackend, RedisBackend, Stake, Waiter, redis_health, redis_watch
 from dramatiq_guard.backends.base import GuardBackend
 from dramatiq_guard.cli import main
 from dramatiq_guard.errors import BackendUnavailable, EvictingRedis, PayloadTooLarge
@@ -226,7 +226,7 @@ def test_a_full_noeviction_redis_fails_closed(servers: Callable[..., RedisServer
             client.set(f"fill:{n}", b"x" * 20_000)
     backend = RedisBackend(client)
     with pytest.raises(BackendUnavailable, match="maxmemory") as raised:
-        backend.acquire("concurrency:k", "m1", limit=1, ttl_ms=MINUTE, wait=Waiter(payload=b"{}"))
+        backend.acquire(Stake("concurrency:k", "m1", limit=1, ttl_ms=MINUTE), wait=Waiter(payload=b"{}"))
     assert isinstance(raised.value, MiddlewareError)  # Dramatiq lets it out of a hook: Retries retries
     client.close()
 
@@ -291,7 +291,7 @@ def test_a_restart_with_persistence_that_kept_the_parked_keys_is_not_a_loss(
     backend = RedisBackend.from_url(server.url)
     try:
         redis_health.check(backend)
-        backend.acquire("concurrency:k", "m1", limit=0, ttl_ms=MINUTE, wait=Waiter(payload=b"{}"))
+        backend.acquire(Stake("concurrency:k", "m1", limit=0, ttl_ms=MINUTE), wait=Waiter(payload=b"{}"))
         watch = redis_watch.StateWatch(backend, keys_every_s=0)
         assert watch.check() == []
         server.stop()
@@ -313,7 +313,7 @@ def test_vanished_waiters_a_lost_index_entry_and_a_flush_are_reported(
     client = backend.client
     try:
         for key, waiter in (("concurrency:a", "m1"), ("concurrency:b", "m2")):
-            backend.acquire(key, waiter, limit=0, ttl_ms=MINUTE, wait=Waiter(payload=b"{}"))
+            backend.acquire(Stake(key, waiter, limit=0, ttl_ms=MINUTE), wait=Waiter(payload=b"{}"))
         watch = redis_watch.StateWatch(backend, keys_every_s=0)
         caplog.set_level(logging.WARNING, logger="dramatiq_guard")
         assert watch.check() == []
@@ -353,7 +353,7 @@ def test_the_waiters_check_reads_every_waiting_key_only_every_keys_every_s(
     server = servers()
     backend = RedisBackend.from_url(server.url, namespace="g")
     try:
-        backend.acquire("concurrency:a", "m1", limit=0, ttl_ms=MINUTE, wait=Waiter(payload=b"{}"))
+        backend.acquire(Stake("concurrency:a", "m1", limit=0, ttl_ms=MINUTE), wait=Waiter(payload=b"{}"))
         watch = redis_watch.StateWatch(backend, keys_every_s=3600)
         assert watch.check() == []  # the first check reads every waiting key
         backend.client.delete("g:{concurrency:a}:waiters")
@@ -401,9 +401,9 @@ def small_backend(request: pytest.FixtureRequest) -> Iterator[GuardBackend]:
 
 def test_an_oversize_payload_is_refused_before_anything_is_stored(small_backend: GuardBackend) -> None:
     backend = small_backend
-    assert backend.acquire("concurrency:k", "m0", limit=1, ttl_ms=MINUTE).acquired
+    assert backend.acquire(Stake("concurrency:k", "m0", limit=1, ttl_ms=MINUTE)).acquired
     with pytest.raises(PayloadTooLarge) as raised:
-        backend.acquire("concurrency:k", "m1", limit=1, ttl_ms=MINUTE, wait=Waiter(payload=b"x" * 101))
+        backend.acquire(Stake("concurrency:k", "m1", limit=1, ttl_ms=MINUTE), wait=Waiter(payload=b"x" * 101))
     assert (raised.value.size, raised.value.limit) == (101, 100)
     assert "max_payload_bytes" in str(raised.value) and "nothing was stored" in str(raised.value)
     assert backend.inspect("concurrency:k").waiters == ()
@@ -411,7 +411,9 @@ def test_an_oversize_payload_is_refused_before_anything_is_stored(small_backend:
     if isinstance(backend, RedisBackend):
         assert not backend.client.exists("small:{concurrency:k}:payloads", "small:{concurrency:k}:waiters")
     # At the bound, it parks.
-    result = backend.acquire("concurrency:k", "m2", limit=1, ttl_ms=MINUTE, wait=Waiter(payload=b"x" * 100))
+    result = backend.acquire(
+        Stake("concurrency:k", "m2", limit=1, ttl_ms=MINUTE), wait=Waiter(payload=b"x" * 100)
+    )
     assert result.parked
 
 

@@ -22,7 +22,7 @@ import redis
 from harness import DramatiqWorker, wait_until
 from harness.redis_server import RedisServer
 
-from dramatiq_guard.backends import RedisBackend, Waiter, redis_watch
+from dramatiq_guard.backends import RedisBackend, Stake, Waiter, redis_watch
 from dramatiq_guard.backends.base import Handoff
 from dramatiq_guard.backends.redis_scripts import (
     LEAN_SCRIPTS,
@@ -45,8 +45,8 @@ def calls(client: redis.Redis, command: str) -> int:
 
 def hand_off(backend: RedisBackend) -> None:
     """A slot's life on a busy key: held, a waiter parked, the slot handed to it on release, confirmed."""
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=MINUTE).acquired
-    assert backend.acquire(KEY, "p1", limit=1, ttl_ms=MINUTE, wait=Waiter(payload=b"msg:p1")).parked
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=MINUTE)).acquired
+    assert backend.acquire(Stake(KEY, "p1", limit=1, ttl_ms=MINUTE), wait=Waiter(payload=b"msg:p1")).parked
     assert backend.renew_many([(KEY, "a", MINUTE)]) == [True]
     assert backend.release(KEY, "a", limit=1).handoffs == (Handoff(KEY, "p1", b"msg:p1"),)
     assert [holder for holder, _ in backend.inspect(KEY).holders] == ["p1"]
@@ -217,14 +217,14 @@ def test_a_worker_whose_library_was_pruned_fails_closed_and_recovers_once_it_is_
     theirs.load_functions(admin)  # an operator loaded it for that version's workers
     backend = RedisBackend(restricted_client(private_redis, admin, "t"), namespace="t")
     backend.scripts = theirs  # a worker of that version
-    assert backend.acquire(KEY, "a", limit=2, ttl_ms=MINUTE).acquired
+    assert backend.acquire(Stake(KEY, "a", limit=2, ttl_ms=MINUTE)).acquired
     assert main(["--redis", private_redis.url, "functions", "prune"]) == 0  # no worker recorded as alive
     assert capsys.readouterr().out.startswith(f"{theirs.library}: deleted")
     for _ in range(2):  # every call, not only the first: nothing switches for good
         with pytest.raises(
             BackendUnavailable, match=rf"{theirs.library} is not on .*FUNCTION LOAD.*functions load"
         ):
-            backend.acquire(KEY, "b", limit=2, ttl_ms=MINUTE)
+            backend.acquire(Stake(KEY, "b", limit=2, ttl_ms=MINUTE))
     status = main(
         ["--redis", f"redis://guard:@{private_redis.host}:{private_redis.port}/0", "functions", "load"]
     )
@@ -233,7 +233,7 @@ def test_a_worker_whose_library_was_pruned_fails_closed_and_recovers_once_it_is_
         and "refused: this user has no permissions to run the 'function|load'" in capsys.readouterr().err
     )
     theirs.load_functions(admin)  # what that version's 'dramatiq-guard functions load' runs
-    assert backend.acquire(KEY, "b", limit=2, ttl_ms=MINUTE).acquired  # the same backend, no restart
+    assert backend.acquire(Stake(KEY, "b", limit=2, ttl_ms=MINUTE)).acquired  # the same backend, no restart
     assert backend.scripts.functions and calls(admin, "evalsha") == calls(admin, "script|load") == 0
     assert [holder for holder, _ in backend.inspect(KEY).holders] == ["a", "b"]
 
@@ -244,7 +244,7 @@ def test_a_worker_whose_library_was_pruned_fails_closed_and_recovers_once_it_is_
         pytest.param(
             ("-@scripting",),
             ("*",),
-            lambda backend: backend.acquire(KEY, "a", limit=1, ttl_ms=MINUTE),
+            lambda backend: backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=MINUTE)),
             "'script.load'",
             id="no-functions-nor-scripts",
         ),
@@ -285,7 +285,7 @@ def test_a_full_noeviction_redis_still_inspects_and_releases(
 ) -> None:
     """At maxmemory a guard write that may grow memory is refused whole; reads and releases still run."""
     backend = RedisBackend(private_redis.client(), namespace="t")
-    assert backend.acquire(KEY, "a", limit=1, ttl_ms=MINUTE).acquired  # the library is loaded
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=MINUTE)).acquired  # the library is loaded
     admin.config_set("maxmemory-policy", "noeviction")
     admin.config_set("maxmemory", "2mb")
     for size in (20_000, 100):  # up to the last few bytes
@@ -293,7 +293,7 @@ def test_a_full_noeviction_redis_still_inspects_and_releases(
             for n in range(100_000):
                 admin.set(f"fill:{size}:{n}", b"x" * size)
     with pytest.raises(BackendUnavailable, match="maxmemory"):
-        backend.acquire(KEY, "p1", limit=1, ttl_ms=MINUTE, wait=Waiter(payload=b"msg:p1"))
+        backend.acquire(Stake(KEY, "p1", limit=1, ttl_ms=MINUTE), wait=Waiter(payload=b"msg:p1"))
     assert [holder for holder, _ in backend.inspect(KEY).holders] == ["a"]  # nothing half done
     assert backend.release(KEY, "a", limit=1).handoffs == ()
     assert backend.inspect(KEY).holders == ()

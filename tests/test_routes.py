@@ -24,7 +24,7 @@ from dramatiq.brokers.stub import StubBroker
 
 import dramatiq_guard
 from dramatiq_guard import admin
-from dramatiq_guard.backends import MemoryBackend, RedisBackend, Waiter
+from dramatiq_guard.backends import MemoryBackend, RedisBackend, Stake, Waiter
 from dramatiq_guard.cli import main
 from dramatiq_guard.middleware.base import GuardMiddleware
 from dramatiq_guard.resolve import route_of
@@ -206,7 +206,7 @@ def test_the_command_refuses_a_broker_of_no_route_before_anything_changes(
     usage error that asks for ``route=``; the limit is not changed, the parked message stays."""
     backend = RedisBackend.from_url(redis_url)
     backend.set_limit("slots:c1", 0)
-    assert backend.acquire("slots:c1", "m1", limit=1, ttl_ms=60_000, wait=Waiter(payload=b"{}")).parked
+    assert backend.acquire(Stake("slots:c1", "m1", limit=1, ttl_ms=60_000), wait=Waiter(payload=b"{}")).parked
     argv = ["--redis", redis_url, "limit", "set", "slots:c1", "1", "--broker", "test_routes:UNROUTED"]
     status = main(argv, stdin=io.StringIO(), stdout=io.StringIO())
     assert status == 2

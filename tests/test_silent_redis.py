@@ -29,7 +29,7 @@ from redis.retry import Retry
 
 import dramatiq_guard
 from dramatiq_guard import events
-from dramatiq_guard.backends import RedisBackend, Waiter
+from dramatiq_guard.backends import RedisBackend, Stake, Waiter
 from dramatiq_guard.errors import LeaseLost
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.lock import Lock
@@ -83,7 +83,7 @@ def deadline_ms(backend: RedisBackend, key: str, holder: str) -> int:
 def take_over(backend: RedisBackend, key: str, holder: str) -> int:
     """Acquire ``key`` for ``holder`` once the lease in the way lapsed; the new token."""
     result = wait_until(
-        lambda: (r := backend.acquire(key, holder, limit=1, ttl_ms=60_000)).acquired and r,
+        lambda: (r := backend.acquire(Stake(key, holder, limit=1, ttl_ms=60_000))).acquired and r,
         timeout=DEADLINE_S,
         what=f"{key!r} to lapse and be taken by {holder!r}",
     )
@@ -274,8 +274,10 @@ def test_a_blocking_wait_longer_than_the_clients_default_socket_timeout_is_chunk
     kwargs = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs
     pool = redis.ConnectionPool(connection_class=_OneSecondTimeout, host=kwargs["host"], port=kwargs["port"])
     backend = RedisBackend(redis.Redis(connection_pool=pool))
-    assert backend.acquire("mutex:chunked", "a", limit=1, ttl_ms=60_000).acquired
-    assert backend.acquire("mutex:chunked", "w", limit=1, ttl_ms=60_000, wait=Waiter(wait_ms=60_000)).parked
+    assert backend.acquire(Stake("mutex:chunked", "a", limit=1, ttl_ms=60_000)).acquired
+    assert backend.acquire(
+        Stake("mutex:chunked", "w", limit=1, ttl_ms=60_000), wait=Waiter(wait_ms=60_000)
+    ).parked
     assert backend.wait_for_handoff("mutex:chunked", "w", timeout_ms=2_500) is None
     backend.cancel_wait("mutex:chunked", "w", limit=1)
     assert backend.release("mutex:chunked", "a", limit=1).released

@@ -19,7 +19,7 @@ import redis
 from harness import wait_until
 
 import dramatiq_guard
-from dramatiq_guard.backends import RedisBackend
+from dramatiq_guard.backends import RedisBackend, Stake
 from dramatiq_guard.delivery import keep_polling
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.slots import Mutex
@@ -78,7 +78,7 @@ def test_a_hand_off_pushed_by_a_worker_puts_its_consumer_back_to_the_shortest_ba
 
     # The slot is held by a holder of this test's own, so the message sent parks.
     key = f"{mutex.prefix}:{mutex.key_for(job)}"
-    held = backend.acquire(key, "outsider", limit=1, ttl_ms=60_000)
+    held = backend.acquire(Stake(key, "outsider", limit=1, ttl_ms=60_000))
     assert held.acquired
     lease = Lease(backend, key, "outsider", held, limit=1, ttl_ms=60_000)
     job.send()

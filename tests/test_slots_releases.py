@@ -20,7 +20,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 import dramatiq_guard
-from dramatiq_guard.backends import RedisBackend
+from dramatiq_guard.backends import RedisBackend, Stake
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.slots.releases import Releaser
 from dramatiq_guard.renewer import get_renewer
@@ -217,7 +217,7 @@ def test_releases_the_backend_cannot_take_are_reported_and_stop_being_renewed(
     the lease lapses within its ttl): none is kept renewing, none is retried."""
     client = private_redis.client(socket_connect_timeout=1, socket_timeout=1, retry=Retry(NoBackoff(), 0))
     backend = RedisBackend(client, namespace="releases")
-    taken = [backend.acquire(f"mutex:k{n}", f"m{n}", limit=1, ttl_ms=60_000) for n in range(3)]
+    taken = [backend.acquire(Stake(f"mutex:k{n}", f"m{n}", limit=1, ttl_ms=60_000)) for n in range(3)]
     leases = [
         Lease(backend, f"mutex:k{n}", f"m{n}", result, limit=1, ttl_ms=60_000)
         for n, result in enumerate(taken)

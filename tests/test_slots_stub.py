@@ -17,6 +17,7 @@ from dramatiq.results.backends import StubBackend
 from harness import wait_until
 
 from dramatiq_guard import current_lease, events
+from dramatiq_guard.backends import Stake
 from dramatiq_guard.backends.memory import MemoryBackend
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.lease import Lease
@@ -389,13 +390,13 @@ def test_mutex_park_is_a_one_slot_limit(env: Env) -> None:
 
 def test_a_lost_lease_is_reported_and_its_token_is_lower(env: Env) -> None:
     backend = env.backend
-    first = backend.acquire("mutex:x", "a", limit=1, ttl_ms=100)
+    first = backend.acquire(Stake("mutex:x", "a", limit=1, ttl_ms=100))
     lease = Lease(backend, "mutex:x", "a", first, limit=1, ttl_ms=100)
     # The holder stalls: its renewals stop (as if paused), the lease lapses and is taken over.
     assert lease._handle is not None
     lease._handle.unregister()
     second = wait_until(
-        lambda: (r := backend.acquire("mutex:x", "b", limit=1, ttl_ms=10_000)).acquired and r,
+        lambda: (r := backend.acquire(Stake("mutex:x", "b", limit=1, ttl_ms=10_000))).acquired and r,
         what="the lease to lapse and be taken over",
     )
     assert second.token is not None and second.token > lease.token
@@ -406,7 +407,7 @@ def test_a_lost_lease_is_reported_and_its_token_is_lower(env: Env) -> None:
 
 def test_the_renewer_tells_a_holder_its_lease_was_taken(env: Env) -> None:
     backend = env.backend
-    first = backend.acquire("mutex:y", "a", limit=1, ttl_ms=300)
+    first = backend.acquire(Stake("mutex:y", "a", limit=1, ttl_ms=300))
     lease = Lease(backend, "mutex:y", "a", first, limit=1, ttl_ms=300)
     backend.release("mutex:y", "a", limit=1)  # released by force (e.g. the CLI)
     assert lease.wait_lost(10)
@@ -415,12 +416,12 @@ def test_the_renewer_tells_a_holder_its_lease_was_taken(env: Env) -> None:
 
 def test_a_capped_lease_ends_at_its_ttl(env: Env) -> None:
     backend = env.backend
-    first = backend.acquire("mutex:z", "a", limit=1, ttl_ms=10_000)
+    first = backend.acquire(Stake("mutex:z", "a", limit=1, ttl_ms=10_000))
     lease = Lease(backend, "mutex:z", "a", first, limit=1, ttl_ms=10_000, cap_ms=50)
     assert lease.wait_lost(10)
     # The holder is told first; the lease is then ended on the backend (from a thread of its own).
     wait_until(
-        lambda: backend.acquire("mutex:z", "b", limit=1, ttl_ms=1_000).acquired,
+        lambda: backend.acquire(Stake("mutex:z", "b", limit=1, ttl_ms=1_000)).acquired,
         what="the capped lease to be ended on the backend",
     )
 
@@ -434,17 +435,17 @@ def test_capped_leases_released_early_never_end_and_do_not_pile_up(env: Env) -> 
     backend = env.backend
     released = []
     for i in range(300):
-        taken = backend.acquire("concurrency:wide", f"h{i}", limit=1000, ttl_ms=60_000)
+        taken = backend.acquire(Stake("concurrency:wide", f"h{i}", limit=1000, ttl_ms=60_000))
         lease = Lease(backend, "concurrency:wide", f"h{i}", taken, limit=1000, ttl_ms=60_000, cap_ms=60_000)
         lease.release()
         released.append(lease)
-    taken = backend.acquire("concurrency:wide", "last", limit=1000, ttl_ms=10_000)
+    taken = backend.acquire(Stake("concurrency:wide", "last", limit=1000, ttl_ms=10_000))
     last = Lease(backend, "concurrency:wide", "last", taken, limit=1000, ttl_ms=10_000, cap_ms=50)
     assert len(_expirer._heap) <= 2 * len(_expirer._live) + 64
     assert last.wait_lost(10)
     assert not any(lease.lost for lease in released)
     wait_until(
-        lambda: backend.acquire("concurrency:wide", "next", limit=1, ttl_ms=1_000).acquired,
+        lambda: backend.acquire(Stake("concurrency:wide", "next", limit=1, ttl_ms=1_000)).acquired,
         what="the capped lease to be ended on the backend (nobody else holds the key)",
     )
 

@@ -17,7 +17,7 @@ from harness.dashboard import serving
 from werkzeug.test import Client, TestResponse
 
 from dramatiq_guard import admin
-from dramatiq_guard.backends import Handoff, MemoryBackend, RedisBackend, Waiter
+from dramatiq_guard.backends import Handoff, MemoryBackend, RedisBackend, Stake, Waiter
 from dramatiq_guard.cli import main
 from dramatiq_guard.ledger import Ledger
 from dramatiq_guard.web import Access, Dashboard, History, Page, make_app
@@ -31,7 +31,7 @@ ORIGIN = "http://localhost"
 def _park(backend: MemoryBackend, key: str, *args: Any, actor: str = "deliver", limit: int = 1) -> str:
     message: Message[Any] = Message(queue_name="q", actor_name=actor, args=args, kwargs={}, options={})
     result = backend.acquire(
-        key, message.message_id, limit=limit, ttl_ms=60_000, wait=Waiter(payload=message.encode())
+        Stake(key, message.message_id, limit=limit, ttl_ms=60_000), wait=Waiter(payload=message.encode())
     )
     assert result.parked
     return message.message_id
@@ -39,7 +39,7 @@ def _park(backend: MemoryBackend, key: str, *args: Any, actor: str = "deliver", 
 
 def _busy(backend: MemoryBackend, key: str = KEY, *, limit: int = 2, waiting: int = 3) -> list[str]:
     for i in range(limit):
-        assert backend.acquire(key, f"h{i}", limit=limit, ttl_ms=60_000, info="deliver").acquired
+        assert backend.acquire(Stake(key, f"h{i}", limit=limit, ttl_ms=60_000, info="deliver")).acquired
     return [_park(backend, key, 42, n, limit=limit) for n in range(waiting)]
 
 
@@ -69,7 +69,7 @@ def test_the_overview_lists_busy_keys_most_in_need_of_a_look_first() -> None:
     _busy(backend, "mutex:b", limit=1, waiting=2)  # its oldest waiter came later
     backend.set_limit("concurrency:halted", 0)
     _park(backend, "concurrency:halted", 1)
-    assert backend.acquire("dedup:c", "m", limit=1, ttl_ms=60_000).acquired  # not in an index
+    assert backend.acquire(Stake("dedup:c", "m", limit=1, ttl_ms=60_000)).acquired  # not in an index
     app = make_app(backend)
     page = Client(app).get("/")
     assert page.status_code == 200
@@ -243,7 +243,7 @@ def test_the_host_app_may_authorize_writes() -> None:
 def test_markup_in_keys_actors_and_arguments_is_escaped() -> None:
     backend = MemoryBackend()
     key = 'mutex:<script>alert("k")</script>'
-    assert backend.acquire(key, "<b>h</b>", limit=1, ttl_ms=60_000, info="<i>actor</i>").acquired
+    assert backend.acquire(Stake(key, "<b>h</b>", limit=1, ttl_ms=60_000, info="<i>actor</i>")).acquired
     _park(backend, key, "<img src=x onerror=alert(1)>", actor="<svg onload=alert(2)>")
     client = Client(make_app(backend))
     for page in (client.get("/"), client.get("/key", query_string={"k": key})):

@@ -17,7 +17,7 @@ from dramatiq import Message
 from harness import unavailable
 from playwright import sync_api as playwright_sync  # a test dependency: missing, it fails (never skips)
 
-from dramatiq_guard.backends import RedisBackend, Waiter
+from dramatiq_guard.backends import RedisBackend, Stake, Waiter
 from dramatiq_guard.web import Access, Dashboard, make_app
 
 expect = playwright_sync.expect
@@ -207,11 +207,13 @@ def test_keys_and_arguments_with_markup_render_as_text_and_writes_need_secret_an
     backend = RedisBackend.from_url(redis_url)
     key = "concurrency:<script>window.pwned = 1</script>"
     argument = "<img src=x onerror='window.pwned = 2'><script>window.pwned = 3</script>"
-    assert backend.acquire(key, "h1", limit=1, ttl_ms=60_000, info="<b>actor</b>").acquired
+    assert backend.acquire(Stake(key, "h1", limit=1, ttl_ms=60_000, info="<b>actor</b>")).acquired
     message: Message[Any] = Message(
         queue_name="q", actor_name="<i>deliver</i>", args=(argument,), kwargs={}, options={}
     )
-    backend.acquire(key, message.message_id, limit=1, ttl_ms=60_000, wait=Waiter(payload=message.encode()))
+    backend.acquire(
+        Stake(key, message.message_id, limit=1, ttl_ms=60_000), wait=Waiter(payload=message.encode())
+    )
     url = serve(make_app(backend, access=Access(write_secret=SECRET)))
 
     page = browser.new_page()

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from werkzeug.test import Client
 
-from dramatiq_guard.backends import RedisBackend, Waiter
+from dramatiq_guard.backends import RedisBackend, Stake, Waiter
 
 
 def _session(user: Any) -> str:
@@ -40,8 +40,10 @@ def test_the_dashboard_in_a_django_site_is_for_staff_only(
     staff = User.objects.create_user("staff", password="x", is_staff=True)
     plain = User.objects.create_user("plain", password="x")
     backend = RedisBackend.from_url(redis_url)
-    assert backend.acquire("mutex:report", "m1", limit=1, ttl_ms=60_000).acquired
-    assert backend.acquire("mutex:report", "m2", limit=1, ttl_ms=60_000, wait=Waiter(payload=b"{}")).parked
+    assert backend.acquire(Stake("mutex:report", "m1", limit=1, ttl_ms=60_000)).acquired
+    assert backend.acquire(
+        Stake("mutex:report", "m2", limit=1, ttl_ms=60_000), wait=Waiter(payload=b"{}")
+    ).parked
 
     client = Client(wsgi.application)
     assert client.get("/").get_data(as_text=True) == "The site's own page."  # Django serves the rest

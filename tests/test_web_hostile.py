@@ -21,8 +21,7 @@ from harness import free_port, wait_until
 from harness.dashboard import serving
 from werkzeug.test import Client, TestResponse
 
-from dramatiq_guard.backends import RedisBackend, Waiter
-from dramatiq_guard.backends import redis as redis_backend
+from dramatiq_guard.backends import RedisBackend, Stake, Waiter, redis_store
 from dramatiq_guard.cli import main
 from dramatiq_guard.web import Access, Dashboard, History, UnlockLimit, make_app
 
@@ -36,12 +35,12 @@ MARKER = "card-4242-4242"
 def backend(redis_url: str) -> Iterator[RedisBackend]:
     """A Redis backend with one holder and one parked message (whose arguments carry MARKER) on KEY."""
     backend = RedisBackend.from_url(redis_url)
-    assert backend.acquire(KEY, "h1", limit=1, ttl_ms=60_000, info="deliver").acquired
+    assert backend.acquire(Stake(KEY, "h1", limit=1, ttl_ms=60_000, info="deliver")).acquired
     message: Message[Any] = Message(
         queue_name="q", actor_name="deliver", args=(42, MARKER), kwargs={}, options={}
     )
     parked = backend.acquire(
-        KEY, message.message_id, limit=1, ttl_ms=60_000, wait=Waiter(payload=message.encode())
+        Stake(KEY, message.message_id, limit=1, ttl_ms=60_000), wait=Waiter(payload=message.encode())
     )
     assert parked.parked
     yield backend
@@ -136,7 +135,7 @@ def test_a_bad_allowed_host_is_refused_naming_it_and_what_is_allowed(hosts: Any,
 def test_long_keys_are_refused_at_the_edge_and_made_up_keys_are_not_remembered(backend: RedisBackend) -> None:
     history = History(max_keys=10)
     client = Client(Dashboard(backend, history=history))
-    names_before = redis_backend._used_key_names.cache_info().currsize
+    names_before = redis_store._used_key_names.cache_info().currsize
     for n in range(50):
         long = f"{n}:" + "x" * 60_000
         for path in ("/key", "/api/key", "/ledger"):
@@ -146,18 +145,18 @@ def test_long_keys_are_refused_at_the_edge_and_made_up_keys_are_not_remembered(b
         refused = client.get("/api/key", query_string={"k": long})
         assert refused.status_code == 400 and "characters" in refused.get_data(as_text=True)
     # Nothing of a refused key reached the backend: its cache of key names is as it was.
-    assert redis_backend._used_key_names.cache_info().currsize == names_before
+    assert redis_store._used_key_names.cache_info().currsize == names_before
     assert len(history) == 0
     assert client.get(f"/api/key?k={KEY}").status_code == 200
-    names_before = redis_backend._used_key_names.cache_info().currsize
+    names_before = redis_store._used_key_names.cache_info().currsize
     for n in range(300):
         made_up = f"made-up:{n}:" + "y" * 500
         assert client.get("/api/key", query_string={"k": made_up}).status_code == 200
     # Reading a key (inspect, its limit) keeps nothing of it: only keys messages use are cached.
-    assert redis_backend._used_key_names.cache_info().currsize == names_before
+    assert redis_store._used_key_names.cache_info().currsize == names_before
     assert len(history.of(KEY)) == 1 and len(history) == 1  # made-up keys (nothing in them) start no chart
     for n in range(20):  # keys that exist are remembered up to the bound, the least recent forgotten
-        assert backend.acquire(f"real:{n}", "h", limit=1, ttl_ms=60_000).acquired
+        assert backend.acquire(Stake(f"real:{n}", "h", limit=1, ttl_ms=60_000)).acquired
         assert client.get("/api/key", query_string={"k": f"real:{n}"}).status_code == 200
     assert len(history) == 10 and history.of("real:9") == [] and history.of("real:19")
 
@@ -179,7 +178,7 @@ def test_a_known_key_that_drains_is_charted_down_to_zero(backend: RedisBackend) 
     now = [0.0]
     history = History(clock=lambda: now[0])
     client = Client(Dashboard(backend, history=history))
-    assert backend.acquire("mutex:report", "h", limit=1, ttl_ms=60_000).acquired
+    assert backend.acquire(Stake("mutex:report", "h", limit=1, ttl_ms=60_000)).acquired
     client.get("/api/key?k=mutex:report")
     backend.release("mutex:report", "h", limit=1)
     now[0] = 10.0

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.core import SCRIPT_COMMANDS, Context, Figure, in_turns, median_run, scenario
-from dramatiq_guard.backends import GuardBackend, RedisBackend, ReleaseResult, Waiter, redis_watch
+from dramatiq_guard.backends import GuardBackend, RedisBackend, ReleaseResult, Stake, Waiter, redis_watch
 from dramatiq_guard.middleware.slots.standbys import DEFAULT_LOOKAHEAD
 from dramatiq_guard.middleware.sweep import Member, sweep_all
 
@@ -284,10 +284,10 @@ def _cycles(
     """
     ttl, payload = 600_000, b"x" * 200
     for h in range(limit):
-        assert backend.acquire(key, f"h{h}", limit=limit, ttl_ms=ttl).acquired
+        assert backend.acquire(Stake(key, f"h{h}", limit=limit, ttl_ms=ttl)).acquired
     wait = Waiter(wait_ms=ttl) if ready else Waiter(payload=payload)
     for w in range(waiters):
-        backend.acquire(key, f"w{w}", limit=limit, ttl_ms=ttl, wait=wait)
+        backend.acquire(Stake(key, f"w{w}", limit=limit, ttl_ms=ttl), wait=wait)
     if send_ahead:
         for standby in backend.send_standbys(key, limit=limit, count=send_ahead)[1]:
             assert standby.payload is not None
@@ -313,7 +313,7 @@ def _cycles(
                     key, handoff.waiter_id, ttl_ms=ttl, generation=handoff.generation
                 )
             holders[i % limit] = handoff.waiter_id
-            backend.acquire(key, f"n{i}", limit=limit, ttl_ms=ttl, wait=wait)
+            backend.acquire(Stake(key, f"n{i}", limit=limit, ttl_ms=ttl), wait=wait)
         elapsed = time.perf_counter() - start
         calls_after, usec_after = _script_usec(ctx)
         return (usec_after - usec) / (calls_after - calls), elapsed * 1e6 / ((2 if ready else 3) * count)
@@ -480,8 +480,8 @@ def _idle_sweep(ctx: Context) -> list[Figure]:
     ctx.flush()
     setup = RedisBackend.from_url(ctx.redis_url)
     for k in range(keys):  # a live holder (its lease ends in 10 minutes) and one parked waiter
-        setup.acquire(f"idle{k}", "h", limit=1, ttl_ms=600_000)
-        setup.acquire(f"idle{k}", "w", limit=1, ttl_ms=600_000, wait=Waiter(payload=b"x" * 200))
+        setup.acquire(Stake(f"idle{k}", "h", limit=1, ttl_ms=600_000))
+        setup.acquire(Stake(f"idle{k}", "w", limit=1, ttl_ms=600_000), wait=Waiter(payload=b"x" * 200))
     setup.close()
     figures = []
     for name, cls, label in [

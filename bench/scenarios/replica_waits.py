@@ -21,7 +21,7 @@ if str(ROOT / "tests") not in sys.path:
 from harness.topology import ReplicatedRedis  # noqa: E402
 
 from bench.core import Context, Figure, scenario  # noqa: E402
-from dramatiq_guard.backends import RedisBackend  # noqa: E402
+from dramatiq_guard.backends import RedisBackend, Stake  # noqa: E402
 
 THREADS = 8
 
@@ -40,7 +40,7 @@ def _cycles(backend: RedisBackend, cycles: int, threads: int) -> tuple[float, fl
         for i in range(cycles):
             key, holder = f"{prefix}:{i % 64}", f"m{i}"
             began = time.perf_counter()
-            backend.acquire(key, holder, limit=1, ttl_ms=60_000)
+            backend.acquire(Stake(key, holder, limit=1, ttl_ms=60_000))
             backend.release(key, holder, limit=1)
             mine.append(time.perf_counter() - began)
         with lock:

@@ -14,6 +14,7 @@ import time
 import uuid
 
 from bench.core import Context, Figure, scenario
+from dramatiq_guard.backends import Stake
 
 
 def fill(redis_url: str, namespace: str, n: int) -> None:
@@ -24,8 +25,8 @@ def fill(redis_url: str, namespace: str, n: int) -> None:
     try:
         for i in range(n):
             key = f"concurrency:bench:{i}"
-            backend.acquire(key, f"h{i}", limit=1, ttl_ms=600_000, info="deliver")
-            backend.acquire(key, f"w{i}", limit=1, ttl_ms=600_000, wait=Waiter(payload=b"{}"))
+            backend.acquire(Stake(key, f"h{i}", limit=1, ttl_ms=600_000, info="deliver"))
+            backend.acquire(Stake(key, f"w{i}", limit=1, ttl_ms=600_000), wait=Waiter(payload=b"{}"))
     finally:
         backend.close()
 

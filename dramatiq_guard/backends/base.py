@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from dramatiq_guard.backends.checks import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -33,6 +33,7 @@ from dramatiq_guard.backends.values import (
     KeyState,
     KeySummary,
     ReleaseResult,
+    Stake,
     Waiter,
     WaiterPeek,
     Woken,
@@ -45,11 +46,13 @@ __all__ = [
     "MIN_STANDBY_WINDOW",
     "ORIGINAL_GENERATION",
     "AcquireResult",
+    "BackendSettings",
     "GuardBackend",
     "Handoff",
     "KeyState",
     "KeySummary",
     "ReleaseResult",
+    "Stake",
     "Waiter",
     "WaiterPeek",
     "Woken",
@@ -63,41 +66,39 @@ __all__ = [
 logger = logging.getLogger("dramatiq_guard.backends")
 
 
+class BackendSettings(TypedDict, total=False):
+    """The settings of :class:`GuardBackend`, as a backend's ``**settings`` passes them on."""
+
+    handoff_ttl_ms: int
+    max_payload_bytes: int
+    stale_ttl_ms: int
+
+
 class GuardBackend(abc.ABC):
     """The atomic operations of the guard. The model they keep: ``docs/contract.md``.
 
-    Every method is atomic with respect to every other on the same key, across
-    threads and processes sharing the backend. Every mutating method first
-    reclaims lapsed holders and returned-waiter reservations of the key and
-    hands free slots to waiters, except two that return only a bool and so
-    could not report a hand-off: :meth:`renew` looks at the holder's own
-    entry only (a lapsed one is left for the next reclaim, never revived),
-    and :meth:`confirm_handoff` reclaims but does not hand off (a slot it
-    frees is handed on by the next acquire, release or sweep of the key).
-    :meth:`try_lock` may skip both when the key is free, or held by a live
-    holder with nothing to hand on: its answer is the same.
+    Every method is atomic with respect to every other on the same key, across threads and
+    processes sharing the backend. Every mutating method first reclaims the key's lapsed holders
+    and returned-waiter reservations and hands free slots to waiters, except :meth:`renew` (the
+    holder's own entry only: a lapsed one is never revived) and :meth:`confirm_handoff` (it
+    reclaims but does not hand off; the next acquire, release or sweep does). :meth:`try_lock`
+    may skip both when its answer is the same.
 
     Parameters:
-      handoff_ttl_ms(int): How long a slot handed to a waiter stays reserved
-        before it is re-enqueued (parked waiters: until
-        ``confirm_handoff``; blocking waiters: until they acquire).
-      max_payload_bytes(int): The largest encoded message :meth:`acquire`
-        stores as a parked waiter's payload (default 256 KiB); a larger one
-        is refused with :class:`~dramatiq_guard.errors.PayloadTooLarge`
-        before anything is written (:meth:`check_payload`).
-      stale_ttl_ms(int): How long the backend remembers which generation of a
-        waiter's message may start (see *generations*): a stale copy
-        that waits on the broker longer than this could start; and how long a
-        key's last fencing token outlives its other state (see *fencing
-        token*). Default one day.
+      handoff_ttl_ms(int): How long a slot handed to a waiter stays reserved (a parked waiter:
+        until ``confirm_handoff``; a blocking one: until it acquires).
+      max_payload_bytes(int): The largest encoded message :meth:`acquire` parks (default
+        256 KiB); a larger one is refused with :class:`~dramatiq_guard.errors.PayloadTooLarge`.
+      stale_ttl_ms(int): How long the backend remembers which generation of a waiter may start
+        (*generations*), and how long a key's last fencing token outlives its other state.
+        Default one day.
 
     Attributes:
-      route(str): Which broker this process delivers parked messages to (see
-        *routes*); set from the broker when the backend is resolved for one
-        (:func:`dramatiq_guard.resolve.route_of`). ``""``: none given.
+      route(str): Which broker this process delivers parked messages to (*routes*), set when the
+        backend is resolved for a broker (:func:`dramatiq_guard.resolve.route_of`); ``""``: none.
 
     Raises:
-      ValueError: If ``handoff_ttl_ms`` or ``stale_ttl_ms`` is out of range (:func:`check_ms`).
+      ValueError: If a setting is out of range (:func:`check_ms`).
     """
 
     def __init__(
@@ -133,95 +134,39 @@ class GuardBackend(abc.ABC):
         return Woken(token, self.handoff_ttl_ms - self.wake_ttl_ms)
 
     @abc.abstractmethod
-    def acquire(  # noqa: PLR0913
-        self,
-        key: str,
-        holder: str,
-        *,
-        limit: int | None,
-        ttl_ms: int,
-        wait: Waiter | None = None,
-        info: str | None = None,
-        generation: int | None = None,
-        fenced: bool = True,
-        runner: str | None = None,
-    ) -> AcquireResult:
-        """Try to become a holder of ``key``.
+    def acquire(self, stake: Stake, wait: Waiter | None = None) -> AcquireResult:
+        """Try to become a holder of ``stake.key``.
 
-        Re-entrant: if ``holder`` already holds ``key`` (including a reservation handed to it),
-        its deadline becomes ``now + ttl_ms`` and it gets a new fencing token. Either way, an
-        acquiring holder leaves the waiters (its stored payload dropped). Otherwise it acquires
-        if fewer than the limit in force hold the key and no waiter is queued ahead of it; if
-        refused and ``wait`` is given, it is queued as a waiter (keeping its place if it was).
-        The outcome is one :class:`~dramatiq_guard.backends.values.AcquireOutcome`.
-
-        A ``wait.payload`` larger than :attr:`max_payload_bytes` is refused first, whether it
-        would park or not, with nothing written (:meth:`check_payload`).
+        Re-entrant: a holder that already holds the key (a reservation handed to it included)
+        gets a deadline of ``now + ttl_ms`` and a new fencing token. An acquiring holder leaves
+        the waiters (its stored payload dropped). Otherwise it acquires if fewer than the limit
+        in force hold the key and no waiter is queued ahead of it; if refused and ``wait`` is
+        given, it is queued as a waiter (keeping its place if it was).
 
         Parameters:
-          key(str): The guard key.
-          holder(str): The would-be holder's id.
-          limit(int|None): The default limit, used unless a run-time limit is
-            set; None if the caller does not know it (the recorded one, see
-            *limits known from the backend*).
-          ttl_ms(int): The lease duration.
+          stake(Stake): The key, the holder and what identifies the copy that acquires.
           wait(Waiter|None): Queue the holder as a waiter if refused.
-          info(str|None): A short description of the holder (e.g. its actor's
-            name), kept with the time it first acquired while it holds the
-            key, for :meth:`inspect` (``KeyState.holder_info``).
-          generation(int|None): The generation of the copy acquiring (see
-            *generations*): a handed-off copy's, :data:`ORIGINAL_GENERATION`
-            for a message as sent and picked up from the broker, None for one
-            not on a broker (enqueue time). A stale one is refused (``stale``)
-            with nothing done.
-          fenced(bool): False for a lock that fences no writes (a dedup lock, as
-            :meth:`try_lock`): no token is issued (``token`` is None) and none is
-            kept for the key, so a key per message leaves nothing behind.
-          runner(str|None): Who runs the holder's job if it acquires (a worker
-            thread: :func:`dramatiq_guard.lease.runner_id`), or None (nobody
-            yet: an enqueue-time reservation). Kept with the holder (and with a
-            ready waiter, so a slot handed to it keeps it) until it leaves. A
-            holder that holds the key, or blocks for it as a ready waiter, for a
-            runner is re-entered by that runner only: any other acquire of it
-            (another runner's, or one without a runner) is refused
-            (``running``), with nothing done and nothing queued. So two copies of
-            one message (a broker's redelivery while the first still runs, or
-            after its worker died and before its lease lapsed) never hold a slot
-            at once. A holder without a runner (a reservation, a hand-off) is
-            taken up by any acquire, as above. At most 200 characters, without
-            ``|`` or ``@`` (:func:`~dramatiq_guard.backends.checks.check_acquire`).
+
+        Returns:
+          AcquireResult: Its :class:`~dramatiq_guard.backends.AcquireOutcome` and token.
+
+        Raises:
+          ValueError: If the key, a number or the runner is not allowed (:func:`check_acquire`).
+          PayloadTooLarge: If ``wait.payload`` is over :attr:`max_payload_bytes` (nothing written).
+          BackendUnavailable: If the store cannot be reached.
         """
 
     def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:
         """Take ``key`` as a limit-1 lock for ``holder`` if it is free: the send-time dedup lock.
 
-        The same as :meth:`acquire` with ``limit=1`` and no ``wait``
-        (re-entrant, refused while another holder is live or a waiter is
-        queued ahead, a run-time limit respected, free slots handed to
-        waiters), except that no fencing token is returned: the lock fences
-        no writes (``token`` is None). The state it leaves is the state
-        :meth:`acquire` would leave, so every other operation works on the
-        key as usual (a ``reschedule_once`` rerun parks in its waiter queue,
-        the holder's release hands it the lock).
-
-        It is here so a backend can decide the common cases (the key is free;
-        it is held by another) more cheaply than the general acquire: the
-        Redis backend runs a small script of its own (``lua/lock.lua``) and
-        falls back to :meth:`acquire` for anything else. The default calls
-        :meth:`acquire`.
-
-        Parameters:
-          key(str): The guard key.
-          holder(str): The would-be holder's id (a message id).
-          ttl_ms(int): The lease duration (the pending lock's, for a send).
-          info(str|None): A short description of the holder, as for :meth:`acquire`.
+        :meth:`acquire` of ``Stake(key, holder, 1, ttl_ms, info=info)`` without ``wait``, except
+        that no fencing token is returned (the lock fences no writes). A backend may decide the
+        common cases (the key is free, or held by another) more cheaply.
 
         Returns:
-          AcquireResult: ``acquired``, or the live ``holders`` in the way
-          (``limit`` is the limit in force; ``handoffs`` to deliver as for
-          :meth:`acquire`).
+          AcquireResult: ``acquired``, or the live ``holders`` in the way.
         """
-        result = self.acquire(key, holder, limit=1, ttl_ms=ttl_ms, info=info)
+        result = self.acquire(Stake(key, holder, 1, ttl_ms, info=info))
         return dataclasses.replace(result, token=None)
 
     def enqueues_on(self, broker: Any) -> bool:
@@ -251,41 +196,28 @@ class GuardBackend(abc.ABC):
         """Extend ``holder``'s deadline to ``now + ttl_ms``.
 
         Returns:
-          bool: False if ``holder`` no longer holds ``key`` (its lease lapsed
-          and was reclaimed, or was released by force). A lost lease is never
-          re-created by a renewal.
+          bool: False if ``holder`` no longer holds ``key`` (its lease lapsed and was reclaimed,
+          or was released by force); a lost lease is never re-created.
         """
 
     def renew_many(self, leases: Sequence[tuple[str, str, int]]) -> list[bool]:
-        """Renew several ``(key, holder, ttl_ms)`` leases, in as few round trips as possible.
-
-        The default calls :meth:`renew` for each; the Redis backend pipelines.
-        """
+        """:meth:`renew` each ``(key, holder, ttl_ms)``, in as few round trips as possible."""
         return [self.renew(key, holder, ttl_ms=ttl_ms) for key, holder, ttl_ms in leases]
 
     @abc.abstractmethod
     def release(self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0) -> ReleaseResult:
-        """Give up ``holder``'s slot (checked: only the holder itself releases it).
+        """Give up ``holder``'s slot (only the holder itself releases it) and hand it to a waiter.
 
-        Frees the slot and hands it to a waiter if any (see *hand-off* in
-        ``docs/contract.md``). When the key
-        has no holder and no waiter left, all its state except a run-time
-        limit is deleted.
+        A key left with no holder and no waiter loses all its state but a run-time limit.
 
         Parameters:
-          limit(int): The default limit (needed to hand off freed slots).
-          send_ahead(int): Then, in the same atomic step, send waiters ahead
-            as :meth:`send_standbys` with ``count=send_ahead`` would (0: none);
-            they are the result's ``standbys``. One operation where a
-            releasing worker would otherwise need two.
+          limit(int|None): The default limit (needed to hand off freed slots).
+          send_ahead(int): Then, in the same atomic step, :meth:`send_standbys` with this
+            ``count`` (0: none); they are the result's ``standbys``.
         """
 
     def release_many(self, releases: Sequence[tuple[str, str, int | None, int]]) -> list[ReleaseResult]:
-        """Release several ``(key, holder, limit, send_ahead)`` holders, in as few round trips as possible.
-
-        Each is :meth:`release` with those arguments, in order; the default
-        calls it for each, the Redis backend pipelines them (one round trip).
-        """
+        """:meth:`release` each ``(key, holder, limit, send_ahead)``, in order, in as few round trips."""
         return [
             self.release(key, holder, limit=limit, send_ahead=send_ahead)
             for key, holder, limit, send_ahead in releases
@@ -297,11 +229,9 @@ class GuardBackend(abc.ABC):
     ) -> bool:
         """Confirm that a handed-off parked message was re-enqueued.
 
-        Drops its stored payload and sets its reservation deadline to
-        ``now + ttl_ms`` (how long it may take to be picked up and start).
-        If the reservation had lapsed and the waiter was put back in the
-        queue meanwhile, it is taken out again (the re-enqueued copy wins),
-        so a message is never both queued on the broker and parked.
+        Drops its stored payload and sets its reservation to ``now + ttl_ms`` (time to be picked
+        up and start). A waiter put back in the queue after its reservation lapsed is taken out
+        again (the re-enqueued copy wins): a message is never both on the broker and parked.
 
         Returns:
           bool: Whether the waiter still holds its reservation.
@@ -311,19 +241,14 @@ class GuardBackend(abc.ABC):
     def send_standbys(
         self, key: str, *, limit: int | None, count: int
     ) -> tuple[tuple[Handoff, ...], tuple[Handoff, ...]]:
-        """Send the oldest parked waiters ahead as standbys, up to ``count`` of them.
+        """Send the oldest parked waiters ahead as standbys, up to ``count`` within the standby window.
 
-        Makes the first ``min(count, window)`` waiters of the queue
-        standbys (or other blocking waiters), the window being the limit in
-        force, or :data:`MIN_STANDBY_WINDOW` if it is smaller (none while it
-        is 0): each parked one among them is
-        returned with its payload, which the caller must enqueue on the
-        broker and then confirm with :meth:`confirm_standby`. It keeps its
-        place and, until confirmed, its payload (``docs/contract.md``).
+        Each parked one sent is returned with its payload; the caller enqueues it on the broker
+        and confirms it with :meth:`confirm_standby`. It keeps its place, and until confirmed its
+        payload (*standbys*).
 
         Returns:
-          tuple: The hand-offs of this operation (as :meth:`release`'s), and
-          the standbys sent (``Handoff`` with their payloads).
+          tuple: The hand-offs of this operation, and the standbys sent.
         """
 
     @abc.abstractmethod
@@ -332,13 +257,9 @@ class GuardBackend(abc.ABC):
     ) -> bool:
         """Confirm that a standby sent by :meth:`send_standbys` was enqueued.
 
-        If the stored payload is still ``payload``, it is dropped: the
-        standby waits on the broker, without payload, until it is picked up
-        or ``ttl_ms`` passes (or, if a slot was handed to it meanwhile, keeps
-        it for ``ttl_ms``, as :meth:`confirm_handoff`). A standby that parked itself again
-        meanwhile, or that became a parked waiter again because this came too
-        late, is left parked (its enqueued copy parks into the same entry
-        when picked up).
+        If the stored payload is still ``payload`` it is dropped: the standby waits on the
+        broker until picked up or ``ttl_ms`` passes (a slot handed to it meanwhile is kept for
+        ``ttl_ms``, as by :meth:`confirm_handoff`). One that parked again meanwhile stays parked.
 
         Returns:
           bool: Whether the standby (or its reserved slot) is in place.
@@ -348,33 +269,21 @@ class GuardBackend(abc.ABC):
     def wait_for_handoff(self, key: str, waiter_id: str, *, timeout_ms: int) -> Woken | None:
         """Block until a blocking waiter is handed a slot, or ``timeout_ms`` passes.
 
-        Woken by a push from the operation that handed the slot, never by
-        polling. The hand-off issued the waiter's fencing token and pushed it
-        with the wake, so a woken waiter holds the slot at once, without
-        another round trip; it must take its reservation up to a lease by
-        renewing it within :attr:`Woken.reserved_ms` (at least half of
-        ``handoff_ttl_ms``: a wake not taken by then is dropped, and the
-        waiter's next :meth:`acquire` finds the slot still reserved for it, or
-        reclaimed and handed on if it came after the reservation lapsed).
+        Woken by the push of the hand-off, which issued its fencing token: the waiter holds the
+        slot at once and must renew it within :attr:`Woken.reserved_ms` (a wake not taken by
+        then is dropped; its next :meth:`acquire` finds the slot still reserved, or handed on).
 
         Returns:
-          Woken|None: The token and the reservation left, or None if no slot
-          was handed to the waiter within ``timeout_ms``.
+          Woken|None: The token and the reservation left, or None if nothing was handed in time.
         """
 
     @abc.abstractmethod
     def forget_parked_copy(self, key: str, waiter_id: str) -> bool:
         """The broker acked the copy of ``waiter_id`` that parked after pickup: it cannot come back.
 
-        The record of which generation may start, written when that copy
-        parked (see *generations*), is forgotten if it was kept for that copy
-        only: no record existed before the park, and no hand-off or standby
-        send of the waiter lapsed since. Any other record stays, for
-        ``stale_ttl_ms`` (a copy that must not start may still be on the
-        broker). Called only for a broker whose ack is known to have landed
-        (:func:`~dramatiq_guard.delivery.acks_are_final`); a copy whose worker
-        died before the ack keeps its record, and the broker's second delivery
-        of it never starts.
+        Its record of which generation may start is forgotten if it was kept for that copy only
+        (*generations*); any other stays for ``stale_ttl_ms``. Only for a broker whose ack is
+        known to have landed (:func:`~dramatiq_guard.delivery.acks_are_final`).
 
         Returns:
           bool: Whether a record was forgotten.
@@ -386,42 +295,24 @@ class GuardBackend(abc.ABC):
     ) -> ReleaseResult:
         """Leave the waiters of ``key``: a blocking waiter that gave up, or a message parked elsewhere.
 
-        If a slot was handed to it meanwhile, the slot is released and handed
-        on. ``released`` tells whether it was holding a reservation.
-
-        With ``generation`` (a :attr:`Handoff.generation`), only that hand-off
-        or standby send is withdrawn, and only while it is unconfirmed and
-        current: the waiter still reserved by it, or still being sent. It is
-        what the caller of a hand-off or send does when another guard parked
-        the message on its way: the message may come back to ``key`` from
-        there before this call (parked again by its enqueue, or taking up the
-        reservation), and then its entry is its only place and is left as it
-        is (``released`` False). Without it the waiter leaves whatever it is
-        doing.
+        A slot handed to it meanwhile is released and handed on (``released``: it held one).
+        With ``generation`` (a :attr:`Handoff.generation`), only that hand-off or standby send is
+        withdrawn, and only while it is unconfirmed and current; a waiter that came back to the
+        key since (parked again, or taking up the reservation) is left as it is.
         """
 
     def take_back(self, key: str, holder: str, *, limit: int | None) -> ReleaseResult | None:
         """Undo an acquire of a new ``holder`` that raised: what the caller does before it reports it.
 
-        An acquire (or :meth:`try_lock`) can raise after it was done: the
-        Redis backend's :class:`~dramatiq_guard.errors.ReplicasBehind` comes
-        after the script ran, and a connection can drop before its answer
-        arrives. A caller told it failed retries, so what it may have left
-        (a held slot or lock, a parked message) must not be there to trip the
-        retry. For a holder that had nothing in ``key`` before the call (a
-        message at ``send()``, a :class:`~dramatiq_guard.lock.Lock`'s fresh
-        holder id) this leaves ``key`` as that holder and as that waiter
-        (:meth:`cancel_wait` without a generation: a slot it got is handed on,
-        a stored payload dropped); for one that had something (a worker's copy
-        of a queued message, whose other copy may hold the key) it would undo
-        more than the call did, and is not for it.
+        An acquire can raise after it was done (``ReplicasBehind``, a reply lost), and a caller
+        told it failed retries, so what it may have left (a slot, a lock, a parked message) must
+        not trip the retry. This is :meth:`cancel_wait` without a generation, for a holder that
+        had nothing in ``key`` before the call (a message at ``send()``, a fresh lock holder).
 
         Returns:
-          ReleaseResult|None: The result (its hand-offs are the caller's to
-          deliver), or None if this call failed too (logged): then what the
-          acquire left lapses on its own (a lease or reservation at its
-          deadline), or, a parked message, stays parked and starts once
-          (a retry that re-enqueues the same message, same id, joins it).
+          ReleaseResult|None: The result (its hand-offs are the caller's to deliver), or None if
+          this failed too (logged): a lease or reservation then lapses on its own, and a parked
+          message stays and starts once.
         """
         try:
             return self.cancel_wait(key, holder, limit=limit)
@@ -439,38 +330,31 @@ class GuardBackend(abc.ABC):
     def sweep(self, key: str, *, limit: int | None) -> ReleaseResult:
         """Reclaim lapsed holders and reservations of ``key`` and hand free slots on.
 
-        What a worker runs periodically so waiters are never stranded when
-        every holder died.
+        What a worker runs periodically, so waiters are never stranded when every holder died.
+        ``released`` tells whether a lapsed holder was reclaimed.
         """
 
     def sweep_many(self, keys: Sequence[tuple[str, int | None]]) -> list[ReleaseResult]:
-        """:meth:`sweep` each ``(key, limit)``, in order; one result per key.
-
-        The Redis backend sends them in pipelined batches (one round trip per
-        batch); the default sweeps one after the other. Each key's sweep is
-        atomic on its own, not the batch.
-        """
+        """:meth:`sweep` each ``(key, limit)``, in order; each key's sweep is atomic, not the batch."""
         return [self.sweep(key, limit=limit) for key, limit in keys]
 
     def due_keys(self) -> list[str]:
         """The waiting keys a sweep should look at now: never fewer than those that need one.
 
-        A key needs a sweep once one of its deadlines passed (a holder's lease
-        or reservation, a ready waiter's, a standby's) or when it has a parked
-        waiter only a process of another route can take. The Redis backend on
-        a standalone Redis keeps its waiting-keys index scored by when each
-        key is next due, so this reads only those (and every key at least
-        every 30 s); the default (and a Redis Cluster) returns every waiting
-        key (:meth:`waiting_keys`).
+        A key needs one once a deadline of it passed, or when it has a parked waiter only a
+        process of another route can take. The default returns :meth:`waiting_keys`.
         """
         return self.waiting_keys()
 
     @abc.abstractmethod
     def set_limit(self, key: str, limit: int | None, *, default: int | None = 1) -> ReleaseResult:
-        """Set (or with None, clear) the run-time limit of ``key``.
+        """Set (or with None, clear) the run-time limit of ``key``; nobody is evicted.
 
-        Raising it hands the new slots to waiters at once. ``default`` is
-        the limit in force after clearing (needed to hand off).
+        Raising it hands the new slots to waiters at once. ``default`` is the limit in force
+        after clearing (needed to hand off). ``released`` is False.
+
+        Raises:
+          ValueError: If ``limit`` or ``default`` is out of range (:func:`check_count`).
         """
 
     @abc.abstractmethod
@@ -479,43 +363,26 @@ class GuardBackend(abc.ABC):
 
     @abc.abstractmethod
     def inspect(self, key: str, *, waiters: int | None = None) -> KeyState:
-        """A snapshot of ``key`` (does not reclaim).
+        """A snapshot of ``key``, read atomically (nothing is reclaimed).
 
-        ``waiters``: at most this many of the first waiters (None: all of them;
-        the count of all is in :meth:`summaries`). Holders are all listed (they
-        are bounded by the limit). The one operation that may read a whole key.
+        ``waiters``: at most this many of the first waiters (None: all). Holders are all listed
+        (bounded by the limit). The one operation that may read a whole key.
         """
 
     @abc.abstractmethod
     def waiting_keys(self) -> list[str]:
-        """Keys that have waiters or unconfirmed reservations, for sweeps and inspection.
-
-        Found through the backend's own index, never by scanning the keyspace.
-        A key leaves the index when it has neither; the Redis backend on a
-        Redis Cluster keeps a drained key for a grace period (see
-        :class:`~dramatiq_guard.backends.RedisBackend`).
-        """
+        """Keys that have waiters or unconfirmed reservations, from the backend's own index (no scan)."""
 
     @abc.abstractmethod
     def limit_keys(self) -> list[str]:
-        """Keys that have a run-time limit (:meth:`set_limit`), sorted.
-
-        Found through an index kept by :meth:`set_limit`, never by scanning
-        the keyspace, so a limited key with no holder and no waiter is found
-        too (e.g. by ``dramatiq-guard inspect``).
-        """
+        """Keys that have a run-time limit, sorted, from an index kept by :meth:`set_limit` (no scan)."""
 
     @abc.abstractmethod
     def summaries(self, keys: Sequence[str], *, waiters: int = 0) -> list[KeySummary]:
-        """A few numbers about each of ``keys``, for an overview of many keys.
+        """A few numbers about each of ``keys``, cheap to read for many keys.
 
-        Read only (nothing is reclaimed or handed on), and cheap: O(log n +
-        ``waiters``) per key in its holders and waiters, with every key's
-        reads sent together (the Redis backend pipelines them, in two round
-        trips when ``waiters`` > 0). A key with no state gets zero counts.
-        Each key's numbers are a snapshot of that key, but not necessarily
-        all of them of one instant (the Redis reads are not a transaction):
-        for display, never for decisions.
+        Read only, O(log n + ``waiters``) per key, every key's reads sent together. Each key's
+        numbers are a snapshot of it, not all of one instant: for display, never for decisions.
 
         Parameters:
           keys(Sequence[str]): The guard keys, e.g. from :meth:`waiting_keys`.
@@ -523,39 +390,33 @@ class GuardBackend(abc.ABC):
             :attr:`KeySummary.first` (with their payloads), 0 for none.
 
         Returns:
-          list[KeySummary]: One per key, in the order of ``keys``.
+          list[KeySummary]: One per key, in the order of ``keys`` (zero counts for no state).
 
         Raises:
-          ValueError: If a key is invalid (:func:`check_key`) or ``waiters``
-            out of range (:func:`check_count`).
+          ValueError: If a key is invalid (:func:`check_key`) or ``waiters`` out of range.
         """
 
-    def slow_call_warning(self, shortest_lease_ms: int) -> str | None:
-        """Why one call could block longer than ``shortest_lease_ms`` on a backend that stops answering.
+    # -- what a process asks of the store beyond the operations (neutral defaults) ----------
 
-        ``dramatiq_guard.install`` logs it as a WARNING. A lease is lost on
-        time whatever a call does (see :mod:`dramatiq_guard.renewer`); this
-        is about the worker threads that wait in an acquire or a release.
-        The default says nothing (an in-process backend always answers).
+    def slow_call_warning(self, shortest_lease_ms: int) -> str | None:
+        """Why one call could block longer than ``shortest_lease_ms`` on a store that stops answering.
+
+        ``dramatiq_guard.install`` logs it; the default says nothing (an in-process store answers).
 
         Returns:
           str|None: The warning, naming what to set, or None.
         """
         return None
 
-    # -- what a process asks of the store beyond the operations -----------------------------
-
     def check_health(self, *, allow_evicting: bool | None = None) -> None:
         """Refuse a store that would lose the guard's state silently; the default checks nothing.
 
-        Called by :func:`dramatiq_guard.install`, and by a guard middleware used
-        without it when it first resolves its backend. The Redis backend
-        (:mod:`~dramatiq_guard.backends.redis_health`) refuses an evicting
-        ``maxmemory-policy`` and state in a newer layout, and warns of no persistence.
+        Called by :func:`dramatiq_guard.install`, or by a middleware when it first resolves its
+        backend.
 
         Parameters:
-          allow_evicting(bool|None): True: run on a store that may evict keys, with
-            a warning. None: as decided before for this backend, else as
+          allow_evicting(bool|None): True: run on a store that may evict keys, with a warning.
+            None: as decided before for this backend, else as
             ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` says.
 
         Raises:
@@ -565,12 +426,10 @@ class GuardBackend(abc.ABC):
         return
 
     def watch(self, interval_s: float) -> None:
-        """One look at the store, by each worker process's sweep after each pass; the default does nothing.
+        """One look at the store by each worker's sweep after each pass; never raises. Default: nothing.
 
-        The Redis backend (:mod:`~dramatiq_guard.backends.redis_watch`) reports
-        state its server lost since the last look (a restart, a flush, an evicted
-        key) and keeps this process's record of the library it runs (for three
-        sweep passes of ``interval_s`` at least). Never raises: a failed look is logged.
+        Reports state the store lost since the last look, and keeps this process's record of the
+        library it runs (for three passes of ``interval_s`` at least).
         """
         return
 
@@ -579,10 +438,9 @@ class GuardBackend(abc.ABC):
         return
 
     def wait_for_replicas(self, count: int, timeout_ms: int) -> None:
-        """Make every decision from now on wait until ``count`` replicas acknowledge it (0: nothing changes).
+        """Make every decision from now on wait until ``count`` replicas acknowledge it (0: no change).
 
-        The Redis backend follows each script with ``WAIT`` (its ``replica_waits``):
-        fewer acknowledgements within ``timeout_ms`` fail the operation closed
+        Fewer acknowledgements within ``timeout_ms`` fail the operation closed
         (:class:`~dramatiq_guard.errors.ReplicasBehind`). The default has no replicas.
 
         Raises:
@@ -596,10 +454,7 @@ class GuardBackend(abc.ABC):
             )
 
     def now_ms(self) -> int:
-        """Now on the backend's clock, in milliseconds since the epoch; the default is the wall clock.
-
-        What the command and the dashboard measure ages and lapses against (the
-        Redis backend reads Redis ``TIME``, the clock its scripts decide by).
+        """Now on the backend's clock, in ms since the epoch (ages and lapses are measured on it).
 
         Raises:
           BackendUnavailable: If the store's clock cannot be read.

@@ -1,9 +1,7 @@
 """What every backend checks before it touches anything: keys, durations, counts, payload sizes.
 
-Redis does not roll back a script that fails half-way, so a value no backend
-can use is refused first, with the same :class:`ValueError` from every backend
-(the bounds are :mod:`dramatiq_guard.bounds`'; the Lua scripts check them
-again in ``validate_args``).
+The same :class:`ValueError` from every backend, before anything is written (Redis does not roll
+back a script that fails half-way); the bounds are :mod:`dramatiq_guard.bounds`'.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ from typing import TYPE_CHECKING
 from dramatiq_guard.bounds import MAX_COUNT, MAX_DURATION_MS
 
 if TYPE_CHECKING:
-    from dramatiq_guard.backends.values import Waiter
+    from dramatiq_guard.backends.values import Stake, Waiter
 
 #: The default bound on a parked message's encoded size (:attr:`GuardBackend.max_payload_bytes`).
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
@@ -29,8 +27,7 @@ def check_ms(value: int, what: str, *, minimum: int = 1) -> None:
     Parameters:
       value(int): The duration.
       what(str): The argument's name, for the error.
-      minimum(int): The shortest allowed: 1 for a lease or reservation
-        being taken, 0 for a wait or a renewal (0 ends a lease now).
+      minimum(int): 1 for a lease or reservation being taken, 0 for a wait or a renewal.
 
     Raises:
       ValueError: If ``value`` is not an int from ``minimum`` to 366 days.
@@ -57,18 +54,18 @@ def check_count(value: int | None, what: str) -> None:
 MAX_RUNNER_CHARS = 200
 
 
-def check_acquire(limit: int | None, ttl_ms: int, wait: Waiter | None, runner: str | None = None) -> None:
+def check_acquire(stake: Stake, wait: Waiter | None) -> None:
     """The checks of :meth:`GuardBackend.acquire`'s numbers (see :func:`check_ms`) and runner.
 
     Raises:
-      ValueError: If a number is out of its bounds, or ``runner`` is not a
-        non-empty str of at most :data:`MAX_RUNNER_CHARS` characters without
-        ``|`` or ``@``.
+      ValueError: If a number is out of its bounds, or the runner is not a non-empty str of at
+        most :data:`MAX_RUNNER_CHARS` characters without ``|`` or ``@``.
     """
-    check_count(limit, "limit")
-    check_ms(ttl_ms, "ttl_ms")
+    check_count(stake.limit, "limit")
+    check_ms(stake.ttl_ms, "ttl_ms")
     if wait is not None:
         check_ms(wait.wait_ms, "wait_ms", minimum=0)
+    runner = stake.runner
     if runner is not None and (
         not isinstance(runner, str)
         or not runner
@@ -98,7 +95,7 @@ def check_max_payload_bytes(value: int) -> int:
     Raises:
       ValueError: If ``value`` is not a positive int.
     """
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    if not _is_int(value) or value <= 0:
         raise ValueError(f"max_payload_bytes must be a positive int (bytes), not {value!r}")
     return value
 
@@ -107,9 +104,8 @@ def check_replica_waits(count: int, timeout_ms: int) -> None:
     """Reject replica waits no backend accepts (:meth:`GuardBackend.wait_for_replicas`).
 
     Raises:
-      ValueError: If ``count`` is not an int from 0 to 2**31 - 1, or
-        ``timeout_ms`` not a duration from 1 ms (:func:`check_ms`; Redis's
-        ``WAIT`` with 0 would wait without end).
+      ValueError: If ``count`` is not an int from 0 to 2**31 - 1, or ``timeout_ms`` not a
+        duration from 1 ms (``WAIT`` with 0 would wait without end).
     """
     check_count(count, "replica_waits")
     check_ms(timeout_ms, "replica_wait_timeout_ms")

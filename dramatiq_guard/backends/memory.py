@@ -9,10 +9,14 @@ fakeredis comes with the ``stub`` extra (``pip install 'dramatiq-guard[stub]'``)
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from dramatiq_guard.backends.base import DEFAULT_MAX_PAYLOAD_BYTES, GuardBackend
+from dramatiq_guard.backends.base import BackendSettings, GuardBackend
 from dramatiq_guard.backends.redis import RedisBackend
 from dramatiq_guard.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 #: Why a :class:`MemoryBackend` cannot be made without the ``stub`` extra, and the cure.
 STUB_EXTRA_MISSING = (
@@ -24,23 +28,18 @@ STUB_EXTRA_MISSING = (
 class MemoryBackend(RedisBackend):
     """The Redis backend on a private in-process Redis (fakeredis): a store of its own.
 
-    Thread-safe; not shared across processes, nor with any other backend
-    (each one owns its server). Its clock is this process's wall clock, read
-    by the emulated ``TIME``. It has no server to check at install or to
-    watch while running, and no replicas: its hooks are the contract's
-    defaults (:class:`~dramatiq_guard.backends.GuardBackend`), not Redis's.
+    Thread-safe; not shared across processes, nor with any other backend. Its clock is this
+    process's wall clock. It has no server to check or watch, and no replicas: its hooks are
+    :class:`~dramatiq_guard.backends.GuardBackend`'s defaults.
 
     Parameters:
       namespace(str): The prefix of every key in its server.
-      handoff_ttl_ms(int): How long a slot handed to a waiter stays reserved.
-      max_payload_bytes(int): The largest parked message stored (see
-        :class:`~dramatiq_guard.backends.GuardBackend`).
-      stale_ttl_ms(int): How long a waiter's live generation, and a key's last
-        fencing token, are remembered (see :class:`~dramatiq_guard.backends.GuardBackend`).
+      **settings: ``handoff_ttl_ms``, ``max_payload_bytes``, ``stale_ttl_ms``, as for
+        :class:`~dramatiq_guard.backends.GuardBackend`.
 
     Raises:
       ConfigurationError: If fakeredis or lupa is not installed (the ``stub`` extra).
-      ValueError: If a duration is out of range.
+      ValueError: If a setting is out of range.
     """
 
     check_health = GuardBackend.check_health
@@ -48,14 +47,7 @@ class MemoryBackend(RedisBackend):
     stop_watching = GuardBackend.stop_watching
     wait_for_replicas = GuardBackend.wait_for_replicas
 
-    def __init__(
-        self,
-        *,
-        namespace: str = "dramatiq-guard",
-        handoff_ttl_ms: int = 10_000,
-        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-        stale_ttl_ms: int = 86_400_000,
-    ) -> None:
+    def __init__(self, *, namespace: str = "dramatiq-guard", **settings: Unpack[BackendSettings]) -> None:
         try:
             import fakeredis
 
@@ -65,11 +57,5 @@ class MemoryBackend(RedisBackend):
 
         #: The emulated server: a ``fakeredis.FakeRedis(server=...)`` of it sees this backend's state.
         self.server = fakeredis.FakeServer()
-        super().__init__(
-            fakeredis.FakeRedis(server=self.server),
-            namespace=namespace,
-            handoff_ttl_ms=handoff_ttl_ms,
-            max_payload_bytes=max_payload_bytes,
-            stale_ttl_ms=stale_ttl_ms,
-        )
+        super().__init__(fakeredis.FakeRedis(server=self.server), namespace=namespace, **settings)
         self._cluster = False  # fakeredis has no INFO to ask

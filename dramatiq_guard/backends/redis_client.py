@@ -1,18 +1,8 @@
 """The redis-py client side of the Redis backend: what it may raise, how long one call can block,
 loading and pipelining the scripts.
 
-A Redis that stops answering without closing the connection (a frozen primary,
-a partition, a stalled failover) is noticed only by the client's
-``socket_timeout``: without one, a call waits until the operating system gives
-up on the connection, and redis-py retries a timed-out call as many times as
-its ``retry`` allows. Leases do not depend on it (they are lost on time, see
-:mod:`dramatiq_guard.renewer`), but the worker threads that acquire and
-release do. A client made by :meth:`RedisBackend.from_url
-<dramatiq_guard.backends.RedisBackend.from_url>` gets ``socket_timeout`` and
-``socket_connect_timeout`` of :data:`DEFAULT_SOCKET_TIMEOUT_S` unless its URL
-sets them; a client you pass (or a RedisBroker's) is used as it is, and
-:func:`slow_call_warning` says when its settings let one call block longer
-than a lease (``dramatiq_guard.install`` logs it).
+Why a client needs a ``socket_timeout`` is in ``docs/failure-model.md`` ("A silent Redis"); how
+scripts reach Redis, and replica waits, in ``docs/redis.md``.
 """
 
 from __future__ import annotations
@@ -56,9 +46,8 @@ class Timeouts(NamedTuple):
 def timeouts_of(client: RedisClient) -> Timeouts:
     """The effective timeouts of ``client``'s connections, and its retries of a timed-out call.
 
-    Read from a connection object made (not connected) the way its pool makes
-    them, so redis-py's own defaults count too (its connection kwargs leave
-    out what a URL did not set).
+    Read from a connection made (not connected) as its pool makes them, so redis-py's own
+    defaults count too.
     """
     if isinstance(client, redis.cluster.RedisCluster):
         kwargs = dict(cast(Any, client).get_connection_kwargs())
@@ -110,11 +99,7 @@ def data(value: bytes | str) -> bytes:
 
 
 class _Reachable:
-    """Turn redis-py's connection-level errors, and refusals (NOPERM), into :class:`BackendUnavailable`.
-
-    See :func:`reachable`. A class, not a generator-based context manager: it
-    wraps every call, several per message.
-    """
+    """See :func:`reachable`; a class, not a generator-based context manager: it wraps every call."""
 
     def __enter__(self) -> None:
         return None
@@ -134,20 +119,14 @@ _REACHABLE = _Reachable()
 def reachable() -> _Reachable:
     """Turn redis-py's connection-level errors into :class:`BackendUnavailable`: ``with reachable(): ...``.
 
-    A call the ACL user may not make (``NOPERM``) raises :class:`BackendRefused`
-    (a :class:`BackendUnavailable`): this process cannot use the backend until
-    an operator grants it, so it fails closed, and ``fail_open`` applies.
+    A call the ACL user may not make (``NOPERM``) raises :class:`BackendRefused` (a
+    :class:`BackendUnavailable`: it fails closed, and ``fail_open`` applies).
     """
     return _REACHABLE
 
 
 def slow_call_warning(client: RedisClient, timeouts: Timeouts, shortest_lease_ms: int) -> str | None:
     """Why one call could block longer than ``shortest_lease_ms`` on a Redis that does not answer.
-
-    A Redis that stops answering without closing the connection is
-    noticed only by the client's ``socket_timeout``; redis-py then tries
-    the call again as often as its ``retry`` says. Leases are still lost
-    on time, but a worker thread acquiring or releasing would hang.
 
     Returns:
       str|None: A warning naming the client and what to set on it, or
@@ -218,25 +197,14 @@ def run_scripts(
 ) -> list[Any]:
     """Run several scripts in one pipelined round trip, optionally after a ZADD ``(index, member)``.
 
-    redis-py's own pipeline script support costs an extra SCRIPT EXISTS
-    round trip per execution (and does nothing for cluster pipelines), so
-    a call refused for want of its code (NOSCRIPT, ``Function not found``:
-    see :mod:`~dramatiq_guard.backends.redis_scripts`) is handled here: load
-    the code, re-run only the calls that were refused (they did nothing).
-
-    With ``replicas`` (and a count above 0), each pipeline ends with a
-    ``WAIT``, on the same connection, so the primary answers only once that
-    many replicas have acknowledged the writes (or the timeout passed). On a
-    Redis Cluster the calls go to the node owning their first key's slot, one
-    pipeline per node (a ``WAIT`` waits for its own connection's writes only);
-    a call refused with MOVED or ASK (a failover moved its slot; it did
-    nothing) is re-run once on the new owner, the cluster's map refreshed
-    (and refreshed too when a node cannot be reached, for the next call).
+    A call refused for want of its code (NOSCRIPT, ``Function not found``) did nothing: the code
+    is loaded and only those calls run again (redis-py's own pipeline scripts cost a SCRIPT
+    EXISTS round trip). With ``replicas``, each pipeline ends with a ``WAIT`` on its connection:
+    on a Redis Cluster one pipeline per node owning the calls' first keys, and a call refused
+    with MOVED or ASK (a failover moved its slot) runs once more on the new owner.
 
     Raises:
-      ReplicasBehind: If a ``WAIT`` got fewer acknowledgements than asked,
-        after every call ran (their decisions stand on the primary, and may
-        be lost by a failover).
+      ReplicasBehind: If a ``WAIT`` got fewer acknowledgements than asked, after every call ran.
       BackendUnavailable: If Redis cannot be reached.
     """
     if replicas is None or replicas.replicas <= 0:

@@ -1,38 +1,7 @@
-"""What the guard needs from its Redis, checked; and state that Redis lost, detected.
+"""What the guard needs from its Redis, checked at install: no eviction, persistence, its layout.
 
-Parked messages (the lockwait area), dedup locks and holders live only in
-Redis. Two Redis setups lose them silently:
-
-* an evicting ``maxmemory-policy``: every policy but ``noeviction`` evicts.
-  ``allkeys-*`` may evict any guard key, parked messages included;
-  ``volatile-*`` evicts keys that have an expiry, which are the holders
-  (a limit is then exceeded), dedup locks (a duplicate gets in) and wake-ups;
-* no persistence (``appendonly no`` and no RDB ``save`` schedule): a restart
-  comes back empty.
-
-At install (:func:`check`, the backend's
-:meth:`~dramatiq_guard.backends.GuardBackend.check_health`, called by
-:func:`dramatiq_guard.install` and by a standalone middleware when it first
-resolves its backend) the server's
-``maxmemory-policy``, ``appendonly`` and ``save`` are read with ``CONFIG GET``
-(on a Redis Cluster, from every primary). An evicting policy raises
-:class:`~dramatiq_guard.errors.EvictingRedis`, unless the user opted out
-(``install(broker, allow_evicting_redis=True)``, or the
-``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` environment variable set to ``1``,
-``true`` or ``yes``), which logs a warning instead. No persistence logs a
-warning that says what a restart would lose. The check is best effort: a
-``CONFIG GET`` refused (an ACL without ``+config``, a managed Redis that
-renamed it) logs a note and is not an error; a Redis that cannot be reached
-at install is checked on first use instead. Each backend is read once per
-process.
-
-The layout of the guard's state is checked at the same time (:func:`check_layout`): each namespace
-records, in ``<namespace>:layout``, the layout its state is written in (:data:`LAYOUT`); a process
-of a version that knows only older layouts refuses to start
-(:class:`~dramatiq_guard.errors.LayoutTooNew`) rather than misread parked messages, holders and
-dedup locks. The record is written once (``SET NX``) and stays, as run-time limits do.
-
-What is lost while workers run is detected by :mod:`dramatiq_guard.backends.redis_watch`.
+What is checked and why is in ``docs/failure-model.md`` ("What the guard checks"); what is lost
+while workers run is detected by :mod:`dramatiq_guard.backends.redis_watch`.
 """
 
 from __future__ import annotations
@@ -63,21 +32,16 @@ RESTART_LOSES = (
     "gets in) and every holder (a limit can be exceeded while the holders from before still run)"
 )
 
-#: The layout of the guard's state in Redis that this version reads and writes. It rises only with a
-#: version whose state an older one would misread; such a version reads the layout before it too,
-#: and writes it until every process of the namespace runs the new one (a rolling deploy), then
-#: records its own. A process never starts on a namespace recorded in a newer layout.
+#: The layout of the guard's state in Redis that this version reads and writes, recorded once per
+#: namespace in ``<namespace>:layout``; it rises only with a version whose state an older one would
+#: misread. A process never starts on a namespace recorded in a newer layout.
 LAYOUT = 1
 
 UNREACHABLE: tuple[type[Exception], ...] = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
 class RedisBackendLike(Protocol):
-    """What this module and :mod:`~dramatiq_guard.backends.redis_watch` use of a RedisBackend.
-
-    :class:`~dramatiq_guard.backends.RedisBackend` calls them (its health and
-    watch hooks), so they do not import it back.
-    """
+    """What this module and :mod:`~dramatiq_guard.backends.redis_watch` use of a RedisBackend."""
 
     client: RedisClient
     namespace: str
@@ -90,8 +54,8 @@ class RedisSettings:
 
     Parameters:
       where(str): The server (``host:port``; several for a cluster).
-      maxmemory_policy(str|None): Its ``maxmemory-policy`` (on a cluster, an
-        evicting one if any primary has one), or None if it could not be read.
+      maxmemory_policy(str|None): Its ``maxmemory-policy`` (on a cluster, an evicting one if
+        any primary has one), or None if it could not be read.
       appendonly(bool|None): Whether AOF is on (on a cluster: on every primary).
       save(str|None): The RDB snapshot schedule (``""``: none).
       notes(tuple[str, ...]): What could not be read, and why.
@@ -185,10 +149,7 @@ def _read_one(client: redis.Redis) -> RedisSettings:
 
 
 def read_settings(client: RedisClient) -> RedisSettings:
-    """Read the server's ``maxmemory-policy``, ``appendonly`` and ``save`` (best effort).
-
-    On a Redis Cluster every primary is read: the policy is an evicting one
-    if any primary has one, persistence holds only if every primary has it.
+    """Read the server's ``maxmemory-policy``, ``appendonly`` and ``save`` (best effort; every primary).
 
     Raises:
       redis.ConnectionError: If the server cannot be reached.
@@ -229,28 +190,17 @@ def _env_allows() -> bool:
 
 
 def check(backend: RedisBackendLike, *, allow_evicting: bool | None = None) -> RedisSettings | None:
-    """Check that ``backend``'s Redis keeps the guard's keys (see the module docstring).
+    """Check that ``backend``'s Redis keeps the guard's keys: ``RedisBackend.check_health``.
 
-    What :meth:`RedisBackend.check_health <dramatiq_guard.backends.RedisBackend.check_health>` does.
-    The server is read once per backend and process; the verdict is given
-    again at each call (cheaply), so every middleware that resolves the
-    backend is refused alike.
-
-    Parameters:
-      backend(RedisBackendLike): The backend.
-      allow_evicting(bool|None): True: run on an evicting Redis with a
-        warning (remembered for the backend). None: as decided before for
-        this backend, else as ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` says.
+    The server is read once per backend and process; the verdict is given again at each call, so
+    every middleware that resolves the backend is refused alike.
 
     Returns:
-      RedisSettings|None: What was read, or None (unreachable for now:
-      checked again at the next call).
+      RedisSettings|None: What was read, or None (unreachable for now: checked at the next call).
 
     Raises:
-      EvictingRedis: If the server's ``maxmemory-policy`` may evict keys and
-        evicting was not allowed.
-      LayoutTooNew: If the namespace's state is in a layout newer than
-        :data:`LAYOUT` (see :func:`check_layout`).
+      EvictingRedis: If the server may evict keys and that was not allowed.
+      LayoutTooNew: If the namespace's state is in a layout newer than :data:`LAYOUT`.
     """
     with _lock:
         if allow_evicting:
@@ -293,9 +243,7 @@ def check_layout(backend: RedisBackendLike, *, record: bool = True) -> int:
 
     Parameters:
       backend(RedisBackendLike): The backend.
-      record(bool): Record :data:`LAYOUT` if no layout is recorded yet
-        (``SET NX``, the same round trip); False only reads (the command
-        line leaves nothing behind).
+      record(bool): Record :data:`LAYOUT` if none is (``SET NX``); False only reads (the command).
 
     Returns:
       int: The layout recorded (:data:`LAYOUT` if none is).
@@ -352,6 +300,3 @@ def forget_settings(backend: RedisBackendLike) -> None:
     with _lock:
         _settings.pop(backend, None)
         _warned.discard(backend)
-
-
-# -- the watch while running ----------------------------------------------------

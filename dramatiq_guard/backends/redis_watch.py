@@ -1,39 +1,9 @@
 """State the guard's Redis lost while workers run: a restart, a flush, a key evicted.
 
-While workers run (:func:`watch`, the backend's
-:meth:`~dramatiq_guard.backends.GuardBackend.watch`, called once per pass by
-each worker process's slot sweep), a :class:`StateWatch` per backend compares
-what it sees with what it saw at its previous pass, in one round trip (two when it
-checks the waiters of every waiting key, which costs O(waiting keys): every
-:data:`KEYS_EVERY_S` or slower with many keys, and at once after a restart or a flush):
-
-* the server's ``run_id`` changed: Redis restarted. Unless it persists and
-  every key that had waiters at the previous pass is still waiting, the
-  restart lost state (``reason="restart"``);
-* ``FLUSHALL`` / ``FLUSHDB`` were called since (``INFO commandstats``; a flush
-  of another database of the same server counts too): ``reason="flush"``;
-* a guard key's waiters vanished while its waiting-keys index entry stayed
-  (an eviction or a ``DEL``): ``reason="vanished"``; the entry is dropped so
-  it is reported once, and stored payloads left behind are kept and counted
-  in the log line for an operator; or the index entry vanished while the
-  waiters stayed: the entry is put back so the sweeps find the key again,
-  also ``reason="vanished"``;
-* the server's ``evicted_keys`` grew: a warning (it may be the guard's keys
-  or any other key of that server).
-
-Each pass also keeps this process's record of the function library it runs
-(:meth:`ScriptLibrary.announce <dramatiq_guard.backends.redis_scripts.ScriptLibrary.announce>`,
-refreshed every quarter of its lifetime), which ``dramatiq-guard functions
-prune`` reads; :func:`leave` (:meth:`~dramatiq_guard.backends.GuardBackend.stop_watching`)
-withdraws it when the sweep stops.
-
-Each loss is one ERROR log line naming what was lost, and counted by
-:func:`dramatiq_guard.events.redis_state_lost` (the metric
-``dramatiq_guard_redis_state_lost_total``, by reason). The worker keeps
-running, and new work is guarded as usual on the state Redis has now. The
-waiters check runs on a standalone Redis (or one found through Sentinel)
-only: on a Redis Cluster the index is not kept atomically with the keys
-(see :mod:`dramatiq_guard.backends.redis`), so only the settings are checked.
+Each worker's sweep calls :func:`watch` once per pass (``RedisBackend.watch``); what it detects and
+reports is in ``docs/failure-model.md`` ("What the workers detect"). Each pass also keeps this
+process's record of the function library it runs, which ``dramatiq-guard functions prune`` reads;
+:func:`leave` withdraws it.
 """
 
 from __future__ import annotations
@@ -64,9 +34,9 @@ _UNAVAILABLE: tuple[type[Exception], ...] = (*UNREACHABLE, BackendUnavailable)
 logger = logging.getLogger("dramatiq_guard.backends.redis_health")
 
 
-#: How often, by default, a process checks every waiting key's waiters (:class:`StateWatch`)...
+#: How often, by default, a process checks every waiting key's waiters, at most...
 KEYS_EVERY_S = 30.0
-#: ...at most: with many waiting keys, no oftener than this many keys a second on average.
+#: ...and no oftener than this many keys a second on average.
 KEYS_PER_S = 50
 
 
@@ -75,20 +45,15 @@ def _info(reply: Any) -> dict[str, Any]:
 
 
 class StateWatch:
-    """Detects state the guard's Redis lost since the previous check (see the module docstring).
+    """Detects state the guard's Redis lost since the previous check; one per backend and process.
 
-    One per backend and process (:func:`watch`); :meth:`check` is not
-    thread-safe (the sweep thread calls it).
+    :meth:`check` is not thread-safe (the sweep thread calls it).
 
     Parameters:
       backend(RedisBackendLike): The backend to watch.
-      keys_every_s(float): How often the waiters check (which reads every
-        waiting key, so costs O(waiting keys)) runs, and with more than
-        ``keys_every_s * KEYS_PER_S`` waiting keys, every ``keys / KEYS_PER_S``
-        seconds (10,000 keys: every 200 s), so it costs at most
-        :data:`KEYS_PER_S` commands a second. The server checks (run id,
-        flushes, evictions) run at every :meth:`check`, and a restart or a
-        flush triggers the waiters check at once. 0: at every check.
+      keys_every_s(float): How often the waiters check (it reads every waiting key) runs, or
+        every ``keys / KEYS_PER_S`` seconds if longer; at once after a restart or a flush. The
+        server checks (run id, flushes, evictions) run at every :meth:`check`. 0: every check.
     """
 
     def __init__(self, backend: RedisBackendLike, *, keys_every_s: float = KEYS_EVERY_S) -> None:
@@ -121,12 +86,10 @@ class StateWatch:
         """Compare the server with the previous check; log and count what was lost.
 
         Returns:
-          list[str]: The reasons of the losses found (``"restart"``,
-          ``"flush"``, ``"vanished"``), one per loss.
+          list[str]: The reasons of the losses found (``"restart"``, ``"flush"``, ``"vanished"``).
 
         Raises:
-          redis.ConnectionError: If the server cannot be reached (nothing is
-            compared; the next check compares with the last one that ran).
+          redis.ConnectionError: If the server cannot be reached (nothing is compared).
           BackendUnavailable: The same, found by the health script's call.
         """
         if self._cluster:
@@ -182,11 +145,7 @@ class StateWatch:
     def _key_facts(
         self, run_id: str | None, flushes: int, counted: bool
     ) -> tuple[list[str], list[Any], list[Any], list[Any]]:
-        """The waiting keys indexed now, and those vanished (with their payloads left) or unindexed.
-
-        The waiters check reads every waiting key: not at every pass (see ``keys_every_s``), but
-        at once after a restart or a flush.
-        """
+        """The waiting keys indexed now, and those vanished (with their payloads left) or unindexed."""
         now = time.monotonic()
         if not (
             self.keys_checked is None
@@ -236,10 +195,8 @@ class StateWatch:
     def announce(self, interval_s: float) -> None:
         """Record, or refresh once a quarter of its lifetime passed, the library this process runs.
 
-        The record lasts :data:`~dramatiq_guard.backends.redis_scripts.PROCESS_TTL_MS`,
-        or three passes (``interval_s``) if longer. Never raises: a record
-        refused (an ACL user without rights on ``<namespace>:processes``) is
-        logged once, as ``functions prune`` then cannot see this process.
+        The record lasts :data:`~dramatiq_guard.backends.redis_scripts.PROCESS_TTL_MS`, or three
+        passes (``interval_s``) if longer. Never raises: a refused record is logged once.
         """
         ttl_ms = max(PROCESS_TTL_MS, int(interval_s * 3000))
         now = time.monotonic()
@@ -311,13 +268,10 @@ _watches: weakref.WeakKeyDictionary[RedisBackendLike, StateWatch] = weakref.Weak
 
 
 def watch(backend: RedisBackendLike, interval_s: float = 1.0) -> None:
-    """One check of ``backend``'s state (:class:`StateWatch`); the slot sweep calls it once per pass.
+    """One check of ``backend``'s state (:class:`StateWatch`) and its library record; never raises.
 
-    Never raises: a check that fails (Redis unreachable) is logged at DEBUG
-    and compared at the next one. The first check of a backend whose settings were not read yet
-    (Redis was unreachable at install) reads them, and logs an evicting
-    policy as an error. Also keeps this process's record of the library it
-    runs (:meth:`StateWatch.announce`; ``interval_s``: the sweep's).
+    A failed check is logged at DEBUG and compared at the next one. Settings not read yet (Redis
+    was unreachable at install) are read, an evicting policy logged as an error.
     """
     try:
         state = _watches.get(backend)

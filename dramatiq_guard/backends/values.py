@@ -1,4 +1,4 @@
-"""The values the backend operations take and return (see :mod:`dramatiq_guard.backends.base`)."""
+"""The values the backend operations take and return (:mod:`dramatiq_guard.backends.base`)."""
 
 from __future__ import annotations
 
@@ -7,32 +7,54 @@ import enum
 import time
 from typing import Any, NamedTuple
 
-#: How many holders a refused acquire names (:attr:`AcquireResult.holders`); the
-#: Redis scripts get it from here (``backends/redis_layout.py``).
+#: How many holders a refused acquire names (:attr:`AcquireResult.holders`).
 HOLDERS_SHOWN = 10
 
-#: The generation of a message's copy that no hand-off or standby send of the key made: the
-#: message as sent. A worker acquires with it (not None) so that, once the copy has parked after
-#: pickup, a delivery of it again (its worker died before the broker's ack) is stale (contract,
-#: *generations*). Hand-off generations are fencing tokens, above it.
+#: The generation of a message's copy as sent (no hand-off or standby send made it); a worker
+#: acquires with it, never None, so a redelivery of a copy that parked is stale (*generations*).
 ORIGINAL_GENERATION = 0
 
-#: How many of a key's first waiters may be standbys when its limit in force is smaller (and not
-#: 0: a halted key sends none); the Redis scripts get it from here
-#: (``backends/redis_layout.py``). One standby per slot is too few for a mutex (or a limit of 2 or
-#: 3) whose jobs are short: a standby sent when one job ends must be picked up before the next one
-#: ends, and Dramatiq's consumer, idle while everything is parked, polls with a back-off of 5 ms and
-#: more, so the slot would stand idle. The first waiter of four was sent three hand-offs earlier.
+#: The standby window when the limit in force is smaller (not 0): one standby per slot is too
+#: few for short jobs, as a standby must be picked up before the next job ends.
 MIN_STANDBY_WINDOW = 4
 
 
 def standby_window(count: int, limit: int) -> int:
-    """How many of a key's first waiters a send ahead of ``count`` covers, with ``limit`` in force.
-
-    ``count`` but at most the limit, or :data:`MIN_STANDBY_WINDOW` if the limit is smaller (none
-    for a halted key, limit 0).
-    """
+    """How many of a key's first waiters a send ahead of ``count`` covers, with ``limit`` in force."""
     return 0 if limit <= 0 else min(count, max(limit, MIN_STANDBY_WINDOW))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stake:
+    """What one holder claims of one guard key: what :meth:`GuardBackend.acquire` takes.
+
+    Parameters:
+      key(str): The guard key.
+      holder(str): The would-be holder's id (a message id, or a lock's random id).
+      limit(int|None): The key's default limit, unless a run-time limit is set; None if the
+        caller does not know it (the recorded one is used: *limits known from the backend*).
+      ttl_ms(int): The lease an acquire takes.
+      info(str|None): What :meth:`GuardBackend.inspect` shows of the holder (its actor's name).
+      generation(int|None): The generation of the copy acquiring (*generations*): a hand-off's,
+        :data:`ORIGINAL_GENERATION` for a message picked up as sent, None for one not on a
+        broker. A stale one is refused (``stale``) with nothing done.
+      runner(str|None): Who runs the job once it holds (a worker thread,
+        :func:`~dramatiq_guard.lease.runner_id`), or None (a reservation, a lock). A holder held,
+        or blocked for, by a runner is re-entered by that runner only: any other acquire is
+        refused (``running``), so two copies of one message never hold a slot at once. At most
+        200 characters, without ``|`` or ``@``.
+      fenced(bool): False for a lock that fences no writes (a dedup lock): no token is issued
+        nor kept for the key.
+    """
+
+    key: str
+    holder: str
+    limit: int | None
+    ttl_ms: int
+    info: str | None = None
+    generation: int | None = None
+    runner: str | None = None
+    fenced: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,13 +62,12 @@ class Handoff:
     """A waiter that was just given a slot.
 
     Parameters:
-      waiter_id(str): The waiter's id (a message id); now a holder of the key
-        with a reservation deadline.
-      payload(bytes|None): The parked message to re-enqueue, or None for a
-        blocking waiter (already woken by the backend).
-      generation(int|None): The generation of this hand-off or standby send
-        (see *generations*): the re-enqueued copy carries it, and its
-        confirmation names it. None for a blocking waiter. Not compared.
+      key(str): The guard key.
+      waiter_id(str): The waiter's id (a message id); now a holder with a reservation.
+      payload(bytes|None): The parked message to re-enqueue, or None for a blocking waiter
+        (already woken by the backend).
+      generation(int|None): The generation of this hand-off or standby send (*generations*),
+        which the re-enqueued copy carries and its confirmation names. Not compared.
     """
 
     key: str
@@ -62,16 +83,13 @@ class AcquireOutcome(enum.Enum):
     ACQUIRED = "acquired"
     #: Refused and queued as a waiter (asked to wait, or already waiting): parked, or blocking.
     QUEUED = "queued"
-    #: A standby (sent ahead by :meth:`GuardBackend.send_standbys`) that acquired in park mode
-    #: with ``Waiter.wait_ms > 0``: not parked, it waits as a blocking waiter, for
-    #: :meth:`GuardBackend.wait_for_handoff`. Queued too.
+    #: A standby that acquired in park mode with ``Waiter.wait_ms > 0``: queued as a blocking
+    #: waiter, for :meth:`GuardBackend.wait_for_handoff`.
     STANDBY = "standby"
-    #: A stale copy of a handed-off message (see *generations*): nothing was done; it must not run.
+    #: A stale copy of a handed-off message (*generations*): nothing was done; it must not run.
     STALE = "stale"
-    #: ``holder`` holds the key (or blocks for it) for another runner (see ``runner`` of
-    #: :meth:`GuardBackend.acquire`): its message runs there, or ran there until its worker died
-    #: and the lease has not lapsed yet. Nothing was done; this copy must not run now, nor is it
-    #: queued.
+    #: ``holder`` holds the key (or blocks for it) for another runner (:attr:`Stake.runner`):
+    #: nothing was done, nothing queued; this copy must not run now.
     RUNNING = "running"
     #: Refused, and not queued (no ``wait`` was given).
     BUSY = "busy"
@@ -90,31 +108,22 @@ class AcquireResult:
     """The outcome of :meth:`GuardBackend.acquire`.
 
     Parameters:
-      outcome(AcquireOutcome): What it did (one state; :attr:`acquired`,
-        :attr:`parked`, :attr:`standby`, :attr:`stale` and :attr:`running` read it).
+      outcome(AcquireOutcome): What it did (:attr:`acquired`, :attr:`parked`, :attr:`standby`,
+        :attr:`stale` and :attr:`running` read it).
       token(int|None): The new fencing token when acquired, else None.
-      holders(tuple[str, ...]): When refused, who is in the way, for the
-        caller to name: the first :data:`HOLDERS_SHOWN` live holders (earliest
-        deadline first). Empty when acquired: the reply never carries the whole
-        set (a limit may be thousands; :meth:`GuardBackend.inspect` lists it).
+      holders(tuple[str, ...]): When refused, the first :data:`HOLDERS_SHOWN` live holders in
+        the way (earliest deadline first); empty when acquired.
       limit(int): The limit in force.
-      handoffs(tuple[Handoff, ...]): Waiters given a slot by this operation;
-        the caller must re-enqueue the ones with a payload.
-      reserved_ms(int|None): Set only on a result made from a wake
-        (:meth:`Woken.result`): the slot was taken by the push that handed it
-        over, not by an acquire, so the holder's deadline is still the
-        hand-off reservation, which lasts at least this long from the wake.
-        The lease must be renewed within that (:class:`~dramatiq_guard.lease.Lease`
-        renews it a third of the way into it when given ``reserved_ms``).
-      valid_from(float|None): When the lease's ttl (or ``reserved_ms``)
-        surely started counting, on this process's ``time.monotonic()``:
-        just before the acquire request was sent (the backend counts from
-        later), or when the wake was taken. Backends set it; None (unknown)
-        makes a :class:`~dramatiq_guard.lease.Lease` count from when it is
-        made. See :mod:`dramatiq_guard.renewer` (known-valid time).
-      lapses_in_ms(int|None): With :attr:`running`: in how many ms the entry in
-        the way (the other runner's lease, or its wait) lapses unless it is
-        renewed (a live runner renews its lease); the copy may ask again then.
+      handoffs(tuple[Handoff, ...]): Waiters given a slot by this operation; the caller must
+        re-enqueue the ones with a payload.
+      reserved_ms(int|None): Only on a result made from a wake (:meth:`Woken.result`): the
+        holder's deadline is still the hand-off reservation, which lasts at least this long;
+        the lease must be renewed within it.
+      valid_from(float|None): When the lease's ttl surely started counting, on this process's
+        ``time.monotonic()`` (just before the request was sent, or when the wake was taken);
+        None: unknown (see :mod:`dramatiq_guard.renewer`, known-valid time).
+      lapses_in_ms(int|None): With :attr:`running`: in how many ms the entry in the way lapses
+        unless renewed; the copy may ask again then.
     """
 
     outcome: AcquireOutcome
@@ -158,10 +167,9 @@ class Woken:
 
     Parameters:
       token(int): The fencing token the hand-off issued to it.
-      reserved_ms(int): How long its hand-off reservation lasts at least, from
-        when the wake was taken: the time it has to take the lease up (renew it).
-      taken_at(float): When the wake was taken (``time.monotonic()``; default:
-        when this object is made, right after the wake came back).
+      reserved_ms(int): How long its reservation lasts at least from the wake: the time it has
+        to renew it.
+      taken_at(float): When the wake was taken (``time.monotonic()``; default: now).
     """
 
     token: int
@@ -185,14 +193,11 @@ class ReleaseResult:
     """The outcome of a release, a sweep, a limit change or a cancelled wait.
 
     Parameters:
-      released(bool): Whether the holder held the key (False: it was not a
-        holder, e.g. its lease had lapsed and was reclaimed; the caller must
-        report this, never swallow it).
+      released(bool): Whether the holder held the key (False, e.g. its lease had lapsed and
+        was reclaimed: the caller must report it, never swallow it).
       handoffs(tuple[Handoff, ...]): Waiters given a slot by this operation.
-      standbys(tuple[Handoff, ...]): Parked waiters sent ahead as standbys by
-        a release with ``send_ahead`` (see :meth:`GuardBackend.release`); the
-        caller enqueues each and confirms it with
-        :meth:`GuardBackend.confirm_standby`.
+      standbys(tuple[Handoff, ...]): Waiters sent ahead by a release with ``send_ahead``; the
+        caller enqueues each and confirms it (:meth:`GuardBackend.confirm_standby`).
     """
 
     released: bool
@@ -206,16 +211,14 @@ class KeyState:
 
     Parameters:
       holders(tuple[tuple[str, int], ...]): ``(holder, deadline_ms)`` pairs.
-      waiters(tuple[tuple[str, int, bool], ...]): ``(waiter_id, since_ms,
-        parked)`` in FIFO order; ``parked`` is False for blocking waiters.
-      reserved(tuple[str, ...]): Holders that are reservations handed to a
-        parked waiter whose re-enqueue is not yet confirmed.
+      waiters(tuple[tuple[str, int, bool], ...]): ``(waiter_id, since_ms, parked)`` in FIFO
+        order; ``parked`` is False for blocking waiters.
+      reserved(tuple[str, ...]): Holders that are hand-offs whose re-enqueue is unconfirmed.
       limit(int|None): The run-time limit, or None if none is set.
       token(int|None): The last fencing token issued, if the key has state.
-      holder_info(tuple[tuple[str, int, str|None], ...]): ``(holder, since_ms,
-        info)`` of the holders that acquired (in the order of ``holders``):
-        when the holder first acquired (a re-entrant acquire keeps it) and
-        the ``info`` it passed. Reservations not yet acquired have none.
+      holder_info(tuple[tuple[str, int, str|None], ...]): ``(holder, since_ms, info)`` of the
+        holders that acquired, in the order of ``holders``: when each first acquired, and its
+        ``info``.
     """
 
     holders: tuple[tuple[str, int], ...]
@@ -231,12 +234,10 @@ class Waiter:
     """How a refused acquirer asks to wait.
 
     Parameters:
-      payload(bytes|None): The encoded message to park; None for a blocking
-        waiter (a thread that will call ``wait_for_handoff``).
-      wait_ms(int): For a blocking waiter: how long its entry lives before
-        it is dropped by reclaim. For a parked waiter: if its entry is a
-        standby (see :meth:`GuardBackend.send_standbys`), it blocks instead of
-        parking, for this long; 0 always parks.
+      payload(bytes|None): The encoded message to park; None for a blocking waiter (a thread
+        that will call ``wait_for_handoff``).
+      wait_ms(int): A blocking waiter's: how long its entry lives. A parked waiter's: if its
+        entry is a standby, it blocks instead of parking, for this long; 0 always parks.
     """
 
     payload: bytes | None = None
@@ -249,12 +250,10 @@ class WaiterPeek:
 
     Parameters:
       waiter_id(str): The waiter's id (a message id).
-      since_ms(int): When it queued (its place in the FIFO), on the backend's clock.
-      payload(bytes|None): The parked message, or None for a blocking
-        waiter, a confirmed standby, or a waiter handed a slot between the
-        two reads of a Redis summary.
-      info(str|None): What a ready waiter's thread said of it (its actor's
-        name), if anything.
+      since_ms(int): When it queued, on the backend's clock.
+      payload(bytes|None): The parked message, or None (a blocking waiter, a confirmed
+        standby, or one handed a slot between the two reads of a Redis summary).
+      info(str|None): What a ready waiter's thread said of it (its actor's name), if anything.
     """
 
     waiter_id: str
@@ -269,17 +268,14 @@ class KeySummary:
 
     Parameters:
       key(str): The guard key.
-      holders(int): How many holders it has (lapsed ones not yet reclaimed
-        included, as :meth:`GuardBackend.inspect` shows them).
+      holders(int): How many holders it has (lapsed ones not yet reclaimed included).
       waiters(int): How many waiters are queued.
       reserved(int): How many holders are unconfirmed hand-offs.
       oldest_since_ms(int|None): When the oldest waiter queued, or None.
       limit(int|None): The run-time limit, or None.
-      recorded_limit(int|None): The default limit recorded with the key's
-        waiters by a process that knows it (see *limits known from the
-        backend*), or None.
-      first(tuple[WaiterPeek, ...]): The first waiters in FIFO order, as
-        many as asked for.
+      recorded_limit(int|None): The default limit recorded with the key's waiters
+        (*limits known from the backend*), or None.
+      first(tuple[WaiterPeek, ...]): The first waiters in FIFO order, as many as asked for.
     """
 
     key: str

@@ -1,56 +1,6 @@
-"""The ``dramatiq-guard`` command: see and steer what the guard holds.
+"""The ``dramatiq-guard`` command: see and steer what the guard holds (docs/command.md).
 
-Usage (``dramatiq-guard COMMAND --help`` for each)::
-
-  dramatiq-guard [--redis URL] [--namespace NS] inspect [PATTERN] [--json]
-  dramatiq-guard limit get KEY [--json]
-  dramatiq-guard limit set KEY N [--broker MODULE:ATTR]
-  dramatiq-guard limit set --actor NAME N
-  dramatiq-guard limit clear KEY
-  dramatiq-guard release KEY [--yes] [--broker MODULE:ATTR]
-  dramatiq-guard functions list [--json] | load | prune [--force]
-  dramatiq-guard ledger prune --older-than 30d [--ledger URL]
-  dramatiq-guard ledger show KEY [--ledger URL] [--json]
-  dramatiq-guard ledger list [--state S] [--ledger URL] [--json]
-  dramatiq-guard serve [--host 127.0.0.1] [--port 8470] [--broker MODULE:ATTR] [--write-secret-file PATH]
-
-Redis comes from ``--redis`` or ``DRAMATIQ_GUARD_REDIS_URL`` (default
-``redis://localhost:6379/0``); the ledger's database from ``--ledger`` or
-``DRAMATIQ_GUARD_LEDGER_URL``.
-
-Finding keys. No command scans the keyspace (no ``KEYS``, no ``SCAN``):
-``inspect`` lists the keys of the backend's own indexes (the keys that have or
-recently had waiters, and the keys with a run-time limit) and, when the
-pattern has no wildcard, the key it names. A key that only has holders and
-never had a waiter is therefore shown when named exactly. ``inspect`` also
-shows what the guard's Redis does with its keys: its ``maxmemory-policy``
-(anything but ``noeviction`` may evict them) and its persistence (``"redis"``
-in ``--json``; see :mod:`dramatiq_guard.backends.redis_health`).
-
-Hand-offs. Raising a limit or releasing holders gives free slots to parked
-waiters at once. A handed-off parked message must be put back on the broker,
-and the command has no broker of its own, so either:
-
-* with ``--broker MODULE:ATTR`` (your app's broker, e.g. ``myapp.tasks:broker``)
-  it re-enqueues each handed-off message and confirms the hand-off; or
-* without it, the command delivers nothing: a parked message stays parked
-  (it records its application's broker, and only a process of that broker
-  hands it a slot: a worker's sweep does, within its ``sweep_interval``); a
-  waiter parked with no broker recorded is handed its slot and left
-  *reserved* until the reservation lapses (10 s by default), when a worker's
-  sweep hands it over again. Nothing is lost either way.
-
-Forced release. ``release KEY`` releases each holder the key has at that
-moment (each one checked by its id, so a holder that starts meanwhile is not
-touched), except unconfirmed hand-offs: their payload is still the only copy
-of the message, and they lapse by themselves. A released holder that is still
-running learns it at its next lease renewal (its lease is lost). Freed slots
-are handed to waiters within the limit recorded with the key's waiters (the
-command does not know the actor, and never guesses its limit).
-
-Exit status: 0 success, 1 operational error (Redis or the database
-unreachable, a confirmation declined), 2 usage error (a bad option, URL, key
-or duration); errors are one line on stderr.
+Exit status: 0 success, 1 operational error, 2 usage error; errors are one line on stderr.
 """
 
 from __future__ import annotations
@@ -59,7 +9,7 @@ import argparse
 import re
 import sys
 from collections.abc import Callable, Sequence
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from dramatiq_guard.cli.commands import (
     _cmd_functions_list,
@@ -76,7 +26,6 @@ from dramatiq_guard.cli.commands import (
 )
 from dramatiq_guard.cli.common import (
     DEFAULT_NAMESPACE,
-    DEFAULT_REDIS_URL,
     LEDGER_URL_ENV,
     PROG,
     Context,
@@ -87,27 +36,28 @@ from dramatiq_guard.cli.common import (
     parse_duration,
 )
 from dramatiq_guard.cli.serve import _serve_parser
-from dramatiq_guard.resolve import REDIS_URL_ENV
+from dramatiq_guard.resolve import DEFAULT_REDIS_URL, REDIS_URL_ENV
 
 __all__ = ["REDIS_URL_ENV", "Context", "build_parser", "main", "parse_duration"]
+
+if TYPE_CHECKING:
+    Verbs = argparse._SubParsersAction[argparse.ArgumentParser]
 
 # -- the parser ---------------------------------------------------------------
 
 
-def _common() -> argparse.ArgumentParser:
-    """The connection options, accepted after the command too (given there, they win)."""
-    common = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
-    _connection_options(common)
-    return common
+def _options(*add: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
+    """A parent parser of options, accepted after the verb too (given there, they win)."""
+    parent = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    for options in add:
+        options(parent)
+    return parent
 
 
 def _connection_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("connection")
-    group.add_argument(
-        "--redis",
-        metavar="URL",
-        help=f"the guard's Redis (default: ${REDIS_URL_ENV}, else {DEFAULT_REDIS_URL})",
-    )
+    default = f"${REDIS_URL_ENV}, else {DEFAULT_REDIS_URL}"
+    group.add_argument("--redis", metavar="URL", help=f"the guard's Redis (default: {default})")
     group.add_argument(
         "--namespace",
         metavar="NS",
@@ -115,233 +65,165 @@ def _connection_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _ledger_options(parser: argparse.ArgumentParser) -> None:
+    default = f"${LEDGER_URL_ENV}, else the default SQLite file"
+    parser.add_argument("--ledger", metavar="URL", help=f"the ledger's SQLAlchemy URL (default: {default})")
+    parser.add_argument(
+        "--table",
+        metavar="NAME",
+        default="dramatiq_guard_ledger",
+        help="the ledger's table (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--schema", metavar="NAME", default=None, help="the table's schema, if not the default"
+    )
+
+
+def _verb(
+    verbs: Verbs, name: str, parent: argparse.ArgumentParser | None, help: str, run: Any = None, **kw: Any
+) -> argparse.ArgumentParser:
+    """Add the verb ``name``, which runs ``run`` (a description, if any, in ``kw``)."""
+    parser = verbs.add_parser(name, parents=[] if parent is None else [parent], help=help, **kw)
+    if run is not None:
+        parser.set_defaults(run=run)
+    return parser
+
+
+def _json(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _key_or_actor(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("target", metavar="KEY", nargs="?", help="the guard key (omit with --actor)")
+    parser.add_argument("--actor", metavar="NAME", help=f"{what} of this actor's keys")
+
+
 def _broker_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--broker",
         metavar="MODULE:ATTR",
-        help=(
-            "your app's broker (e.g. myapp.tasks:broker), used to re-enqueue parked messages that get a "
-            "slot; without it a worker's sweep hands them their slots"
-        ),
+        help="your app's broker (e.g. myapp.tasks:broker), to re-enqueue parked messages that get a slot",
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the command."""
-    common = _common()
+    common = _options(_connection_options)
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description=(
-            "See and steer the state of dramatiq-guard: holders, waiters and limits of guard keys, "
-            "and the idempotency ledger. Keys are found through the guard's own indexes, never by "
-            "scanning Redis."
-        ),
+        description="See and steer dramatiq-guard's state: guard keys (found through the guard's indexes, "
+        "never by scanning Redis) and the idempotency ledger.",
         epilog="Exit status: 0 ok, 1 operational error, 2 usage error.",
     )
     _connection_options(parser)
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
-    _add_inspect(commands, common)
-    _add_limit(commands, common)
-    _add_release(commands, common)
-    _add_functions(commands, common)
-    _add_ledger(commands, common)
-    _serve_parser(commands, common)
+    verbs = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_inspect(verbs, common)
+    _add_limit(verbs, common)
+    release = _verb(
+        verbs,
+        "release",
+        common,
+        "force the release of a key's holders",
+        _cmd_release,
+        description="Release every holder of KEY by force (unconfirmed hand-offs excepted) and hand the "
+        "freed slots to its oldest waiters. Asks for confirmation unless --yes.",
+    )
+    release.add_argument("key", metavar="KEY", help="the guard key")
+    release.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+    _broker_option(release)
+    _add_functions(verbs, common)
+    _add_ledger(verbs)
+    _serve_parser(verbs, common)
     return parser
 
 
-def _add_inspect(
-    commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
-) -> None:
-    """The ``inspect`` command."""
-    inspect = commands.add_parser(
+def _add_inspect(verbs: Verbs, common: argparse.ArgumentParser) -> None:
+    inspect = _verb(
+        verbs,
         "inspect",
-        parents=[common],
-        help="show holders, waiters and limits of guard keys",
-        description=(
-            "Show, for each guard key, its holders (message id, actor, since, lease left), its waiters "
-            "(count, parked, oldest age) and its limit. Keys come from the guard's indexes: keys that "
-            "have or recently had waiters, and keys with a run-time limit; a PATTERN without "
-            "wildcards also shows that key."
-        ),
+        common,
+        "show holders, waiters and limits of guard keys",
+        _cmd_inspect,
+        description="Show each guard key's holders, waiters and limit. Keys come from the guard's indexes "
+        "(keys with waiters or a run-time limit); a PATTERN without wildcards also shows that key.",
     )
     inspect.add_argument(
-        "pattern", nargs="?", default="*", metavar="PATTERN", help="a key or a glob pattern (default: *)"
+        "pattern", nargs="?", default="*", metavar="PATTERN", help="a key or a glob (default: *)"
     )
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     inspect.add_argument(
-        "--summary",
-        action="store_true",
-        help="one line per key (holders, limit, waiters, oldest wait), most in need of a look first",
+        "--summary", action="store_true", help="one line per key, most in need of a look first"
     )
     inspect.add_argument(
         "--waiters",
         metavar="N",
         type=_limit_arg,
         default=10,
-        help="describe each key's first N waiters: actor, arguments, waited for (default: %(default)s)",
+        help="describe each key's first N waiters (default: 10)",
     )
-    inspect.set_defaults(run=_cmd_inspect)
 
 
-def _add_limit(
-    commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
-) -> None:
-    """The ``limit get|set|clear`` commands."""
-    limit = commands.add_parser(
-        "limit",
-        parents=[common],
-        help="get, set or clear run-time limits",
-        description="Get, set or clear the run-time limit of a guard key (0 halts it: everything parks).",
-    )
+def _add_limit(verbs: Verbs, common: argparse.ArgumentParser) -> None:
+    limit = _verb(verbs, "limit", common, "get, set or clear run-time limits")
     limits = limit.add_subparsers(dest="limit_command", metavar="ACTION", required=True)
-    get = limits.add_parser(
-        "get",
-        parents=[common],
-        help="print a key's run-time limit",
-        description=(
-            "Print the run-time limit of KEY (or with --actor, actor NAME's run-time default), or that "
-            "none is set (the limit declared on the actor applies)."
-        ),
-    )
-    get.add_argument("target", metavar="KEY", nargs="?", help="the guard key (omit with --actor)")
-    get.add_argument("--actor", metavar="NAME", help="print the default limit of this actor's keys")
-    get.add_argument("--json", action="store_true", help="print JSON")
-    get.set_defaults(run=_cmd_limit_get)
-    set_ = limits.add_parser(
+    get = _verb(limits, "get", common, "print a key's (or an actor's) run-time limit", _cmd_limit_get)
+    _key_or_actor(get, "print the default limit")
+    _json(get)
+    set_ = _verb(
+        limits,
         "set",
-        parents=[common],
-        help="set a key's (or an actor's) run-time limit",
-        usage=(
-            f"{PROG} limit set [-h] [--redis URL] [--namespace NS] [--broker MODULE:ATTR]\n"
-            "       (KEY N | --actor NAME N)"
-        ),
-        description=(
-            "Set the run-time limit of KEY to N, or with --actor, the default limit of every key of "
-            "actor NAME. 0 halts (new messages park, running ones finish); raising a limit hands the "
-            "new slots to waiters at once."
-        ),
+        common,
+        "set a key's (or an actor's) run-time limit",
+        _cmd_limit_set,
+        usage=f"{PROG} limit set [-h] [--redis URL] [--namespace NS] [--broker MODULE:ATTR]\n"
+        "       (KEY N | --actor NAME N)",
+        description="Set KEY's run-time limit to N (0 halts it: new messages park, running ones finish), or "
+        "with --actor, the default limit of actor NAME's keys.",
     )
     set_.add_argument("target", metavar="KEY", nargs="?", help="the guard key (omit with --actor)")
     set_.add_argument("limit", metavar="N", type=_limit_arg, help="the limit, an integer >= 0")
     set_.add_argument("--actor", metavar="NAME", help="set the default limit of this actor's keys")
     _broker_option(set_)
-    set_.set_defaults(run=_cmd_limit_set)
-    clear = limits.add_parser(
-        "clear",
-        parents=[common],
-        help="remove a key's run-time limit",
-        description=(
-            "Remove the run-time limit of KEY (or with --actor, of actor NAME): the limit declared on "
-            "the actor applies again. Waiters that the restored limit admits are handed off by the "
-            "workers' next sweep."
-        ),
-    )
-    clear.add_argument("target", metavar="KEY", nargs="?", help="the guard key (omit with --actor)")
-    clear.add_argument("--actor", metavar="NAME", help="clear the default limit of this actor's keys")
-    clear.set_defaults(run=_cmd_limit_clear)
+    clear = _verb(limits, "clear", common, "remove a key's (or an actor's) run-time limit", _cmd_limit_clear)
+    _key_or_actor(clear, "clear the default limit")
 
 
-def _add_release(
-    commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
-) -> None:
-    """The ``release`` command."""
-    release = commands.add_parser(
-        "release",
-        parents=[common],
-        help="force the release of a key's holders",
-        description=(
-            "Release every holder of KEY by force and hand the freed slots to its oldest waiters. A "
-            "released holder still running loses its lease (it is told at its next renewal). Hand-offs "
-            "not yet confirmed are left alone: they lapse by themselves. Asks for confirmation unless "
-            "--yes."
-        ),
-    )
-    release.add_argument("key", metavar="KEY", help="the guard key")
-    release.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
-    _broker_option(release)
-    release.set_defaults(run=_cmd_release)
-
-
-def _add_functions(
-    commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
-) -> None:
-    """The ``functions list|load|prune`` commands."""
-    functions = commands.add_parser(
+def _add_functions(verbs: Verbs, common: argparse.ArgumentParser) -> None:
+    functions = _verb(
+        verbs,
         "functions",
-        parents=[common],
-        help="list, load or prune the guard's Redis function libraries",
-        description=(
-            "The guard runs its scripts as functions of one Redis library per version of "
-            "dramatiq-guard (dramatiq_guard_<digest>), loaded by its first call. List the libraries "
-            "on the server and the workers that run them, load this version's (for applications whose "
-            "ACL user may call functions but not load them), or delete other versions' once no worker "
-            "runs them (a worker of --namespace records the library it runs). On a Redis Cluster, run "
-            "it against each primary."
-        ),
+        common,
+        "list, load or prune the guard's Redis function libraries",
+        description="The guard's scripts are one Redis function library per version (on a Redis Cluster, "
+        "run this against each primary).",
     )
-    functions_actions = functions.add_subparsers(dest="functions_command", metavar="ACTION", required=True)
-    functions_list = functions_actions.add_parser(
-        "list", parents=[common], help="the dramatiq-guard libraries on the server, and who runs them"
+    actions = functions.add_subparsers(dest="functions_command", metavar="ACTION", required=True)
+    _json(
+        _verb(
+            actions,
+            "list",
+            common,
+            "the libraries on the server, and the workers that run them",
+            _cmd_functions_list,
+        )
     )
-    functions_list.add_argument("--json", action="store_true", help="print JSON")
-    functions_list.set_defaults(run=_cmd_functions_list)
-    functions_actions.add_parser(
-        "load", parents=[common], help="load this version's library (FUNCTION LOAD REPLACE)"
-    ).set_defaults(run=_cmd_functions_load)
-    functions_prune = functions_actions.add_parser(
+    _verb(actions, "load", common, "load this version's library (FUNCTION LOAD REPLACE)", _cmd_functions_load)
+    prune = _verb(
+        actions,
         "prune",
-        parents=[common],
-        help="delete every dramatiq-guard library but this version's, unless a worker still runs one",
-        description=(
-            "Delete every dramatiq-guard library but this version's. Refused (exit status 2) while a "
-            "worker of --namespace still runs one of them: a worker whose ACL user may not load "
-            "functions would fail every call until an operator loads it again. A worker that died "
-            "counts for up to a minute."
-        ),
+        common,
+        "delete other versions' libraries, unless a worker still runs one",
+        _cmd_functions_prune,
     )
-    functions_prune.add_argument(
-        "--force", action="store_true", help="delete them even while workers still run them"
-    )
-    functions_prune.set_defaults(run=_cmd_functions_prune)
+    prune.add_argument("--force", action="store_true", help="delete them even while workers still run them")
 
 
-def _ledger_options() -> argparse.ArgumentParser:
-    """The options of every ``ledger`` action: which database and table."""
-    options = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
-    options.add_argument(
-        "--ledger",
-        metavar="URL",
-        help=f"the ledger's SQLAlchemy URL (default: ${LEDGER_URL_ENV}, else the default SQLite file)",
-    )
-    options.add_argument(
-        "--table",
-        metavar="NAME",
-        default="dramatiq_guard_ledger",
-        help="the ledger's table (default: %(default)s)",
-    )
-    options.add_argument(
-        "--schema", metavar="NAME", default=None, help="the table's schema, if not the default"
-    )
-    return options
-
-
-def _add_ledger(
-    commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
-) -> None:
-    """The ``ledger prune|show|list`` commands."""
-    ledger = commands.add_parser(
-        "ledger",
-        help="show or prune the idempotency ledger",
-        description="Show or prune the rows of the SQL idempotency ledger.",
-    )
-    ledger_common = _ledger_options()
-    ledgers = ledger.add_subparsers(dest="ledger_command", metavar="ACTION", required=True)
-    prune = ledgers.add_parser(
-        "prune",
-        parents=[ledger_common],
-        help="delete finished rows older than a duration",
-        description="Delete the ledger rows of finished keys last updated longer ago than --older-than.",
+def _add_ledger(verbs: Verbs) -> None:
+    ledger = _verb(verbs, "ledger", None, "show or prune the idempotency ledger")
+    options = _options(_ledger_options)
+    actions = ledger.add_subparsers(dest="ledger_command", metavar="ACTION", required=True)
+    prune = _verb(
+        actions, "prune", options, "delete finished rows older than --older-than", _cmd_ledger_prune
     )
     prune.add_argument(
         "--older-than",
@@ -350,36 +232,22 @@ def _add_ledger(
         required=True,
         help="e.g. 30d, 12h, 15m, 90s (a bare number is seconds)",
     )
-    prune.set_defaults(run=_cmd_ledger_prune)
-    show = ledgers.add_parser(
-        "show",
-        parents=[ledger_common],
-        help="show a key's ledger row",
-        description="Show the ledger row of an idempotency KEY: state, attempts, holder, timestamps.",
-    )
+    show = _verb(actions, "show", options, "show a key's ledger row", _cmd_ledger_show)
     show.add_argument("key", metavar="KEY", help="the idempotency key")
-    show.add_argument("--json", action="store_true", help="print JSON")
-    show.set_defaults(run=_cmd_ledger_show)
-    list_ = ledgers.add_parser(
-        "list",
-        parents=[ledger_common],
-        help="count rows by state and list the in-progress and failed ones",
-        description=(
-            "Count the ledger's rows by state, and list the most recently updated rows of some states "
-            "(default: in_progress and failed)."
-        ),
+    _json(show)
+    list_ = _verb(
+        actions, "list", options, "count rows by state and list the most recent of some", _cmd_ledger_list
     )
     list_.add_argument(
         "--state",
         action="append",
         choices=["in_progress", "completed", "failed"],
-        help="list rows of this state (repeatable)",
+        help="list rows of this state (repeatable; default: in_progress and failed)",
     )
     list_.add_argument(
         "--limit", metavar="N", type=_limit_arg, default=50, help="rows per state (default: 50)"
     )
-    list_.add_argument("--json", action="store_true", help="print JSON")
-    list_.set_defaults(run=_cmd_ledger_list)
+    _json(list_)
 
 
 # -- running ------------------------------------------------------------------

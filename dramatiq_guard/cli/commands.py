@@ -9,13 +9,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from dramatiq_guard import admin
+from dramatiq_guard.admin import format_ms as _format_ms
 from dramatiq_guard.backends.base import GuardBackend, KeyState
-from dramatiq_guard.cli.common import (
-    Context,
-    OperationalError,
-    UsageError,
-    _format_ms,
-)
+from dramatiq_guard.cli.common import Context, OperationalError, UsageError
 
 if TYPE_CHECKING:
     from dramatiq_guard.backends.redis_client import RedisClient
@@ -90,9 +86,7 @@ def _inspect_summary(ctx: Context) -> int:
                 _format_ms(row["oldest_age_ms"]),
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    for row in rows:
-        ctx.print("  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths, strict=True)) + "  " + row[5])
+    _print_table(ctx, rows, indent="")
     return 0
 
 
@@ -157,21 +151,26 @@ def _print_key(ctx: Context, view: dict[str, Any], now: int) -> None:
             ctx.print(f"  ... and {waiters['count'] - len(first)} more waiter(s)")
 
 
-def _print_table(ctx: Context, rows: Sequence[Sequence[str]]) -> None:
+def _print_table(ctx: Context, rows: Sequence[Sequence[str]], indent: str = "  ") -> None:
     """Rows as aligned columns, indented; the last column is not padded."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         ctx.print(
-            "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
+            indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
         )
 
 
-def _broker_requeue(ctx: Context) -> admin.Requeue | None:
-    """How to re-enqueue hand-offs on the ``--broker MODULE:ATTR``, or None without it.
+def _print_lines(ctx: Context, lines: list[str]) -> int:
+    """What a write did: its first line, then its notes indented."""
+    first, *notes = lines
+    ctx.print(first)
+    for note in notes:
+        ctx.print(f"  {note}")
+    return 0
 
-    Loaded before anything changes, so a bad ``--broker`` changes nothing
-    (see :func:`dramatiq_guard.admin.broker_requeue`).
-    """
+
+def _broker_requeue(ctx: Context) -> admin.Requeue | None:
+    """How to re-enqueue hand-offs on ``--broker`` (None without it); loaded before anything changes."""
     spec: str | None = getattr(ctx.args, "broker", None)
     if spec is None:
         return None
@@ -211,12 +210,7 @@ def _cmd_limit_set(ctx: Context) -> int:
     key = _target(ctx)
     backend = ctx.backend
     _check_key(backend, key)
-    requeue = _broker_requeue(ctx)
-    first, *notes = admin.set_limit(backend, key, ctx.args.limit, requeue)
-    ctx.print(first)
-    for note in notes:
-        ctx.print(f"  {note}")
-    return 0
+    return _print_lines(ctx, admin.set_limit(backend, key, ctx.args.limit, _broker_requeue(ctx)))
 
 
 def _cmd_limit_clear(ctx: Context) -> int:
@@ -252,11 +246,7 @@ def _cmd_release(ctx: Context) -> int:
             ctx.print()
         if answer not in {"y", "yes"}:
             raise OperationalError("not released (not confirmed; pass --yes to skip the question)")
-    first, *notes = admin.release_holders(backend, key, holders, requeue)
-    ctx.print(first)
-    for note in notes:
-        ctx.print(f"  {note}")
-    return 0
+    return _print_lines(ctx, admin.release_holders(backend, key, holders, requeue))
 
 
 def _ledger(ctx: Context) -> Any:

@@ -8,25 +8,12 @@ import os
 import re
 from typing import Any, TextIO
 
-from dramatiq_guard.admin import format_ms
+from dramatiq_guard.admin import parse_limit
 from dramatiq_guard.backends.base import GuardBackend
 from dramatiq_guard.bounds import MAX_COUNT, MAX_RETENTION_MS
-from dramatiq_guard.resolve import REDIS_URL_ENV
-
-__all__ = [
-    "DEFAULT_NAMESPACE",
-    "DEFAULT_REDIS_URL",
-    "LEDGER_URL_ENV",
-    "PROG",
-    "REDIS_URL_ENV",
-    "Context",
-    "OperationalError",
-    "UsageError",
-    "parse_duration",
-]
+from dramatiq_guard.resolve import DEFAULT_REDIS_URL, REDIS_URL_ENV
 
 PROG = "dramatiq-guard"
-DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_NAMESPACE = "dramatiq-guard"
 LEDGER_URL_ENV = "DRAMATIQ_GUARD_LEDGER_URL"
 
@@ -72,20 +59,10 @@ def _duration_arg(text: str) -> int:
 
 
 def _limit_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= MAX_COUNT:
+    value = parse_limit(text)
+    if value is None:
         raise argparse.ArgumentTypeError(f"a limit must be an integer >= 0 and <= {MAX_COUNT}, got {text!r}")
     return value
-
-
-#: A duration for people (shared with the dashboard).
-_format_ms = format_ms
-
-
-# -- running ------------------------------------------------------------------
 
 
 class Context:

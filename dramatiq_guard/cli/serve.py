@@ -1,10 +1,7 @@
-"""``dramatiq-guard serve``: the web dashboard on 127.0.0.1 (see :mod:`dramatiq_guard.web`).
+"""``dramatiq-guard serve``: the web dashboard (:mod:`dramatiq_guard.web`).
 
-The write secret is never an argument: a command line is readable by every
-user of the machine (``ps``, ``/proc/PID/cmdline``) and kept in shell
-history. It comes from ``--write-secret-file PATH`` or the environment
-variable ``DRAMATIQ_GUARD_WRITE_SECRET``; ``--write-secret`` is refused with
-an error that says so.
+The write secret is never an argument (a command line is readable by every
+local user): ``--write-secret-file PATH``, else ``DRAMATIQ_GUARD_WRITE_SECRET``.
 """
 
 from __future__ import annotations
@@ -23,17 +20,13 @@ WRITE_SECRET_ENV = "DRAMATIQ_GUARD_WRITE_SECRET"
 def _serve_parser(
     commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
 ) -> None:
-    # Nothing of dramatiq_guard.web here: it needs the web extra, and the parser of every verb is built
-    # from this (a base install's `dramatiq-guard --help` must work).
+    # Nothing of dramatiq_guard.web here: it needs the web extra, and a base install's --help must work.
     serve = commands.add_parser(
         "serve",
         parents=[common],
         help="serve the web dashboard (needs the web extra)",
-        description=(
-            "Serve the web dashboard: every guard key with holders or waiters, its holders, waiters in "
-            "order and limit, and the idempotency ledger. Read-only unless a write secret is given. "
-            "Needs the web extra: pip install 'dramatiq-guard[web]'."
-        ),
+        description="Serve the web dashboard (it needs the web extra: pip install 'dramatiq-guard[web]'), "
+        "read-only unless a write secret is given.",
     )
     serve.add_argument("--host", default="127.0.0.1", help="the address to bind (default: %(default)s)")
     serve.add_argument(
@@ -47,10 +40,7 @@ def _serve_parser(
     serve.add_argument(
         "--write-secret-file",
         metavar="PATH",
-        help=(
-            "allow changes (limit, release) to a browser that gives the secret in this file "
-            f"(default: ${WRITE_SECRET_ENV}; without either, read-only)"
-        ),
+        help=f"allow changes to a browser that gives the secret in this file (default: ${WRITE_SECRET_ENV})",
     )
     serve.add_argument("--write-secret", help=argparse.SUPPRESS)  # refused, saying why (_write_secret)
     serve.add_argument(
@@ -58,11 +48,7 @@ def _serve_parser(
         metavar="NAME",
         action="append",
         default=[],
-        help=(
-            "also answer to requests for this Host name (repeatable; '.example.com' for a domain and its "
-            "subdomains, '*' for any). By default only the loopback names and the --host address are "
-            "answered; any other Host gets a 400, which keeps DNS-rebinding pages out"
-        ),
+        help="also answer to this Host name (repeatable; '.example.com': a domain and subdomains; '*': any)",
     )
     serve.add_argument(
         "--ledger",

@@ -1,9 +1,4 @@
-"""The idempotency ledger: a message's effects committed at most once, in SQL.
-
-What a user needs is in ``docs/ledger.md``. See :mod:`dramatiq_guard.ledger.store`
-for how a run claims its key, and :class:`dramatiq_guard.middleware.idempotency.Idempotency`
-for the middleware that puts guarded actors through it.
-"""
+"""The idempotency ledger: a message's effects committed at most once, in SQL (docs/ledger.md)."""
 
 from dramatiq_guard.ledger.engine import LEDGER_URL_ENV, default_ledger_url, default_sqlite_path
 from dramatiq_guard.ledger.errors import IdempotencyConflict, LedgerError, UnstorableResult

@@ -1,24 +1,4 @@
-"""Where the ledger lives: an Engine, a URL, the environment, or a SQLite file.
-
-``ledger`` (the argument of :func:`dramatiq_guard.install`, of
-:class:`~dramatiq_guard.Idempotency` and of :class:`~dramatiq_guard.ledger.Ledger`) may be:
-
-* an SQLAlchemy :class:`~sqlalchemy.engine.Engine`: used as is;
-* a database URL (``postgresql+psycopg://...``, ``mysql+pymysql://...``,
-  ``sqlite:////var/lib/app/ledger.sqlite3``);
-* None: the ``DRAMATIQ_GUARD_LEDGER_URL`` environment variable, else a
-  SQLite file at :func:`default_sqlite_path`:
-  ``$XDG_DATA_HOME/dramatiq-guard/ledger.sqlite3`` (``~/.local/share/...``
-  when ``XDG_DATA_HOME`` is unset; ``%LOCALAPPDATA%\\dramatiq-guard\\ledger.sqlite3``
-  on Windows). It does not depend on the working directory, so every worker
-  process of one user on one machine shares it; workers on other machines do
-  not, so a deployment with several hosts must set a shared database. A
-  warning names the file the first time it is used.
-
-SQLite engines the ledger creates itself wait up to 30 s for the database
-lock (``timeout=30``) and use write-ahead logging. SQLite has one writer at a
-time: guarded actors on SQLite run one at a time across all processes.
-"""
+"""Where the ledger lives: an Engine, a URL, the environment, or a SQLite file (docs/ledger.md)."""
 
 from __future__ import annotations
 
@@ -57,7 +37,7 @@ def default_ledger_url() -> str:
 
 
 def resolve_engine(ledger: Any) -> sa.Engine:
-    """An Engine for ``ledger`` (see the module docstring).
+    """An Engine for ``ledger``: an Engine, a URL, or None (the environment, else a SQLite file).
 
     Raises:
       ConfigurationError: If ``ledger`` is not an Engine, a URL or None.

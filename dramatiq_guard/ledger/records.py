@@ -7,6 +7,8 @@ import dataclasses
 import datetime
 from typing import Any
 
+from dramatiq_guard.context import required
+
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
@@ -58,9 +60,4 @@ def current_claim() -> Claim:
     Raises:
       RuntimeError: Outside an actor guarded by ``idempotency_key=``.
     """
-    claim = _claim_var.get()
-    if claim is None:
-        raise RuntimeError(
-            "dramatiq_guard.ledger.current_claim() was called outside an actor guarded by idempotency_key="
-        )
-    return claim
+    return required(_claim_var, "dramatiq_guard.ledger.current_claim()", "idempotency_key=")

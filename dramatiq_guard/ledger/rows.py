@@ -68,23 +68,9 @@ def utcnow() -> datetime.datetime:
 
 
 def record_of(row: Any) -> LedgerRecord:
-    """A row of the table as a :class:`LedgerRecord`."""
-    return LedgerRecord(
-        key=row.idempotency_key,
-        state=row.state,
-        actor_name=row.actor_name,
-        fingerprint=row.fingerprint,
-        payload=row.payload,
-        result=row.result,
-        error=row.error,
-        attempts=row.attempts,
-        holder=row.holder,
-        fencing_token=row.fencing_token,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
-        completed_at=row.completed_at,
-        expires_at=row.expires_at,
-    )
+    """A row of the table as a :class:`LedgerRecord` (its fields are the columns, ``key`` first)."""
+    columns = [field.name for field in dataclasses.fields(LedgerRecord)][1:]
+    return LedgerRecord(row.idempotency_key, *(getattr(row, name) for name in columns))
 
 
 def insert_ignore(conn: sa.Connection, table: sa.Table, values: dict[str, Any]) -> None:

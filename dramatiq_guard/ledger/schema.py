@@ -1,47 +1,4 @@
-"""The ledger table, defined with SQLAlchemy Core.
-
-One row per idempotency key:
-
-=================  ==========================================================
-column             meaning
-=================  ==========================================================
-idempotency_key    the key (primary key; keys over 255 characters are stored
-                   as ``sha256:<hex digest of the key>``), compared exactly:
-                   see :class:`LedgerKey`
-state              ``in_progress`` (only ever seen inside the transaction
-                   that inserted it), ``completed`` or ``failed``
-actor_name         the actor of the key's first use
-fingerprint        hex SHA-256 of the canonical JSON of ``payload``
-payload            ``{"actor": ..., "arguments": {...}}`` of the first use
-result             the actor's return value (JSON), once completed
-error              the last failure (``ExceptionType: message``), if any
-attempts           runs that completed or failed (a crashed run leaves no trace)
-holder             the ``message_id`` of the last run that completed or failed
-fencing_token      grows by one with every completed or failed run
-created_at         when the key was first used (naive UTC)
-updated_at         the last change (naive UTC)
-completed_at       when it completed (naive UTC)
-expires_at         from then on the row no longer protects the key and
-                   :meth:`Ledger.prune` deletes it (naive UTC; NULL: never)
-=================  ==========================================================
-
-Migrations: the table lives on a :class:`~sqlalchemy.MetaData` of your
-choice, so Alembic's autogenerate sees it::
-
-    # env.py
-    from dramatiq_guard.ledger import ledger_table
-    ledger_table(target_metadata)      # then: alembic revision --autogenerate
-
-and pass the same ``MetaData`` (or ``create_tables=False``) to the ledger.
-Changes to the table are announced in the CHANGELOG with what an existing
-table needs. One so far: on MySQL/MariaDB, ``idempotency_key`` became
-``VARBINARY(1020)`` (it was ``VARCHAR(255) COLLATE utf8mb4_bin``, under which
-``"a"`` and ``"a "`` are one key); convert a table created before with::
-
-    ALTER TABLE dramatiq_guard_ledger MODIFY idempotency_key VARBINARY(1020) NOT NULL;
-
-(the stored bytes, the keys' UTF-8, stay as they are). Other databases need nothing.
-"""
+"""The ledger table, defined with SQLAlchemy Core (columns and migrations: docs/ledger.md)."""
 
 from __future__ import annotations
 
@@ -63,17 +20,10 @@ KEY_BYTES = 4 * KEY_LENGTH
 
 
 class LedgerKey(sa.types.TypeDecorator[str]):
-    """The type of the ``idempotency_key`` column: a string compared exactly, on every database.
+    """The type of the ``idempotency_key`` column: a ``str`` compared exactly, on every database.
 
-    ``VARCHAR(255)`` on SQLite and PostgreSQL, whose string comparisons are
-    exact. ``VARBINARY(1020)`` holding the key's UTF-8 on MySQL/MariaDB: their
-    ``VARCHAR`` collations, ``utf8mb4_bin`` included, are PAD SPACE (``"a"``
-    and ``"a "`` are equal, so a real key would be refused as the other's
-    conflict), and the NO PAD ones are named differently on each server.
-    Binary strings compare byte for byte everywhere. Values are ``str`` both
-    ways. Alembic's autogenerate writes it as
-    ``dramatiq_guard.ledger.schema.LedgerKey()`` (import ``dramatiq_guard`` in
-    the migration).
+    ``VARBINARY`` of the key's UTF-8 on MySQL/MariaDB, whose ``VARCHAR``
+    collations are PAD SPACE (``"a"`` equals ``"a "``); ``VARCHAR`` elsewhere.
     """
 
     impl = sa.String(KEY_LENGTH)

@@ -1,11 +1,6 @@
-"""The idempotency ledger: claim a key, run the work in the ledger's transaction, complete.
+"""The idempotency ledger: claim a key, run the work in the claim's transaction, complete in its commit.
 
-:meth:`Ledger.run` does it all in ONE database transaction on one connection:
-claim the key's row (holding its lock), decide (a conflict, a stored result,
-or run), run the work with :func:`dramatiq_guard.ledger_session` on that
-transaction, and complete the row, fenced on the token read at the claim, in
-the same commit. How each database does the claim, what two runs of one key
-at once do, and why the transaction is the lease: ``docs/ledger.md``.
+How each database claims, and why the transaction is the lease: docs/ledger.md.
 """
 
 from __future__ import annotations
@@ -61,18 +56,14 @@ class Ledger:
 
     Parameters:
       engine: An SQLAlchemy Engine, a database URL, or None
-        (``DRAMATIQ_GUARD_LEDGER_URL``, else a SQLite file; see
-        :mod:`dramatiq_guard.ledger.engine`). Connected on first use.
-      metadata(MetaData): The MetaData to define the table on (pass your
-        Alembic ``target_metadata``). Default: a private one.
+        (``DRAMATIQ_GUARD_LEDGER_URL``, else a SQLite file).
+      metadata(MetaData): The MetaData to define the table on (e.g. Alembic's
+        ``target_metadata``). Default: a private one.
       table_name(str): The table's name.
       schema(str): The table's schema, if not the default.
-      retention: How long a completed (or failed) row protects its key, in ms
-        or a timedelta; then it counts as absent and :meth:`prune` deletes it.
-        None keeps rows forever; at most 100 years. Default: 7 days. A guarded
-        actor's ``retention`` overrides it for its keys.
-      create_tables(bool): Create the table (if missing) on first use. Pass
-        False when migrations manage it.
+      retention: How long a finished row protects its key (ms or a timedelta,
+        at most 100 years; None: forever). Default: 7 days.
+      create_tables(bool): Create the table (if missing) on first use.
     """
 
     def __init__(
@@ -95,8 +86,7 @@ class Ledger:
         self.create_tables = create_tables
         self._lock = threading.RLock()
         self._prepared = False
-        # Statements built once (their values are bound at execution): building a statement
-        # with its values each time costs more than running it.
+        # Statements built once, their values bound at execution (building one costs more than running it).
         t = self.table
         self._select_for_update = (
             sa.select(t).where(t.c.idempotency_key == sa.bindparam("row_key")).with_for_update()
@@ -108,7 +98,7 @@ class Ledger:
         self._claims: dict[str, sa.Executable] = {}
 
     def _stmt_claim(self, dialect: str) -> sa.Executable:
-        """The dialect's insert-if-absent of a claim (see the module docstring)."""
+        """The dialect's insert-if-absent of a claim."""
         stmt = self._claims.get(dialect)
         if stmt is None:
             t = self.table
@@ -134,10 +124,7 @@ class Ledger:
         return self._engine
 
     def create_all(self) -> None:
-        """Create the ledger table and its index if they do not exist.
-
-        Safe to call from several processes at once.
-        """
+        """Create the ledger table and its index if missing (safe from several processes at once)."""
         engine = self.engine
         try:
             self.metadata.create_all(engine, tables=[self.table], checkfirst=True)
@@ -199,7 +186,7 @@ class Ledger:
         holder: str,
         retention_ms: int | None = None,
     ) -> Any:
-        """Run ``fn`` at most once per ``key``, atomically with the ledger row (module docstring).
+        """Run ``fn`` at most once per ``key``, atomically with the ledger row.
 
         Parameters:
           key(str): The idempotency key.
@@ -338,11 +325,7 @@ class Ledger:
             raise LeaseLost(run.key, run.holder)
 
     def _record_failure(self, conn: sa.Connection, run: Run, exc: BaseException) -> None:
-        """Mark the key failed (state, error, attempts) in a short transaction of its own.
-
-        Best effort: the run was already rolled back, so a failure here changes
-        nothing that matters and is only logged.
-        """
+        """Mark the key failed in a short transaction of its own; best effort (the run was rolled back)."""
         t = self.table
         now = utcnow()
         error = f"{type(exc).__name__}: {exc}"[:2000]
@@ -401,16 +384,11 @@ class Ledger:
             return [record_of(row) for row in conn.execute(query)]
 
     def prune(self, older_than: Duration | None = None) -> int:
-        """Delete the rows that no longer protect their key; return how many.
+        """Delete the rows past their ``expires_at``; return how many.
 
         Parameters:
-          older_than: Also delete completed and failed rows last changed at
-            least this long ago (ms or a timedelta, at most 100 years),
-            whatever their expiry.
-
-        Without ``older_than``, deletes the rows past their ``expires_at``
-        (which already count as absent). Rows being claimed are locked and
-        never deleted under their holder.
+          older_than: Also delete finished rows last changed at least this
+            long ago (ms or a timedelta, at most 100 years).
         """
         self.prepare()
         t = self.table

@@ -70,8 +70,8 @@ def fail_open(allowed: bool, error: BackendUnavailable, instead: str) -> None:
 
 def execution_state(message: MessageProxy) -> ExecutionState:
     """The state of this execution of ``message``, shared by all guard middlewares."""
-    state = vars(message).get(_STATE_ATTRIBUTE)
-    if isinstance(state, ExecutionState):  # made already (a dict read is atomic): no lock to take
+    state: ExecutionState | None = message.__dict__.get(_STATE_ATTRIBUTE)  # only ever set to one, below
+    if state is not None:  # made already (a dict read is atomic): no lock to take
         return state
     with _states_lock:
         state = vars(message).get(_STATE_ATTRIBUTE)

@@ -16,7 +16,7 @@ from dramatiq import Broker
 from dramatiq.broker import MessageProxy
 from dramatiq.middleware import Retries, SkipMessage
 
-from dramatiq_guard.backends.base import GuardBackend, ReleaseResult
+from dramatiq_guard.backends.base import GuardBackend, ReleaseResult, Stake
 from dramatiq_guard.delivery import generation_of
 from dramatiq_guard.errors import BackendUnavailable, DuplicateMessage
 from dramatiq_guard.middleware.base import execution_state, fail_open
@@ -141,13 +141,15 @@ class Deduplication(DedupSender):
                 _started_without_lock(holder, key, None)
                 return False, None
         result = backend.acquire(
-            key,
-            holder,
-            limit=1,
-            ttl_ms=policy.ttl_ms,
-            info=message.actor_name,
-            generation=generation,
-            fenced=False,  # a dedup lock fences nothing: no token kept per key
+            Stake(
+                key,
+                holder,
+                1,
+                policy.ttl_ms,
+                info=message.actor_name,
+                generation=generation,
+                fenced=False,  # a dedup lock fences nothing: no token kept per key
+            )
         )
         self._deliver(broker, result.handoffs)
         if result.stale:

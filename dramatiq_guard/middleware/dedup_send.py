@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 from dramatiq import Broker, Message
 
 from dramatiq_guard import events
-from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, Waiter
+from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, Stake, Waiter
 from dramatiq_guard.backends.values import Enqueue
 from dramatiq_guard.claim import Claim
 from dramatiq_guard.delivery import Courier
@@ -118,9 +118,11 @@ class DedupSender(GuardMiddleware[DedupPolicy]):
         ttl = policy.ttl_ms + ((delay or 0) if policy.including_scheduled else 0)
         if holds is None and not policy.fail_open and self._in_one_step(broker, backend, message):
             options[LOCK_OPTION] = key  # encoded with the message: the push takes the lock
-            claim = Claim(backend, key, message.message_id, 1, ttl, info=message.actor_name)
+            claim = Claim(key, message.message_id, 1, ttl, info=message.actor_name, backend=backend)
             return _OneStepTicket(self, broker, claim, message, policy)
-        claim = Claim(backend, key, message.message_id, 1, self.pending_ttl_ms, info=message.actor_name)
+        claim = Claim(
+            key, message.message_id, 1, self.pending_ttl_ms, info=message.actor_name, backend=backend
+        )
         try:
             result = self._try_lock(broker, claim)
             self._deliver(broker, result.handoffs)
@@ -211,9 +213,7 @@ class DedupSender(GuardMiddleware[DedupPolicy]):
         copy = message.copy(message_id=rerun, options={LOCK_OPTION: key})
         for name in (KEY_OPTION, BY_OPTION, RERUN_OPTION, EXEMPT_OPTION):
             copy.options.pop(name, None)
-        result = backend.acquire(
-            key, rerun, limit=0, ttl_ms=policy.ttl_ms, wait=Waiter(payload=copy.encode())
-        )
+        result = backend.acquire(Stake(key, rerun, 0, policy.ttl_ms), Waiter(payload=copy.encode()))
         self._deliver(broker, result.handoffs)
         if result.parked and not result.holders:
             # The holder finished between the two calls: nobody will hand the lock on, so do it now.
@@ -297,7 +297,7 @@ class _OneStepTicket:
             claim.key, claim.holder, ttl_ms=claim.ttl_ms, info=info, push=one
         )
         if result is None:
-            pending = Claim(claim.backend, claim.key, claim.holder, 1, middleware.pending_ttl_ms, info=info)
+            pending = dataclasses.replace(claim, ttl_ms=middleware.pending_ttl_ms, info=info)
             result = middleware._try_lock(self.broker, pending)
             middleware._deliver(self.broker, result.handoffs)
             if result.acquired:

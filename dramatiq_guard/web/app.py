@@ -31,10 +31,8 @@ if TYPE_CHECKING:
 
     from dramatiq_guard.ledger import Ledger
 
-#: The longest guard key (or search pattern) a request may name. Guard keys are short (an actor's
-#: name and a digest, or what a key callable returns); a longer one is refused before it reaches the
-#: backend, so a reader cannot make the server hold large made-up strings. ``dramatiq-guard inspect``
-#: shows a key of any length.
+#: The longest guard key (or search pattern) a request may name, so a reader cannot make the server
+#: hold large made-up strings (``dramatiq-guard inspect`` shows a key of any length).
 MAX_KEY_CHARS = 1024
 
 CSRF_COOKIE = "dg_csrf"
@@ -59,8 +57,7 @@ class Dashboard:
       access(Access|None): Who it answers and who may write (default: read-only, loopback names).
       page(Page|None): How its pages show (default: :class:`Page`'s).
       history(History|None): Where the charts' samples are kept.
-      unlock_limit(UnlockLimit|None): How often a client may give a wrong write
-        secret (default: :class:`~dramatiq_guard.web.unlocks.UnlockLimit`'s).
+      unlock_limit(UnlockLimit|None): How often a client may give a wrong write secret.
       **deprecated: 0.1.0's ``write_secret``, ``authorize``, ``allowed_hosts``,
         ``refresh_ms`` and ``per_page`` (:func:`settings_of`).
 
@@ -175,11 +172,7 @@ class Dashboard:
         return token
 
     def check_post(self, request: Request) -> None:
-        """Refuse a cross-site POST: the Origin (else Referer) must be ours, the form token the cookie's.
-
-        "Ours" is the request's Host, already checked against ``allowed_hosts``
-        (an attacker's page sends its own name as Host and as Origin).
-        """
+        """Refuse a cross-site POST: Origin (else Referer) must be the checked Host, the token the cookie."""
         here = urllib.parse.urlsplit(request.host_url)
         origin = request.headers.get("Origin") or request.headers.get("Referer")
         if not origin:
@@ -234,20 +227,12 @@ class Dashboard:
     def _cookies(self, request: Request, response: Response) -> None:
         new = getattr(request, "_new_csrf", None)
         if new:
-            response.set_cookie(
-                CSRF_COOKIE, new, httponly=True, samesite="Strict", path=request.script_root or "/"
-            )
+            _set_cookie(request, response, CSRF_COOKIE, new)
 
     def done(self, request: Request, key: str, lines: list[str]) -> Response:
         """After a write: back to the key's page, which says what was done."""
         response = redirect(f"{request.script_root}/key?{urllib.parse.urlencode({'k': key})}", code=303)
-        response.set_cookie(
-            FLASH_COOKIE,
-            urllib.parse.quote(" ".join(lines))[:3000],
-            httponly=True,
-            samesite="Strict",
-            path=request.script_root or "/",
-        )
+        _set_cookie(request, response, FLASH_COOKIE, urllib.parse.quote(" ".join(lines))[:3000])
         return response
 
     # -- pages ------------------------------------------------------------------
@@ -336,11 +321,8 @@ class Dashboard:
 
     def _limit_arg(self, request: Request, values: Any) -> int:
         text = values.get("limit", "")
-        try:
-            limit = int(text)
-        except ValueError:
-            limit = -1
-        if not 0 <= limit <= MAX_COUNT:
+        limit = admin.parse_limit(text)
+        if limit is None:
             raise BadRequest(f"A limit must be an integer from 0 to {MAX_COUNT}, got {text!r}.")
         return limit
 
@@ -439,13 +421,7 @@ class Dashboard:
             raise Forbidden("Wrong write secret.")
         self.unlock_limit.succeeded(client)
         response = redirect(request.script_root + back, code=303)
-        response.set_cookie(
-            WRITE_COOKIE,
-            self._write_mac(request.cookies[CSRF_COOKIE]),
-            httponly=True,
-            samesite="Strict",
-            path=request.script_root or "/",
-        )
+        _set_cookie(request, response, WRITE_COOKIE, self._write_mac(request.cookies[CSRF_COOKIE]))
         return response
 
     def on_lock(self, request: Request) -> Response:
@@ -462,6 +438,11 @@ def _bounded(text: str, what: str) -> str:
             "(dramatiq-guard inspect shows a key of any length)."
         )
     return text
+
+
+def _set_cookie(request: Request, response: Response, name: str, value: str) -> None:
+    """Set a cookie of the dashboard: HTTP only, same site only, under its prefix."""
+    response.set_cookie(name, value, httponly=True, samesite="Strict", path=request.script_root or "/")
 
 
 def _digest(secret: str) -> bytes:

@@ -1,15 +1,8 @@
 """The dashboard's small charts: holders and waiters per key, since the page server started.
 
-Nothing of this is stored in Redis: each process serving the dashboard keeps,
-per key, a ring of ``(time, holders, waiters)`` samples, taken whenever a page
-reads the key (the overview and the key page poll while they are open), at
-most one per ``interval_s``.
-
-What it remembers is bounded, whatever readers ask for: a key read with
-neither holders nor waiters starts no ring (a made-up key costs nothing; a
-key already charted is sampled on, down to zero), and at most ``max_keys``
-rings of ``size`` samples are kept (about 12.5 KB a ring of 120, plus the
-key: some 27 MB at most by default), the least recently sampled forgotten.
+Kept in this process only: per key a ring of ``(time, holders, waiters)``,
+sampled when a page reads the key, bounded whatever readers ask for (a key with
+neither holders nor waiters starts no ring; at most ``max_keys`` rings).
 """
 
 from __future__ import annotations

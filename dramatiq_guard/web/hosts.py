@@ -1,25 +1,11 @@
 """The Host names the dashboard answers to (``allowed_hosts``): its defence against DNS rebinding.
 
-A page of another site can have its name point at 127.0.0.1 once loaded
-(DNS rebinding); the victim's browser then takes it for the same origin as
-the dashboard and lets it read the dashboard's pages, keys and the arguments
-of parked messages included. What that page cannot change is the ``Host``
-header: it carries the attacker's name. So every request's Host is checked
-against the names the dashboard is configured for, before anything is read,
-and a write's same-origin check compares the ``Origin`` with that checked
-Host.
-
-Entries are written as Django's ``ALLOWED_HOSTS`` (so a Django site may pass
-its own): a host name or IP address (an IPv6 address with or without
-brackets), ``.example.com`` for that domain and every subdomain, or ``*`` for
-any Host (for a site that checks Host itself in front of the dashboard). A
-port is not part of an entry: any port matches.
-
-Werkzeug parses the Host header and checks its characters
-(``Request.host`` is ``""`` for a missing or invalid one since Werkzeug
-3.1.8, the web extra's floor). The match against the entries is made here, not by
-Werkzeug's ``trusted_hosts``: Werkzeug cuts each trusted name at its first
-colon, so no IPv6 address (``[::1]``) could be allowed.
+A rebinding page can make its name point at 127.0.0.1, but its requests still
+carry its own ``Host``: so every request's Host is checked before anything is
+read, and a write's ``Origin`` is compared with that checked Host. Entries are
+written as Django's ``ALLOWED_HOSTS``; a port is not part of an entry. The match
+is made here, not by Werkzeug's ``trusted_hosts``, which cuts each name at its
+first colon (so no IPv6 address could be allowed).
 """
 
 from __future__ import annotations
@@ -48,7 +34,7 @@ def _ipv6(text: str) -> str | None:
 
 
 class AllowedHosts:
-    """The Host names a dashboard answers to (see the module docstring).
+    """The Host names a dashboard answers to.
 
     Parameters:
       hosts(Iterable[str]): The entries: names, IP addresses, ``.domain``, or ``*``.

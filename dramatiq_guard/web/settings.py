@@ -17,20 +17,15 @@ Authorize = Callable[["WSGIEnvironment"], bool]
 
 @dataclasses.dataclass(frozen=True)
 class Access:
-    """Who the dashboard answers, and who may write (``make_app(access=...)``).
-
-    Writes need ``write_secret`` (given once by a browser session) or
-    ``authorize``; with neither, the dashboard is read-only.
+    """Who the dashboard answers, and who may write (with neither secret nor ``authorize``: nobody).
 
     Parameters:
       write_secret(str|None): The secret a browser session gives to unlock writes.
       authorize(Callable|None): ``authorize(environ) -> bool``, whether a
         request may write (the host site's own auth, e.g. staff only).
       allowed_hosts(Iterable[str]): The Host names it answers to, as Django's
-        ``ALLOWED_HOSTS``: names or IP addresses, ``.example.com`` for a
-        domain and its subdomains, ``"*"`` for any (default: ``localhost``,
-        ``127.0.0.1``, ``[::1]``; :class:`~dramatiq_guard.web.hosts.AllowedHosts`).
-        Another Host gets a 400. Kept as a tuple.
+        ``ALLOWED_HOSTS`` (``.example.com`` for a domain and its subdomains,
+        ``"*"`` for any); default: the loopback names. Another Host gets a 400.
 
     Raises:
       ValueError: If ``allowed_hosts`` is a str or empty, or an entry is not a host name.
@@ -58,11 +53,7 @@ class Page:
 
 
 def settings_of(access: Access | None, page: Page | None, keywords: dict[str, Any]) -> tuple[Access, Page]:
-    """``access`` and ``page`` (default if None), given 0.1.0's keywords of ``make_app`` or ``Dashboard``.
-
-    ``write_secret=``, ``authorize=``, ``allowed_hosts=``, ``refresh_ms=``
-    and ``per_page=`` still work, with a ``DeprecationWarning``: each goes
-    to its field of :class:`Access` or :class:`Page`.
+    """``access`` and ``page`` (default if None), with 0.1.0's keywords (deprecated) put in their fields.
 
     Raises:
       TypeError: If a keyword is none of them.

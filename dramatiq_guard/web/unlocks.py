@@ -1,19 +1,9 @@
 """How often a client may guess the write secret: failed unlocks per client address.
 
-A client (by its address, ``REMOTE_ADDR``) that gave a wrong secret
-``failures`` times within ``window_s`` seconds is refused (429, with
-``Retry-After``) until the oldest of those failures leaves the window, the
-right secret included: it is not even compared. A right secret clears the
-client's record.
-
-The record is in this process only, and bounded: at most ``failures``
-timestamps for each of at most ``max_clients`` addresses; when a new address
-fails and the table is full, the address that failed least recently is
-forgotten. So a client with many addresses (an IPv6 network) gets
-``failures`` guesses per address it uses; the limit slows guessing down, it
-does not replace a long random secret. Behind a reverse proxy every client
-has the proxy's address (one client for this limit) unless the proxy's
-``X-Forwarded-For`` is applied first (Werkzeug's ``ProxyFix``).
+A client that gave ``failures`` wrong secrets within ``window_s`` is refused
+(429) until the oldest leaves the window, without its secret being compared; a
+right secret clears its record. In this process only, for at most
+``max_clients`` addresses (the least recent forgotten).
 """
 
 from __future__ import annotations
@@ -26,7 +16,7 @@ from collections.abc import Callable
 
 
 class UnlockLimit:
-    """Failed unlocks per client address (see the module docstring).
+    """Failed unlocks per client address (``REMOTE_ADDR``).
 
     Parameters:
       failures(int): Wrong secrets a client may give within ``window_s``.

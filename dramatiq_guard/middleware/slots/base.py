@@ -150,8 +150,8 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
                 return None
         key = self.guard_key_of(guard, message)
         claim = Claim(
-            self.backend(broker), key, self.holder_of(message), self.default_limit(guard), self.pickup_ttl_ms,
-            info=message.actor_name, generation=generation_of(message, key),
+            key, self.holder_of(message), self.default_limit(guard), self.pickup_ttl_ms,
+            info=message.actor_name, generation=generation_of(message, key), backend=self.backend(broker),
         )  # fmt: skip
         deliver = functools.partial(self.deliver, broker)
         return reserve_or_park(claim, message, deliver, fail_open_allowed=guard.policy.fail_open)

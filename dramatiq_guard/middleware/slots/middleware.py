@@ -145,7 +145,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         Returns None if the backend is unavailable and the policy says ``fail_open``.
         """
         claim = Claim(
-            self.backend(broker), key, self.holder_of(message), limit, self._lease_ttl(guard),
+            key, self.holder_of(message), limit, self._lease_ttl(guard), backend=self.backend(broker),
             info=message.actor_name, generation=copy_generation(message, key),
             runner=runner_id(),  # a second copy of the message, delivered while this one holds, is refused
         )  # fmt: skip
@@ -224,6 +224,8 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
     def after_ack(self, broker: Broker, message: MessageProxy) -> None:
         """A copy that parked after pickup was acked: its generation record goes (contract,
         *generations*), on a broker whose ack is final; elsewhere it lapses after ``stale_ttl_ms``."""
+        if self.guard_of(message) is None:
+            return  # not this capability's: no state to make (every message is acked here)
         not_run = execution_state(message).data.get(self.option)
         if not (isinstance(not_run, NotRun) and not_run.reason == "parked" and acks_are_final(broker)):
             return

@@ -1,0 +1,390 @@
+"""The Redis backend's store: its client, its key names, script calls, and the reads that decide nothing.
+
+:class:`RedisStore` is what :class:`~dramatiq_guard.backends.RedisBackend` (the operations that
+decide, ``redis.py``) stands on: how a guard key's Redis keys are named, how a per-key script is
+called and its replies decoded, the process hooks (health, watch, replica waits), and the reads
+(``inspect``, ``summaries``, the indexes, the clock). The layout is in ``docs/redis.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+import redis
+import redis.cluster
+
+from dramatiq_guard.backends import redis_health, redis_watch
+from dramatiq_guard.backends import redis_layout as layout
+from dramatiq_guard.backends.base import BackendSettings, GuardBackend
+from dramatiq_guard.backends.checks import check_count, check_key, check_ms, check_replica_waits
+from dramatiq_guard.backends.redis_client import (
+    DEFAULT_SOCKET_TIMEOUT_S,
+    RedisClient,
+    ReplicaWaits,
+    ScriptCall,
+    Timeouts,
+    data,
+    reachable,
+    run_scripts,
+    slow_call_warning,
+    text,
+    timeouts_of,
+)
+from dramatiq_guard.backends.redis_layout import KeyNames
+from dramatiq_guard.backends.redis_scripts import LuaScript, ScriptLibrary
+from dramatiq_guard.backends.values import Handoff, KeyState, KeySummary, ReleaseResult, WaiterPeek
+
+if TYPE_CHECKING:
+    from typing_extensions import Self, Unpack
+
+
+def replica_waits_of(count: int, timeout_ms: int) -> ReplicaWaits | None:
+    """The replica waits asked for, checked: None for a count of 0.
+
+    Raises:
+      ValueError: If ``count`` or ``timeout_ms`` is out of range (:func:`check_replica_waits`).
+    """
+    check_replica_waits(count, timeout_ms)
+    return ReplicaWaits(count, timeout_ms) if count else None
+
+
+def _key_names(namespace: str, key: str) -> KeyNames:
+    check_key(key)
+    prefix = f"{namespace}:{{{key}}}:"
+    return KeyNames._make([prefix + suffix for suffix in KeyNames._fields])
+
+
+#: The same, cached for the keys messages use; reads (inspect, get_limit) do not cache, so made-up
+#: keys (the command, the dashboard) cost nothing kept.
+_used_key_names = functools.lru_cache(maxsize=4096)(_key_names)
+
+
+def handoffs_of(key: str, flat: list[Any]) -> tuple[Handoff, ...]:
+    """Decode ``waiter, payload-or-nil, generation-or-nil`` triples (no payload: a woken waiter)."""
+    return tuple(
+        Handoff(
+            key,
+            text(flat[i]),
+            None if flat[i + 1] is None else data(flat[i + 1]),
+            None if flat[i + 2] is None else int(flat[i + 2]),
+        )
+        for i in range(0, len(flat), 3)
+    )
+
+
+def release_of(key: str, reply: list[Any]) -> ReleaseResult:
+    """Decode ``{released, handoffs[, standbys]}`` (release, cancel_wait, sweep, set_limit)."""
+    released, handoffs, *standbys = reply
+    sent = handoffs_of(key, standbys[0]) if standbys else ()
+    return ReleaseResult(bool(released), handoffs_of(key, handoffs), sent)
+
+
+def _key_state(reply: list[Any]) -> KeyState:
+    """Decode inspect.lua's ``{holders, waiters, parked flags, reserved, limit, token, info}``."""
+    holders, waiters, parked, reserved, limit, token, info = reply
+    meta = {text(info[i]): text(info[i + 1]).partition("|") for i in range(0, len(info), 2)}
+    return KeyState(
+        holders=tuple((text(holders[i]), int(float(holders[i + 1]))) for i in range(0, len(holders), 2)),
+        waiters=tuple(
+            (text(waiters[i]), int(float(waiters[i + 1])) // 1000, bool(parked[i // 2]))
+            for i in range(0, len(waiters), 2)
+        ),
+        reserved=tuple(text(r) for r in reserved),
+        limit=None if limit is None else int(limit),
+        token=None if token is None else int(token),
+        holder_info=tuple(
+            (holder, int(meta[holder][0].partition("@")[0]), meta[holder][2] or None)
+            for holder in (text(h) for h in holders[::2])
+            if holder in meta
+        ),
+    )
+
+
+class RedisStore(GuardBackend):
+    """The Redis side of :class:`~dramatiq_guard.backends.RedisBackend` (its parameters are there)."""
+
+    #: How many keys :meth:`summaries` reads per pipeline.
+    SUMMARY_CHUNK = 1000
+
+    def __init__(
+        self,
+        client: RedisClient,
+        *,
+        namespace: str = "dramatiq-guard",
+        index_grace_ms: int = 60_000,
+        replica_waits: int = 0,
+        replica_wait_timeout_ms: int = 1_000,
+        **settings: Unpack[BackendSettings],
+    ) -> None:
+        super().__init__(**settings)
+        if not namespace or "{" in namespace or "}" in namespace:
+            raise ValueError(f"a guard namespace must be non-empty and contain no braces, got {namespace!r}")
+        check_ms(index_grace_ms, "index_grace_ms", minimum=0)
+        self.replicas = replica_waits_of(replica_waits, replica_wait_timeout_ms)
+        self.client = client
+        self._enqueues: dict[int, tuple[Any, bool]] = {}  # per broker: the one-step enqueue (redis.py)
+        self.namespace = namespace
+        self.index_grace_ms = index_grace_ms
+        self._index = f"{namespace}:waiting"
+        self._limits_index = f"{namespace}:limits"
+        # Whether the scripts keep the indexes (standalone) is known on first use (_in_cluster).
+        self._cluster: bool | None = True if isinstance(client, redis.cluster.RedisCluster) else None
+        self._owns_client = False
+        #: The scripts, as functions of one library where the server allows (see redis_scripts).
+        self.scripts = ScriptLibrary()
+        self._client_timeouts: Timeouts | None = None
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> Self:
+        """Make a backend with its own client, from a ``redis://`` (or ``rediss://``, ``unix://``) URL.
+
+        The client's ``socket_timeout`` and ``socket_connect_timeout`` are
+        :data:`DEFAULT_SOCKET_TIMEOUT_S` unless the URL sets them (``?socket_timeout=2``).
+
+        Parameters:
+          url(str): The Redis URL.
+          **options: The keyword arguments of :class:`RedisBackend`.
+
+        Returns:
+          RedisBackend: A backend whose :meth:`close` closes its client.
+        """
+        client = redis.Redis.from_url(
+            url, socket_timeout=DEFAULT_SOCKET_TIMEOUT_S, socket_connect_timeout=DEFAULT_SOCKET_TIMEOUT_S
+        )
+        backend = cls(client, **options)
+        backend._owns_client = True
+        return backend
+
+    def timeouts(self) -> Timeouts:
+        """The client's timeouts and retries in force (read once)."""
+        if self._client_timeouts is None:
+            self._client_timeouts = timeouts_of(self.client)
+        return self._client_timeouts
+
+    # -- the process's hooks (see GuardBackend) ---------------------------------------------
+
+    def slow_call_warning(self, shortest_lease_ms: int) -> str | None:
+        warnings = [slow_call_warning(self.client, self.timeouts(), shortest_lease_ms)]
+        socket_timeout = self.timeouts().socket_timeout
+        waits = self.replicas
+        if waits is not None and socket_timeout is not None and socket_timeout * 1000 <= waits.timeout_ms:
+            warnings.append(
+                f"dramatiq-guard: replica_wait_timeout_ms={waits.timeout_ms} is not below the guard "
+                f"client's socket_timeout ({socket_timeout:g} s): a decision whose replicas are slow "
+                f"fails as a connection timeout. Set replica_wait_timeout_ms below it."
+            )
+        found = [warning for warning in warnings if warning is not None]
+        return " ".join(found) if found else None
+
+    def check_health(self, *, allow_evicting: bool | None = None) -> None:
+        redis_health.check(self, allow_evicting=allow_evicting)
+
+    def watch(self, interval_s: float) -> None:
+        redis_watch.watch(self, interval_s)
+
+    def stop_watching(self) -> None:
+        redis_watch.leave(self)
+
+    def wait_for_replicas(self, count: int, timeout_ms: int) -> None:
+        replicas = replica_waits_of(count, timeout_ms)
+        if replicas is not None:  # 0 keeps the waits set before
+            self.replicas = replicas
+
+    # -- keys and script calls --------------------------------------------------------------
+
+    def _in_cluster(self) -> bool:
+        """Whether the server is a Redis Cluster node (asked once: a plain client may talk to one)."""
+        if self._cluster is None:
+            with reachable():
+                try:
+                    info = self.client.info("cluster")
+                except redis.exceptions.ResponseError:  # INFO disabled: a managed standalone server
+                    info = {}
+            self._cluster = bool(info.get("cluster_enabled"))
+        return self._cluster
+
+    def _names(self, key: str) -> KeyNames:
+        return _used_key_names(self.namespace, key)
+
+    def _keys(self, key: str, *, cached: bool = True) -> list[str]:
+        """The KEYS of a per-key script: the key's names, then the waiting-keys index (standalone only)."""
+        names = (_used_key_names if cached else _key_names)(self.namespace, key)
+        return list(names) if self._in_cluster() else [*names, self._index]
+
+    def _wake_prefix(self, key: str) -> str:
+        return f"{self.namespace}:{{{key}}}:wake:"
+
+    def _args(self, key: str, default_limit: int | None, *args: str | int | bytes) -> list[str | int | bytes]:
+        """The ARGV of a per-key script: the values Python owns (``redis_layout.CallArgs``), then its own."""
+        limit: str | int = "" if default_limit is None else default_limit
+        return [
+            *layout.CallArgs(
+                wake=self._wake_prefix(key),
+                handoff_ttl_ms=self.handoff_ttl_ms,
+                wake_ttl_ms=self.wake_ttl_ms,
+                key=key,
+                default_limit=limit,
+                route=self.route,
+                stale_ttl_ms=self.stale_ttl_ms,
+            ),
+            *args,
+        ]
+
+    def _script_call(self, key: str, default_limit: int | None, own: tuple[Any, ...]) -> ScriptCall:
+        """The per-key script whose own arguments are ``own`` (a ``redis_layout`` tuple), KEYS, ARGV."""
+        return self.scripts[layout.SCRIPTS[type(own)]], self._keys(key), self._args(key, default_limit, *own)
+
+    def _run(
+        self, key: str, default_limit: int | None, own: tuple[Any, ...], extra_key: str | None = None
+    ) -> Any:
+        """Run the per-key script whose own arguments are ``own``."""
+        script, keys, args = self._script_call(key, default_limit, own)
+        if extra_key is not None and not self._in_cluster():
+            keys.append(extra_key)
+        return self._call(script, keys, args)
+
+    def _call(self, script: LuaScript, keys: list[str], args: list[Any]) -> Any:
+        """Run one script; with replica waits, followed by a ``WAIT`` on its connection."""
+        [reply] = run_scripts(self.client, self.scripts, [(script, keys, args)], replicas=self.replicas)
+        return reply
+
+    # -- the reads ----------------------------------------------------------------------------
+
+    def get_limit(self, key: str) -> int | None:
+        with reachable():
+            value = self.client.get(_key_names(self.namespace, key).limit)
+        return None if value is None else int(value)
+
+    def inspect(self, key: str, *, waiters: int | None = None) -> KeyState:
+        if waiters is not None:
+            check_count(waiters, "waiters")
+        args = self._args(key, 0, *layout.InspectArgs(waiters="" if waiters is None else waiters))
+        return _key_state(self._call(self.scripts["inspect"], self._keys(key, cached=False), args))
+
+    def waiting_keys(self) -> list[str]:
+        """Keys in the waiting-keys index; on a Redis Cluster, drained entries past their grace dropped."""
+        with reachable():
+            if not self._in_cluster():
+                return [text(k) for k in cast("list[bytes | str]", self.client.zrange(self._index, 0, -1))]
+            raw = cast(
+                "list[tuple[bytes | str, float]]", self.client.zrange(self._index, 0, -1, withscores=True)
+            )
+            entries = [(text(k), score) for k, score in raw]
+            cutoff = int(time.time() * 1000) - self.index_grace_ms
+            stale = [k for k, score in entries if score <= cutoff]
+            if not stale:
+                return [k for k, _ in entries]
+            pipe = self.client.pipeline(transaction=False)
+            for k in stale:
+                names = self._names(k)
+                pipe.zcard(names.waiters)
+                pipe.hlen(names.reserved)
+            counts = pipe.execute()
+            empty = [k for i, k in enumerate(stale) if counts[2 * i] == 0 and counts[2 * i + 1] == 0]
+        # The drop is conditional on the entry not refreshed meanwhile: a concurrent park keeps it.
+        unindex, index = self.scripts["unindex"], [self._index]
+        calls = [(unindex, index, list(layout.UnindexArgs(member=k, cutoff_ms=cutoff))) for k in empty]
+        dropped = run_scripts(self.client, self.scripts, calls)
+        gone = {k for k, result in zip(empty, dropped, strict=True) if result}
+        return [k for k, _ in entries if k not in gone]
+
+    def limit_keys(self) -> list[str]:
+        with reachable():
+            return sorted(text(k) for k in self.client.smembers(self._limits_index))
+
+    def summaries(self, keys: Sequence[str], *, waiters: int = 0) -> list[KeySummary]:
+        check_count(waiters, "waiters")
+        for key in keys:
+            check_key(key)
+        pairs = [(key, f"{self.namespace}:{{{key}}}:") for key in keys]
+        summaries: list[KeySummary] = []
+        for start in range(0, len(pairs), self.SUMMARY_CHUNK):
+            summaries.extend(self._summary_chunk(pairs[start : start + self.SUMMARY_CHUNK], waiters))
+        return summaries
+
+    def _summary_counts(self, chunk: list[tuple[str, str]], first: int) -> list[Any]:
+        """Six replies per key: ZCARD H, ZCARD W, its first waiters WITHSCORES, HLEN R, GET L, HGET M limit.
+
+        On a standalone Redis one script call (``lua/summaries.lua``) reads a whole chunk; on a
+        cluster, whose keys are in many slots, a pipeline.
+        """
+        if not self._in_cluster():
+            keys = [p + suffix for _, p in chunk for suffix in layout.LAYOUTS["summaries"].each_keys]
+            own = layout.SummariesArgs(first=first)
+            [reply] = run_scripts(self.client, self.scripts, [(self.scripts["summaries"], keys, list(own))])
+            if isinstance(reply, Exception):
+                raise reply
+            flat: list[Any] = []
+            for holders, count, oldest, reserved, limit, recorded in reply:
+                pairs = [(oldest[j], oldest[j + 1]) for j in range(0, len(oldest), 2)]
+                flat += [holders, count, pairs, reserved, limit, recorded]
+            return flat
+        pipe = self.client.pipeline(transaction=False)
+        for _, p in chunk:  # p: the prefix of the key's names
+            pipe.zcard(p + "holders")
+            pipe.zcard(p + "waiters")
+            pipe.zrange(p + "waiters", 0, first - 1, withscores=True)
+            pipe.hlen(p + "reserved")
+            pipe.get(p + "limit")
+            pipe.hget(p + "meta", "limit")
+        return list(pipe.execute())
+
+    def _summary_chunk(self, chunk: list[tuple[str, str]], waiters: int) -> list[KeySummary]:
+        with reachable():
+            replies = self._summary_counts(chunk, max(waiters, 1))
+            firsts = [
+                [(text(w), int(float(score)) // 1000) for w, score in replies[6 * i + 2]][:waiters]
+                for i in range(len(chunk))
+            ]
+            details: Iterator[Any] = iter(())
+            if any(firsts):
+                pipe = self.client.pipeline(transaction=False)
+                for (_, p), first in zip(chunk, firsts, strict=True):
+                    if first:
+                        pipe.hmget(p + "payloads", [w for w, _ in first])
+                        pipe.hmget(p + "info", [w for w, _ in first])
+                details = iter(pipe.execute())
+        summaries = []
+        for i, (key, _) in enumerate(chunk):
+            holders, count, oldest, reserved, limit, recorded = replies[6 * i : 6 * i + 6]
+            peeks: tuple[WaiterPeek, ...] = ()
+            if firsts[i]:
+                payloads, infos = next(details), next(details)
+                peeks = tuple(
+                    WaiterPeek(
+                        w,
+                        since,
+                        None if payload is None else data(payload),
+                        None if info is None else (text(info).partition("|")[2] or None),
+                    )
+                    for (w, since), payload, info in zip(firsts[i], payloads, infos, strict=True)
+                )
+            summaries.append(
+                KeySummary(
+                    key,
+                    holders=int(holders),
+                    waiters=int(count),
+                    reserved=int(reserved),
+                    oldest_since_ms=int(float(oldest[0][1])) // 1000 if oldest else None,
+                    limit=None if limit is None else int(limit),
+                    recorded_limit=None if recorded is None else int(recorded),
+                    first=peeks,
+                )
+            )
+        return summaries
+
+    def now_ms(self) -> int:
+        """Now on Redis's clock (``TIME``), the one the scripts decide by; on a Cluster, the wall clock."""
+        if not isinstance(self.client, redis.Redis):
+            return super().now_ms()
+        with reachable():
+            seconds, micros = self.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    def close(self) -> None:
+        """Close the client if this backend made it (:meth:`from_url`)."""
+        if self._owns_client:
+            self.client.close()
