@@ -70,12 +70,19 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
         limit: int,
         result: AcquireResult,
     ) -> None:
-        # The start holds its place until it lapses: no lease to renew or release. A start that had
-        # waited (a reservation) or of a key with waiters arms the key's timer for its lapse.
+        # The start holds its place until it lapses: no lease to renew or release. The key's timer
+        # looks at it half a period on (sending the next waiters ahead), then when the start lapses.
         with self._inflight_lock:
             self._inflight.add(message.message_id)
-        if key in self._timers.keys:
-            self._timers.arm(self._broker_or(None), key, guard.policy.period_ms / 1000)
+        broker = self._broker_or(None)
+        if result.reserved_ms is not None:  # woken with a hand-off's reservation: it starts now
+            try:
+                self.backend(broker).renew(key, self.holder_of(message), ttl_ms=guard.policy.period_ms)
+            except BackendUnavailable:
+                logger.warning(
+                    "Could not count %s's start on %r from now; it counts from its hand-off.", message, key
+                )
+        self._timers.arm(broker, key, guard.policy.period_ms / 2000)  # early: standbys go ahead
 
     def _finish(self, broker: Broker, message: MessageProxy) -> None:
         with self._inflight_lock:
@@ -84,12 +91,13 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
     def before_push(
         self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None = None
     ) -> ReservationTicket | None:
-        """Reserve a place in the window for ``message``, or park it (and arm the key's timer)."""
+        """Reserve a place in the window for ``message``, or park it (in a worker process, arming the
+        key's timer: a producer leaves the hand-offs to the workers, whose pickups are prompt)."""
         try:
             return super().before_push(broker, message, delay, holds=holds)
         except Diverted as diverted:
             guard = self.guard_of(message)
-            if diverted.outcome is Outcome.PARKED and guard is not None:
+            if diverted.outcome is Outcome.PARKED and guard is not None and self._worker is not None:
                 self._timers.arm(
                     broker, self.guard_key_of(guard, message), self._opens_in(broker, guard, message)
                 )
@@ -116,26 +124,34 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
             return None
 
     def _next_place(self, broker: Broker, key: str, period_ms: int) -> float | None:
-        """When the key's oldest start lapses; a quarter period if only reservations hold it (they
-        start soon); None if nobody waits."""
+        """When the key's oldest start lapses (a start lapses within a period; a reservation for a
+        message not started yet later, so a key held only by those is looked at again in a quarter
+        period); 0 if a place is free; None if nobody waits."""
         backend = self.backend(broker)
         state = backend.inspect(key, waiters=1)
         if not state.waiters:
             return None
-        started = {holder for holder, _, _ in state.holder_info}
-        deadlines = [deadline for holder, deadline in state.holders if holder in started]
-        if not deadlines:
+        now = backend.now_ms()
+        starts = [deadline for _, deadline in state.holders if deadline - now <= period_ms]
+        if not starts:
             return period_ms / 4000 if state.holders else 0.0
-        return max(0.001, (min(deadlines) - backend.now_ms()) / 1000)
+        return max(0.001, (min(starts) - now) / 1000)
 
     def _sweep_key(self, broker: Broker, key: str) -> float | None:
-        """Hand the places that opened on ``key`` to its waiters; when the next one opens, or None."""
+        """Hand the places that opened on ``key`` to its waiters, send the next ones ahead; when the
+        next place opens, or None."""
         guard = self.keys.guard_of(key)
         if guard is None:
             return None
         try:
-            result = self.backend(broker).sweep(key, limit=self.default_limit(guard))
-            self.swept(broker, key, result)
+            backend, limit = self.backend(broker), self.default_limit(guard)
+            self.swept(broker, key, backend.sweep(key, limit=limit))
+            # The next waiters go to the broker ahead, as standbys: a worker thread that picks one
+            # up blocks for its place, which the next sweep hands it by a push (no broker pickup).
+            ahead = min(limit, max(1, self.standbys.seats.seats))  # as many as can block here
+            handoffs, standbys = backend.send_standbys(key, limit=limit, count=ahead)
+            self.deliver(broker, handoffs)
+            self.courier(broker).send_ahead(standbys)
             return self._next_place(broker, key, guard.policy.period_ms)
         except BackendUnavailable:
             return None
