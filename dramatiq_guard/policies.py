@@ -96,6 +96,13 @@ def _choice(value: object, choices: tuple[str, ...], *, what: str) -> str:
     return str(value)
 
 
+def _check_limit(limit: object) -> None:
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        raise ValueError(f"limit must be a non-negative int, not {limit!r}")
+    if limit > MAX_COUNT:
+        raise ValueError(f"limit must be at most {MAX_COUNT}, not {limit!r}")
+
+
 def _flag(value: object, *, what: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{what} must be True or False, not {value!r}")
@@ -224,10 +231,7 @@ class ConcurrencyPolicy:
     fail_open: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.limit, int) or isinstance(self.limit, bool) or self.limit < 0:
-            raise ValueError(f"limit must be a non-negative int, not {self.limit!r}")
-        if self.limit > MAX_COUNT:
-            raise ValueError(f"limit must be at most {MAX_COUNT}, not {self.limit!r}")
+        _check_limit(self.limit)
         _set(self, "key", key_spec(self.key))
         _set(self, "ttl", duration_ms(self.ttl, what="ttl", allow_none=True))
         _flag(self.fail_open, what="fail_open")
@@ -264,10 +268,7 @@ class ThrottlePolicy:
     fail_open: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.limit, int) or isinstance(self.limit, bool) or self.limit < 0:
-            raise ValueError(f"limit must be a non-negative int, not {self.limit!r}")
-        if self.limit > MAX_COUNT:
-            raise ValueError(f"limit must be at most {MAX_COUNT}, not {self.limit!r}")
+        _check_limit(self.limit)
         period = duration_ms(self.period, what="period")
         if not period:
             raise ValueError(f"period must be at least 1 ms, not {self.period!r}")
