@@ -25,7 +25,6 @@ FUNCTION_LINES = 60
 LONG_MODULES: dict[str, int] = {
     "backends/redis.py": 848,
     "backends/base.py": 587,
-    "backends/lua/_prelude.lua": 678,
     "middleware/slots/middleware.py": 583,
 }
 #: Functions over FUNCTION_LINES today ("module:qualified name"), with their lines (none).
