@@ -190,7 +190,7 @@ local function choose(free, limit)
   local last = redis.call('ZRANGE', W, limit - 1, limit - 1, 'WITHSCORES')
   local bound = #last > 0 and last[2] or '+inf'
   local flat = redis.call('ZRANGEBYSCORE', Q, '-inf', bound, 'WITHSCORES', 'LIMIT', 0, free)
-  local ready, members = {}, {}
+  local ready, members, picked = {}, {}, {}
   for i = 1, #flat, 2 do
     members[#members + 1] = flat[i]
   end
@@ -198,16 +198,13 @@ local function choose(free, limit)
   for i = 1, #flat, 2 do
     if in_d[(i + 1) / 2] then
       ready[#ready + 1] = { flat[i + 1], flat[i] }
+      picked[flat[i]] = true
     else
       redis.call('ZREM', Q, flat[i]) -- left by a release before Q (a rolling upgrade)
     end
   end
-  local picked = {}
-  for i = 1, math.min(free, #ready) do
-    picked[ready[i][2]] = true
-  end
   -- Then the oldest others: among the first `free` + (ready picked) waiters there are enough.
-  local n = math.min(free, #ready)
+  local n = #ready -- at most `free` (the LIMIT above)
   local head = redis.call('ZRANGE', W, 0, free + n - 1, 'WITHSCORES')
   local chosen, others = {}, free - n
   for i = 1, #head, 2 do

@@ -5,13 +5,16 @@
 -- an operator); unindexed: keys of `seen` (in X at the previous check) no longer in X that still
 -- have W or R (put back, so the sweeps find them again).
 local prefix = namespace .. ':{'
+local function queued(k)
+  return redis.call('EXISTS', prefix .. k .. '}:waiters', prefix .. k .. '}:reserved') > 0
+end
 local _, now = server_time()
 local indexed = redis.call('ZRANGE', X, 0, -1)
 local seen = {}
 local vanished, payloads, unindexed = {}, {}, {}
 for _, k in ipairs(indexed) do
   seen[k] = true
-  if redis.call('EXISTS', prefix .. k .. '}:waiters', prefix .. k .. '}:reserved') == 0 then
+  if not queued(k) then
     vanished[#vanished + 1] = k
     payloads[#payloads + 1] = redis.call('HLEN', prefix .. k .. '}:payloads')
     redis.call('ZREM', X, k)
@@ -21,7 +24,7 @@ for i = SEEN_FROM, #ARGV do
   local k = ARGV[i]
   if not seen[k] then
     seen[k] = true
-    if redis.call('EXISTS', prefix .. k .. '}:waiters', prefix .. k .. '}:reserved') > 0 then
+    if queued(k) then
       redis.call('ZADD', X, now, k)
       unindexed[#unindexed + 1] = k
       indexed[#indexed + 1] = k
