@@ -125,12 +125,7 @@ def _code() -> _Code:
 
 
 def _refuses_functions(error: RedisError) -> bool:
-    """Whether ``error`` is the server refusing a function command (``FCALL``, ``FUNCTION LOAD``).
-
-    An older server: "unknown command 'fcall'" or "unknown subcommand" (from a
-    Redis Cluster client: "FCALL command doesn't exist in Redis commands"); an
-    ACL user without the command: NOPERM.
-    """
+    """Whether ``error`` is the server refusing ``FCALL`` or ``FUNCTION LOAD``: an older server, or NOPERM."""
     message = str(error)
     return isinstance(error, NoPermissionError) or any(
         refusal in message for refusal in ("unknown command", "unknown subcommand", "exist in Redis commands")
@@ -138,11 +133,7 @@ def _refuses_functions(error: RedisError) -> bool:
 
 
 class ScriptLibrary:
-    """The guard's scripts on one Redis (or Redis Cluster), as functions until the server refuses them.
-
-    One per backend: whether the server takes functions is learnt on the
-    first call (and kept for the life of the process).
-    """
+    """The guard's scripts on one Redis (or Redis Cluster), as functions until the server refuses them."""
 
     def __init__(self) -> None:
         code = _code()
@@ -164,8 +155,7 @@ class ScriptLibrary:
     def missing(self, error: RedisError) -> bool:
         """Whether a call refused with ``error`` did nothing because its code is not on the server.
 
-        A refusal of functions themselves (``FCALL`` unknown, or not allowed
-        to this user) switches to scripts here: the call is missing its script.
+        A refusal of ``FCALL`` itself switches to scripts: the call is missing its script.
         """
         if isinstance(error, NoScriptError):
             return True
@@ -180,13 +170,13 @@ class ScriptLibrary:
     def load(self, client: Any, scripts: Iterable[LuaScript]) -> None:
         """Put the code of ``scripts`` on the server: the whole library, or (as scripts) each one.
 
-        ``client`` is the backend's (on a Redis Cluster, the cluster client: it
-        loads on every primary). A server that refuses ``FUNCTION LOAD``
-        switches the backend to scripts.
+        A server that refuses ``FUNCTION LOAD`` switches the backend to scripts; a user not allowed
+        it switches only if it may run scripts, else it stays on functions and the call fails closed.
 
-        A user allowed ``FCALL`` but not ``FUNCTION LOAD`` switches only if it
-        may run scripts; else the backend stays on functions (an operator may
-        load the library at any time) and the call fails closed.
+        Parameters:
+          client: The backend's client (on a Redis Cluster, the cluster client: it loads on every
+            primary).
+          scripts: The scripts of the call that found its code missing.
 
         Raises:
           BackendRefused: If the library is missing and this user may neither
@@ -238,10 +228,7 @@ class ScriptLibrary:
         client.function_load(self.code, replace=True)
 
     def libraries(self, client: Any) -> dict[str, int]:
-        """Every dramatiq-guard library on the server (this version's and others'), with its function count.
-
-        ``client`` is a client of one server (on a Redis Cluster, of one primary).
-        """
+        """Every dramatiq-guard library on the server of ``client`` (one primary), with its function count."""
         found: dict[str, int] = {}
         for entry in client.function_list(library=f"{LIBRARY_PREFIX}*"):
             fields = entry if isinstance(entry, dict) else dict(zip(entry[::2], entry[1::2], strict=True))
@@ -253,13 +240,8 @@ class ScriptLibrary:
     def prune(self, client: Any) -> list[str]:
         """Delete the dramatiq-guard libraries of other versions from the server; return their names.
 
-        A process still running another version finds its library missing at
-        its next call (which did nothing) and loads it again, if its ACL user
-        may; the restricted user of ``docs/redis.md`` may not, and fails
-        every call closed until an operator loads it again. So prune once
-        every application runs this version: :meth:`running` says which
-        workers still run which library (``dramatiq-guard functions prune``
-        refuses while any does).
+        Prune once every application runs this version (docs/redis.md): :meth:`running` says which
+        workers still run which library.
         """
         others = sorted(name for name in self.libraries(client) if name != self.library)
         for name in others:
@@ -269,12 +251,8 @@ class ScriptLibrary:
     def announce(self, client: Any, namespace: str, ttl_ms: int = PROCESS_TTL_MS) -> None:
         """Record that this process runs this library, until ``ttl_ms`` from now (see :meth:`running`).
 
-        One pipelined round trip, made by each worker's sweep every
-        ``ttl_ms / 4`` (:mod:`~dramatiq_guard.backends.redis_watch`): drop the
-        records that lapsed, add or refresh this one, and expire the key with
-        it (nothing is left once the workers are gone). Deadlines are on the
-        clock of each process: the clocks' skew must stay well below
-        ``ttl_ms``.
+        Made by each worker's sweep every ``ttl_ms / 4``: drops the records that lapsed, refreshes
+        this one, and expires the key with it. Deadlines are on each process's clock.
 
         Raises:
           redis.RedisError: If the server cannot be reached, or refuses it.
@@ -299,9 +277,7 @@ class ScriptLibrary:
     def running(client: Any, namespace: str) -> dict[str, list[str]]:
         """The processes (``host:pid``) whose workers run each library, by library, per their records.
 
-        Only workers record themselves (their sweep does), and only in their
-        namespace; a worker that died counts until its record lapses
-        (:data:`PROCESS_TTL_MS`).
+        Only workers record themselves, in their namespace; a dead one counts until its record lapses.
         """
         now = int(time.time() * 1000)
         found: dict[str, list[str]] = {}
