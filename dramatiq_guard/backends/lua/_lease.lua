@@ -64,6 +64,18 @@ local function call_many(command, key, list)
   return items, n
 end
 
+-- The largest deadline in H (0 if none), read once until H changes.
+local function latest()
+  if HN == 0 then
+    return 0
+  end
+  if LATEST == nil then
+    local last = redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')
+    LATEST = #last > 0 and tonumber(last[2]) or 0
+  end
+  return LATEST
+end
+
 -- What exists, read once: one EXISTS, and H's size and latest deadline.
 local function load()
   if LOADED then
@@ -77,8 +89,7 @@ local function load()
   end
   HN = redis.call('ZCARD', H)
   if HN > 0 then
-    HMAX = tonumber(redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')[2])
-    LATEST = HMAX
+    HMAX = latest()
     present = present - 1
   end
   QUEUED = present > 0
@@ -125,18 +136,6 @@ local function limit_in_force()
     LIMIT = l and tonumber(l) or default_limit()
   end
   return LIMIT
-end
-
--- The largest deadline in H (0 if none), read once until H changes.
-local function latest()
-  if HN == 0 then
-    return 0
-  end
-  if LATEST == nil then
-    local last = redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')
-    LATEST = #last > 0 and tonumber(last[2]) or 0
-  end
-  return LATEST
 end
 
 -- Write TOKEN to T, expiring no earlier than the latest deadline in H nor STALE_TTL from now (T
