@@ -8,6 +8,7 @@ name gets its own value; and that no script reads a KEYS or ARGV entry by its nu
 from __future__ import annotations
 
 import re
+from itertools import takewhile
 from typing import Any
 
 import redis
@@ -81,6 +82,14 @@ def test_no_script_reads_keys_or_arguments_by_number() -> None:
     for name in (*PRELUDE_SCRIPTS, *LEAN_SCRIPTS, *PRELUDE, "acquire_fast", "release_fast", "_common"):
         code = "\n".join(line.split("--")[0] for line in load_lua(name).splitlines())
         assert not re.search(r"\b(KEYS|ARGV)\[\s*\d|\barg\(", code), name
+
+
+def test_each_script_names_its_own_arguments_in_its_header() -> None:
+    """The comment a script starts with names every ARGV the layout gives it (its KEYS are generated)."""
+    for name, layout in LAYOUTS.items():
+        header = "\n".join(takewhile(lambda line: line.startswith("--"), load_lua(name).splitlines()))
+        for arg in (*layout.args, *layout.each_args, *([layout.rest] if layout.rest else [])):
+            assert re.search(rf"\b{arg}", header), f"{name}.lua does not name {arg}"
 
 
 def test_no_argument_hides_a_shared_name() -> None:

@@ -1,4 +1,4 @@
--- Helpers of every script (redis_scripts.py puts this in front of each, after the binding).
+-- Helpers of every script (redis_scripts.py puts this in front of each, after the binding if any).
 -- A number a script cannot use is refused before its first write: Redis does not roll a script back.
 
 -- Integers up to 2^53 as decimal strings (tostring would use an exponent).
