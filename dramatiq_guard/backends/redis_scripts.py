@@ -174,9 +174,9 @@ class ScriptLibrary:
         it switches only if it may run scripts, else it stays on functions and the call fails closed.
 
         Parameters:
-          client: The backend's client (on a Redis Cluster, the cluster client: it loads on every
-            primary).
-          scripts: The scripts of the call that found its code missing.
+          client(redis.Redis): The backend's client (on a Redis Cluster, the cluster client: it
+            loads on every primary).
+          scripts(Iterable[LuaScript]): The scripts of the call that found its code missing.
 
         Raises:
           BackendRefused: If the library is missing and this user may neither
