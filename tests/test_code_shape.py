@@ -23,7 +23,6 @@ FUNCTION_LINES = 60
 
 #: Modules over MODULE_LINES today, with their lines: each may only shrink.
 LONG_MODULES: dict[str, int] = {
-    "backends/lua/_prelude.lua": 678,
 }
 #: Functions over FUNCTION_LINES today ("module:qualified name"), with their lines (none).
 LONG_FUNCTIONS: dict[str, int] = {}

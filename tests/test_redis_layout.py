@@ -8,6 +8,7 @@ name gets its own value; and that no script reads a KEYS or ARGV entry by its nu
 from __future__ import annotations
 
 import re
+from itertools import takewhile
 from typing import Any
 
 import redis
@@ -24,7 +25,7 @@ from dramatiq_guard.backends.redis_layout import (
     lua_constants,
     lua_prologue,
 )
-from dramatiq_guard.backends.redis_scripts import LEAN_SCRIPTS, PRELUDE_SCRIPTS, load_lua
+from dramatiq_guard.backends.redis_scripts import LEAN_SCRIPTS, PRELUDE, PRELUDE_SCRIPTS, load_lua, prelude
 from dramatiq_guard.backends.values import HOLDERS_SHOWN, MIN_STANDBY_WINDOW
 
 
@@ -78,14 +79,22 @@ def test_each_script_reads_its_own_arguments_by_name(redisdb: redis.Redis) -> No
 
 
 def test_no_script_reads_keys_or_arguments_by_number() -> None:
-    for name in (*PRELUDE_SCRIPTS, *LEAN_SCRIPTS, "acquire_fast", "release_fast", "_prelude", "_bounds"):
+    for name in (*PRELUDE_SCRIPTS, *LEAN_SCRIPTS, *PRELUDE, "acquire_fast", "release_fast", "_common"):
         code = "\n".join(line.split("--")[0] for line in load_lua(name).splitlines())
         assert not re.search(r"\b(KEYS|ARGV)\[\s*\d|\barg\(", code), name
 
 
+def test_each_script_names_its_own_arguments_in_its_header() -> None:
+    """The comment a script starts with names every ARGV the layout gives it (its KEYS are generated)."""
+    for name, layout in LAYOUTS.items():
+        header = "\n".join(takewhile(lambda line: line.startswith("--"), load_lua(name).splitlines()))
+        for arg in (*layout.args, *layout.each_args, *([layout.rest] if layout.rest else [])):
+            assert re.search(rf"\b{arg}", header), f"{name}.lua does not name {arg}"
+
+
 def test_no_argument_hides_a_shared_name() -> None:
     """A script's own arguments are locals of its callback: one named like a shared local would hide it."""
-    shared = lua_constants() + load_lua("_bounds") + lua_binding() + load_lua("_prelude")
+    shared = lua_constants() + lua_binding() + load_lua("_common") + prelude()
     top_level = set(re.findall(r"^local (?:function )?([\w, ]+)", shared, re.M))
     names = {name.strip() for line in top_level for name in line.split(",")}
     for name, layout in LAYOUTS.items():

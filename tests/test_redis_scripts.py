@@ -30,6 +30,7 @@ from dramatiq_guard.backends.redis_scripts import (
     PRELUDE_SCRIPTS,
     ScriptLibrary,
     load_lua,
+    prelude,
 )
 from dramatiq_guard.cli import main
 from dramatiq_guard.errors import BackendUnavailable
@@ -302,20 +303,20 @@ def test_a_full_noeviction_redis_still_inspects_and_releases(
 def test_every_value_a_call_changes_is_reset_by_begin() -> None:
     """As a function, the prelude's locals outlive a call: each one a function assigns must be reset
     by ``begin()``, or a call would see the one before it."""
-    prelude = load_lua("_prelude")
+    text = prelude()
     top_level = {
         name.strip()
-        for line in re.findall(r"^local (?!function)([\w, ]+)", prelude, re.M)
+        for line in re.findall(r"^local (?!function)([\w, ]+)", text, re.M)
         for name in line.split(",")
     }
-    begin = re.search(r"^local function begin\(\)\n(.*?)^end$", prelude, re.M | re.S)
+    begin = re.search(r"^local function begin\(\)\n(.*?)^end$", text, re.M | re.S)
     assert begin is not None
     reset = {
         name.strip()
         for line in re.findall(r"^  ([\w, ]+) = ", begin.group(1), re.M)
         for name in line.split(",")
     }
-    sources = prelude + "".join(load_lua(name) for name in PRELUDE_SCRIPTS)
+    sources = text + "".join(load_lua(name) for name in PRELUDE_SCRIPTS)
     assigned = {
         name
         for name in top_level
@@ -435,9 +436,9 @@ def test_a_worker_records_the_library_it_runs_while_it_runs(
 def test_as_a_script_the_fast_paths_still_run_before_the_prelude_is_set_up() -> None:
     """On a Redis that refuses functions a fast path must not pay the prelude's set-up (its point)."""
     scripts = ScriptLibrary()
-    prelude = load_lua("_prelude")
+    shared = prelude()
     for name in ("acquire", "release"):
         source = scripts[name].source
-        fast, at = source.index(load_lua(f"{name}_fast")), source.index(prelude)
-        assert fast < at and source.index("\nbegin()\n", at + len(prelude) - 1) > at  # begin() after it
-    assert prelude not in scripts["lock"].source and scripts["lock"].source.endswith(load_lua("lock"))
+        fast, at = source.index(load_lua(f"{name}_fast")), source.index(shared)
+        assert fast < at and source.index("\nbegin()\n", at + len(shared) - 1) > at  # begin() after it
+    assert shared not in scripts["lock"].source and scripts["lock"].source.endswith(load_lua("lock"))

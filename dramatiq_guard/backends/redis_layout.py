@@ -1,14 +1,7 @@
 """What the Redis backend's Lua scripts are given, defined once: their KEYS, their ARGV, their constants.
 
-The Python side builds every script call from these definitions
-(:class:`KeyNames`, :class:`CallArgs`, the ``*Args`` tuples, built by
-keyword), and the Lua side reads them through text generated from them
-(:func:`lua_constants`, :func:`lua_binding`, :func:`lua_prologue`, put in
-front of the scripts by :mod:`~dramatiq_guard.backends.redis_scripts`), so
-the two cannot disagree on an order or a number. The scripts name every key
-and argument they read: a per-key script's keys by their letter (``H``,
-``W``, ...), the leading ARGV as ``ARG_<NAME>``, its own arguments as locals
-of their own name, read once at its top.
+The Python side builds every script call from these definitions, by keyword; the Lua side reads
+them through text generated from them (docs/redis.md, "The scripts").
 """
 
 from __future__ import annotations
@@ -78,8 +71,7 @@ class CallArgs(NamedTuple):
     stale_ttl_ms: Annotated[int, "how long G and T outlive their last write"]
 
 
-# Each script's own arguments (a per-key script's after CallArgs), in order; the script's comment
-# says what each means.
+# Each script's own arguments (a per-key script's after CallArgs), in order (its header says what they mean).
 
 
 class AcquireArgs(NamedTuple):
@@ -158,10 +150,9 @@ class SummariesArgs(NamedTuple):
 class Layout(NamedTuple):
     """A script's KEYS and ARGV by name, in order.
 
-    ``keys``: :class:`KeyNames` fields (``index``: the waiting-keys index).
-    ``per_key``: the script gets a guard key's KEYS and :class:`CallArgs` first.
-    ``each``: KEYS ``each_keys`` and ARGV ``each_args`` repeat per item, read by
-    ``<each>(n)``. ``rest``: the name of the ARGV after ``args`` (any number).
+    ``keys``: :class:`KeyNames` fields (``index``: the waiting-keys index); ``per_key``: a guard
+    key's KEYS and :class:`CallArgs` come first; ``each``: KEYS ``each_keys`` and ARGV ``each_args``
+    repeat per item, read by ``<each>(n)``; ``rest``: the name of any ARGV after ``args``.
     """
 
     args: tuple[str, ...] = ()

@@ -1,53 +1,7 @@
 """The guard's Lua scripts on one Redis: one function library where the server allows it, else EVALSHA.
 
-Every script lives in ``backends/lua/`` and is run in one of two ways, from the
-same sources:
-
-* **As a function** (``FCALL``, Redis 7.0 and later): all the scripts are
-  functions of one library, loaded once per server (``FUNCTION LOAD``), named
-  after a digest of their code (``dramatiq_guard_<digest>``; its functions
-  ``dramatiq_guard_<digest>_<script>``), so two versions of dramatiq-guard on
-  one Redis each call their own. The shared prelude (the layout generated
-  by :mod:`~dramatiq_guard.backends.redis_layout`, ``_bounds.lua``,
-  ``_prelude.lua``: ~140 locals and closures) is set up once, when the library
-  loads; each call only resets its per-call values (``begin()`` in
-  ``_prelude.lua``). As a script, that set-up is paid on every call that gets
-  past a fast path: ~15 us of Redis time, a quarter of a contended hand-off's.
-* **As a script** (``EVALSHA``), when the server refuses functions: an older
-  Redis (no ``FCALL``), or an ACL user not allowed ``FUNCTION LOAD`` or
-  ``FCALL``. The first refusal switches the backend to scripts for the life of
-  the process, with a warning that says why. A user allowed ``FCALL`` but
-  neither ``FUNCTION LOAD`` nor scripts (the restricted user of
-  ``docs/redis.md``) stays on functions: while its library is missing, every
-  call fails closed (:class:`~dramatiq_guard.errors.BackendRefused`, naming
-  the cure), and the first call after an operator loads it runs.
-
-A call the ACL user may not make (``NOPERM``) fails closed the same way,
-wherever it is made (:func:`~dramatiq_guard.backends.redis_client.reachable`).
-
-Which processes run which library: each worker's sweep records its own, per
-namespace (``<namespace>:processes``, :meth:`ScriptLibrary.announce`), so
-``dramatiq-guard functions prune`` refuses to delete a library that live
-workers still call (:meth:`ScriptLibrary.running`).
-
-A call refused because its code is not on the server (``NOSCRIPT``,
-``Function not found``: a restart without persistence, ``SCRIPT FLUSH``,
-``FUNCTION FLUSH``, a new Cluster primary) did nothing; the caller loads the
-code (:meth:`ScriptLibrary.load`) and runs the call again. A library loads
-with ``REPLACE``: a library of that name holds this very code.
-
-On a full ``noeviction`` Redis (at ``maxmemory``) a function is refused whole,
-before its first command, unless its flags say otherwise: the read-only
-scripts (``inspect``, ``summaries``, ``due``) are ``no-writes`` functions, and
-those that take state away (``release``, ``cancel_wait``, ``sweep``,
-``unindex``: a release may hand its slot on, which writes about what it
-frees) are ``allow-oom``, so a full Redis can still be inspected and drained
-of its holders, as it could with scripts (a script is refused there only at
-its first write that may grow memory, once nothing was written yet). Every
-other operation fails closed (``BackendUnavailable``), either way. The library
-itself loads with ``FUNCTION LOAD``, which a full Redis refuses too: a process
-that finds the library gone then (a restart without persistence) fails closed
-until there is room.
+How the scripts reach Redis, and when a backend switches to EVALSHA, is in
+``docs/redis.md`` ("How the scripts reach Redis").
 """
 
 from __future__ import annotations
@@ -71,7 +25,7 @@ logger = logging.getLogger("dramatiq_guard.backends.redis")
 
 #: What the name of every version's library starts with.
 LIBRARY_PREFIX = "dramatiq_guard_"
-#: The per-key scripts: the shared text, the fast path if any, ``_prelude.lua``, then the script (see _code).
+#: The scripts of one guard key, run with the prelude (``_lease``, ``_handoff``, ``_index``).
 PRELUDE_SCRIPTS = (
     "acquire",
     "release",
@@ -83,19 +37,19 @@ PRELUDE_SCRIPTS = (
     "standby",
     "forget_copy",
 )
-#: Scripts with a common path run before the prelude (``lua/<name>_fast.lua``): see docs/redis.md.
+#: The prelude's files, in order: per-call state, holders and token; hand-off; the index and finish().
+PRELUDE = ("_lease", "_handoff", "_index")
+#: Scripts with a common path run before the prelude is set up (``lua/<name>_fast.lua``).
 FAST_PATHS = ("acquire", "release")
-#: Scripts of their own, without the prelude: the lean common paths, and those of other slots.
+#: Scripts without the prelude: the lean common paths, and those of other slots.
 LEAN_SCRIPTS = ("lock", "renew", "unindex", "due", "summaries", "health")
-#: The flags of the functions that have any (see above): read-only, or taking state away.
+#: Function flags: read-only scripts run on a full Redis, and so do those that take state away.
 FLAGS = {
     **dict.fromkeys(("inspect", "summaries", "due"), "no-writes"),
     **dict.fromkeys(("release", "cancel_wait", "sweep", "unindex", "forget_copy"), "allow-oom"),
 }
-
-
-#: How long a process's record of the library it runs lasts after its sweep last refreshed it (at
-#: least; three sweep intervals if longer): a worker that died stops counting as alive then.
+#: How long a process's record of the library it runs lasts after its sweep refreshed it (ms; at
+#: least: three sweep intervals if longer).
 PROCESS_TTL_MS = 60_000
 
 
@@ -124,8 +78,13 @@ class _Code(NamedTuple):
     scripts: dict[str, LuaScript]
 
 
+def prelude() -> str:
+    """The text of the prelude's files, as put in front of the per-key scripts."""
+    return "\n".join(load_lua(name) for name in PRELUDE) + "\n"
+
+
 def _fast_and_rest(name: str) -> tuple[str, str]:
-    """A script's prologue and fast path (which returns early, or falls through), and what runs after it."""
+    """A script's prologue and fast path (run before the prelude is set up), and what runs after it."""
     top = lua_prologue(name)
     if name not in PRELUDE_SCRIPTS:
         return top, load_lua(name)
@@ -135,21 +94,17 @@ def _fast_and_rest(name: str) -> tuple[str, str]:
 
 @functools.cache
 def _code() -> _Code:
-    """The scripts' texts and the library's (made once per process: from the package's files).
+    """The scripts' texts and the library's, made once per process.
 
-    A per-key script as a script: the generated constants and binding (:mod:`redis_layout`),
-    ``_bounds.lua``, its prologue and fast path, ``_prelude.lua``, ``begin()``, the script (the fast
-    path runs before the prelude is set up); another script: the constants, its prologue, the
-    script. As a function: the constants, ``_bounds.lua``, the binding and ``_prelude.lua`` once, at
-    the top of the library, and per call the prologue, the fast path, ``begin()``, the script.
+    As a script: the constants, (per key) the binding, ``_common.lua``, the prologue and fast path,
+    (per key) the prelude, ``begin()``, the script. As a function the shared parts are at the top of
+    the library, once, and each call runs the rest.
     """
-    constants, shared = lua_constants(), load_lua("_bounds") + "\n" + lua_binding()
-    prelude = load_lua("_prelude") + "\n"
+    constants, common, binding, shared = lua_constants(), load_lua("_common") + "\n", lua_binding(), prelude()
     split = {name: _fast_and_rest(name) for name in (*PRELUDE_SCRIPTS, *LEAN_SCRIPTS)}
-    # KEYS and ARGV are the library's own locals (a function gets them as arguments; the prelude and
-    # the scripts read them as they would a script's globals), set first by every call. The names
-    # carry a digest of the code, which is made with a placeholder in their place.
-    parts = ["#!lua name=@LIBRARY@\nlocal KEYS, ARGV\n", constants, shared, prelude]
+    # KEYS and ARGV are the library's locals, set first by every call. The names carry a digest of
+    # the code, which is made with a placeholder in their place.
+    parts = ["#!lua name=@LIBRARY@\nlocal KEYS, ARGV\n", constants, binding, common, shared]
     for name, (fast, rest) in split.items():
         flags = f"{{'{FLAGS[name]}'}}" if name in FLAGS else "{}"
         parts.append(
@@ -160,20 +115,17 @@ def _code() -> _Code:
     library = LIBRARY_PREFIX + hashlib.sha1(code.encode()).hexdigest()[:16]
     scripts: dict[str, LuaScript] = {}
     for name, (fast, rest) in split.items():
-        source = constants + (shared + fast + prelude + rest if name in PRELUDE_SCRIPTS else fast + rest)
-        scripts[name] = LuaScript(
-            name, source, hashlib.sha1(source.encode()).hexdigest(), f"{library}_{name}"
-        )
+        if name in PRELUDE_SCRIPTS:
+            source = constants + binding + common + fast + shared + rest
+        else:
+            source = constants + common + fast + rest
+        sha = hashlib.sha1(source.encode()).hexdigest()
+        scripts[name] = LuaScript(name, source, sha, f"{library}_{name}")
     return _Code(library, code.replace("@LIBRARY@", library), scripts)
 
 
 def _refuses_functions(error: RedisError) -> bool:
-    """Whether ``error`` is the server refusing a function command (``FCALL``, ``FUNCTION LOAD``).
-
-    An older server: "unknown command 'fcall'" or "unknown subcommand" (from a
-    Redis Cluster client: "FCALL command doesn't exist in Redis commands"); an
-    ACL user without the command: NOPERM.
-    """
+    """Whether ``error`` is the server refusing ``FCALL`` or ``FUNCTION LOAD``: an older server, or NOPERM."""
     message = str(error)
     return isinstance(error, NoPermissionError) or any(
         refusal in message for refusal in ("unknown command", "unknown subcommand", "exist in Redis commands")
@@ -181,11 +133,7 @@ def _refuses_functions(error: RedisError) -> bool:
 
 
 class ScriptLibrary:
-    """The guard's scripts on one Redis (or Redis Cluster), as functions until the server refuses them.
-
-    One per backend: whether the server takes functions is learnt on the
-    first call (and kept for the life of the process).
-    """
+    """The guard's scripts on one Redis (or Redis Cluster), as functions until the server refuses them."""
 
     def __init__(self) -> None:
         code = _code()
@@ -207,8 +155,7 @@ class ScriptLibrary:
     def missing(self, error: RedisError) -> bool:
         """Whether a call refused with ``error`` did nothing because its code is not on the server.
 
-        A refusal of functions themselves (``FCALL`` unknown, or not allowed
-        to this user) switches to scripts here: the call is missing its script.
+        A refusal of ``FCALL`` itself switches to scripts: the call is missing its script.
         """
         if isinstance(error, NoScriptError):
             return True
@@ -223,13 +170,13 @@ class ScriptLibrary:
     def load(self, client: Any, scripts: Iterable[LuaScript]) -> None:
         """Put the code of ``scripts`` on the server: the whole library, or (as scripts) each one.
 
-        ``client`` is the backend's (on a Redis Cluster, the cluster client: it
-        loads on every primary). A server that refuses ``FUNCTION LOAD``
-        switches the backend to scripts.
+        A server that refuses ``FUNCTION LOAD`` switches the backend to scripts; a user not allowed
+        it switches only if it may run scripts, else it stays on functions and the call fails closed.
 
-        A user allowed ``FCALL`` but not ``FUNCTION LOAD`` switches only if it
-        may run scripts; else the backend stays on functions (an operator may
-        load the library at any time) and the call fails closed.
+        Parameters:
+          client(redis.Redis): The backend's client (on a Redis Cluster, the cluster client: it
+            loads on every primary).
+          scripts(Iterable[LuaScript]): The scripts of the call that found its code missing.
 
         Raises:
           BackendRefused: If the library is missing and this user may neither
@@ -281,10 +228,7 @@ class ScriptLibrary:
         client.function_load(self.code, replace=True)
 
     def libraries(self, client: Any) -> dict[str, int]:
-        """Every dramatiq-guard library on the server (this version's and others'), with its function count.
-
-        ``client`` is a client of one server (on a Redis Cluster, of one primary).
-        """
+        """Every dramatiq-guard library on the server of ``client`` (one primary), with its function count."""
         found: dict[str, int] = {}
         for entry in client.function_list(library=f"{LIBRARY_PREFIX}*"):
             fields = entry if isinstance(entry, dict) else dict(zip(entry[::2], entry[1::2], strict=True))
@@ -296,13 +240,8 @@ class ScriptLibrary:
     def prune(self, client: Any) -> list[str]:
         """Delete the dramatiq-guard libraries of other versions from the server; return their names.
 
-        A process still running another version finds its library missing at
-        its next call (which did nothing) and loads it again, if its ACL user
-        may; the restricted user of ``docs/redis.md`` may not, and fails
-        every call closed until an operator loads it again. So prune once
-        every application runs this version: :meth:`running` says which
-        workers still run which library (``dramatiq-guard functions prune``
-        refuses while any does).
+        Prune once every application runs this version (docs/redis.md): :meth:`running` says which
+        workers still run which library.
         """
         others = sorted(name for name in self.libraries(client) if name != self.library)
         for name in others:
@@ -312,12 +251,8 @@ class ScriptLibrary:
     def announce(self, client: Any, namespace: str, ttl_ms: int = PROCESS_TTL_MS) -> None:
         """Record that this process runs this library, until ``ttl_ms`` from now (see :meth:`running`).
 
-        One pipelined round trip, made by each worker's sweep every
-        ``ttl_ms / 4`` (:mod:`~dramatiq_guard.backends.redis_watch`): drop the
-        records that lapsed, add or refresh this one, and expire the key with
-        it (nothing is left once the workers are gone). Deadlines are on the
-        clock of each process: the clocks' skew must stay well below
-        ``ttl_ms``.
+        Made by each worker's sweep every ``ttl_ms / 4``: drops the records that lapsed, refreshes
+        this one, and expires the key with it. Deadlines are on each process's clock.
 
         Raises:
           redis.RedisError: If the server cannot be reached, or refuses it.
@@ -342,9 +277,7 @@ class ScriptLibrary:
     def running(client: Any, namespace: str) -> dict[str, list[str]]:
         """The processes (``host:pid``) whose workers run each library, by library, per their records.
 
-        Only workers record themselves (their sweep does), and only in their
-        namespace; a worker that died counts until its record lapses
-        (:data:`PROCESS_TTL_MS`).
+        Only workers record themselves, in their namespace; a dead one counts until its record lapses.
         """
         now = int(time.time() * 1000)
         found: dict[str, list[str]] = {}

@@ -1,8 +1,6 @@
--- cancel_wait(waiter, generation) -> {released, handoffs}
---   generation: '' to leave whatever the waiter is doing; else only the hand-off or standby send
---   of that generation is withdrawn, while it is unconfirmed (M's 'g:' entry) and current (the
---   waiter reserved in R, or being sent in S): a message parked elsewhere on its way that came
---   back to the key meanwhile (parked again, or holding the slot) keeps its entry.
+-- cancel_wait(waiter, generation) -> {released, handoffs}. generation: '' to withdraw whatever the
+-- waiter is doing; else only the hand-off or standby send of that generation, while it is
+-- unconfirmed (M's 'g:<w>') and current (the waiter in R or S).
 local refused = validate_args({ 'generation', (generation or '') == '' and 0 or generation, 0, MAX_GENERATION })
 if refused then
   return refused
@@ -20,15 +18,11 @@ if leaves then
     drop_holders({ waiter })
   end
   if QUEUED then
-    redis.call('ZREM', W, waiter)
-    unset_ready({ waiter })
-    redis.call('ZREM', S, waiter)
-    redis.call('HDEL', P, waiter)
+    dequeue(waiter)
     redis.call('HDEL', R, waiter)
-    forget(waiter)
   end
   if released == 1 then
-    redis.call('DEL', WAKE .. waiter)
+    redis.call('DEL', ARG_WAKE .. waiter)
   else
     redis.call('HDEL', I, waiter)
   end

@@ -1,8 +1,5 @@
--- forget_copy(waiter) -> 1 if the waiter's generation record went, else 0.
--- The broker acked the copy of `waiter` that parked after pickup (acquire.lua): it cannot be
--- delivered again. A record kept only for that copy ('~', see live_generation in the prelude) goes; any
--- other stays until it expires (a lapsed hand-off's or send's copy, or another parked one, may
--- still be on the broker).
+-- forget_copy(waiter) -> 1 if the waiter's generation record went, else 0: the broker acked the copy
+-- that parked after pickup (acquire.lua), so a record kept only for it ('~') goes; any other stays.
 local refused = validate_args()
 if refused then
   return refused

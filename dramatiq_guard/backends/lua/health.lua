@@ -1,32 +1,20 @@
--- The state watch's consistency check of the waiting-keys index (standalone Redis only:
--- it builds the names of per-key keys itself, which a Redis Cluster would refuse).
---
--- The per-key scripts keep this invariant, atomically: a guard key K is in the index X exactly
--- while its waiters (W) or its unconfirmed reservations (R) are not empty. A break of it was
--- made from outside the guard's scripts: a key evicted, deleted or flushed.
---
---   KEYS: X, the waiting-keys index
---   ARGV: namespace, then (from SEEN_FROM) the guard keys the caller saw in the index at its
---   previous check
---
--- Returns {indexed, vanished, payloads, unindexed}:
---   indexed    the keys in X now
---   vanished   keys in X whose W and R are both gone: their waiters were lost. Their entry is
---              dropped from X (so they are reported once); their stored payloads, if any are
---              left, are kept for an operator to recover.
---   payloads   for each vanished key, how many payloads it still has
---   unindexed  keys of ARGV no longer in X that still have W or R: the index entry was lost.
---              It is put back, so the workers' sweeps find the key again.
+-- health(namespace, seen...) -> {indexed, vanished, payloads, unindexed}: the state watch's check
+-- that K is in X exactly while its W or R exists (standalone Redis only: it builds the names of
+-- per-key keys itself). indexed: the keys in X now; vanished: those whose W and R are gone (their
+-- entry is dropped, so each is reported once; payloads: how many payloads each still has, kept for
+-- an operator); unindexed: keys of `seen` (in X at the previous check) no longer in X that still
+-- have W or R (put back, so the sweeps find them again).
 local prefix = namespace .. ':{'
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-
+local function queued(k)
+  return redis.call('EXISTS', prefix .. k .. '}:waiters', prefix .. k .. '}:reserved') > 0
+end
+local _, now = server_time()
 local indexed = redis.call('ZRANGE', X, 0, -1)
 local seen = {}
 local vanished, payloads, unindexed = {}, {}, {}
 for _, k in ipairs(indexed) do
   seen[k] = true
-  if redis.call('EXISTS', prefix .. k .. '}:waiters', prefix .. k .. '}:reserved') == 0 then
+  if not queued(k) then
     vanished[#vanished + 1] = k
     payloads[#payloads + 1] = redis.call('HLEN', prefix .. k .. '}:payloads')
     redis.call('ZREM', X, k)
@@ -36,11 +24,11 @@ for i = SEEN_FROM, #ARGV do
   local k = ARGV[i]
   if not seen[k] then
     seen[k] = true
-    if redis.call('EXISTS', prefix .. k .. '}:waiters', prefix .. k .. '}:reserved') > 0 then
+    if queued(k) then
       redis.call('ZADD', X, now, k)
       unindexed[#unindexed + 1] = k
       indexed[#indexed + 1] = k
     end
   end
 end
-return {indexed, vanished, payloads, unindexed}
+return { indexed, vanished, payloads, unindexed }

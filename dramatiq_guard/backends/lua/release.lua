@@ -1,6 +1,5 @@
--- release(holder, standbys) -> {released, handoffs, standbys}
---   With standbys > 0, then sends the first standbys waiters ahead as standbys, as
---   standby('send') would (within the standby window): the caller enqueues and confirms them.
+-- release(holder, standbys) -> {released, handoffs, standbys}: then sends the first `standbys`
+-- waiters ahead, as standby('send') would (the caller enqueues and confirms them).
 local refused = validate_args({ 'send_ahead', standbys or '0', 0, MAX_COUNT })
 if refused then
   return refused
@@ -11,20 +10,17 @@ local released = 0
 if holds(holder) then
   released = 1
   if HN == 1 and not QUEUED then
-    -- The last holder of a key nobody waits for: finish() deletes it all.
-    HN = 0
+    HN = 0 -- the last holder of a key nobody waits for: finish() deletes it all
   else
     drop_holders({ holder })
     if QUEUED then
       redis.call('HDEL', R, holder)
-      redis.call('HDEL', P, holder)
       forget(holder)
     end
   end
 end
 local handoffs, sent = {}, {}
-local limit = limit_in_force()
-handoff(limit, handoffs)
+handoff(limit_in_force(), handoffs)
 send_ahead(tonumber(standbys or '0'), sent)
 finish()
 return { released, handoffs, sent }

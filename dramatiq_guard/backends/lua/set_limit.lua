@@ -1,12 +1,5 @@
--- set_limit(limit or '' to clear) -> {0, handoffs}
--- With the limits index (LIMITS, standalone Redis only), the guard key is
--- added to it or removed from it in the same step.
-local refused
-if limit == '' then
-  refused = validate_args()
-else
-  refused = validate_args({ 'limit', limit, 0, MAX_COUNT })
-end
+-- set_limit(limit, '' to clear) -> {0, handoffs}; LIMITS (standalone Redis only) follows it.
+local refused = validate_args(limit ~= '' and { 'limit', limit, 0, MAX_COUNT } or nil)
 if refused then
   return refused
 end
@@ -16,13 +9,13 @@ if limit == '' then
   redis.call('DEL', L)
   LIMIT = default_limit()
   if LIMITS then
-    redis.call('SREM', LIMITS, KEY)
+    redis.call('SREM', LIMITS, ARG_KEY)
   end
 else
   redis.call('SET', L, limit)
   LIMIT = tonumber(limit)
   if LIMITS then
-    redis.call('SADD', LIMITS, KEY)
+    redis.call('SADD', LIMITS, ARG_KEY)
   end
 end
 local handoffs = {}

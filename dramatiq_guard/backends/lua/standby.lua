@@ -1,20 +1,9 @@
--- standby(op='send', standbys) -> {handoffs, standbys}
---   Sends the oldest parked waiters ahead as standbys, so that the first min(standbys, max(limit,
---   MIN_STANDBY_WINDOW)) waiters of the FIFO (none if the limit is 0) are all standbys (or ready
---   waiters). A sent standby keeps its place and its payload, and gets a deadline in S (a payload
---   and a deadline in S together mark "sent, unconfirmed"): if it is not confirmed by then, reclaim
---   makes it a parked waiter again; if a slot is handed to it meanwhile, handoff reserves the slot
---   (in R, as for a parked waiter) without returning its payload (its sender enqueues it). Returns
---   the hand-offs of this operation and the waiter, payload pairs sent.
--- standby(op='confirm', waiter, ttl_ms, payload, generation) -> 1 if the standby (or its slot) holds
---   (generation: the one the sent copy carries; a confirmation of an older one changes nothing)
---   Its copy is on the broker now. If the stored payload is still the one sent
---   (else the message parked itself again meanwhile, and its entry is left
---   alone), it is dropped: a standby still waiting stays in S, on the broker,
---   until it is picked up (then it is a ready waiter, in D) or ttl_ms passes
---   (then it is dropped); one handed a slot meanwhile keeps the slot for ttl_ms
---   (as confirm_handoff). One that reclaim already made a parked waiter again
---   is left parked (its enqueued copy parks into the same entry when picked up).
+-- standby(op='send', standbys) -> {handoffs, standbys}: hands on the free slots, then sends the
+--   first waiters ahead (send_ahead), returning the waiter, payload, generation triples sent.
+-- standby(op='confirm', waiter, ttl_ms, payload, generation) -> 1 if the standby (or its slot)
+--   holds: its copy is on the broker. If the stored payload is still the one sent, it is dropped: a
+--   standby still waiting stays in S until ttl_ms; one handed a slot keeps it for ttl_ms. A
+--   confirmation of an older generation changes nothing.
 local refused
 if op == 'send' then
   refused = validate_args({ 'count', standbys, 0, MAX_COUNT })
@@ -31,8 +20,7 @@ OWNED = true
 reclaim()
 if op == 'send' then
   local handoffs, sent = {}, {}
-  local limit = limit_in_force()
-  handoff(limit, handoffs)
+  handoff(limit_in_force(), handoffs)
   send_ahead(tonumber(standbys), sent)
   finish()
   return { handoffs, sent }
@@ -41,14 +29,12 @@ local ttl = tonumber(ttl_ms)
 local held = 0
 local in_flight = QUEUED and redis.call('HGET', M, 'g:' .. waiter)
 if generation ~= '' and in_flight and in_flight ~= generation then
-  -- A confirmation of an older send: that copy will not start (it is stale).
   finish()
   return 0
 end
 if QUEUED and redis.call('HGET', P, waiter) == payload then
   if redis.call('HDEL', R, waiter) == 1 then
     set_holders({ NOW + ttl, waiter })
-    redis.call('HDEL', P, waiter)
     forget(waiter)
     held = 1
   elseif redis.call('ZSCORE', S, waiter) then
@@ -58,8 +44,7 @@ if QUEUED and redis.call('HGET', P, waiter) == payload then
     held = 1
   end
 elseif holds(waiter) or (QUEUED and (redis.call('ZSCORE', D, waiter) or redis.call('ZSCORE', S, waiter))) then
-  -- Picked up already (it blocks as a standby, or holds its slot), or sent again.
-  held = 1
+  held = 1 -- picked up already (it blocks as a standby, or holds its slot), or sent again
 end
 finish()
 return held

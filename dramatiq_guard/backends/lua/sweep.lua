@@ -10,7 +10,6 @@ local handoffs = {}
 handoff(limit_in_force(), handoffs)
 finish()
 if X and not QUEUED then
-  -- An index entry left from before (the scripts keep it exact from then on).
-  redis.call('ZREM', X, KEY)
+  redis.call('ZREM', X, ARG_KEY) -- an index entry left from before
 end
 return { reclaimed > 0 and 1 or 0, handoffs }

@@ -1,0 +1,69 @@
+-- Helpers of every script (redis_scripts.py puts this in front of each, after the binding if any).
+-- A number a script cannot use is refused before its first write: Redis does not roll a script back.
+
+-- Integers up to 2^53 as decimal strings (tostring would use an exponent).
+local function fmt(n)
+  return string.format('%.0f', n)
+end
+
+-- The server's time, in us and in ms (times come from the server's clock only).
+local function server_time()
+  local clock = redis.call('TIME')
+  local us = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+  return us, math.floor(us / 1000)
+end
+
+-- value as a whole number from low to high, else nil: decimal digits only (no sign, exponent,
+-- fraction, hex, blank, inf or nan: a limit is stored as given), or a number already parsed.
+local function whole_number(value, low, high)
+  local n = nil
+  if type(value) == 'string' then
+    n = #value <= 16 and string.match(value, '^%d+$') and tonumber(value)
+  elseif type(value) == 'number' then
+    n = value
+  end
+  if n and n == n and n % 1 == 0 and n >= low and n <= high then
+    return n
+  end
+  return nil
+end
+
+-- nil, or an error reply naming the first {name, value, low, high} not a whole number in range.
+local function refusal(checks)
+  for _, check in ipairs(checks) do
+    if whole_number(check[2], check[3], check[4]) == nil then
+      return redis.error_reply(
+        check[1] .. ' must be an integer from ' .. fmt(check[3]) .. ' to ' .. fmt(check[4])
+          .. ', got ' .. tostring(check[2])
+      )
+    end
+  end
+  return nil
+end
+
+-- Whether a per-key call's leading numbers are ones validate_args accepts (a fast path that finds
+-- them not falls through, and the full script refuses them). Per-key scripts only.
+local function leading_args_ok()
+  return whole_number(ARG_HANDOFF_TTL_MS, 1, MAX_DURATION_MS) and whole_number(ARG_WAKE_TTL_MS, 1, MAX_DURATION_MS)
+    and whole_number(ARG_STALE_TTL_MS, 1, MAX_DURATION_MS)
+    and (ARG_DEFAULT_LIMIT == '' or whole_number(ARG_DEFAULT_LIMIT, 0, MAX_COUNT))
+end
+
+-- The runner in a holder's I entry "<since_ms>@<runner>|<info>", or nil (no '@' before the first
+-- '|'). A runner never holds '|' or '@' (acquire.lua refuses one that does).
+local function runner_of(entry)
+  local head = entry and string.match(entry, '^[^|]*')
+  local at = head and string.find(head, '@', 1, true)
+  return at and string.sub(head, at + 1) or nil
+end
+
+-- The I entry for a holder that acquires at now_ms, or nil to leave it: `first` is its entry if it
+-- already held (since and info stay); a runner given ('' for none) is recorded.
+local function holder_entry(first, now_ms, runner, info)
+  if first and runner == '' then
+    return nil
+  end
+  local since = first and string.match(first, '^%d+') or fmt(now_ms)
+  local rest = first and string.match(first, '|(.*)$') or info
+  return since .. (runner ~= '' and '@' .. runner or '') .. '|' .. rest
+end
