@@ -22,8 +22,7 @@ MODULE_LINES = 500
 FUNCTION_LINES = 60
 
 #: Modules over MODULE_LINES today, with their lines: each may only shrink.
-LONG_MODULES: dict[str, int] = {
-}
+LONG_MODULES: dict[str, int] = {}
 #: Functions over FUNCTION_LINES today ("module:qualified name"), with their lines (none).
 LONG_FUNCTIONS: dict[str, int] = {}
 #: Import cycles today, each as the sorted modules it runs through (none).
