@@ -13,6 +13,8 @@ capability at a time, sends them work and prints what the guard did:
 3. concurrency slots: a customer's webhooks run 2 at a time while the rest wait outside the
    queue (the ``dramatiq-guard inspect`` view of that moment), then the limit is raised to 4;
 4. idempotency ledger: a funds transfer sent twice moves the money once;
+5. throttle: six calls to a partner API allowed two starts per half second start two by two,
+   the rest parked until the window lets them in;
 
 then prints the ``dramatiq-guard inspect`` view of what is left, and cleans up. Every promise
 is checked as it goes: the tour exits 1 if one did not hold, 0 otherwise.
@@ -37,7 +39,7 @@ timeout. Some jobs hold until the tour lets them go (:func:`declare`'s ``hold``)
 can be watched while they run.
 
 The actors mirror the examples: ``authorizations.py`` (dedup), ``report.py`` (mutex),
-``webhooks.py`` (concurrency) and ``transfer.py`` (ledger).
+``webhooks.py`` (concurrency), ``transfer.py`` (ledger) and ``partner_api.py`` (throttle).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from typing import IO, Any
 import dramatiq
 import redis
 import sqlalchemy as sa
+from dramatiq.middleware import CurrentMessage
 
 import dramatiq_guard
 from dramatiq_guard import cli, events
@@ -89,6 +92,8 @@ TIMEOUT = 20.0
 
 CUSTOMER = 7
 DELIVERIES = 10
+#: The throttle's calls, and its window: 2 starts per THROTTLE_PERIOD_MS.
+CALLS, THROTTLE_PERIOD_MS = 6, 500
 accounts = sa.Table(
     "tour_accounts",
     sa.MetaData(),
@@ -216,6 +221,7 @@ class Actors:
     nightly_report: dramatiq.Actor[Any, Any]
     deliver_webhook: dramatiq.Actor[Any, Any]
     transfer: dramatiq.Actor[Any, Any]
+    call_partner: dramatiq.Actor[Any, Any]
 
 
 def declare(journal: Journal) -> Actors:
@@ -280,7 +286,26 @@ def declare(journal: Journal) -> Actors:
         journal.record("transfer", transfer_id=transfer_id)
         return {"transfer_id": transfer_id, "amount": amount}
 
-    return Actors(refresh_authorizations, rebuild_report, nightly_report, deliver_webhook, transfer)
+    # examples/partner_api.py: two starts per half second; each records when it started (the
+    # backend's clock, as the throttle counts it).
+    @dramatiq.actor(
+        queue_name=QUEUE,
+        max_retries=0,
+        throttle={"limit": 2, "period": THROTTLE_PERIOD_MS, "key": lambda n: "partner-api"},
+    )
+    def call_partner(n: int) -> None:
+        broker = dramatiq.get_broker()
+        throttle = next(m for m in broker.middleware if isinstance(m, dramatiq_guard.Throttle))
+        message = CurrentMessage.get_current_message()
+        assert message is not None
+        holder = throttle.holder_of(message)
+        state = throttle.backend(broker).inspect("throttle:partner-api")
+        [since] = [since for h, since, _ in state.holder_info if h == holder]
+        journal.record("throttle", n=n, since=since)
+
+    return Actors(
+        refresh_authorizations, rebuild_report, nightly_report, deliver_webhook, transfer, call_partner
+    )
 
 
 @dataclasses.dataclass
@@ -315,6 +340,7 @@ def build(redis_url: str | None, namespace: str, ledger_url: str) -> Setup:
         journal = RedisJournal(redis_broker.client, f"{namespace}:journal")
         broker = redis_broker
     middleware = dramatiq_guard.install(broker, redis=backend, ledger=ledger_url)
+    broker.add_middleware(CurrentMessage())  # the throttled actor reads its own start
     dramatiq.set_broker(broker)
     events.set_sink(JournalSink(journal))
     actors = declare(journal)
@@ -666,6 +692,21 @@ class Tour:
         say(f"   balances moved once: {moves}")
         say(f"   ledger row t-1: {record.state}, attempts {record.attempts}, result {record.result}")
 
+    # -- 5 -----------------------------------------------------------------------------------
+
+    def throttle(self) -> None:
+        say(f'5. Throttle: call_partner, 2 starts per {THROTTLE_PERIOD_MS} ms (key "partner-api")')
+        for n in range(CALLS):
+            self.actors.call_partner.send(n)
+        records = self.journal.take("throttle", CALLS)
+        starts = sorted(r["since"] for r in records)
+        expect(sorted(r["n"] for r in records) == list(range(CALLS)), f"not every call ran once: {records}")
+        crowded = [b - a for a, b in zip(starts, starts[2:], strict=False) if b - a < THROTTLE_PERIOD_MS]
+        expect(not crowded, f"3 starts within {THROTTLE_PERIOD_MS} ms: {starts}")
+        gaps = ", ".join(f"+{b - starts[0]} ms" for b in starts)
+        say(f"   {CALLS} sends at once: 2 started, the rest parked until the window let them in;")
+        say(f"   starts (on the guard's clock, from the first): {gaps}")
+
 
 def balances(engine: sa.Engine) -> dict[int, int]:
     with engine.connect() as conn:
@@ -759,6 +800,7 @@ def run(args: argparse.Namespace) -> None:
                 tour.mutex,
                 tour.concurrency,
                 lambda: tour.ledger(engine),
+                tour.throttle,
             ]
             for step in steps:
                 step()
