@@ -330,7 +330,7 @@ class RedisBackend(RedisStore):
         return results
 
     def due_keys(self) -> list[str]:
-        """On a standalone Redis, the index entries scored up to now (``_prelude.lua`` ``next_due``)."""
+        """On a standalone Redis, the index entries scored up to now (``_index.lua`` ``next_due``)."""
         if self._in_cluster():
             return self.waiting_keys()
         [due] = run_scripts(self.client, self.scripts, [(self.scripts["due"], [self._index], [])])
