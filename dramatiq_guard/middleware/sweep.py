@@ -2,12 +2,16 @@
 
 One thread per process and backend, shared by the guard middlewares that join it (docs/slots.md,
 "Waiters are never stranded"); each key it hands on is delivered by the middleware that claims it.
+Between passes it runs the timers of single keys (:meth:`Sweeper.at`: a throttle's window opening).
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import Protocol
 
 from dramatiq import Broker
@@ -34,6 +38,8 @@ class Sweepable(Protocol):
 
 
 Member = tuple[Sweepable, Broker]
+#: A key's timer: run on the sweep thread; answers in how many seconds to run again, or None.
+Fire = Callable[[], float | None]
 
 
 class Sweeper:
@@ -45,13 +51,61 @@ class Sweeper:
         self.members: dict[int, Member] = {}
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name="dramatiq-guard-sweep", daemon=True)
+        self._timers: list[tuple[float, str, Fire]] = []
+        self._armed: dict[str, float] = {}  # each key's earliest timer
+        self._lock = threading.Lock()
+        self._poke = threading.Event()
+
+    def at(self, key: str, in_s: float | None, fire: Fire) -> None:
+        """Run ``fire`` for ``key`` in ``in_s`` seconds (None: not), and again when it answers;
+        a key has one timer, the earliest asked."""
+        if in_s is None:
+            return
+        when = time.monotonic() + in_s
+        with self._lock:
+            if self._armed.get(key, float("inf")) <= when:
+                return
+            self._armed[key] = when
+            heapq.heappush(self._timers, (when, key, fire))
+        self._poke.set()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self._poke.set()
 
     def _run(self) -> None:
-        while not self.stop_event.wait(self.interval_s):
-            sweep_all(self.backend, list(self.members.values()))
-            # State the store lost since the last pass (docs/failure-model.md).
-            self.backend.watch(self.interval_s)
+        next_pass = time.monotonic() + self.interval_s
+        while not self.stop_event.is_set():
+            if time.monotonic() >= next_pass:
+                sweep_all(self.backend, list(self.members.values()))
+                # State the store lost since the last pass (docs/failure-model.md).
+                self.backend.watch(self.interval_s)
+                next_pass = time.monotonic() + self.interval_s
+            for key, fire in self._due():
+                self._fire(key, fire)
+            with self._lock:
+                wake = min(next_pass, self._timers[0][0]) if self._timers else next_pass
+            self._poke.wait(max(0.0, wake - time.monotonic()))
+            self._poke.clear()
         self.backend.stop_watching()  # again, if a pass ran after leave_sweep's
+
+    def _due(self) -> list[tuple[str, Fire]]:
+        now, due = time.monotonic(), []
+        with self._lock:
+            while self._timers and self._timers[0][0] <= now:
+                when, key, fire = heapq.heappop(self._timers)
+                if self._armed.get(key) == when:  # else re-armed earlier since
+                    del self._armed[key]
+                    due.append((key, fire))
+        return due
+
+    def _fire(self, key: str, fire: Fire) -> None:
+        try:
+            again = fire()
+        except Exception:
+            logger.warning("The timer of %r failed; the sweep hands its key on.", key, exc_info=True)
+            return
+        self.at(key, again, fire)
 
 
 def sweep_all(backend: GuardBackend, members: list[Member], *, waiting: bool = False) -> None:
@@ -110,7 +164,7 @@ def leave_sweep(middleware: Sweepable, sweeper: Sweeper | None) -> None:
         sweeper.members.pop(id(middleware), None)
         stopped = not sweeper.members
         if stopped:
-            sweeper.stop_event.set()
+            sweeper.stop()
             if _sweepers.get(id(sweeper.backend)) is sweeper:
                 del _sweepers[id(sweeper.backend)]
     if stopped:

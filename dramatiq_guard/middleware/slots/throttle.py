@@ -4,16 +4,15 @@ A throttle is a slot key whose lease is the window: a start holds a place until 
 is never released by the job's end and never renewed, so "at most N holders" is "at most N starts
 in any window" (docs/flow-control-design.md). A retry is a new start: its holder id carries its
 retry count. Over the limit a message parks, as with ``concurrency``; a place that opens is handed
-to the oldest waiter by the next operation on the key, by this process's timer for the key (armed
-when a message parks, for the moment the oldest start lapses), or by the sweep.
+to the oldest waiter by the next operation on the key, or by a worker's sweep thread, which looks
+at a key with starts at the moment its oldest start lapses (:meth:`.Sweeper.at`), and at every
+key that is due each pass.
 """
 
 from __future__ import annotations
 
-import heapq
+import functools
 import logging
-import threading
-import time
 from typing import Any
 
 from dramatiq import Broker, Message
@@ -43,10 +42,6 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
 
     policy_class = ThrottlePolicy
     prefix = "throttle"
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._timers = _KeyTimers(self._sweep_key)
 
     def on_busy(self, policy: ThrottlePolicy) -> OnBusy:
         return "park"
@@ -82,7 +77,7 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
                 logger.warning(
                     "Could not count %s's start on %r from now; it counts from its hand-off.", message, key
                 )
-        self._timers.arm(broker, key, guard.policy.period_ms / 2000)  # early: standbys go ahead
+        self._arm(broker, key, guard.policy.period_ms / 2000)  # early: standbys go ahead
 
     def _finish(self, broker: Broker, message: MessageProxy) -> None:
         with self._inflight_lock:
@@ -97,10 +92,8 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
             return super().before_push(broker, message, delay, holds=holds)
         except Diverted as diverted:
             guard = self.guard_of(message)
-            if diverted.outcome is Outcome.PARKED and guard is not None and self._worker is not None:
-                self._timers.arm(
-                    broker, self.guard_key_of(guard, message), self._opens_in(broker, guard, message)
-                )
+            if diverted.outcome is Outcome.PARKED and guard is not None and self._sweeper is not None:
+                self._arm(broker, self.guard_key_of(guard, message), self._opens_in(broker, guard, message))
             raise
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
@@ -111,7 +104,7 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
             not_run = execution_state(message).data.get(self.option)
             guard = self.guard_of(message)
             if isinstance(not_run, NotRun) and not_run.reason == "parked" and guard is not None:
-                self._timers.arm(broker, not_run.key, self._opens_in(broker, guard, message))
+                self._arm(broker, not_run.key, self._opens_in(broker, guard, message))
             raise
 
     def _opens_in(
@@ -156,63 +149,7 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
         except BackendUnavailable:
             return None
 
-    def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
-        self._timers.stop()
-        super().before_worker_shutdown(broker, worker)
-
-
-class _KeyTimers:
-    """One timer per key in this process, on one thread: ``fire(broker, key)`` at its time, again
-    at the time it answers (None: not again)."""
-
-    def __init__(self, fire: Any) -> None:
-        self._fire = fire
-        self._heap: list[tuple[float, str, Broker]] = []
-        self._armed: dict[str, float] = {}
-        #: The keys a message of parked in this process, while they have waiters.
-        self.keys: set[str] = set()
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stopped = False
-
-    def arm(self, broker: Broker, key: str, in_s: float | None) -> None:
-        if in_s is None:
-            self.keys.discard(key)
-            return
-        self.keys.add(key)
-        at = time.monotonic() + in_s
-        with self._cond:
-            if self._armed.get(key, float("inf")) <= at:
-                return
-            self._armed[key] = at
-            heapq.heappush(self._heap, (at, key, broker))
-            if self._thread is None or not self._thread.is_alive():
-                self._stopped = False
-                self._thread = threading.Thread(target=self._run, name="dramatiq-guard-throttle", daemon=True)
-                self._thread.start()
-            self._cond.notify()
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._heap.clear()
-            self._armed.clear()
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
-                    self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
-                if self._stopped:
-                    return
-                at, key, broker = heapq.heappop(self._heap)
-                if self._armed.get(key) != at:
-                    continue  # re-armed earlier since
-                del self._armed[key]
-            try:
-                again = self._fire(broker, key)
-            except Exception:
-                logger.exception("The throttle timer of %r failed; the sweep hands its places on.", key)
-                again = None
-            self.arm(broker, key, again)
+    def _arm(self, broker: Broker, key: str, in_s: float | None) -> None:
+        """Have this worker's sweep thread look at ``key`` in ``in_s`` seconds (not elsewhere)."""
+        if self._sweeper is not None:
+            self._sweeper.at(key, in_s, functools.partial(self._sweep_key, broker, key))
