@@ -99,3 +99,17 @@ def test_no_argument_hides_a_shared_name() -> None:
     names = {name.strip() for line in top_level for name in line.split(",")}
     for name, layout in LAYOUTS.items():
         assert not names & {*layout.args, *layout.each_args}, name
+
+
+def test_a_push_reads_the_queue_keys_the_backend_passes_after_a_scripts_own(redisdb: redis.Redis) -> None:
+    """``more_keys`` (a RedisBroker queue's list and hash): after ``keys``; a per-key script's after the
+    index keys, where :meth:`RedisBackend.reserve_and_enqueue` puts them; ``PUSH_FROM``: after the args."""
+    for name in ("lock", "acquire"):
+        layout = LAYOUTS[name]
+        leading = [f"lead{i}" for i in range(len(CallArgs._fields))] if layout.per_key else []
+        fields = [*KeyNames._fields, "X", "LIMITS"] if layout.per_key else layout.keys
+        keys = [*(f"{{t}}:{field}" for field in fields), "queue", "queue.msgs"]
+        argv = [*leading, *layout.args, "push-id"]
+        code = lua_constants() + (lua_binding() if layout.per_key else "") + lua_prologue(name)
+        code += f"return {{{', '.join(layout.more_keys)}, ARGV[PUSH_FROM]}}"
+        assert _text(redisdb.eval(code, len(keys), *keys, *argv)) == ["queue", "queue.msgs", "push-id"], name

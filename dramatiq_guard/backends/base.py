@@ -170,7 +170,8 @@ class GuardBackend(abc.ABC):
         return dataclasses.replace(result, token=None)
 
     def enqueues_on(self, broker: Any) -> bool:
-        """Whether :meth:`lock_and_enqueue` can push to ``broker`` (default: never).
+        """Whether :meth:`lock_and_enqueue` and :meth:`reserve_and_enqueue` can push to ``broker``
+        (default: never).
 
         Checked once per broker; a backend that can says why not in a warning when it cannot.
         """
@@ -188,6 +189,18 @@ class GuardBackend(abc.ABC):
           AcquireResult|None: As :meth:`try_lock` (acquired: the message is enqueued; refused:
           nothing was written), or None when the backend could not decide in one step: nothing
           was written, take the lock with :meth:`try_lock` and push as usual.
+        """
+        return None
+
+    def reserve_and_enqueue(self, stake: Stake, push: Enqueue) -> AcquireResult | None:
+        """:meth:`acquire` of a message at send, parked with ``push.data`` if refused; if it acquires,
+        the broker's push of ``push`` in the same atomic step (nothing is pushed otherwise).
+
+        Only called where :meth:`enqueues_on` said yes, for a new holder (no generation).
+
+        Returns:
+          AcquireResult|None: As :meth:`acquire` (acquired: the message is enqueued), or None
+          when the backend could not decide in one step: nothing was written, acquire and push as usual.
         """
         return None
 

@@ -96,22 +96,8 @@ class RedisBackend(RedisStore):
         )
 
     def acquire(self, stake: Stake, wait: Waiter | None = None) -> AcquireResult:
-        check_acquire(stake, wait)
+        own = self._acquire_args(stake, wait)
         key = stake.key
-        self.check_payload(key, stake.holder, wait)
-        if wait is not None:
-            self._check_waiter(stake.holder)
-        own = layout.AcquireArgs(
-            holder=stake.holder,
-            ttl_ms=stake.ttl_ms,
-            mode="" if wait is None else "park" if wait.payload is not None else "block",
-            payload=b"" if wait is None or wait.payload is None else wait.payload,
-            wait_ms=0 if wait is None else wait.wait_ms,
-            info=stake.info or "",
-            generation="" if stake.generation is None else stake.generation,
-            fenced="1" if stake.fenced else "0",
-            runner=stake.runner or "",
-        )
         sent = time.monotonic()  # the result's valid_from: Redis counts the ttl from later
         if wait is not None and self._in_cluster():  # the index entry first, in the same round trip
             [reply] = run_scripts(
@@ -124,6 +110,41 @@ class RedisBackend(RedisStore):
         else:
             reply = self._run(key, stake.limit, own)
         return self._acquire_reply(key, reply, sent)
+
+    def reserve_and_enqueue(self, stake: Stake, push: Enqueue) -> AcquireResult | None:
+        """``lua/acquire.lua`` with the push (on a standalone Redis only: the queue is in another slot)."""
+        own = self._acquire_args(stake, Waiter(payload=push.data))
+        if self._in_cluster():
+            return None
+        key = stake.key
+        script, keys, args = self._script_call(key, stake.limit, own)
+        keys += [self._limits_index, *redis_enqueue.queue_keys(push.broker, push.queue_name)]
+        sent = time.monotonic()
+        reply = self._call(script, keys, [*args, push.message_id])
+        return self._acquire_reply(key, reply, sent)
+
+    def _acquire_args(self, stake: Stake, wait: Waiter | None) -> layout.AcquireArgs:
+        """acquire.lua's own arguments, checked.
+
+        Raises:
+          ValueError: See :meth:`GuardBackend.acquire`.
+          PayloadTooLarge: If ``wait.payload`` is over :attr:`max_payload_bytes`.
+        """
+        check_acquire(stake, wait)
+        self.check_payload(stake.key, stake.holder, wait)
+        if wait is not None:
+            self._check_waiter(stake.holder)
+        return layout.AcquireArgs(
+            holder=stake.holder,
+            ttl_ms=stake.ttl_ms,
+            mode="" if wait is None else "park" if wait.payload is not None else "block",
+            payload=b"" if wait is None or wait.payload is None else wait.payload,
+            wait_ms=0 if wait is None else wait.wait_ms,
+            info=stake.info or "",
+            generation="" if stake.generation is None else stake.generation,
+            fenced="1" if stake.fenced else "0",
+            runner=stake.runner or "",
+        )
 
     def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:
         """``lua/lock.lua`` decides a free key and one held by another; the rest goes to :meth:`acquire`."""
@@ -150,7 +171,8 @@ class RedisBackend(RedisStore):
             reason = redis_enqueue.probe(broker, functools.partial(self._probe_push, broker))
         if reason is not None:
             redis_enqueue.logger.warning(
-                "dramatiq-guard: a dedup lock and its push take two steps on this broker: %s.", reason
+                "dramatiq-guard: a send's guard decision and its push take two steps on this broker: %s.",
+                reason,
             )
         self._enqueues[id(broker)] = (broker, reason is None)
         return reason is None

@@ -182,6 +182,10 @@ SCRIPTS: dict[Any, str] = {
 #: Every script's layout, by name.
 LAYOUTS: dict[str, Layout] = {
     **{name: Layout(args=args._fields, per_key=True) for args, name in SCRIPTS.items()},
+    # With a push (a RedisBroker queue's list and message hash), a reservation at send enqueues.
+    "acquire": Layout(
+        args=AcquireArgs._fields, per_key=True, rest="push", more_keys=("QUEUE", "QUEUE_MESSAGES")
+    ),
     "lock": Layout(
         args=LockArgs._fields,
         keys=("holders", "waiters", "reserved", "limit", "token", "info"),
@@ -246,8 +250,9 @@ def lua_prologue(name: str) -> str:
     if layout.keys:
         letters = ", ".join(LETTERS[key] for key in layout.keys)
         lines.append(f"local {letters} = unpack(KEYS, 1, {len(layout.keys)})\n")
-    if layout.more_keys:
-        more, at = ", ".join(layout.more_keys), len(layout.keys) + 1
+    if layout.more_keys:  # a per-key script's come after the index keys (INDEX_KEYS)
+        at = len(KeyNames._fields) + len(INDEX_KEYS) + 1 if layout.per_key else len(layout.keys) + 1
+        more = ", ".join(layout.more_keys)
         lines.append(f"local {more} = unpack(KEYS, {at}, {at + len(layout.more_keys) - 1})\n")
     if layout.args:
         lines.append(

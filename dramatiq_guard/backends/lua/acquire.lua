@@ -6,6 +6,9 @@
 -- its place), 'stale' (not the generation that may start) or 'running' (held or blocked on for
 -- another runner: a second copy; lapses_in_ms says when that entry lapses); holders: when refused,
 -- the first HOLDERS_SHOWN live holders. 'stale' and 'running' did nothing.
+-- With a push (QUEUE, QUEUE_MESSAGES: a RedisBroker queue's list and message hash; ARGV from
+-- PUSH_FROM: its message id), a send's reservation enqueues its message (the park payload) as
+-- Dramatiq's enqueue does, in the same step (GuardBackend.reserve_and_enqueue); nothing else does.
 local refused = validate_args(
   { 'ttl_ms', ttl_ms, 1, MAX_DURATION_MS },
   { 'wait_ms', wait_ms, 0, MAX_DURATION_MS },
@@ -82,6 +85,10 @@ if acquired then
   if fences then
     token = next_token()
     META_AT = store_token()
+  end
+  if QUEUE then
+    redis.call('HSET', QUEUE_MESSAGES, ARGV[PUSH_FROM], payload)
+    redis.call('RPUSH', QUEUE, ARGV[PUSH_FROM])
   end
 elseif mode ~= '' then
   local added = enqueue(holder)

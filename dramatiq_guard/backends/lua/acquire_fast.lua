@@ -46,6 +46,10 @@ do
         if raised or fences then
           redis.call('PEXPIREAT', I, latest)
         end
+        if QUEUE then -- a reservation at send, with its push (acquire.lua's header)
+          redis.call('HSET', QUEUE_MESSAGES, ARGV[PUSH_FROM], payload)
+          redis.call('RPUSH', QUEUE, ARGV[PUSH_FROM])
+        end
         return { 1, token, limit, '', {}, {} }
       end
     end

@@ -20,10 +20,11 @@ from dramatiq_guard import events
 from dramatiq_guard.backends.base import Handoff, ReleaseResult
 from dramatiq_guard.claim import Claim
 from dramatiq_guard.delivery import Courier, generation_of, keep_polling
+from dramatiq_guard.gate import gate_for
 from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware
 from dramatiq_guard.middleware.slots.limits import KeyDirectory
 from dramatiq_guard.middleware.slots.releases import ContendedKeys, Releaser
-from dramatiq_guard.middleware.slots.reservation import ReservationTicket, reserve_or_park
+from dramatiq_guard.middleware.slots.reservation import OneStepReservation, ReservationTicket, reserve_or_park
 from dramatiq_guard.middleware.slots.standbys import Standbys
 from dramatiq_guard.middleware.sweep import Sweeper
 from dramatiq_guard.policies import ConcurrencyPolicy, MutexPolicy, OnBusy, ThrottlePolicy, duration_ms
@@ -38,6 +39,8 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
     prefix: ClassVar[str]
     #: Slots decide after deduplication (10) in the enqueue gate.
     gate_priority = 20
+    #: Whether a send may reserve (or park) and push in one step (:class:`.OneStepReservation`).
+    one_step_sends: ClassVar[bool] = True
 
     def __init__(  # `redis` goes on to GuardMiddleware in **kwargs
         self,
@@ -69,6 +72,7 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         self._releaser: Releaser | None = None
         self._worker: Worker | None = None  # this process's, once it boots (see keep_polling)
         self._contended = ContendedKeys()
+        self._alone: dict[str, bool] = {}  # per actor: whether this is its only enqueue-time guard
 
     @abc.abstractmethod
     def on_busy(self, policy: P) -> OnBusy:
@@ -133,7 +137,7 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
 
     def before_push(
         self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None = None
-    ) -> ReservationTicket | None:
+    ) -> ReservationTicket | OneStepReservation | None:
         """Reserve a slot for ``message``, or park it if its key is full (see :mod:`.reservation`).
 
         A delayed message is decided when it comes due; a hand-off going back
@@ -154,7 +158,21 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
             info=message.actor_name, generation=generation_of(message, key), backend=self.backend(broker),
         )  # fmt: skip
         deliver = functools.partial(self.deliver, broker)
+        if holds is None and self._in_one_step(broker, claim, guard):
+            return OneStepReservation(broker, claim, message, deliver)
         return reserve_or_park(claim, message, deliver, fail_open_allowed=guard.policy.fail_open)
+
+    def _in_one_step(self, broker: Broker, claim: Claim, guard: ActorGuard[P]) -> bool:
+        """Whether the reservation (or park) of a new message and its push go in one step: this kind of
+        guard sends so, its policy fails closed, the backend can, and no other guard decides about the
+        actor's sends (a copy of a hand-off, with its generation, takes two)."""
+        if not self.one_step_sends or claim.generation is not None or guard.policy.fail_open:
+            return False
+        actor_name = guard.actor_name
+        alone = self._alone.get(actor_name)
+        if alone is None:
+            alone = self._alone[actor_name] = gate_for(broker).sole_guard(actor_name, self)
+        return alone and claim.backend.enqueues_on(broker)
 
     # -- hand-offs ------------------------------------------------------------
 

@@ -1,16 +1,24 @@
 """Enqueue time: a message that finds a free slot reserves it for ``pickup_ttl``; one that finds
-the key full parks (docs/slots.md, "Parking")."""
+the key full parks (docs/slots.md, "Parking").
+
+Where the backend can (a RedisBroker on the guard's Redis) and the slots guard is the actor's
+only enqueue-time guard, the reservation and the broker's push are one script
+(:class:`OneStepReservation`); elsewhere the reservation, then the broker's push
+(:func:`reserve_or_park`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from dramatiq import Message
+from dramatiq import Broker, Message
 
 from dramatiq_guard import events
-from dramatiq_guard.backends.base import Waiter
-from dramatiq_guard.backends.values import AcquireOutcome
+from dramatiq_guard.backends.base import AcquireResult, Waiter
+from dramatiq_guard.backends.values import AcquireOutcome, Enqueue
 from dramatiq_guard.claim import Claim, Deliver
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.gate import Diverted, Outcome
@@ -38,11 +46,17 @@ class ReservationTicket:
 
 
 def reserve_or_park(
-    claim: Claim, message: Message[Any], deliver: Deliver, *, fail_open_allowed: bool
+    claim: Claim,
+    message: Message[Any],
+    deliver: Deliver,
+    *,
+    fail_open_allowed: bool,
+    payload: bytes | None = None,
 ) -> ReservationTicket | None:
     """Reserve a slot of the claimed key for ``message``, or park it if the key is full.
 
     ``claim`` carries the copy's generation: a stale copy of a hand-off never starts.
+    ``payload``: what parks (default: ``message`` encoded).
 
     Raises:
       Diverted: The message was parked (``Outcome.PARKED``): ``send()`` returns it; or it is a
@@ -50,20 +64,36 @@ def reserve_or_park(
       GuardError: The backend is unavailable (unless ``fail_open``).
     """
     try:
-        result = claim.acquire(Waiter(payload=message.encode()))
+        result = claim.acquire(Waiter(payload=message.encode() if payload is None else payload))
     except BackendUnavailable as e:
-        if claim.generation is None:
-            # What the acquire may have done is taken back, so no retry or unguarded push runs
-            # beside a parked copy; a copy of a hand-off keeps its entry (it may be its only place).
-            undone = claim.take_back()
-            if undone is not None:
-                deliver(undone.handoffs)
-        fail_open(fail_open_allowed, e, f"{message} is enqueued unguarded")
+        _unavailable(claim, message, deliver, e, fail_open_allowed)
         return None
+    return ReservationTicket(claim, deliver) if _reserved(claim, message, result, deliver) else None
+
+
+def _unavailable(
+    claim: Claim, message: Message[Any], deliver: Deliver, error: BackendUnavailable, allowed: bool
+) -> None:
+    """The acquire raised: take back what it may have done, then fail closed (or, if ``allowed``, open)."""
+    if claim.generation is None:
+        # What the acquire may have done is taken back, so no retry or unguarded push runs
+        # beside a parked copy; a copy of a hand-off keeps its entry (it may be its only place).
+        undone = claim.take_back()
+        if undone is not None:
+            deliver(undone.handoffs)
+    fail_open(allowed, error, f"{message} is enqueued unguarded")
+
+
+def _reserved(claim: Claim, message: Message[Any], result: AcquireResult, deliver: Deliver) -> bool:
+    """Whether the acquire reserved a slot (False: another copy runs, this one goes without one).
+
+    Raises:
+      Diverted: Parked, or a stale copy (see :func:`reserve_or_park`).
+    """
     deliver(result.handoffs)
     match result.outcome:
         case AcquireOutcome.ACQUIRED:
-            return ReservationTicket(claim, deliver)
+            return True
         case AcquireOutcome.QUEUED | AcquireOutcome.STANDBY:
             logger.debug("Parked %s at enqueue: %r is full (limit %d).", message, claim.key, result.limit)
             events.parked(message.actor_name)
@@ -79,4 +109,49 @@ def reserve_or_park(
         case _:  # RUNNING (BUSY does not happen: a refusal with a waiter queues)
             # Another copy of the message holds the key (it runs): this one goes to the
             # broker without a slot, and its worker defers it until that copy is done.
-            return None
+            return False
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class OneStepReservation:
+    """A send's reservation taken with the broker's push in one step, or its park
+    (:meth:`GuardBackend.reserve_and_enqueue`); where the backend cannot decide in one step,
+    :func:`reserve_or_park` and the broker's own push. Only for a new message (no generation)
+    whose policy fails closed."""
+
+    broker: Broker
+    claim: Claim
+    message: Message[Any]
+    deliver: Deliver
+    two_steps: ReservationTicket | None = None
+
+    def enqueue(
+        self, queue_name: str, message_id: str, data: bytes, push: Callable[[str, str, bytes], Any]
+    ) -> None:
+        """Reserve and push ``data``, or park it (raises :class:`Diverted`); ``data`` is the park payload."""
+        claim, message = self.claim, self.message
+        try:
+            one = Enqueue(self.broker, queue_name, message_id, data)
+            result = claim.backend.reserve_and_enqueue(claim, one)
+        except BackendUnavailable as e:
+            _unavailable(claim, message, self.deliver, e, allowed=False)
+            raise  # not reached: it fails closed
+        if result is None:
+            self.two_steps = reserve_or_park(
+                claim, message, self.deliver, fail_open_allowed=False, payload=data
+            )
+            push(queue_name, message_id, data)
+        elif not _reserved(claim, message, result, self.deliver):
+            push(queue_name, message_id, data)  # another copy runs: pushed without a slot
+
+    def pushed(self) -> None:
+        """On the broker: the slot waits for it to start."""
+
+    def parked(self) -> None:
+        """Parked by its own enqueue (the only guard): nothing to undo."""
+
+    def failed(self) -> None:
+        """Not pushed: a slot reserved in two steps is given back. In one step, the reservation and
+        the push happened together (or neither did), and stay together."""
+        if self.two_steps is not None:
+            self.two_steps.failed()

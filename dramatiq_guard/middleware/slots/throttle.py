@@ -25,7 +25,7 @@ from dramatiq_guard.gate import Diverted, Outcome
 from dramatiq_guard.middleware.base import ActorGuard, ExecutionState, execution_state
 from dramatiq_guard.middleware.slots.execution import NotRun
 from dramatiq_guard.middleware.slots.middleware import SlotsMiddleware
-from dramatiq_guard.middleware.slots.reservation import ReservationTicket
+from dramatiq_guard.middleware.slots.reservation import OneStepReservation, ReservationTicket
 from dramatiq_guard.policies import OnBusy, ThrottlePolicy
 
 logger = logging.getLogger("dramatiq_guard.middleware.slots")
@@ -42,6 +42,8 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
 
     policy_class = ThrottlePolicy
     prefix = "throttle"
+    #: A park at send arms the key's timer in a worker (:meth:`before_push`): sends take two steps.
+    one_step_sends = False
 
     def on_busy(self, policy: ThrottlePolicy) -> OnBusy:
         return "park"
@@ -85,7 +87,7 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
 
     def before_push(
         self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None = None
-    ) -> ReservationTicket | None:
+    ) -> ReservationTicket | OneStepReservation | None:
         """Reserve a place in the window for ``message``, or park it (in a worker process, arming the
         key's timer: a producer leaves the hand-offs to the workers, whose pickups are prompt)."""
         try:
