@@ -272,3 +272,26 @@ def test_producers_killed_mid_burst_leave_every_message_with_its_lock_and_no_loc
     held = {k.decode().split("{", 1)[1].rsplit("}", 1)[0] for k in locks(redisdb)}
     assert held == keys  # every message has its lock, and no lock is alone
     assert redisdb.llen("dramatiq:burst") == len(messages)
+
+
+def test_a_probe_that_cannot_reach_redis_fails_the_send_closed_and_is_asked_again(
+    redis_broker: RedisBroker, redisdb: redis.Redis, hooks: Hooks, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @dramatiq.actor(dedup="until_executed", queue_name="default")
+    def job(n: int) -> None: ...
+
+    fetch = redis_broker.do_fetch
+
+    def unreachable(*args: Any) -> Any:
+        raise redis.ConnectionError("Connection refused")
+
+    monkeypatch.setattr(redis_broker, "do_fetch", unreachable, raising=False)
+    with pytest.raises(dramatiq_guard.BackendUnavailable):
+        job.send(1)
+    assert queued(redisdb) == 0 and not locks(redisdb)  # nothing of the failed send is left
+    monkeypatch.setattr(redis_broker, "do_fetch", fetch, raising=False)
+    job.send(1)  # probed again: one step from now on
+    redisdb.config_resetstat()
+    job.send(2)
+    counts = calls(redisdb)
+    assert counts.get("fcall", 0) + counts.get("evalsha", 0) == 1 and queued(redisdb) == 2

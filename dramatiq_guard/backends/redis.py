@@ -168,7 +168,8 @@ class RedisBackend(RedisStore):
             return False
         reason = redis_enqueue.unknown_layout()
         if reason is None:
-            reason = redis_enqueue.probe(broker, functools.partial(self._probe_push, broker))
+            with reachable():  # unreachable: raised, and asked again on the next send
+                reason = redis_enqueue.probe(broker, functools.partial(self._probe_push, broker))
         if reason is not None:
             redis_enqueue.logger.warning(
                 "dramatiq-guard: a send's guard decision and its push take two steps on this broker: %s.",

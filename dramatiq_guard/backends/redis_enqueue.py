@@ -15,7 +15,10 @@ import uuid
 from typing import Any
 
 import dramatiq
+import redis
 from dramatiq import Broker, Message
+
+from dramatiq_guard.errors import BackendUnavailable
 
 logger = logging.getLogger("dramatiq_guard.backends.redis")
 
@@ -63,6 +66,9 @@ def probe(broker: Any, push: Any) -> str | None:
 
     ``push(queue_name, message_id, data)`` writes one message the one-step way. Returns None if
     the broker handled both like its own, else what went wrong. Leaves nothing behind.
+
+    Raises:
+      BackendUnavailable: Redis could not be reached: nothing was learnt (ask again later).
     """
     queue = f"dramatiq-guard-probe-{uuid.uuid4().hex}"
     keys = [*queue_keys(broker, queue), *queue_keys(broker, f"{queue}.XQ")]
@@ -80,6 +86,8 @@ def probe(broker: Any, push: Any) -> str | None:
         if not broker.client.hexists(keys[3], rid):
             return "the broker's nack did not dead-letter the message"
         return None
+    except (BackendUnavailable, redis.ConnectionError, redis.TimeoutError):
+        raise
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     finally:
