@@ -355,7 +355,8 @@ class OracleBackend(GuardBackend):
                             # copy on the broker may start, this one included if delivered again,
                             # and a late confirmation does not take the entry out). With no record
                             # before, it is kept for this copy only, until the broker acks it.
-                            only_parked = holder not in guard.live
+                            # Not at the gate (no runner): no broker acks that copy, it may come back.
+                            only_parked = holder not in guard.live and bool(runner)
                             guard.live[holder] = (_REPARKED, now + self.stale_ttl_ms, only_parked)
                 entry.info = (info or None) if entry.ready else None
                 entry.runner = runner if entry.ready else None

@@ -47,11 +47,10 @@ def backend(request: pytest.FixtureRequest) -> GuardBackend:
 
 
 def park_a_picked_up_copy(backend: GuardBackend) -> None:
-    """'h' holds KEY (limit 1); the copy of 'm' a worker picked up parks."""
+    """'h' holds KEY (limit 1); the copy of 'm' a worker (a runner) picked up parks."""
     assert backend.acquire(Stake(KEY, "h", limit=1, ttl_ms=60_000)).acquired
-    parked = backend.acquire(
-        Stake(KEY, "m", limit=1, ttl_ms=60_000, generation=ORIGINAL_GENERATION), wait=Waiter(payload=b"m")
-    )
+    picked_up = Stake(KEY, "m", limit=1, ttl_ms=60_000, generation=ORIGINAL_GENERATION, runner="worker")
+    parked = backend.acquire(picked_up, wait=Waiter(payload=b"m"))
     assert parked.parked
     assert records(backend) == ["m"]
 
@@ -90,6 +89,23 @@ def test_without_the_ack_the_record_stays_and_the_copy_delivered_again_never_sta
     again = backend.acquire(Stake(KEY, "m", limit=1, ttl_ms=60_000, generation=ORIGINAL_GENERATION))
     assert again.stale and not again.acquired
     assert records(backend) == ["m"]
+
+
+def test_a_copy_parked_at_the_enqueue_gate_keeps_a_record_no_ack_takes(backend: GuardBackend) -> None:
+    """A standby's copy that another guard parked on its way comes back to the gate and parks. No
+    broker acks it, and it may come back again (that guard's hand-off of it failed): its record
+    is no parked copy's, and stays for ``stale_ttl_ms`` (found by tests/test_model.py)."""
+    assert backend.acquire(Stake(KEY, "h", limit=1, ttl_ms=60_000)).acquired
+    assert backend.acquire(Stake(KEY, "m", limit=1, ttl_ms=60_000), wait=Waiter(payload=b"m")).parked
+    _, [sent] = backend.send_standbys(KEY, limit=1, count=1)
+    assert sent.waiter_id == "m" and sent.generation is not None
+    at_the_gate = Stake(KEY, "m", limit=1, ttl_ms=60_000, generation=sent.generation)  # no runner
+    assert backend.acquire(at_the_gate, wait=Waiter(payload=b"m")).parked
+    assert records(backend) == ["m"]
+    hand_off_and_run(backend)
+    assert not backend.forget_parked_copy(KEY, "m")
+    assert records(backend) == ["m"]
+    assert backend.acquire(at_the_gate, wait=Waiter(payload=b"m")).stale  # it came back again
 
 
 @pytest.fixture

@@ -109,7 +109,8 @@ elseif mode ~= '' then
     if generation ~= '' then
       -- A copy from the broker parked in its place: no copy on the broker may start any more
       -- (docs/contract.md, Generations); a new record is kept for this copy only (forget_copy.lua).
-      set_live_generation(holder, 'parked', not live)
+      -- Not at the gate (no runner): no broker acks that copy, and it may come back (never '~').
+      set_live_generation(holder, 'parked', not live and runner ~= '')
     end
   else
     set_ready(holder, NOW + tonumber(wait_ms), runner)
