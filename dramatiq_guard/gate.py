@@ -118,13 +118,18 @@ class EnqueueGate:
 
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
         """The wrapped ``broker.enqueue``."""
-        if isinstance(message, Message):
-            actor_name = message.actor_name
-            for guard in self.guards:
-                if guard.guards_actor(actor_name):
-                    return self.admit(message, delay=delay).message
-        # Not a message any guard here guards: a dict lookup per guard, then the plain push.
-        return self.original(message, delay=delay)
+        local = self._local
+        depth = local.depth = getattr(local, "depth", 0) + 1  # a hook may enqueue inside this one
+        try:
+            if isinstance(message, Message):
+                actor_name = message.actor_name
+                for guard in self.guards:
+                    if guard.guards_actor(actor_name):
+                        return self.admit(message, delay=delay).message
+            # Not a message any guard here guards: a dict lookup per guard, then the plain push.
+            return self.original(message, delay=delay)
+        finally:
+            local.depth = depth - 1
 
     def admit(
         self, message: Message[Any], *, delay: int | None = None, holds: str | None = None
@@ -154,9 +159,10 @@ class EnqueueGate:
             raise
 
         one_step = [cast(OneStepTicket, t) for t in tickets if hasattr(t, "enqueue")]
+        outer = getattr(self._local, "ticket", None)  # an enqueue this one runs inside of
         if one_step:
             self._take_pushes()
-            self._local.ticket = one_step[0]
+            self._local.ticket = (getattr(self._local, "depth", 0), one_step[0])
         try:
             enqueued = self.original(message, delay=delay)
         except Diverted as diverted:  # raised by a one-step ticket's push
@@ -166,7 +172,7 @@ class EnqueueGate:
             _settle(tickets, Outcome.DROPPED)
             raise
         finally:
-            self._local.ticket = None
+            self._local.ticket = outer
         _settle(tickets, Outcome.PUSHED)
         return Admission(enqueued, Outcome.PUSHED)
 
@@ -178,11 +184,14 @@ class EnqueueGate:
 
     def _push(self, queue_name: str, message_id: str, data: bytes) -> Any:
         """The broker's push: a one-step ticket's, if this thread's enqueue has one, else its own."""
-        ticket, self._local.ticket = getattr(self._local, "ticket", None), None
+        held: tuple[int, OneStepTicket] | None = getattr(self._local, "ticket", None)
         assert self._push_original is not None
-        if ticket is None:
+        # The ticket's own enqueue only: a message a hook sends inside it (one level deeper) pushes
+        # as usual.
+        if held is None or held[0] != getattr(self._local, "depth", 0):
             return self._push_original(queue_name, message_id, data)
-        return ticket.enqueue(queue_name, message_id, data, self._push_original)
+        self._local.ticket = None
+        return held[1].enqueue(queue_name, message_id, data, self._push_original)
 
 
 def _settle(tickets: list[PushTicket], outcome: Outcome) -> None:

@@ -295,3 +295,26 @@ def test_a_probe_that_cannot_reach_redis_fails_the_send_closed_and_is_asked_agai
     job.send(2)
     counts = calls(redisdb)
     assert counts.get("fcall", 0) + counts.get("evalsha", 0) == 1 and queued(redisdb) == 2
+
+
+def test_a_message_another_middleware_sends_in_its_before_enqueue_keeps_its_own_push(
+    redis_broker: RedisBroker, redisdb: redis.Redis, hooks: Hooks
+) -> None:
+    @dramatiq.actor(queue_name="audit")
+    def audit(message_id: str) -> None: ...
+
+    class Auditing(Middleware):
+        def before_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
+            if message.actor_name == "job":
+                audit.send(message.message_id)  # pushed inside the guarded message's enqueue
+
+    redis_broker.add_middleware(Auditing())
+
+    @dramatiq.actor(dedup="until_executed", queue_name="default")
+    def job(n: int) -> None: ...
+
+    first = job.send(1)
+    assert deduplicated_by(job.send(1)) == first.message_id
+    assert queued(redisdb) == 1 and queued(redisdb, "audit") == 2  # each its own, the duplicate's too
+    [data] = redisdb.hvals("dramatiq:default.msgs")
+    assert first.message_id.encode() in data and len(locks(redisdb)) == 1
