@@ -20,6 +20,8 @@ import redis
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.middleware import Middleware, Retries
 from harness import wait_until
+from harness.one_step import EnqueueHooks as Hooks
+from harness.one_step import command_counts as calls
 
 import dramatiq_guard
 from dramatiq_guard.backends import redis_enqueue
@@ -28,32 +30,12 @@ from dramatiq_guard.middleware.dedup import LOCK_OPTION, Deduplication, Duplicat
 WAIT = 10.0
 
 
-def calls(client: redis.Redis) -> dict[str, int]:
-    """The server's command counts by name."""
-    return {
-        name.removeprefix("cmdstat_"): stats["calls"] for name, stats in client.info("commandstats").items()
-    }
-
-
 def queued(client: redis.Redis, queue: str = "default") -> int:
     return int(client.llen(f"dramatiq:{queue}"))
 
 
 def locks(client: redis.Redis) -> list[bytes]:
     return sorted(client.scan_iter("dramatiq-guard:{dedup:*}:holders"))
-
-
-class Hooks(Middleware):
-    """Counts the enqueue hooks each message id gets, in order."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, str]] = []
-
-    def before_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
-        self.seen.append(("before", message.message_id))
-
-    def after_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
-        self.seen.append(("after", message.message_id))
 
 
 @pytest.fixture

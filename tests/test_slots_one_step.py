@@ -26,8 +26,9 @@ import dramatiq
 import pytest
 import redis
 from dramatiq.brokers.redis import RedisBroker
-from dramatiq.middleware import Middleware
 from harness import wait_until
+from harness.one_step import EnqueueHooks as Hooks
+from harness.one_step import command_counts as calls
 
 import dramatiq_guard
 from dramatiq_guard.backends import GuardBackend, RedisBackend, redis_enqueue
@@ -36,13 +37,6 @@ from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.middleware.dedup import Deduplication
 
 WAIT = 10.0
-
-
-def calls(client: redis.Redis) -> dict[str, int]:
-    """The server's command counts by name."""
-    return {
-        name.removeprefix("cmdstat_"): stats["calls"] for name, stats in client.info("commandstats").items()
-    }
 
 
 def scripts(client: redis.Redis) -> int:
@@ -65,19 +59,6 @@ def parked(client: redis.Redis, key: str) -> set[str]:
     """The waiters of concurrency key ``key`` with a stored payload: its parked messages."""
     found = client.hkeys(f"dramatiq-guard:{{concurrency:{key}}}:payloads")
     return {cast(bytes, w).decode() for w in found}
-
-
-class Hooks(Middleware):
-    """Counts the enqueue hooks each message id gets."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, str]] = []
-
-    def before_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
-        self.seen.append(("before", message.message_id))
-
-    def after_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
-        self.seen.append(("after", message.message_id))
 
 
 @pytest.fixture
