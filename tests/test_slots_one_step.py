@@ -140,9 +140,9 @@ def test_a_worker_runs_them_all_never_over_the_limit(
     worker = dramatiq.Worker(redis_broker, worker_threads=4, worker_timeout=50)
     worker.start()
     try:
+        wait_until(lambda: ran, timeout=WAIT, what="a first message ran")
         for n in range(6, 12):  # while hand-offs are under way: the whole acquire script decides
             job.send(n)
-            time.sleep(0.01)
         wait_until(lambda: len(ran) == 12, timeout=WAIT * 3, what="every message ran")
     finally:
         worker.stop()
@@ -162,7 +162,11 @@ def test_the_whole_acquire_script_pushes_what_it_reserves_and_nothing_else(
         return Enqueue(redis_broker, "default", rid, message.encode())
 
     backend.acquire(Stake(key, "lapsed", 1, 1))
-    time.sleep(0.01)
+    wait_until(
+        lambda: all(deadline <= backend.now_ms() for _, deadline in backend.inspect(key).holders),
+        timeout=WAIT,
+        what="the 1 ms holder lapsed",
+    )
     result = backend.reserve_and_enqueue(Stake(key, "first", 1, 60_000), push("r1"))
     assert result is not None and result.acquired
     assert holders(redisdb, "k") == {"first"} and redisdb.lrange("dramatiq:default", 0, -1) == [b"r1"]
