@@ -13,6 +13,7 @@ from dramatiq.middleware import Retries
 
 from bench.core import SCRIPT_COMMANDS, Context, Figure, in_turns, scenario
 from dramatiq_guard.middleware.dedup import Deduplication
+from dramatiq_guard.middleware.slots import Concurrency
 
 #: Rounds of the send rates (each kind of send once per round).
 SEND_ROUNDS = 5
@@ -30,6 +31,9 @@ def dedup(ctx: Context) -> list[Figure]:
       pending lock, the broker's push, and confirmations batched in the background).
     * send rate, duplicates: ``actor.send(0)`` N times: the first takes the lock, the
       others are dropped after one round trip, without touching the broker.
+    * send rate, concurrency under its limit: ``limited.send(i)``, an actor with
+      ``concurrency={"limit": 10, ...}`` over 1,000 keys (``i % 1000``), so every send reserves a
+      slot at send time and is pushed, in one Lua script, without parking.
     * send rate, floor: a plain send (an actor without ``dedup``) after a Lua script that
       does nothing (``return 1``): what one extra round trip costs on this machine (the two-step
       path's floor, for brokers that cannot take the one-step send).
@@ -43,6 +47,7 @@ def dedup(ctx: Context) -> list[Figure]:
     broker = RedisBroker(url=ctx.redis_url)
     middleware = Deduplication()
     broker.add_middleware(middleware, before=Retries)
+    broker.add_middleware(Concurrency(), before=Retries)
 
     @dramatiq.actor(broker=broker, queue_name="bench_dedup", dedup="until_executed", max_retries=0)
     def guarded(i: int) -> None:
@@ -51,6 +56,15 @@ def dedup(ctx: Context) -> list[Figure]:
     @dramatiq.actor(broker=broker, queue_name="bench_dedup_plain", max_retries=0)
     def plain(i: int) -> None:
         """Never runs: no worker consumes ``bench_dedup_plain``."""
+
+    @dramatiq.actor(
+        broker=broker,
+        queue_name="bench_limited",
+        concurrency={"limit": 10, "key": lambda i: f"k{i % 1000}"},
+        max_retries=0,
+    )
+    def limited(i: int) -> None:
+        """Never runs: no worker consumes ``bench_limited``."""
 
     noop = broker.client.register_script("return 1")
 
@@ -62,12 +76,15 @@ def dedup(ctx: Context) -> list[Figure]:
         "accepted": lambda i: guarded.send(i),
         "duplicate": lambda i: guarded.send(0),
         "floor": lambda i: (noop(), plain.send(i)),
+        "limited": lambda i: limited.send(i),
     }
     rounds = 1 if ctx.quick else SEND_ROUNDS
     runs: dict[str, list[float]] = {name: [] for name in sends}
     for name, send in in_turns(list(sends.items()), rounds):  # drift falls on all alike
         runs[name].append(ctx.send_rate(send, n_send, repeats=1))
-    plain_rate, accepted_rate, duplicate_rate, floor_rate = (statistics.median(runs[name]) for name in sends)
+    plain_rate, accepted_rate, duplicate_rate, floor_rate, limited_rate = (
+        statistics.median(runs[name]) for name in sends
+    )
     middleware.flush()
 
     def send_and_confirm(i: int) -> Any:
@@ -112,6 +129,14 @@ def dedup(ctx: Context) -> list[Figure]:
             "msg/s",
             vs="dedup/plain_send_rate",
             detail=sized,
+        ),
+        Figure(
+            "concurrency_send_rate",
+            "send rate, concurrency under its limit (a slot reserved at each send)",
+            limited_rate,
+            "msg/s",
+            vs="dedup/plain_send_rate",
+            detail=f"{sized}; limit 10 on each of 1,000 keys, at most 5 sends a key per run",
         ),
         Figure(
             "floor_send_rate",
