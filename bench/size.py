@@ -89,6 +89,7 @@ class Sizer:
                     generation="",
                     fenced="1",
                     runner="",
+                    priority=0,
                 )
                 args = self.backend._args(key, 1, *own)
                 calls.append((script, self.backend._keys(key), args))
