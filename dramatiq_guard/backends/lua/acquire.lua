@@ -1,4 +1,4 @@
--- acquire(holder, ttl_ms, mode, payload, wait_ms, info, generation, fenced, runner, priority) (base.py:
+-- acquire(holder, ttl_ms, mode, payload, wait_ms, info, generation[, fenced[, runner[, priority]]]) (base.py:
 -- GuardBackend.acquire). mode: '' (no wait), 'park', 'block'; fenced: '0' issues and keeps no token;
 -- runner: the worker thread that runs the holder's job, or '' (an enqueue-time reservation);
 -- priority: the waiter's (lower is handed off first), from -MAX_PRIORITY to MAX_PRIORITY.
@@ -18,6 +18,7 @@ local refused = validate_args(
 if refused then
   return refused
 end
+priority = priority or '0'
 local rank = whole_number(string.match(priority, '^%-?(%d*)$'), 0, MAX_PRIORITY)
 if not rank then
   return redis.error_reply('priority must be an integer from -' .. MAX_PRIORITY .. ' to ' .. MAX_PRIORITY
