@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dramatiq_guard.bounds import MAX_COUNT, MAX_DURATION_MS
+from dramatiq_guard.bounds import MAX_COUNT, MAX_DURATION_MS, MAX_PRIORITY
 
 if TYPE_CHECKING:
     from dramatiq_guard.backends.values import Stake, Waiter
@@ -58,11 +58,14 @@ def check_acquire(stake: Stake, wait: Waiter | None) -> None:
     """The checks of :meth:`GuardBackend.acquire`'s numbers (see :func:`check_ms`) and runner.
 
     Raises:
-      ValueError: If a number is out of its bounds, or the runner is not a non-empty str of at
-        most :data:`MAX_RUNNER_CHARS` characters without ``|`` or ``@``.
+      ValueError: If a number (the priority too) is out of its bounds, or the runner is not a
+        non-empty str of at most :data:`MAX_RUNNER_CHARS` characters without ``|`` or ``@``.
     """
     check_count(stake.limit, "limit")
     check_ms(stake.ttl_ms, "ttl_ms")
+    if not _is_int(stake.priority) or abs(stake.priority) > MAX_PRIORITY:
+        bounds = f"-{MAX_PRIORITY} to {MAX_PRIORITY}"
+        raise ValueError(f"priority must be an integer from {bounds}, got {stake.priority!r}")
     if wait is not None:
         check_ms(wait.wait_ms, "wait_ms", minimum=0)
     runner = stake.runner

@@ -144,6 +144,7 @@ class RedisBackend(RedisStore):
             generation="" if stake.generation is None else stake.generation,
             fenced="1" if stake.fenced else "0",
             runner=stake.runner or "",
+            priority=stake.priority,
         )
 
     def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:

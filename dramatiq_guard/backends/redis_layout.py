@@ -23,7 +23,16 @@ CONSTANTS: dict[str, int] = {
     "HOLDERS_SHOWN": HOLDERS_SHOWN,
     "MIN_STANDBY_WINDOW": MIN_STANDBY_WINDOW,
     "DUE_BACKSTOP_MS": DUE_BACKSTOP_MS,
+    "MAX_PRIORITY": bounds.MAX_PRIORITY,
+    "PLACE_BAND": 2**41,  # ms: MAX_PRIORITY bands each side of priority 0's [0, 2^52) fill +-2^53
+    "PLACE_EPOCH_MS": 1_767_225_600_000,  # 2026-01-01
 }
+
+
+def since_ms(place: float) -> int:
+    """When a waiter took ``place`` in W (``enqueue`` in ``_handoff.lua``), in ms since the epoch."""
+    n = int(place)
+    return n // 1000 if 0 <= n < 2**52 else CONSTANTS["PLACE_EPOCH_MS"] + n % CONSTANTS["PLACE_BAND"]
 
 
 class KeyNames(NamedTuple):
@@ -34,7 +43,7 @@ class KeyNames(NamedTuple):
     """
 
     holders: Annotated[str, "H", "zset holder -> deadline (ms)"]
-    waiters: Annotated[str, "W", "zset waiter -> place in the FIFO (a sequence in us, see enqueue)"]
+    waiters: Annotated[str, "W", "zset waiter -> place: by priority, then FIFO (a sequence, see enqueue)"]
     payloads: Annotated[str, "P", "hash waiter -> payload (parked waiters, reservations not confirmed yet)"]
     reserved: Annotated[str, "R", "hash waiter -> its place in W, while it holds an unconfirmed reservation"]
     deadlines: Annotated[
@@ -84,6 +93,7 @@ class AcquireArgs(NamedTuple):
     generation: int | str
     fenced: str
     runner: str
+    priority: int
 
 
 class ReleaseArgs(NamedTuple):

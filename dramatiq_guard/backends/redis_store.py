@@ -89,7 +89,7 @@ def _key_state(reply: list[Any]) -> KeyState:
     return KeyState(
         holders=tuple((text(holders[i]), int(float(holders[i + 1]))) for i in range(0, len(holders), 2)),
         waiters=tuple(
-            (text(waiters[i]), int(float(waiters[i + 1])) // 1000, bool(parked[i // 2]))
+            (text(waiters[i]), layout.since_ms(float(waiters[i + 1])), bool(parked[i // 2]))
             for i in range(0, len(waiters), 2)
         ),
         reserved=tuple(text(r) for r in reserved),
@@ -336,7 +336,7 @@ class RedisStore(GuardBackend):
         with reachable():
             replies = self._summary_counts(chunk, max(waiters, 1))
             firsts = [
-                [(text(w), int(float(score)) // 1000) for w, score in replies[6 * i + 2]][:waiters]
+                [(text(w), layout.since_ms(score)) for w, score in replies[6 * i + 2]][:waiters]
                 for i in range(len(chunk))
             ]
             details: Iterator[Any] = iter(())
@@ -368,7 +368,7 @@ class RedisStore(GuardBackend):
                     holders=int(holders),
                     waiters=int(count),
                     reserved=int(reserved),
-                    oldest_since_ms=int(float(oldest[0][1])) // 1000 if oldest else None,
+                    oldest_since_ms=layout.since_ms(oldest[0][1]) if oldest else None,
                     limit=None if limit is None else int(limit),
                     recorded_limit=None if recorded is None else int(recorded),
                     first=peeks,

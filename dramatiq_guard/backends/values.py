@@ -45,6 +45,9 @@ class Stake:
         200 characters, without ``|`` or ``@``.
       fenced(bool): False for a lock that fences no writes (a dedup lock): no token is issued
         nor kept for the key.
+      priority(int): Its place among the key's waiters if it waits: lower is handed a slot
+        first, FIFO within one priority (an actor's Dramatiq ``priority``). From -2048 to
+        2048 (:data:`~dramatiq_guard.bounds.MAX_PRIORITY`).
     """
 
     key: str
@@ -55,6 +58,7 @@ class Stake:
     generation: int | None = None
     runner: str | None = None
     fenced: bool = True
+    priority: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +275,7 @@ class KeySummary:
       holders(int): How many holders it has (lapsed ones not yet reclaimed included).
       waiters(int): How many waiters are queued.
       reserved(int): How many holders are unconfirmed hand-offs.
-      oldest_since_ms(int|None): When the oldest waiter queued, or None.
+      oldest_since_ms(int|None): When the first waiter (the next handed a slot) queued, or None.
       limit(int|None): The run-time limit, or None.
       recorded_limit(int|None): The default limit recorded with the key's waiters
         (*limits known from the backend*), or None.
