@@ -80,7 +80,7 @@ def timeouts_of(client: RedisClient) -> Timeouts:
     )
 
 
-_UNAVAILABLE: tuple[type[Exception], ...] = (
+UNAVAILABLE: tuple[type[Exception], ...] = (
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
     redis.exceptions.ClusterDownError,
@@ -107,7 +107,7 @@ class _Reachable:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         if exc is None:
             return
-        if isinstance(exc, _UNAVAILABLE):
+        if isinstance(exc, UNAVAILABLE):
             raise BackendUnavailable(f"the guard's Redis backend is unavailable: {exc}") from exc
         if isinstance(exc, redis.exceptions.NoPermissionError):
             raise BackendRefused(str(exc)) from exc
@@ -246,7 +246,7 @@ def _run_on_nodes(
                 )
             except BackendUnavailable as exc:
                 if not isinstance(exc, ReplicasBehind):  # the node is gone: ask the cluster again
-                    with contextlib.suppress(*_UNAVAILABLE):
+                    with contextlib.suppress(*UNAVAILABLE):
                         client.nodes_manager.initialize()
                 failed = failed or exc
                 continue

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 import redis
 import redis.cluster
 
-from dramatiq_guard.backends import redis_health, redis_watch
+from dramatiq_guard.backends import redis_health
 from dramatiq_guard.backends import redis_layout as layout
 from dramatiq_guard.backends.base import BackendSettings, GuardBackend
 from dramatiq_guard.backends.checks import check_count, check_key, check_ms, check_replica_waits
@@ -183,10 +183,10 @@ class RedisStore(GuardBackend):
         redis_health.check(self, allow_evicting=allow_evicting)
 
     def watch(self, interval_s: float) -> None:
-        redis_watch.watch(self, interval_s)
+        redis_health.watch(self, interval_s)
 
     def stop_watching(self) -> None:
-        redis_watch.leave(self)
+        redis_health.leave(self)
 
     def wait_for_replicas(self, count: int, timeout_ms: int) -> None:
         replicas = replica_waits_of(count, timeout_ms)
