@@ -98,31 +98,18 @@ def data(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else value.encode("utf-8")
 
 
-class _Reachable:
-    """See :func:`reachable`; a class, not a generator-based context manager: it wraps every call."""
+class reachable:
+    """``with reachable(): ...`` turns redis-py's connection-level errors into :class:`BackendUnavailable`,
+    and a call the ACL user may not make (``NOPERM``) into :class:`BackendRefused` (it fails closed too)."""
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        if exc is None:
-            return
         if isinstance(exc, UNAVAILABLE):
             raise BackendUnavailable(f"the guard's Redis backend is unavailable: {exc}") from exc
         if isinstance(exc, redis.exceptions.NoPermissionError):
             raise BackendRefused(str(exc)) from exc
-
-
-_REACHABLE = _Reachable()
-
-
-def reachable() -> _Reachable:
-    """Turn redis-py's connection-level errors into :class:`BackendUnavailable`: ``with reachable(): ...``.
-
-    A call the ACL user may not make (``NOPERM``) raises :class:`BackendRefused` (a
-    :class:`BackendUnavailable`: it fails closed, and ``fail_open`` applies).
-    """
-    return _REACHABLE
 
 
 def slow_call_warning(client: RedisClient, timeouts: Timeouts, shortest_lease_ms: int) -> str | None:
@@ -335,15 +322,15 @@ def _pipeline(
     if replicas is not None:
         pipe.execute_command("WAIT", replicas.replicas, replicas.timeout_ms)
     results = list(pipe.execute(raise_on_error=False))
+    if zadd_first is not None:
+        results.pop(0)
     if replicas is not None:
         acked = results.pop()
         if isinstance(acked, Exception):
             if any(isinstance(result, Exception) for result in results):
-                return results[1:] if zadd_first is not None else results  # the calls' errors say more
+                return results  # the calls' errors say more
             # A node that refuses WAIT is a replica (a failover demoted it): nothing stands.
             raise BackendUnavailable(f"the guard's Redis backend could not wait for replicas: {acked}")
         if int(acked) < replicas.replicas:
             raise ReplicasBehind(int(acked), replicas.replicas, replicas.timeout_ms)
-    if zadd_first is not None:
-        results = results[1:]
     return results
