@@ -299,76 +299,51 @@ class RedisStore(GuardBackend):
         check_count(waiters, "waiters")
         for key in keys:
             check_key(key)
-        pairs = [(key, f"{self.namespace}:{{{key}}}:") for key in keys]
         summaries: list[KeySummary] = []
-        for start in range(0, len(pairs), self.SUMMARY_CHUNK):
-            summaries.extend(self._summary_chunk(pairs[start : start + self.SUMMARY_CHUNK], waiters))
+        for start in range(0, len(keys), self.SUMMARY_CHUNK):
+            summaries.extend(self._summary_chunk(keys[start : start + self.SUMMARY_CHUNK], waiters))
         return summaries
 
-    def _summary_counts(self, chunk: list[tuple[str, str]], first: int) -> list[Any]:
-        """Six replies per key: ZCARD H, ZCARD W, its first waiters WITHSCORES, HLEN R, GET L, HGET M limit.
-
-        On a standalone Redis one script call (``lua/summaries.lua``) reads a whole chunk; on a
-        cluster, whose keys are in many slots, a pipeline.
-        """
-        if not self._in_cluster():
-            keys = [p + suffix for _, p in chunk for suffix in layout.LAYOUTS["summaries"].each_keys]
-            own = layout.SummariesArgs(first=first)
-            [reply] = run_scripts(self.client, self.scripts, [(self.scripts["summaries"], keys, list(own))])
-            if isinstance(reply, Exception):
-                raise reply
-            flat: list[Any] = []
-            for holders, count, oldest, reserved, limit, recorded in reply:
-                pairs = [(oldest[j], oldest[j + 1]) for j in range(0, len(oldest), 2)]
-                flat += [holders, count, pairs, reserved, limit, recorded]
-            return flat
-        pipe = self.client.pipeline(transaction=False)
-        for _, p in chunk:  # p: the prefix of the key's names
-            pipe.zcard(p + "holders")
-            pipe.zcard(p + "waiters")
-            pipe.zrange(p + "waiters", 0, first - 1, withscores=True)
-            pipe.hlen(p + "reserved")
-            pipe.get(p + "limit")
-            pipe.hget(p + "meta", "limit")
-        return list(pipe.execute())
-
-    def _summary_chunk(self, chunk: list[tuple[str, str]], waiters: int) -> list[KeySummary]:
+    def _summary_chunk(self, chunk: Sequence[str], waiters: int) -> list[KeySummary]:
+        """``lua/summaries.lua`` on the whole chunk (on a Redis Cluster: once per key, pipelined),
+        then the first waiters' payloads and infos."""
+        prefixes = [f"{self.namespace}:{{{key}}}:" for key in chunk]
+        groups = [[p] for p in prefixes] if self._in_cluster() else [prefixes]
+        each, own = layout.LAYOUTS["summaries"].each_keys, list(layout.SummariesArgs(first=max(waiters, 1)))
+        calls = [(self.scripts["summaries"], [p + field for p in g for field in each], own) for g in groups]
+        rows = [row for reply in run_scripts(self.client, self.scripts, calls) for row in reply]
+        firsts = []
+        for row in rows:
+            flat = row[2][: 2 * waiters]
+            firsts.append([(text(flat[i]), int(float(flat[i + 1])) // 1000) for i in range(0, len(flat), 2)])
         with reachable():
-            replies = self._summary_counts(chunk, max(waiters, 1))
-            firsts = [
-                [(text(w), int(float(score)) // 1000) for w, score in replies[6 * i + 2]][:waiters]
-                for i in range(len(chunk))
-            ]
-            details: Iterator[Any] = iter(())
-            if any(firsts):
-                pipe = self.client.pipeline(transaction=False)
-                for (_, p), first in zip(chunk, firsts, strict=True):
-                    if first:
-                        pipe.hmget(p + "payloads", [w for w, _ in first])
-                        pipe.hmget(p + "info", [w for w, _ in first])
-                details = iter(pipe.execute())
+            pipe = self.client.pipeline(transaction=False)
+            for p, first in zip(prefixes, firsts, strict=True):
+                if first:
+                    pipe.hmget(p + "payloads", [w for w, _ in first])
+                    pipe.hmget(p + "info", [w for w, _ in first])
+            details: Iterator[Any] = iter(pipe.execute() if any(firsts) else ())
         summaries = []
-        for i, (key, _) in enumerate(chunk):
-            holders, count, oldest, reserved, limit, recorded = replies[6 * i : 6 * i + 6]
-            peeks: tuple[WaiterPeek, ...] = ()
-            if firsts[i]:
-                payloads, infos = next(details), next(details)
-                peeks = tuple(
-                    WaiterPeek(
-                        w,
-                        since,
-                        None if payload is None else data(payload),
-                        None if info is None else (text(info).partition("|")[2] or None),
-                    )
-                    for (w, since), payload, info in zip(firsts[i], payloads, infos, strict=True)
+        for key, (holders, count, oldest, reserved, limit, recorded), first in zip(
+            chunk, rows, firsts, strict=True
+        ):
+            payloads, infos = (next(details), next(details)) if first else ((), ())
+            peeks = tuple(
+                WaiterPeek(
+                    w,
+                    since,
+                    None if pay is None else data(pay),
+                    None if info is None else (text(info).partition("|")[2] or None),
                 )
+                for (w, since), pay, info in zip(first, payloads, infos, strict=True)
+            )
             summaries.append(
                 KeySummary(
                     key,
                     holders=int(holders),
                     waiters=int(count),
                     reserved=int(reserved),
-                    oldest_since_ms=int(float(oldest[0][1])) // 1000 if oldest else None,
+                    oldest_since_ms=int(float(oldest[1])) // 1000 if oldest else None,
                     limit=None if limit is None else int(limit),
                     recorded_limit=None if recorded is None else int(recorded),
                     first=peeks,
