@@ -1,10 +1,5 @@
-"""The Redis backend's store: its client, its key names, script calls, and the reads that decide nothing.
-
-:class:`RedisStore` is what :class:`~dramatiq_guard.backends.RedisBackend` (the operations that
-decide, ``redis.py``) stands on: how a guard key's Redis keys are named, how a per-key script is
-called and its replies decoded, the process hooks (health, watch, replica waits), and the reads
-(``inspect``, ``summaries``, the indexes, the clock). The layout is in ``docs/redis.md``.
-"""
+"""What :class:`~dramatiq_guard.backends.RedisBackend` stands on: its client, its key names
+(``docs/redis.md``), script calls and their replies, the process hooks, and the reads."""
 
 from __future__ import annotations
 
@@ -42,11 +37,7 @@ if TYPE_CHECKING:
 
 
 def replica_waits_of(count: int, timeout_ms: int) -> ReplicaWaits | None:
-    """The replica waits asked for, checked: None for a count of 0.
-
-    Raises:
-      ValueError: If ``count`` or ``timeout_ms`` is out of range (:func:`check_replica_waits`).
-    """
+    """The replica waits asked for, checked (:func:`check_replica_waits`): None for a count of 0."""
     check_replica_waits(count, timeout_ms)
     return ReplicaWaits(count, timeout_ms) if count else None
 
@@ -235,6 +226,7 @@ class RedisStore(GuardBackend):
 
     def _script_call(self, key: str, default_limit: int | None, own: tuple[Any, ...]) -> ScriptCall:
         """The per-key script whose own arguments are ``own`` (a ``redis_layout`` tuple), KEYS, ARGV."""
+        check_count(default_limit, "limit")
         return self.scripts[layout.SCRIPTS[type(own)]], self._keys(key), self._args(key, default_limit, *own)
 
     def _run(
