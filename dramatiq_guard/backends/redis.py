@@ -142,10 +142,8 @@ class RedisBackend(RedisStore):
         if not redis_enqueue.shares_server(broker, self.client) or self.replicas:
             self._enqueues[id(broker)] = (broker, False)
             return False
-        reason = redis_enqueue.unknown_layout()
-        if reason is None:
-            with reachable():  # unreachable: raised, and asked again on the next send
-                reason = redis_enqueue.probe(broker, functools.partial(self._probe_push, broker))
+        with reachable():  # unreachable: raised, and asked again on the next send
+            reason = redis_enqueue.refusal(broker, functools.partial(self._probe_push, broker))
         if reason is not None:
             redis_enqueue.logger.warning(
                 "dramatiq-guard: a send's guard decision and its push take two steps on this broker: %s.",

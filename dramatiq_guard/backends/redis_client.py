@@ -1,9 +1,5 @@
-"""The redis-py client side of the Redis backend: what it may raise, how long one call can block,
-loading and pipelining the scripts.
-
-Why a client needs a ``socket_timeout`` is in ``docs/failure-model.md`` ("A silent Redis"); how
-scripts reach Redis, and replica waits, in ``docs/redis.md``.
-"""
+"""The redis-py side of the Redis backend: what it may raise, how long one call can block
+(``docs/failure-model.md``, "A silent Redis"), running and pipelining the scripts (``docs/redis.md``)."""
 
 from __future__ import annotations
 
@@ -44,11 +40,8 @@ class Timeouts(NamedTuple):
 
 
 def timeouts_of(client: RedisClient) -> Timeouts:
-    """The effective timeouts of ``client``'s connections, and its retries of a timed-out call.
-
-    Read from a connection made (not connected) as its pool makes them, so redis-py's own
-    defaults count too.
-    """
+    """The timeouts of ``client``'s connections (redis-py's defaults included: read from a connection
+    made, not connected), and its retries of a timed-out call."""
     if isinstance(client, redis.cluster.RedisCluster):
         kwargs = dict(cast(Any, client).get_connection_kwargs())
         connection_class: Any = kwargs.pop("connection_class", redis.connection.Connection)
@@ -113,12 +106,8 @@ class reachable:
 
 
 def slow_call_warning(client: RedisClient, timeouts: Timeouts, shortest_lease_ms: int) -> str | None:
-    """Why one call could block longer than ``shortest_lease_ms`` on a Redis that does not answer.
-
-    Returns:
-      str|None: A warning naming the client and what to set on it, or
-      None if its timeouts bound every call below ``shortest_lease_ms``.
-    """
+    """Why one call could block longer than ``shortest_lease_ms`` on a Redis that does not answer,
+    naming the client and what to set on it; None if its timeouts bound every call below that."""
     bound = timeouts.bound_s
     if timeouts.socket_timeout is None:
         how = "without end (it has no socket_timeout)"
@@ -158,11 +147,7 @@ ScriptCall: TypeAlias = tuple[LuaScript, list[str], list[Any]]
 def run_script(
     client: RedisClient, library: ScriptLibrary, script: LuaScript, keys: list[str], args: list[Any]
 ) -> Any:
-    """Run one script (no replica waits); a call refused for want of its code loads it and runs again.
-
-    Raises:
-      BackendUnavailable: If Redis cannot be reached.
-    """
+    """Run one script (no replica waits); a call refused for want of its code loads it and runs again."""
     execute: Callable[..., Any] = client.execute_command  # untyped in redis-py
     with reachable():
         try:
@@ -184,15 +169,10 @@ def run_scripts(
 ) -> list[Any]:
     """Run several scripts in one pipelined round trip, optionally after a ZADD ``(index, member)``.
 
-    A call refused for want of its code (NOSCRIPT, ``Function not found``) did nothing: the code
-    is loaded and only those calls run again (redis-py's own pipeline scripts cost a SCRIPT
-    EXISTS round trip). With ``replicas``, each pipeline ends with a ``WAIT`` on its connection:
-    on a Redis Cluster one pipeline per node owning the calls' first keys, and a call refused
-    with MOVED or ASK (a failover moved its slot) runs once more on the new owner.
-
-    Raises:
-      ReplicasBehind: If a ``WAIT`` got fewer acknowledgements than asked, after every call ran.
-      BackendUnavailable: If Redis cannot be reached.
+    Calls refused for want of their code did nothing: it is loaded and they run again. With
+    ``replicas``, each pipeline ends with a ``WAIT`` (:class:`ReplicasBehind`, after every call
+    ran): on a Redis Cluster one pipeline per node, and a call refused with MOVED or ASK (a
+    failover moved its slot) runs once more on the new owner.
     """
     if replicas is None or replicas.replicas <= 0:
         if len(calls) == 1 and zadd_first is None:  # a pipeline of one costs ~20 us more CPU than a call
@@ -309,11 +289,7 @@ def _pipeline(
     zadd_first: tuple[str, str] | None,
     replicas: ReplicaWaits | None,
 ) -> list[Any]:
-    """The replies of one pipeline (errors as values), the ZADD's and the WAIT's left out.
-
-    Raises:
-      ReplicasBehind: If the WAIT got fewer acknowledgements than ``replicas.replicas``.
-    """
+    """The replies of one pipeline (errors as values), the ZADD's and the WAIT's left out."""
     pipe = target.pipeline(transaction=False)
     if zadd_first is not None:
         pipe.zadd(zadd_first[0], {zadd_first[1]: int(time.time() * 1000)})

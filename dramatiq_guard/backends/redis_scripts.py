@@ -1,8 +1,5 @@
-"""The guard's Lua scripts on one Redis: one function library where the server allows it, else EVALSHA.
-
-How the scripts reach Redis, and when a backend switches to EVALSHA, is in
-``docs/redis.md`` ("How the scripts reach Redis").
-"""
+"""The guard's Lua scripts on one Redis: one function library where the server allows it, else
+EVALSHA (``docs/redis.md``, "How the scripts reach Redis")."""
 
 from __future__ import annotations
 
@@ -62,12 +59,6 @@ class LuaScript(NamedTuple):
     function: str
 
 
-class _Code(NamedTuple):
-    library: str
-    code: str
-    scripts: dict[str, LuaScript]
-
-
 def prelude() -> str:
     """The text of the prelude's files, as put in front of the per-key scripts."""
     return "\n".join(load_lua(name) for name in PRELUDE) + "\n"
@@ -83,7 +74,7 @@ def _fast_and_rest(name: str) -> tuple[str, str]:
 
 
 @functools.cache
-def _code() -> _Code:
+def _code() -> tuple[str, str, dict[str, LuaScript]]:
     """The scripts' texts and the library's, made once per process.
 
     As a script: the constants, (per key) the binding, ``_common.lua``, the prologue and fast path,
@@ -111,7 +102,7 @@ def _code() -> _Code:
             source = constants + common + fast + rest
         sha = hashlib.sha1(source.encode()).hexdigest()
         scripts[name] = LuaScript(name, source, sha, f"{library}_{name}")
-    return _Code(library, code.replace("@LIBRARY@", library), scripts)
+    return library, code.replace("@LIBRARY@", library), scripts
 
 
 def _refuses_functions(error: RedisError) -> bool:
@@ -126,10 +117,7 @@ class ScriptLibrary:
     """The guard's scripts on one Redis (or Redis Cluster), as functions until the server refuses them."""
 
     def __init__(self) -> None:
-        code = _code()
-        self.library = code.library
-        self.code = code.code
-        self._scripts = code.scripts
+        self.library, self.code, self._scripts = _code()
         #: Whether calls are FCALLs (else EVALSHAs).
         self.functions = True
 

@@ -251,8 +251,7 @@ class RedisStore(GuardBackend):
         return None if value is None else int(value)
 
     def inspect(self, key: str, *, waiters: int | None = None) -> KeyState:
-        if waiters is not None:
-            check_count(waiters, "waiters")
+        check_count(waiters, "waiters")
         args = self._args(key, 0, *layout.InspectArgs(waiters="" if waiters is None else waiters))
         return _key_state(self._call(self.scripts["inspect"], self._keys(key, cached=False), args))
 
