@@ -15,7 +15,14 @@ from typing import Any, NamedTuple
 
 from redis.exceptions import NoPermissionError, NoScriptError, RedisError, ResponseError
 
-from dramatiq_guard.backends.redis_layout import LAYOUTS, SCRIPTS, lua_binding, lua_constants, lua_prologue
+from dramatiq_guard.backends.redis_layout import (
+    LAYOUTS,
+    SCRIPTS,
+    lua_binding,
+    lua_checks,
+    lua_constants,
+    lua_prologue,
+)
 from dramatiq_guard.errors import BackendRefused
 
 logger = logging.getLogger("dramatiq_guard.backends.redis")
@@ -66,7 +73,7 @@ def prelude() -> str:
 
 def _fast_and_rest(name: str) -> tuple[str, str]:
     """A script's prologue and fast path (run before the prelude is set up), and what runs after it."""
-    top = lua_prologue(name)
+    top = lua_prologue(name) + lua_checks(name)
     if name not in PRELUDE_SCRIPTS:
         return top, load_lua(name)
     fast = load_lua(f"{name}_fast") + "\n" if name in FAST_PATHS else ""
