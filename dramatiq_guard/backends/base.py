@@ -147,15 +147,9 @@ class GuardBackend(abc.ABC):
         """
 
     def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:
-        """Take ``key`` as a limit-1 lock for ``holder`` if it is free: the send-time dedup lock.
-
-        :meth:`acquire` of ``Stake(key, holder, 1, ttl_ms, info=info)`` without ``wait``, except
-        that no fencing token is returned (the lock fences no writes). A backend may decide the
-        common cases (the key is free, or held by another) more cheaply.
-
-        Returns:
-          AcquireResult: ``acquired``, or the live ``holders`` in the way.
-        """
+        """The send-time dedup lock: :meth:`acquire` of ``Stake(key, holder, 1, ttl_ms, info=info)``
+        without ``wait`` and without a fencing token (a backend may decide the common cases more
+        cheaply): ``acquired``, or the live ``holders`` in the way."""
         result = self.acquire(Stake(key, holder, 1, ttl_ms, info=info))
         return dataclasses.replace(result, token=None)
 
@@ -167,27 +161,22 @@ class GuardBackend(abc.ABC):
     def lock_and_enqueue(
         self, key: str, holder: str, *, ttl_ms: int, info: str, push: Enqueue
     ) -> AcquireResult | None:
-        """:meth:`try_lock`, and if it is acquired, the broker's push of ``push`` in the same atomic step.
-
-        Only called where :meth:`enqueues_on` said yes: the lock is written with its whole
-        ``ttl_ms`` (no pending lock: the message is on the broker already).
+        """:meth:`try_lock`, and if it is acquired, the broker's push of ``push`` in the same atomic step
+        (only where :meth:`enqueues_on` said yes; the lock gets its whole ``ttl_ms``).
 
         Returns:
-          AcquireResult|None: As :meth:`try_lock` (acquired: the message is enqueued; refused:
-          nothing was written), or None when the backend could not decide in one step: nothing
-          was written, take the lock with :meth:`try_lock` and push as usual.
+          AcquireResult|None: As :meth:`try_lock`, or None when the backend could not decide in
+          one step: nothing was written, take the lock with :meth:`try_lock` and push as usual.
         """
         return None
 
     def reserve_and_enqueue(self, stake: Stake, push: Enqueue) -> AcquireResult | None:
-        """:meth:`acquire` of a message at send, parked with ``push.data`` if refused; if it acquires,
-        the broker's push of ``push`` in the same atomic step (nothing is pushed otherwise).
-
-        Only called where :meth:`enqueues_on` said yes, for a new holder (no generation).
+        """:meth:`acquire` of a new message at send, parked with ``push.data`` if refused; if it acquires,
+        the broker's push of ``push`` in the same atomic step (only where :meth:`enqueues_on` said yes).
 
         Returns:
-          AcquireResult|None: As :meth:`acquire` (acquired: the message is enqueued), or None
-          when the backend could not decide in one step: nothing was written, acquire and push as usual.
+          AcquireResult|None: As :meth:`acquire`, or None when the backend could not decide in
+          one step: nothing was written, acquire and push as usual.
         """
         return None
 
@@ -392,10 +381,8 @@ class GuardBackend(abc.ABC):
         return
 
     def wait_for_replicas(self, count: int, timeout_ms: int) -> None:
-        """Make every decision from now on wait until ``count`` replicas acknowledge it (0: no change).
-
-        Fewer acknowledgements within ``timeout_ms`` fail the operation closed
-        (:class:`~dramatiq_guard.errors.ReplicasBehind`). The default has no replicas.
+        """Make every decision from now on wait until ``count`` replicas acknowledge it (0: no change);
+        fewer within ``timeout_ms`` fail it closed (``ReplicasBehind``). The default has no replicas.
 
         Raises:
           ValueError: If ``count`` or ``timeout_ms`` is out of range (:func:`check_replica_waits`).

@@ -30,14 +30,6 @@ class Timeouts(NamedTuple):
     retries: int  # how many times a timed-out call is tried again (-1: without end)
     backoff_cap: float  # the longest pause between two tries (seconds)
 
-    @property
-    def bound_s(self) -> float | None:
-        """About the longest one call can block (None: without bound)."""
-        if self.socket_timeout is None or self.retries < 0:
-            return None
-        per_try = max(self.socket_timeout, self.connect_timeout or 0.0)
-        return (1 + self.retries) * per_try + self.retries * self.backoff_cap
-
 
 def timeouts_of(client: RedisClient) -> Timeouts:
     """The timeouts of ``client``'s connections (redis-py's defaults included: read from a connection
@@ -105,32 +97,41 @@ class reachable:
             raise BackendRefused(str(exc)) from exc
 
 
-def slow_call_warning(client: RedisClient, timeouts: Timeouts, shortest_lease_ms: int) -> str | None:
-    """Why one call could block longer than ``shortest_lease_ms`` on a Redis that does not answer,
-    naming the client and what to set on it; None if its timeouts bound every call below that."""
-    bound = timeouts.bound_s
-    if timeouts.socket_timeout is None:
+def slow_call_warning(
+    client: RedisClient, timeouts: Timeouts, shortest_lease_ms: int, replicas: ReplicaWaits | None
+) -> str | None:
+    """Why one call could block longer than ``shortest_lease_ms`` on a Redis that does not answer, or
+    a replica wait could outlast the ``socket_timeout``, naming what to set; None if neither."""
+    found, socket_timeout, retries = [], timeouts.socket_timeout, timeouts.retries
+    per_try = max(socket_timeout or 0.0, timeouts.connect_timeout or 0.0)
+    bound = (1 + retries) * per_try + retries * timeouts.backoff_cap
+    how = None
+    if socket_timeout is None:
         how = "without end (it has no socket_timeout)"
-    elif bound is None:
+    elif retries < 0:
         how = "without end (its retry tries a timed-out call again without end)"
     elif bound * 1000 >= shortest_lease_ms:
-        how = (
-            f"for up to about {bound:g} s (socket_timeout={timeouts.socket_timeout:g} s, "
-            f"tried again {timeouts.retries} times on a timeout)"
+        how = f"for up to about {bound:g} s (socket_timeout={socket_timeout:g} s, tried again {retries} times"
+        how += " on a timeout)"
+    if how is not None:
+        found.append(
+            f"dramatiq-guard: a call to the guard's Redis through {client!r} can block {how} when "
+            f"Redis stops answering without closing the connection (a frozen primary, a partition, a "
+            f"failover), longer than the shortest lease ({shortest_lease_ms} ms): leases are still "
+            f"reported lost when their time is up, but worker threads hang in the guard meanwhile. Set "
+            f"socket_timeout= and socket_connect_timeout= on that client, below the lease (e.g. 5), with "
+            f"few or no retries on timeouts: redis.Redis(..., socket_timeout=5, socket_connect_timeout=5), "
+            f"or for a RedisBroker in its URL: RedisBroker(url='redis://host:6379/0?socket_timeout=5"
+            f"&socket_connect_timeout=5') (RedisBroker(url=..., socket_timeout=5) ignores the keyword); "
+            f"or give the guard a client of its own: dramatiq_guard.install(broker, redis='redis://...')."
         )
-    else:
-        return None
-    return (
-        f"dramatiq-guard: a call to the guard's Redis through {client!r} can block {how} when "
-        f"Redis stops answering without closing the connection (a frozen primary, a partition, a "
-        f"failover), longer than the shortest lease ({shortest_lease_ms} ms): leases are still "
-        f"reported lost when their time is up, but worker threads hang in the guard meanwhile. Set "
-        f"socket_timeout= and socket_connect_timeout= on that client, below the lease (e.g. 5), with "
-        f"few or no retries on timeouts: redis.Redis(..., socket_timeout=5, socket_connect_timeout=5), "
-        f"or for a RedisBroker in its URL: RedisBroker(url='redis://host:6379/0?socket_timeout=5"
-        f"&socket_connect_timeout=5') (RedisBroker(url=..., socket_timeout=5) ignores the keyword); "
-        f"or give the guard a client of its own: dramatiq_guard.install(broker, redis='redis://...')."
-    )
+    if replicas is not None and socket_timeout is not None and socket_timeout * 1000 <= replicas.timeout_ms:
+        found.append(
+            f"dramatiq-guard: replica_wait_timeout_ms={replicas.timeout_ms} is not below the guard "
+            f"client's socket_timeout ({socket_timeout:g} s): a decision whose replicas are slow "
+            f"fails as a connection timeout. Set replica_wait_timeout_ms below it."
+        )
+    return " ".join(found) or None
 
 
 class ReplicaWaits(NamedTuple):

@@ -90,7 +90,7 @@ class CallArgs(NamedTuple):
 
 
 # Each script's own arguments (a per-key script's after CallArgs), in order (its header says what they
-# mean); a Check annotation makes its prologue refuse a bad number (lua_prologue).
+# mean); a Check annotation makes the script refuse a bad number (lua_checks).
 
 
 class AcquireArgs(NamedTuple):

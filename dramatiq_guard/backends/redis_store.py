@@ -130,18 +130,9 @@ class RedisStore(GuardBackend):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
-        """Make a backend with its own client, from a ``redis://`` (or ``rediss://``, ``unix://``) URL.
-
-        The client's ``socket_timeout`` and ``socket_connect_timeout`` are
-        :data:`DEFAULT_SOCKET_TIMEOUT_S` unless the URL sets them (``?socket_timeout=2``).
-
-        Parameters:
-          url(str): The Redis URL.
-          **options: The keyword arguments of :class:`RedisBackend`.
-
-        Returns:
-          RedisBackend: A backend whose :meth:`close` closes its client.
-        """
+        """A backend whose :meth:`close` closes its own client, made from a ``redis://`` (``rediss://``,
+        ``unix://``) URL with a ``socket_timeout`` and ``socket_connect_timeout`` of
+        :data:`DEFAULT_SOCKET_TIMEOUT_S` unless it sets them; ``options``: :class:`RedisBackend`'s."""
         client = redis.Redis.from_url(
             url, socket_timeout=DEFAULT_SOCKET_TIMEOUT_S, socket_connect_timeout=DEFAULT_SOCKET_TIMEOUT_S
         )
@@ -158,17 +149,7 @@ class RedisStore(GuardBackend):
     # -- the process's hooks (see GuardBackend) ---------------------------------------------
 
     def slow_call_warning(self, shortest_lease_ms: int) -> str | None:
-        warnings = [slow_call_warning(self.client, self.timeouts(), shortest_lease_ms)]
-        socket_timeout = self.timeouts().socket_timeout
-        waits = self.replicas
-        if waits is not None and socket_timeout is not None and socket_timeout * 1000 <= waits.timeout_ms:
-            warnings.append(
-                f"dramatiq-guard: replica_wait_timeout_ms={waits.timeout_ms} is not below the guard "
-                f"client's socket_timeout ({socket_timeout:g} s): a decision whose replicas are slow "
-                f"fails as a connection timeout. Set replica_wait_timeout_ms below it."
-            )
-        found = [warning for warning in warnings if warning is not None]
-        return " ".join(found) if found else None
+        return slow_call_warning(self.client, self.timeouts(), shortest_lease_ms, self.replicas)
 
     def check_health(self, *, allow_evicting: bool | None = None) -> None:
         redis_health.check(self, allow_evicting=allow_evicting)
