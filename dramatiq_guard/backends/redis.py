@@ -128,7 +128,7 @@ class RedisBackend(RedisStore):
 
     def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:
         """``lua/lock.lua`` decides a free key and one held by another; the rest goes to :meth:`acquire`."""
-        decided = self._lock(key, holder, ttl_ms, info or "", None)
+        decided = self.lock_and_enqueue(key, holder, ttl_ms=ttl_ms, info=info or "", push=None)
         if decided is None:
             return self.acquire(Stake(key, holder, 1, ttl_ms, info=info, fenced=False))
         return decided
@@ -160,12 +160,7 @@ class RedisBackend(RedisStore):
         self.release(f"probe:{rid}", rid, limit=1)
 
     def lock_and_enqueue(
-        self, key: str, holder: str, *, ttl_ms: int, info: str, push: Enqueue
-    ) -> AcquireResult | None:
-        return self._lock(key, holder, ttl_ms, info, push)
-
-    def _lock(
-        self, key: str, holder: str, ttl_ms: int, info: str, push: Enqueue | None
+        self, key: str, holder: str, *, ttl_ms: int, info: str, push: Enqueue | None
     ) -> AcquireResult | None:
         """Run ``lua/lock.lua`` (with ``push``: the broker's push too); None: not decided there."""
         check_ms(ttl_ms, "ttl_ms")
@@ -265,7 +260,9 @@ class RedisBackend(RedisStore):
         check_key(key)
         check_ms(timeout_ms, "timeout_ms", minimum=0)
         wake = self._wake_prefix(key) + waiter_id
-        chunk_s = self._blocking_chunk_s()
+        # Each BLPOP ends before the socket_timeout in force (less 1 s, or half of it).
+        socket_timeout = self.timeouts.socket_timeout
+        chunk_s = None if socket_timeout is None else max(socket_timeout - 1.0, socket_timeout / 2)
         give_up = time.monotonic() + timeout_ms / 1000
         with reachable():
             while True:
@@ -277,13 +274,6 @@ class RedisBackend(RedisStore):
                 popped = cast("tuple[Any, bytes | str] | None", self.client.blpop([wake], timeout=timeout))
                 if popped is not None:
                     return self.woken(int(popped[1]))
-
-    def _blocking_chunk_s(self) -> float | None:
-        """The longest BLPOP the ``socket_timeout`` in force allows (less 1 s, or half of it), or None."""
-        socket_timeout = self.timeouts().socket_timeout
-        if socket_timeout is None:
-            return None
-        return max(socket_timeout - 1.0, socket_timeout / 2)
 
     def forget_parked_copy(self, key: str, waiter_id: str) -> bool:
         self._check_waiter(waiter_id)

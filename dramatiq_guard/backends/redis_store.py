@@ -126,7 +126,6 @@ class RedisStore(GuardBackend):
         self._owns_client = False
         #: The scripts, as functions of one library where the server allows (see redis_scripts).
         self.scripts = ScriptLibrary()
-        self._client_timeouts: Timeouts | None = None
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
@@ -140,16 +139,15 @@ class RedisStore(GuardBackend):
         backend._owns_client = True
         return backend
 
+    @functools.cached_property
     def timeouts(self) -> Timeouts:
         """The client's timeouts and retries in force (read once)."""
-        if self._client_timeouts is None:
-            self._client_timeouts = timeouts_of(self.client)
-        return self._client_timeouts
+        return timeouts_of(self.client)
 
     # -- the process's hooks (see GuardBackend) ---------------------------------------------
 
     def slow_call_warning(self, shortest_lease_ms: int) -> str | None:
-        return slow_call_warning(self.client, self.timeouts(), shortest_lease_ms, self.replicas)
+        return slow_call_warning(self.client, self.timeouts, shortest_lease_ms, self.replicas)
 
     def check_health(self, *, allow_evicting: bool | None = None) -> None:
         redis_health.check(self, allow_evicting=allow_evicting)
