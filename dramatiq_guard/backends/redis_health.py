@@ -189,8 +189,18 @@ def check(backend: RedisBackendLike, *, allow_evicting: bool | None = None) -> R
         warn_evicting = bool(settings.evicting) and allowed and backend not in _warned
         if warn_evicting:
             _warned.add(backend)
-    if first is None:
-        _report(settings)
+    if first is None:  # the first time: the notes, no persistence, and the gauges
+        for note in settings.notes:
+            logger.warning("dramatiq-guard: %s.", note)
+        if settings.persistent is False:
+            logger.warning(
+                "The guard's Redis (%s) does not persist its data (appendonly no, no save schedule): "
+                "a restart of it loses %s. Set 'appendonly yes' and 'appendfsync everysec' in its "
+                "redis.conf if parked messages must survive a restart.",
+                settings.where,
+                RESTART_LOSES,
+            )
+        events.redis_settings(settings.evicting, settings.persistent)
     if settings.evicting and not allowed:
         raise EvictingRedis(str(settings.maxmemory_policy), settings.where)
     if warn_evicting:
@@ -226,21 +236,6 @@ def check_layout(backend: RedisBackendLike, *, record: bool = True) -> int:
         where_ = f"namespace {backend.namespace!r} of {where(backend.client)}"
         raise LayoutTooNew(layout, LAYOUT, where_, key)
     return layout
-
-
-def _report(settings: RedisSettings) -> None:
-    """Log what was read about a server the first time (notes, no persistence) and set the gauges."""
-    for note in settings.notes:
-        logger.warning("dramatiq-guard: %s.", note)
-    if settings.persistent is False:
-        logger.warning(
-            "The guard's Redis (%s) does not persist its data (appendonly no, no save schedule): "
-            "a restart of it loses %s. Set 'appendonly yes' and 'appendfsync everysec' in its "
-            "redis.conf if parked messages must survive a restart.",
-            settings.where,
-            RESTART_LOSES,
-        )
-    events.redis_settings(settings.evicting, settings.persistent)
 
 
 def _check_logged(backend: RedisBackendLike, after: str = "") -> None:
