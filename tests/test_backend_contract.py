@@ -43,7 +43,7 @@ from dramatiq_guard.backends import (
     Woken,
 )
 from dramatiq_guard.backends.base import HOLDERS_SHOWN, MIN_STANDBY_WINDOW, ORIGINAL_GENERATION
-from dramatiq_guard.backends.redis import RedisClient
+from dramatiq_guard.backends.redis_client import RedisClient
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.renewer import LeaseHandle, LeaseRenewer, get_renewer

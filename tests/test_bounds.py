@@ -258,7 +258,7 @@ def test_the_send_lock_with_an_insane_ttl_writes_nothing(redis_env: Env, ttl: st
         ("confirm_handoff", ("h", str(ABSURD)), "ttl_ms"),
         ("release", ("h", "-1"), "send_ahead"),
         ("standby", ("send", "1e9"), "count"),
-        ("standby", ("confirm", "h", str(ABSURD), b"m"), "ttl_ms"),
+        ("standby", ("confirm", "", "h", str(ABSURD), b"m"), "ttl_ms"),
         ("set_limit", (str(ABSURD),), "limit"),
         ("set_limit", ("1e3",), "limit"),
         ("set_limit", ("-1",), "limit"),

@@ -10,14 +10,6 @@
 -- With a push (QUEUE, QUEUE_MESSAGES: a RedisBroker queue's list and message hash; ARGV from
 -- PUSH_FROM: its message id), a send's reservation enqueues its message (the park payload) as
 -- Dramatiq's enqueue does, in the same step (GuardBackend.reserve_and_enqueue); nothing else does.
-local refused = validate_args(
-  { 'ttl_ms', ttl_ms, 1, MAX_DURATION_MS },
-  { 'wait_ms', wait_ms, 0, MAX_DURATION_MS },
-  { 'generation', generation == '' and 0 or generation, 0, MAX_GENERATION }
-)
-if refused then
-  return refused
-end
 priority = priority or '0'
 local rank = whole_number(string.match(priority, '^%-?(%d*)$'), 0, MAX_PRIORITY)
 if not rank then
