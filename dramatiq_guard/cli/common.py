@@ -65,6 +65,27 @@ def _limit_arg(text: str) -> int:
     return value
 
 
+Arg = tuple[list[str], dict[str, Any]]
+#: A verb: its name, help, what runs it (or its actions), its arguments, the parser's other keywords.
+Verb = tuple[str, str, Any, list[Arg], dict[str, Any]]
+
+
+def _arg(spec: str, help: str, **kw: Any) -> Arg:
+    """An argument of ``"--flag METAVAR"`` or ``"dest METAVAR"`` (a last word in capitals: the metavar)."""
+    names = spec.split()
+    if len(names) > 1 and names[-1].isupper():
+        kw.setdefault("metavar", names.pop())
+    return names, {"help": help, **kw}
+
+
+def _switch(spec: str, help: str) -> Arg:
+    return _arg(spec, help, action="store_true")
+
+
+def _verb(name: str, help: str, run: Any, *arguments: Arg, **kw: Any) -> Verb:
+    return name, help, run, list(arguments), kw
+
+
 class Context:
     """What a command runs with: the parsed arguments, the streams, the backend (made on first use)."""
 
