@@ -18,10 +18,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dramatiq_guard.web.app import MAX_KEY_CHARS, Dashboard
-from dramatiq_guard.web.history import History
+from dramatiq_guard.web.history import History, UnlockLimit
 from dramatiq_guard.web.hosts import LOCAL_HOSTS, AllowedHosts
 from dramatiq_guard.web.settings import Access, Page, settings_of
-from dramatiq_guard.web.unlocks import UnlockLimit
 
 if TYPE_CHECKING:
     from dramatiq import Broker

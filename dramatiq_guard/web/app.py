@@ -21,10 +21,9 @@ from dramatiq_guard import admin
 from dramatiq_guard.backends.base import GuardBackend, check_key
 from dramatiq_guard.bounds import MAX_COUNT
 from dramatiq_guard.errors import BackendUnavailable
-from dramatiq_guard.web.history import History, sparkline
+from dramatiq_guard.web.history import History, UnlockLimit, sparkline
 from dramatiq_guard.web.hosts import AllowedHosts
 from dramatiq_guard.web.settings import Access, Page, settings_of
-from dramatiq_guard.web.unlocks import UnlockLimit
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
