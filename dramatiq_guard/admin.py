@@ -103,66 +103,73 @@ def _waiter_view(peek: WaiterPeek, now: int) -> dict[str, Any]:
     }
 
 
-def key_view(key: str, state: KeyState, now: int, summary: KeySummary | None = None) -> dict[str, Any]:
+def key_view(key: str, state: KeyState, now: int, summary: KeySummary) -> dict[str, Any]:
     """One key as ``inspect --json`` and the dashboard's key page show it (``now``: the backend's clock).
 
-    ``summary`` adds the first waiters' actors and arguments and the recorded limit.
+    ``summary`` gives the count of all waiters, the first ones' actors and arguments and the recorded limit.
     """
     reserved = set(state.reserved)
     info = {holder: (since, actor) for holder, since, actor in state.holder_info}
-    holders = []
-    for holder, deadline in state.holders:
-        since, actor = info.get(holder, (None, None))
-        holders.append(
-            {
-                "holder": holder,
-                "deadline_ms": deadline,
-                "lease_left_ms": deadline - now,
-                "reserved": holder in reserved,
-                "actor": actor,
-                "since_ms": since,
-            }
-        )
+    holders = [
+        {
+            "holder": holder,
+            "deadline_ms": deadline,
+            "lease_left_ms": deadline - now,
+            "reserved": holder in reserved,
+            "actor": info.get(holder, (None, None))[1],
+            "since_ms": info.get(holder, (None, None))[0],
+        }
+        for holder, deadline in state.holders
+    ]
     parked = sum(1 for _, _, is_parked in state.waiters if is_parked)
-    oldest = min((since for _, since, _ in state.waiters), default=None)
-    count = len(state.waiters)
-    if summary is not None:  # the snapshot may list only the first waiters (inspect(waiters=N))
-        count, oldest = summary.waiters, summary.oldest_since_ms
-    view: dict[str, Any] = {
+    oldest = summary.oldest_since_ms
+    return {
         "key": key,
         "kind": kind_of(key),
         "limit": state.limit,
         "holders": holders,
         "waiters": {
-            "count": count,
+            "count": summary.waiters,
             "parked": parked,  # of the listed ones ("ids")
             "blocking": len(state.waiters) - parked,
             "oldest_age_ms": None if oldest is None else now - oldest,
             "ids": [waiter for waiter, _, _ in state.waiters],
+            "first": [_waiter_view(peek, now) for peek in summary.first],
         },
         "token": state.token,
+        "recorded_limit": summary.recorded_limit,
+        "limit_in_force": state.limit if state.limit is not None else summary.recorded_limit,
     }
-    if summary is not None:
-        view["recorded_limit"] = summary.recorded_limit
-        view["limit_in_force"] = state.limit if state.limit is not None else summary.recorded_limit
-        view["waiters"]["first"] = [_waiter_view(peek, now) for peek in summary.first]
-    return view
 
 
 #: How many waiters of a key the command and the dashboard list (by id); the count is of all.
 LISTED_WAITERS = 1000
 
 
-def key_detail(backend: GuardBackend, key: str, *, waiters: int = 100) -> dict[str, Any]:
-    """:func:`key_view` of ``key`` read now (and ``now_ms``), with its first ``waiters`` waiters described.
+def key_views(
+    backend: GuardBackend, keys: list[str], *, waiters: int = 100
+) -> tuple[int, list[dict[str, Any]]]:
+    """The backend's clock and :func:`key_view` of each of ``keys``, with its first ``waiters`` described.
+
+    Raises:
+      ValueError: If a key is not a valid guard key.
+    """
+    summaries = backend.summaries(keys, waiters=waiters)
+    now = backend.now_ms()
+    return now, [
+        key_view(key, backend.inspect(key, waiters=LISTED_WAITERS), now, summary)
+        for key, summary in zip(keys, summaries, strict=True)
+    ]
+
+
+def key_detail(backend: GuardBackend, key: str) -> dict[str, Any]:
+    """:func:`key_view` of ``key`` read now, with ``now_ms`` (the dashboard's key page).
 
     Raises:
       ValueError: If ``key`` is not a valid guard key.
     """
-    state = backend.inspect(key, waiters=LISTED_WAITERS)
-    [summary] = backend.summaries([key], waiters=waiters)
-    now = backend.now_ms()
-    return {**key_view(key, state, now, summary), "now_ms": now}
+    now, [view] = key_views(backend, [key])
+    return {**view, "now_ms": now}
 
 
 def summary_view(summary: KeySummary, now: int) -> dict[str, Any]:

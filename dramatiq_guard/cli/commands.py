@@ -34,17 +34,14 @@ def _cmd_inspect(ctx: Context) -> int:
     keys = [k for k in admin.indexed_keys(backend) if fnmatch.fnmatchcase(k, pattern)]
     if not any(c in pattern for c in "*?[") and pattern not in keys:
         keys.append(pattern)
-    keys.sort()
     try:
-        summaries = backend.summaries(keys, waiters=ctx.args.waiters)
+        now, views = admin.key_views(backend, sorted(keys), waiters=ctx.args.waiters)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    now = backend.now_ms()
     views = [
-        admin.key_view(key, state, now, summary)
-        for key, summary in zip(keys, summaries, strict=True)
-        for state in (backend.inspect(key, waiters=admin.LISTED_WAITERS),)
-        if state.holders or state.waiters or state.limit is not None or key == pattern
+        v
+        for v in views
+        if v["holders"] or v["waiters"]["count"] or v["limit"] is not None or v["key"] == pattern
     ]
     settings = _redis_settings(backend)
     if ctx.args.json:
@@ -73,20 +70,20 @@ def _inspect_summary(ctx: Context) -> int:
     if not report["keys"]:
         ctx.print(f"No guard key matching {ctx.args.pattern!r} has waiters or a run-time limit.")
         return 0
-    rows = [("KEY", "KIND", "HOLDERS", "LIMIT", "WAITERS", "OLDEST")]
-    for row in report["keys"]:
-        limit = row["limit_in_force"]
-        rows.append(
-            (
-                row["key"],
-                row["kind"],
-                str(row["holders"]),
-                "?" if limit is None else str(limit) + ("" if row["limit"] is None else " (run-time)"),
-                str(row["waiters"]),
-                _format_ms(row["oldest_age_ms"]),
-            )
+    rows = [
+        (
+            row["key"],
+            row["kind"],
+            str(row["holders"]),
+            "?"
+            if row["limit_in_force"] is None
+            else f"{row['limit_in_force']}{'' if row['limit'] is None else ' (run-time)'}",
+            str(row["waiters"]),
+            _format_ms(row["oldest_age_ms"]),
         )
-    _print_table(ctx, rows, indent="")
+        for row in report["keys"]
+    ]
+    _print_table(ctx, ("KEY", "KIND", "HOLDERS", "LIMIT", "WAITERS", "OLDEST"), rows, indent="")
     return 0
 
 
@@ -101,59 +98,53 @@ def _redis_settings(backend: GuardBackend) -> RedisSettings | None:
 
 
 def _print_key(ctx: Context, view: dict[str, Any], now: int) -> None:
-    waiters = view["waiters"]
-    in_force = view["limit"] if view["limit"] is not None else view.get("limit_in_force")
-    if view["limit"] is not None:
-        limit = str(view["limit"])  # a run-time limit
-    elif in_force is not None:
-        limit = f"{in_force} (actor default, as recorded with its waiters)"
+    waiters, limit, in_force = view["waiters"], view["limit"], view["limit_in_force"]
+    if limit is not None:
+        text = str(limit)  # a run-time limit
     else:
-        limit = "actor default"
-    if in_force == 0:
-        limit += " (halted)"
-    summary = f"holders {len(view['holders'])}  limit {limit}  waiters {waiters['count']}"
+        text = (
+            "actor default"
+            if in_force is None
+            else f"{in_force} (actor default, as recorded with its waiters)"
+        )
+    summary = f"holders {len(view['holders'])}  limit {text}{' (halted)' if in_force == 0 else ''}"
+    summary += f"  waiters {waiters['count']}"
     if waiters["count"]:
         summary += (
             f" ({waiters['parked']} parked, {waiters['blocking']} blocking),"
             f" oldest {_format_ms(waiters['oldest_age_ms'])}"
         )
-    ctx.print(f"{view['key']}")
-    ctx.print(f"  {summary}")
-    rows: list[tuple[str, ...]]
-    if view["holders"]:
-        rows = [("HOLDER", "LEASE LEFT", "ACTOR", "SINCE")]
-        for holder in view["holders"]:
-            since = holder["since_ms"]
-            rows.append(
-                (
-                    holder["holder"] + (" (hand-off, unconfirmed)" if holder["reserved"] else ""),
-                    _format_ms(holder["lease_left_ms"]),
-                    holder["actor"] or "-",
-                    "-" if since is None else f"{_format_ms(now - since)} ago",
-                )
-            )
-        _print_table(ctx, rows)
-    first = view["waiters"].get("first") or []
-    if first:
-        rows = [("WAITER", "WAITED", "KIND", "ACTOR", "ARGUMENTS")]
-        for waiter in first:
-            rows.append(
-                (
-                    waiter["id"],
-                    _format_ms(waiter["waited_ms"]),
-                    "parked" if waiter["parked"] else "blocking",
-                    waiter["actor"] or "-",
-                    waiter["args"] or "-",
-                )
-            )
-        _print_table(ctx, rows)
-        if waiters["count"] > len(first):
-            ctx.print(f"  ... and {waiters['count'] - len(first)} more waiter(s)")
+    ctx.print(f"{view['key']}\n  {summary}")
+    holders = [
+        (
+            h["holder"] + (" (hand-off, unconfirmed)" if h["reserved"] else ""),
+            _format_ms(h["lease_left_ms"]),
+            h["actor"] or "-",
+            "-" if h["since_ms"] is None else f"{_format_ms(now - h['since_ms'])} ago",
+        )
+        for h in view["holders"]
+    ]
+    _print_table(ctx, ("HOLDER", "LEASE LEFT", "ACTOR", "SINCE"), holders)
+    first = waiters["first"]
+    rows = [
+        (
+            w["id"],
+            _format_ms(w["waited_ms"]),
+            "parked" if w["parked"] else "blocking",
+            w["actor"] or "-",
+            w["args"] or "-",
+        )
+        for w in first
+    ]
+    _print_table(ctx, ("WAITER", "WAITED", "KIND", "ACTOR", "ARGUMENTS"), rows)
+    if first and waiters["count"] > len(first):
+        ctx.print(f"  ... and {waiters['count'] - len(first)} more waiter(s)")
 
 
-def _print_table(ctx: Context, rows: Sequence[Sequence[str]], indent: str = "  ") -> None:
-    """Rows as aligned columns, indented; the last column is not padded."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+def _print_table(ctx: Context, header: Sequence[str], rows: list[Sequence[str]], indent: str = "  ") -> None:
+    """Rows under ``header`` as aligned columns, indented (the last column not padded); none without rows."""
+    rows = [header, *rows] if rows else []
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     for row in rows:
         ctx.print(
             indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
@@ -307,13 +298,10 @@ def _cmd_ledger_list(ctx: Context) -> int:
     ctx.print("rows: " + ("  ".join(f"{state} {n}" for state, n in sorted(counts.items())) or "none"))
     for state, rows in view["rows"].items():
         ctx.print(f"{state}: {len(rows)} shown")
-        if rows:
-            table = [("KEY", "ACTOR", "ATTEMPTS", "UPDATED", "ERROR")]
-            table.extend(
-                (r["key"], r["actor_name"], str(r["attempts"]), r["updated_at"], r["error"] or "-")
-                for r in rows
-            )
-            _print_table(ctx, table)
+        table = [
+            (r["key"], r["actor_name"], str(r["attempts"]), r["updated_at"], r["error"] or "-") for r in rows
+        ]
+        _print_table(ctx, ("KEY", "ACTOR", "ATTEMPTS", "UPDATED", "ERROR"), table)
     return 0
 
 

@@ -58,10 +58,13 @@ ROUTES = (
 STATIC = {"dashboard.css": "text/css", "dashboard.js": "text/javascript"}
 #: No inline script or style, nothing from elsewhere, no framing: a key or an argument that slips
 #: past escaping still cannot run.
-CSP = (
-    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
-    "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
-)
+HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "same-origin",
+}
 
 
 class Dashboard:
@@ -130,10 +133,7 @@ class Dashboard:
             response = self.respond(request)
         else:
             response = self.wrong_host(request)
-        response.headers["Content-Security-Policy"] = CSP
-        response.headers["X-Content-Type-Options"] = "nosniff"
-        response.headers["X-Frame-Options"] = "DENY"
-        response.headers["Referrer-Policy"] = "same-origin"
+        response.headers.update(HEADERS)
         response.headers.setdefault("Cache-Control", "no-store")
         return response(environ, start_response)
 
@@ -231,15 +231,11 @@ class Dashboard:
             **context,
         )
         response = Response(page, status=status, mimetype="text/html")
-        self._cookies(request, response)
+        if getattr(request, "_new_csrf", None):
+            _set_cookie(request, response, CSRF_COOKIE, request._new_csrf)  # type: ignore[attr-defined]
         if flash is not None and not context.get("fragment"):
             response.delete_cookie(FLASH_COOKIE, path=request.script_root or "/")
         return response
-
-    def _cookies(self, request: Request, response: Response) -> None:
-        new = getattr(request, "_new_csrf", None)
-        if new:
-            _set_cookie(request, response, CSRF_COOKIE, new)
 
     def done(self, request: Request, key: str, lines: list[str]) -> Response:
         """After a write: back to the key's page, which says what was done."""
@@ -319,7 +315,7 @@ class Dashboard:
 
     # -- confirmations and writes ---------------------------------------------
 
-    def _limit_arg(self, request: Request, values: Any) -> int:
+    def _limit_arg(self, values: Any) -> int:
         text = values.get("limit", "")
         limit = admin.parse_limit(text)
         if limit is None:
@@ -334,7 +330,7 @@ class Dashboard:
 
     def on_confirm_limit(self, request: Request) -> Response:
         self.require_write(request)
-        limit = self._limit_arg(request, request.args)
+        limit = self._limit_arg(request.args)
         view = self.view("key", request)
         holders, waiters, before = len(view["holders"]), view["waiters"]["count"], view["limit"]
         lines = [
@@ -385,7 +381,7 @@ class Dashboard:
     def on_limit(self, request: Request) -> Response:
         self.require_write(request)
         key = self._key_arg(request, request.form)
-        limit = self._limit_arg(request, request.form)
+        limit = self._limit_arg(request.form)
         return self.done(request, key, admin.set_limit(self.backend, key, limit, self.requeue))
 
     def on_release(self, request: Request) -> Response:
