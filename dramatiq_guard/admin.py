@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from dramatiq_guard.ledger import Ledger
 
 #: The kinds of guard keys, by the prefix the middlewares give them.
-KINDS = ("dedup", "mutex", "concurrency")
+KINDS = ("dedup", "mutex", "concurrency", "throttle")
 
 #: How many characters of a waiter's arguments a view shows.
 ARGS_CHARS = 120
@@ -66,7 +66,7 @@ def indexed_keys(backend: GuardBackend) -> list[str]:
 
 
 def kind_of(key: str) -> str:
-    """``dedup``, ``mutex`` or ``concurrency`` (by the key's prefix), else ``other``."""
+    """``dedup``, ``mutex``, ``concurrency`` or ``throttle`` (by the key's prefix), else ``other``."""
     prefix = key.partition(":")[0]
     if prefix == "concurrency-default":
         return "concurrency"
@@ -123,7 +123,7 @@ def key_view(key: str, state: KeyState, now: int, summary: KeySummary) -> dict[s
     ]
     parked = sum(1 for _, _, is_parked in state.waiters if is_parked)
     oldest = summary.oldest_since_ms
-    return {
+    view = {
         "key": key,
         "kind": kind_of(key),
         "limit": state.limit,
@@ -140,6 +140,10 @@ def key_view(key: str, state: KeyState, now: int, summary: KeySummary) -> dict[s
         "recorded_limit": summary.recorded_limit,
         "limit_in_force": state.limit if state.limit is not None else summary.recorded_limit,
     }
+    if view["kind"] == "throttle":  # its holders are the starts in the window
+        starts, opens_at = state.window()
+        view["window"] = {"starts": starts, "opens_in_ms": None if opens_at is None else opens_at - now}
+    return view
 
 
 #: How many waiters of a key the command and the dashboard list (by id); the count is of all.

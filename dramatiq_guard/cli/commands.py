@@ -115,6 +115,10 @@ def _print_key(ctx: Context, view: dict[str, Any], now: int) -> None:
             f" oldest {_format_ms(waiters['oldest_age_ms'])}"
         )
     ctx.print(f"{view['key']}\n  {summary}")
+    if "window" in view:
+        opens = view["window"]["opens_in_ms"]
+        when = "" if opens is None else f"; the oldest leaves it (a place opens) in {_format_ms(opens)}"
+        ctx.print(f"  window: {view['window']['starts']} start(s){when}")
     holders = [
         (
             h["holder"] + (" (hand-off, unconfirmed)" if h["reserved"] else ""),
@@ -141,7 +145,9 @@ def _print_key(ctx: Context, view: dict[str, Any], now: int) -> None:
         ctx.print(f"  ... and {waiters['count'] - len(first)} more waiter(s)")
 
 
-def _print_table(ctx: Context, header: Sequence[str], rows: list[Sequence[str]], indent: str = "  ") -> None:
+def _print_table(
+    ctx: Context, header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  "
+) -> None:
     """Rows under ``header`` as aligned columns, indented (the last column not padded); none without rows."""
     rows = [header, *rows] if rows else []
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
