@@ -312,6 +312,17 @@ def broker_requeue(broker: Broker, backend: GuardBackend) -> Requeue:
     return requeue
 
 
+def requeue_of(broker: Broker | str | None, backend: GuardBackend) -> Requeue | None:
+    """:func:`broker_requeue` of ``broker`` (or of ``MODULE:ATTR``, :func:`load_broker`); None without one.
+
+    Raises:
+      ValueError: As :func:`load_broker`, or a ``ConfigurationError`` as :func:`broker_requeue`.
+    """
+    if broker is None:
+        return None
+    return broker_requeue(load_broker(broker) if isinstance(broker, str) else broker, backend)
+
+
 def deliver(backend: GuardBackend, handoffs: Sequence[Handoff], requeue: Requeue | None) -> str:
     """Put handed-off parked messages back on the broker, or leave them reserved; say which."""
     parked = [h for h in handoffs if h.payload is not None]

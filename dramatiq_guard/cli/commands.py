@@ -168,32 +168,25 @@ def _print_lines(ctx: Context, lines: list[str]) -> int:
 
 def _broker_requeue(ctx: Context) -> admin.Requeue | None:
     """How to re-enqueue hand-offs on ``--broker`` (None without it); loaded before anything changes."""
-    spec: str | None = getattr(ctx.args, "broker", None)
-    if spec is None:
-        return None
     try:
-        broker = admin.load_broker(spec)
-        return admin.broker_requeue(broker, ctx.backend)
+        return admin.requeue_of(getattr(ctx.args, "broker", None), ctx.backend)
     except ValueError as e:  # a ConfigurationError too: a broker of no known route
         raise UsageError(str(e)) from None
 
 
-def _actor_limit_key(name: str) -> str:
+def _target(ctx: Context) -> tuple[str, KeyState]:
+    """The key of ``limit``'s KEY or ``--actor NAME``, and its state."""
     from dramatiq_guard.middleware.slots.limits import ACTOR_LIMIT_PREFIX
 
-    return f"{ACTOR_LIMIT_PREFIX}:{name}"
-
-
-def _target(ctx: Context) -> str:
     args = ctx.args
     if (args.target is None) == (args.actor is None):
         raise UsageError(f"limit {args.limit_command}: give either KEY or --actor NAME")
-    return _actor_limit_key(args.actor) if args.actor is not None else str(args.target)
+    key = f"{ACTOR_LIMIT_PREFIX}:{args.actor}" if args.actor is not None else str(args.target)
+    return key, _check_key(ctx.backend, key)
 
 
 def _cmd_limit_get(ctx: Context) -> int:
-    key = _target(ctx)
-    state = _check_key(ctx.backend, key)
+    key, state = _target(ctx)
     if ctx.args.json:
         ctx.print(json.dumps({"key": key, "limit": state.limit}))
     elif state.limit is None:
@@ -204,19 +197,15 @@ def _cmd_limit_get(ctx: Context) -> int:
 
 
 def _cmd_limit_set(ctx: Context) -> int:
-    key = _target(ctx)
-    backend = ctx.backend
-    _check_key(backend, key)
-    return _print_lines(ctx, admin.set_limit(backend, key, ctx.args.limit, _broker_requeue(ctx)))
+    key, _ = _target(ctx)
+    return _print_lines(ctx, admin.set_limit(ctx.backend, key, ctx.args.limit, _broker_requeue(ctx)))
 
 
 def _cmd_limit_clear(ctx: Context) -> int:
-    key = _target(ctx)
-    backend = ctx.backend
-    _check_key(backend, key)
+    key, _ = _target(ctx)
     # The command does not know the actor: the backend hands slots on with the limit recorded
     # with the key's waiters (to blocking waiters; parked ones are left to a worker's sweep).
-    backend.set_limit(key, None, default=None)
+    ctx.backend.set_limit(key, None, default=None)
     ctx.print(f"{key}: run-time limit cleared (the limit declared on the actor applies)")
     return 0
 
@@ -226,10 +215,9 @@ def _cmd_release(ctx: Context) -> int:
     backend = ctx.backend
     state = _check_key(backend, key)
     requeue = _broker_requeue(ctx)
-    reserved = set(state.reserved)
     holders = admin.releasable(state)
     if not holders:
-        extra = f" ({len(reserved)} unconfirmed hand-off(s) left to lapse)" if reserved else ""
+        extra = f" ({len(state.reserved)} unconfirmed hand-off(s) left to lapse)" if state.reserved else ""
         ctx.print(f"{key}: no holder to release{extra}")
         return 0
     if not ctx.args.yes:

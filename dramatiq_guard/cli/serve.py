@@ -79,26 +79,17 @@ def _cmd_serve(ctx: Context) -> int:
         from dramatiq_guard import web
     except ImportError as e:
         raise UsageError(f"serve needs the web extra (pip install 'dramatiq-guard[web]'): {e}") from None
-    from dramatiq_guard import admin
-
     args = ctx.args
     secret = _write_secret(args)
     try:
         hosts = web.AllowedHosts(
             [*web.LOCAL_HOSTS, *_bound_name(args.host), *args.allowed_host], what="--allowed-host (or --host)"
         )
-    except ValueError as e:
+        access = web.Access(write_secret=secret, allowed_hosts=hosts.entries)
+        ledger = args.ledger or os.environ.get(LEDGER_URL_ENV)
+        app = web.make_app(ctx.backend, broker=args.broker, ledger=ledger, access=access)
+    except ValueError as e:  # a bad --broker too
         raise UsageError(str(e)) from None
-    backend = ctx.backend
-    broker = None
-    if args.broker is not None:
-        try:
-            broker = admin.load_broker(args.broker)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-    ledger_url = args.ledger or os.environ.get(LEDGER_URL_ENV)
-    access = web.Access(write_secret=secret, allowed_hosts=hosts.entries)
-    app = web.make_app(backend, broker=broker, ledger=ledger_url, access=access)
     mode = "writes need the write secret" if secret else "read-only (no write secret)"
     port = web.DEFAULT_PORT if args.port is None else args.port
     shown = f"[{args.host}]" if ":" in args.host else args.host

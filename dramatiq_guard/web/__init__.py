@@ -84,13 +84,9 @@ def make_app(
     access, page = settings_of(access, page, deprecated)
     if backend is None:
         backend = _backend(redis, namespace)
-    requeue = None
-    if broker is not None:
-        from dramatiq_guard import admin
+    from dramatiq_guard import admin
 
-        if isinstance(broker, str):
-            broker = admin.load_broker(broker)
-        requeue = admin.broker_requeue(broker, backend)
+    requeue = admin.requeue_of(broker, backend)
     if isinstance(ledger, str):
         from dramatiq_guard.ledger import Ledger
 
