@@ -242,36 +242,37 @@ def main(
     try:
         run: Callable[[Context], int] = args.run
         return run(ctx)
-    except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except OperationalError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 1
     except Exception as e:
-        from redis.exceptions import NoPermissionError, RedisError
-
-        from dramatiq_guard.errors import BackendRefused, BackendUnavailable
-
-        if isinstance(e, (BackendRefused, NoPermissionError)):  # reached, but this user may not
-            said = e if isinstance(e, BackendRefused) else f"refused: {e}"
-            print(f"{PROG}: error: Redis at {_redacted(ctx.redis_url)}: {said}", file=sys.stderr)
-            return 1
-        if isinstance(e, (BackendUnavailable, RedisError)):
-            print(f"{PROG}: error: cannot reach Redis at {_redacted(ctx.redis_url)}: {e}", file=sys.stderr)
-            return 1
-        import sqlalchemy as sa
-
-        if isinstance(e, sa.exc.SQLAlchemyError) and ctx.ledger_url is not None:
-            reason = str(getattr(e, "orig", None) or e).splitlines()[0]
-            print(f"{PROG}: error: the ledger at {ctx.ledger_url}: {reason}", file=sys.stderr)
-            return 1
-        raise
+        failure = _failure(e, ctx)
+        if failure is None:
+            raise
+        print(f"{PROG}: error: {failure[1]}", file=sys.stderr)
+        return failure[0]
     finally:
         ctx.close()
+
+
+def _failure(e: Exception, ctx: Context) -> tuple[int, str] | None:
+    """The exit status and the one line of an error the command reports, else None (a bug: raised)."""
+    from redis.exceptions import NoPermissionError, RedisError
+
+    from dramatiq_guard.errors import BackendRefused, BackendUnavailable
+
+    if isinstance(e, (UsageError, OperationalError)):
+        return 2 if isinstance(e, UsageError) else 1, str(e)
+    if isinstance(e, (BackendRefused, NoPermissionError)):  # reached, but this user may not
+        said = e if isinstance(e, BackendRefused) else f"refused: {e}"
+        return 1, f"Redis at {_redacted(ctx.redis_url)}: {said}"
+    if isinstance(e, (BackendUnavailable, RedisError)):
+        return 1, f"cannot reach Redis at {_redacted(ctx.redis_url)}: {e}"
+    import sqlalchemy as sa
+
+    if isinstance(e, sa.exc.SQLAlchemyError) and ctx.ledger_url is not None:
+        return 1, f"the ledger at {ctx.ledger_url}: {str(getattr(e, 'orig', None) or e).splitlines()[0]}"
+    return None
 
 
 def _redacted(url: str) -> str:
