@@ -57,12 +57,11 @@ def parse_limit(text: str) -> int | None:
     return value if 0 <= value <= MAX_COUNT else None
 
 
-def indexed_keys(backend: GuardBackend) -> list[str]:
-    """The keys of the backend's indexes: keys with waiters, then keys with a run-time limit."""
-    keys = list(backend.waiting_keys())
-    seen = set(keys)
-    keys.extend(k for k in backend.limit_keys() if k not in seen)
-    return keys
+def indexed_keys(backend: GuardBackend, pattern: str = "*") -> list[str]:
+    """The keys of the backend's indexes (keys with waiters or a run-time limit) matching ``pattern``."""
+    # Not fnmatchcase(), whose cache keeps 32,768 patterns: the dashboard's readers choose them.
+    match = re.compile(fnmatch.translate(pattern)).match
+    return [k for k in dict.fromkeys([*backend.waiting_keys(), *backend.limit_keys()]) if match(k)]
 
 
 def kind_of(key: str) -> str:
@@ -219,9 +218,7 @@ def overview(
     Most in need of a look first, page ``page`` of ``per_page`` rows (None: all): ``now_ms``,
     ``total``, ``counts`` (per kind: keys, holders, waiters), ``page``, ``pages`` and ``keys``.
     """
-    # Not fnmatchcase(), whose cache keeps 32,768 patterns: the dashboard's readers choose them.
-    match = re.compile(fnmatch.translate(pattern)).match
-    keys = [k for k in indexed_keys(backend) if match(k)]
+    keys = indexed_keys(backend, pattern)
     if kind is not None:
         keys = [k for k in keys if kind_of(k) == kind]
     now = backend.now_ms()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,7 +30,7 @@ def _cmd_inspect(ctx: Context) -> int:
         return _inspect_summary(ctx)
     backend = ctx.backend
     pattern: str = ctx.args.pattern
-    keys = [k for k in admin.indexed_keys(backend) if fnmatch.fnmatchcase(k, pattern)]
+    keys = admin.indexed_keys(backend, pattern)
     if not any(c in pattern for c in "*?[") and pattern not in keys:
         keys.append(pattern)
     try:
