@@ -212,6 +212,13 @@ def test_inspect_shows_a_throttle_keys_window(backend: RedisBackend, run: Run) -
     assert [line.split()[:2] for line in out.splitlines()[1:]] == [[key, "throttle"]]
 
 
+def test_inspect_shows_a_key_named_exactly_without_holders_or_waiters(run: Run) -> None:
+    status, out, _ = run("inspect", "mutex:nobody")
+    lines = out.splitlines()
+    assert (status, lines[:2]) == (0, ["mutex:nobody", "  holders 0  limit actor default  waiters 0"])
+    assert lines[2].startswith("Redis ")  # no table of holders or waiters between
+
+
 def test_inspect_never_scans_the_keyspace(backend: RedisBackend, run: Run, redisdb: redis.Redis) -> None:
     assert backend.acquire(Stake("slots:c1", "m1", limit=1, ttl_ms=MINUTE)).acquired
     _park(backend, "slots:c1", "m2")

@@ -14,7 +14,6 @@ from dramatiq_guard.cli.common import Context, OperationalError, UsageError
 
 if TYPE_CHECKING:
     from dramatiq_guard.backends.redis_client import RedisClient
-    from dramatiq_guard.backends.redis_health import RedisSettings
     from dramatiq_guard.backends.redis_scripts import ScriptLibrary
 
 
@@ -42,21 +41,19 @@ def _cmd_inspect(ctx: Context) -> int:
         for v in views
         if v["holders"] or v["waiters"]["count"] or v["limit"] is not None or v["key"] == pattern
     ]
-    settings = _redis_settings(backend)
+    from dramatiq_guard.backends.redis_health import read_settings
+
+    settings = read_settings(backend.client)  # what Redis does with its keys (eviction, persistence)
     if ctx.args.json:
-        report: dict[str, Any] = {"now_ms": now, "keys": views}
-        if settings is not None:
-            report["redis"] = settings.as_dict()
-        ctx.print(json.dumps(report, indent=2))
+        ctx.print(json.dumps({"now_ms": now, "keys": views, "redis": settings.as_dict()}, indent=2))
         return 0
     if not views:
         ctx.print(f"No guard key matching {pattern!r} has waiters or a run-time limit.")
     for view in views:
         _print_key(ctx, view, now)
-    if settings is not None:
-        ctx.print(f"Redis {settings.where}:")
-        for line in settings.describe():
-            ctx.print(f"  {line}")
+    ctx.print(f"Redis {settings.where}:")
+    for line in settings.describe():
+        ctx.print(f"  {line}")
     return 0
 
 
@@ -84,16 +81,6 @@ def _inspect_summary(ctx: Context) -> int:
     ]
     _print_table(ctx, ("KEY", "KIND", "HOLDERS", "LIMIT", "WAITERS", "OLDEST"), rows, indent="")
     return 0
-
-
-def _redis_settings(backend: GuardBackend) -> RedisSettings | None:
-    """What the guard's Redis does with its keys (eviction, persistence), best effort."""
-    from dramatiq_guard.backends import RedisBackend
-    from dramatiq_guard.backends.redis_health import read_settings
-
-    if not isinstance(backend, RedisBackend):
-        return None
-    return read_settings(backend.client)
 
 
 def _print_key(ctx: Context, view: dict[str, Any], now: int) -> None:
@@ -148,7 +135,9 @@ def _print_table(
     ctx: Context, header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  "
 ) -> None:
     """Rows under ``header`` as aligned columns, indented (the last column not padded); none without rows."""
-    rows = [header, *rows] if rows else []
+    if not rows:
+        return
+    rows = [header, *rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     for row in rows:
         ctx.print(
@@ -300,12 +289,7 @@ def _cmd_ledger_list(ctx: Context) -> int:
 
 def _scripts(ctx: Context) -> tuple[RedisClient, ScriptLibrary, str]:
     """The Redis client, the script library and the namespace of the command's backend."""
-    from dramatiq_guard.backends.redis import RedisBackend
-
-    backend = ctx.backend
-    if not isinstance(backend, RedisBackend):  # pragma: no cover - the command always makes one
-        raise UsageError("functions: the guard's backend is not Redis")
-    return backend.client, backend.scripts, backend.namespace
+    return ctx.backend.client, ctx.backend.scripts, ctx.backend.namespace
 
 
 def _processes(processes: list[str], most: int = 5) -> str:

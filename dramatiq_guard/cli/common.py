@@ -6,12 +6,14 @@ import argparse
 import logging
 import os
 import re
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from dramatiq_guard.admin import parse_limit
-from dramatiq_guard.backends.base import GuardBackend
 from dramatiq_guard.bounds import MAX_COUNT, MAX_RETENTION_MS
 from dramatiq_guard.resolve import DEFAULT_REDIS_URL, REDIS_URL_ENV
+
+if TYPE_CHECKING:
+    from dramatiq_guard.backends.redis import RedisBackend
 
 PROG = "dramatiq-guard"
 DEFAULT_NAMESPACE = "dramatiq-guard"
@@ -93,7 +95,7 @@ class Context:
         self.args = args
         self.stdin = stdin
         self.stdout = stdout
-        self._backend: GuardBackend | None = None
+        self._backend: RedisBackend | None = None
         self.ledger: Any = None
         self.ledger_url: str | None = None
 
@@ -103,7 +105,7 @@ class Context:
         return url or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
 
     @property
-    def backend(self) -> GuardBackend:
+    def backend(self) -> RedisBackend:
         if self._backend is None:
             from dramatiq_guard.backends.redis import RedisBackend
 
