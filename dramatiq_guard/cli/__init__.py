@@ -184,17 +184,16 @@ def _add(group: Any, arguments: list[Arg]) -> Any:
     return group
 
 
-def _add_verbs(
-    parser: argparse.ArgumentParser, dest: str, verbs: list[Verb], parents: dict[str, Any]
-) -> None:
-    """Add ``verbs``; a verb's options (connection, or the ledger's) are accepted after it too."""
+def _add_verbs(parser: argparse.ArgumentParser, dest: str, verbs: list[Verb], *parents: Any) -> None:
+    """Add ``verbs``; their options (connection, or the ledger's) are accepted after them too."""
+    common, ledger = parents
     metavar = "COMMAND" if dest == "command" else "ACTION"
     actions = parser.add_subparsers(dest=dest, metavar=metavar, required=True)
     for name, text, run, arguments, kw in verbs:
-        parent = [] if name == "ledger" else [parents[dest]]
+        parent = ledger if dest == "ledger_command" else [] if name == "ledger" else common
         verb = _add(actions.add_parser(name, parents=parent, help=text, **kw), arguments)
         if isinstance(run, list):
-            _add_verbs(verb, f"{name}_command", run, parents)
+            _add_verbs(verb, f"{name}_command", run, *parents)
         else:
             verb.set_defaults(run=run)
 
@@ -208,15 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 ok, 1 operational error, 2 usage error.",
     )
     _add(parser.add_argument_group("connection"), CONNECTION)
-    common, ledger = (
-        argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS) for _ in "cl"
-    )
+    common = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    ledger = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
     _add(common.add_argument_group("connection"), CONNECTION)
     _add(ledger, LEDGER)
-    parents = {"ledger_command": ledger} | dict.fromkeys(
-        ["command", "limit_command", "functions_command"], common
-    )
-    _add_verbs(parser, "command", VERBS, parents)
+    _add_verbs(parser, "command", VERBS, [common], [ledger])
     return parser
 
 
