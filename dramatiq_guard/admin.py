@@ -291,15 +291,21 @@ def load_broker(spec: str) -> Broker:
     return broker
 
 
-def broker_requeue(broker: Broker, backend: GuardBackend) -> Requeue:
-    """How to re-enqueue hand-offs on ``broker``, exactly as a worker would; the backend takes its route.
+def broker_requeue(broker: Broker | str | None, backend: GuardBackend) -> Requeue | None:
+    """How to re-enqueue hand-offs on ``broker`` (or ``MODULE:ATTR``), exactly as a worker would (None
+    without a broker); the backend takes its route.
 
     Raises:
+      ValueError: As :func:`load_broker`.
       ConfigurationError: If the broker has no route the guard can tell.
     """
     from dramatiq_guard.delivery import courier_for
     from dramatiq_guard.resolve import route_of
 
+    if broker is None:
+        return None
+    if isinstance(broker, str):
+        broker = load_broker(broker)
     backend.route = route_of(broker)
 
     def requeue(handoffs: Sequence[Handoff]) -> None:
@@ -307,17 +313,6 @@ def broker_requeue(broker: Broker, backend: GuardBackend) -> Requeue:
             courier_for(broker, backend, handoff.key).deliver([handoff])
 
     return requeue
-
-
-def requeue_of(broker: Broker | str | None, backend: GuardBackend) -> Requeue | None:
-    """:func:`broker_requeue` of ``broker`` (or of ``MODULE:ATTR``, :func:`load_broker`); None without one.
-
-    Raises:
-      ValueError: As :func:`load_broker`, or a ``ConfigurationError`` as :func:`broker_requeue`.
-    """
-    if broker is None:
-        return None
-    return broker_requeue(load_broker(broker) if isinstance(broker, str) else broker, backend)
 
 
 def deliver(backend: GuardBackend, handoffs: Sequence[Handoff], requeue: Requeue | None) -> str:

@@ -157,7 +157,7 @@ def _print_lines(ctx: Context, lines: list[str]) -> int:
 def _broker_requeue(ctx: Context) -> admin.Requeue | None:
     """How to re-enqueue hand-offs on ``--broker`` (None without it); loaded before anything changes."""
     try:
-        return admin.requeue_of(getattr(ctx.args, "broker", None), ctx.backend)
+        return admin.broker_requeue(getattr(ctx.args, "broker", None), ctx.backend)
     except ValueError as e:  # a ConfigurationError too: a broker of no known route
         raise UsageError(str(e)) from None
 

@@ -86,7 +86,7 @@ def make_app(
         backend = _backend(redis, namespace)
     from dramatiq_guard import admin
 
-    requeue = admin.requeue_of(broker, backend)
+    requeue = admin.broker_requeue(broker, backend)
     if isinstance(ledger, str):
         from dramatiq_guard.ledger import Ledger
 
