@@ -37,24 +37,10 @@ MAX_KEY_CHARS = 1024
 CSRF_COOKIE = "dg_csrf"
 WRITE_COOKIE = "dg_write"
 FLASH_COOKIE = "dg_flash"
-#: The pages, by method: ``/confirm/limit`` is answered by ``on_confirm_limit``, ``/api/key`` is ``on_key``'s
-#: view as JSON.
-ROUTES = (
-    (
-        "GET",
-        (
-            "/",
-            "/key",
-            "/ledger",
-            "/api/overview",
-            "/api/key",
-            "/confirm/limit",
-            "/confirm/release",
-            "/static/<name>",
-        ),
-    ),
-    ("POST", ("/limit", "/release", "/unlock", "/lock")),
-)
+#: The pages (``/confirm/limit`` is answered by ``on_confirm_limit``; ``/api/key`` is ``on_key``'s view as
+#: JSON; and ``/static/<name>``), then the writes (POST).
+PAGES = ("/", "/key", "/ledger", "/api/overview", "/api/key", "/confirm/limit", "/confirm/release")
+WRITES = ("/limit", "/release", "/unlock", "/lock")
 STATIC = {"dashboard.css": "text/css", "dashboard.js": "text/javascript"}
 #: No inline script or style, nothing from elsewhere, no framing: a key or an argument that slips
 #: past escaping still cannot run.
@@ -117,13 +103,9 @@ class Dashboard:
         self.jinja.filters["ms"] = admin.format_ms
         self.jinja.globals["sparkline"] = lambda key: sparkline(self.history.of(key))
         self.jinja.globals["args_query"] = _args_query
-        self.urls = Map(
-            [
-                Rule(path, endpoint=_endpoint(path), methods=[method])
-                for method, paths in ROUTES
-                for path in paths
-            ]
-        )
+        methods = {path: ["POST" if path in WRITES else "GET"] for path in PAGES + WRITES}
+        rules = [Rule(path, endpoint=_endpoint(path), methods=m) for path, m in methods.items()]
+        self.urls = Map([*rules, Rule("/static/<name>", endpoint="static", methods=["GET"])])
 
     # -- WSGI -------------------------------------------------------------------
 
@@ -442,7 +424,7 @@ def _digest(secret: str) -> bytes:
 
 def _endpoint(path: str) -> str:
     """``/confirm/limit``: ``confirm_limit``; ``/``: ``overview``."""
-    return path.partition("/<")[0].strip("/").replace("/", "_") or "overview"
+    return path.strip("/").replace("/", "_") or "overview"
 
 
 def _args_query(args: Any, **overrides: Any) -> str:
