@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from dramatiq_guard.ledger import Ledger
 
 #: The kinds of guard keys, by the prefix the middlewares give them.
-KINDS = ("dedup", "mutex", "concurrency")
+KINDS = ("dedup", "mutex", "concurrency", "throttle")
 
 #: How many characters of a waiter's arguments a view shows.
 ARGS_CHARS = 120
@@ -57,16 +57,15 @@ def parse_limit(text: str) -> int | None:
     return value if 0 <= value <= MAX_COUNT else None
 
 
-def indexed_keys(backend: GuardBackend) -> list[str]:
-    """The keys of the backend's indexes: keys with waiters, then keys with a run-time limit."""
-    keys = list(backend.waiting_keys())
-    seen = set(keys)
-    keys.extend(k for k in backend.limit_keys() if k not in seen)
-    return keys
+def indexed_keys(backend: GuardBackend, pattern: str = "*") -> list[str]:
+    """The keys of the backend's indexes (keys with waiters or a run-time limit) matching ``pattern``."""
+    # Not fnmatchcase(), whose cache keeps 32,768 patterns: the dashboard's readers choose them.
+    match = re.compile(fnmatch.translate(pattern)).match
+    return [k for k in dict.fromkeys([*backend.waiting_keys(), *backend.limit_keys()]) if match(k)]
 
 
 def kind_of(key: str) -> str:
-    """``dedup``, ``mutex`` or ``concurrency`` (by the key's prefix), else ``other``."""
+    """``dedup``, ``mutex``, ``concurrency`` or ``throttle`` (by the key's prefix), else ``other``."""
     prefix = key.partition(":")[0]
     if prefix == "concurrency-default":
         return "concurrency"
@@ -103,49 +102,46 @@ def _waiter_view(peek: WaiterPeek, now: int) -> dict[str, Any]:
     }
 
 
-def key_view(key: str, state: KeyState, now: int, summary: KeySummary | None = None) -> dict[str, Any]:
+def key_view(key: str, state: KeyState, now: int, summary: KeySummary) -> dict[str, Any]:
     """One key as ``inspect --json`` and the dashboard's key page show it (``now``: the backend's clock).
 
-    ``summary`` adds the first waiters' actors and arguments and the recorded limit.
+    ``summary`` gives the count of all waiters, the first ones' actors and arguments and the recorded limit.
     """
     reserved = set(state.reserved)
     info = {holder: (since, actor) for holder, since, actor in state.holder_info}
-    holders = []
-    for holder, deadline in state.holders:
-        since, actor = info.get(holder, (None, None))
-        holders.append(
-            {
-                "holder": holder,
-                "deadline_ms": deadline,
-                "lease_left_ms": deadline - now,
-                "reserved": holder in reserved,
-                "actor": actor,
-                "since_ms": since,
-            }
-        )
+    holders = [
+        {
+            "holder": holder,
+            "deadline_ms": deadline,
+            "lease_left_ms": deadline - now,
+            "reserved": holder in reserved,
+            "actor": info.get(holder, (None, None))[1],
+            "since_ms": info.get(holder, (None, None))[0],
+        }
+        for holder, deadline in state.holders
+    ]
     parked = sum(1 for _, _, is_parked in state.waiters if is_parked)
-    oldest = min((since for _, since, _ in state.waiters), default=None)
-    count = len(state.waiters)
-    if summary is not None:  # the snapshot may list only the first waiters (inspect(waiters=N))
-        count, oldest = summary.waiters, summary.oldest_since_ms
-    view: dict[str, Any] = {
+    oldest = summary.oldest_since_ms
+    view = {
         "key": key,
         "kind": kind_of(key),
         "limit": state.limit,
         "holders": holders,
         "waiters": {
-            "count": count,
+            "count": summary.waiters,
             "parked": parked,  # of the listed ones ("ids")
             "blocking": len(state.waiters) - parked,
             "oldest_age_ms": None if oldest is None else now - oldest,
             "ids": [waiter for waiter, _, _ in state.waiters],
+            "first": [_waiter_view(peek, now) for peek in summary.first],
         },
         "token": state.token,
+        "recorded_limit": summary.recorded_limit,
+        "limit_in_force": state.limit if state.limit is not None else summary.recorded_limit,
     }
-    if summary is not None:
-        view["recorded_limit"] = summary.recorded_limit
-        view["limit_in_force"] = state.limit if state.limit is not None else summary.recorded_limit
-        view["waiters"]["first"] = [_waiter_view(peek, now) for peek in summary.first]
+    if view["kind"] == "throttle":  # its holders are the starts in the window
+        starts, opens_at = state.window()
+        view["window"] = {"starts": starts, "opens_in_ms": None if opens_at is None else opens_at - now}
     return view
 
 
@@ -153,16 +149,30 @@ def key_view(key: str, state: KeyState, now: int, summary: KeySummary | None = N
 LISTED_WAITERS = 1000
 
 
-def key_detail(backend: GuardBackend, key: str, *, waiters: int = 100) -> dict[str, Any]:
-    """:func:`key_view` of ``key`` read now (and ``now_ms``), with its first ``waiters`` waiters described.
+def key_views(
+    backend: GuardBackend, keys: list[str], *, waiters: int = 100
+) -> tuple[int, list[dict[str, Any]]]:
+    """The backend's clock and :func:`key_view` of each of ``keys``, with its first ``waiters`` described.
+
+    Raises:
+      ValueError: If a key is not a valid guard key.
+    """
+    summaries = backend.summaries(keys, waiters=waiters)
+    now = backend.now_ms()
+    return now, [
+        key_view(key, backend.inspect(key, waiters=LISTED_WAITERS), now, summary)
+        for key, summary in zip(keys, summaries, strict=True)
+    ]
+
+
+def key_detail(backend: GuardBackend, key: str) -> dict[str, Any]:
+    """:func:`key_view` of ``key`` read now, with ``now_ms`` (the dashboard's key page).
 
     Raises:
       ValueError: If ``key`` is not a valid guard key.
     """
-    state = backend.inspect(key, waiters=LISTED_WAITERS)
-    [summary] = backend.summaries([key], waiters=waiters)
-    now = backend.now_ms()
-    return {**key_view(key, state, now, summary), "now_ms": now}
+    now, [view] = key_views(backend, [key])
+    return {**view, "now_ms": now}
 
 
 def summary_view(summary: KeySummary, now: int) -> dict[str, Any]:
@@ -208,9 +218,7 @@ def overview(
     Most in need of a look first, page ``page`` of ``per_page`` rows (None: all): ``now_ms``,
     ``total``, ``counts`` (per kind: keys, holders, waiters), ``page``, ``pages`` and ``keys``.
     """
-    # Not fnmatchcase(), whose cache keeps 32,768 patterns: the dashboard's readers choose them.
-    match = re.compile(fnmatch.translate(pattern)).match
-    keys = [k for k in indexed_keys(backend) if match(k)]
+    keys = indexed_keys(backend, pattern)
     if kind is not None:
         keys = [k for k in keys if kind_of(k) == kind]
     now = backend.now_ms()
@@ -283,15 +291,21 @@ def load_broker(spec: str) -> Broker:
     return broker
 
 
-def broker_requeue(broker: Broker, backend: GuardBackend) -> Requeue:
-    """How to re-enqueue hand-offs on ``broker``, exactly as a worker would; the backend takes its route.
+def broker_requeue(broker: Broker | str | None, backend: GuardBackend) -> Requeue | None:
+    """How to re-enqueue hand-offs on ``broker`` (or ``MODULE:ATTR``), exactly as a worker would (None
+    without a broker); the backend takes its route.
 
     Raises:
+      ValueError: As :func:`load_broker`.
       ConfigurationError: If the broker has no route the guard can tell.
     """
     from dramatiq_guard.delivery import courier_for
     from dramatiq_guard.resolve import route_of
 
+    if broker is None:
+        return None
+    if isinstance(broker, str):
+        broker = load_broker(broker)
     backend.route = route_of(broker)
 
     def requeue(handoffs: Sequence[Handoff]) -> None:

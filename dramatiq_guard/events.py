@@ -87,6 +87,13 @@ def redis_settings(evicting: bool | None, persistent: bool | None) -> None:
         report(evicting, persistent)
 
 
+def throttle_window(actor: str, starts: int, opens_at_ms: int | None) -> None:
+    """A throttle key of ``actor`` was read: its starts in the window, when its next place opens."""
+    report = getattr(_sink, "throttle_window", None)
+    if report is not None:
+        report(actor, starts, opens_at_ms)
+
+
 def acquired(actor: str, key: str | None = None) -> None:
     """A message of ``actor`` here started holding ``key`` (also to a sink's ``key_holders``, if any)."""
     _holders(actor, key, 1)

@@ -35,6 +35,18 @@ _COUNTERS = {
 _GAUGES: dict[str, tuple[str, str, bool, Any]] = {
     "holders": ("dramatiq_guard_holders", "Messages holding a guard slot or lock.", True, "livesum"),
     "waiters": ("dramatiq_guard_waiters", "Worker threads blocked waiting for a lock.", True, "livesum"),
+    "throttle_starts": (
+        "dramatiq_guard_throttle_window_starts",
+        "Starts in the window of a throttle key of the actor, as a worker last read it.",
+        True,
+        "livemostrecent",
+    ),
+    "throttle_next_open": (
+        "dramatiq_guard_throttle_next_open_timestamp_seconds",
+        "When the next place in that window opens (its oldest start lapses), in Unix time.",
+        True,
+        "livemostrecent",
+    ),
     "redis_evicting": (
         "dramatiq_guard_redis_evicting",
         "1 if the guard's Redis has a maxmemory-policy that evicts keys, else 0.",
@@ -131,6 +143,10 @@ class GuardMetrics(dramatiq.Middleware):
         for which, value in (("redis_evicting", evicting), ("redis_persistent", persistent)):
             if value is not None:
                 self.gauges[which].set(int(value))
+
+    def throttle_window(self, actor: str, starts: int, opens_at_ms: int | None) -> None:
+        self.gauges["throttle_starts"].labels(actor).set(starts)
+        self.gauges["throttle_next_open"].labels(actor).set(0 if opens_at_ms is None else opens_at_ms / 1000)
 
     def holders(self, actor: str, delta: int) -> None:
         self.gauges["holders"].labels(actor).inc(delta)

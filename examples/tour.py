@@ -584,7 +584,7 @@ class Tour:
             # command's own code on it.
             say(f"   dramatiq-guard {' '.join(argv)} (the in-memory backend, in this process):")
             ctx = cli.Context(cli.build_parser().parse_args(argv), sys.stdin, out)
-            ctx._backend = self.setup.backend
+            ctx._backend = self.setup.backend  # type: ignore[assignment]  # a MemoryBackend: a RedisBackend
             cli_commands._cmd_inspect(ctx)
         for line in out.getvalue().splitlines():
             say(f"     {line}")

@@ -184,6 +184,41 @@ def test_inspect_lists_indexed_keys_with_holders_waiters_and_limits(backend: Red
     assert "No guard key matching 'mutex:*'" in out
 
 
+def test_inspect_shows_a_throttle_keys_window(backend: RedisBackend, run: Run) -> None:
+    """A throttle key's holders are its starts: the window shows them, and when the oldest leaves."""
+    key = "throttle:partner"
+    for holder in ("m1:0", "m2:0"):
+        assert backend.acquire(Stake(key, holder, limit=2, ttl_ms=MINUTE, info="sync_order")).acquired
+    for waiter in ("m3:0", "m4:0"):
+        assert backend.acquire(Stake(key, waiter, limit=2, ttl_ms=MINUTE), wait=Waiter(payload=b"{}")).parked
+    [handoff] = backend.release(key, "m1:0", limit=2).handoffs  # m3 takes the place, not started yet
+    assert handoff.waiter_id == "m3:0"
+    state = backend.inspect(key)
+
+    status, out, err = run("inspect", "--json", key)
+    assert (status, err) == (0, "")
+    report = json.loads(out)
+    [view] = report["keys"]
+    assert view["kind"] == "throttle"
+    oldest = min(deadline for _, deadline in state.holders)
+    assert view["window"] == {"starts": 1, "opens_in_ms": oldest - report["now_ms"]}
+
+    status, out, _ = run("inspect", key)
+    assert status == 0
+    assert "  window: 1 start(s); the oldest leaves it (a place opens) in " in out
+
+    status, out, _ = run("inspect", "--summary")
+    assert status == 0
+    assert [line.split()[:2] for line in out.splitlines()[1:]] == [[key, "throttle"]]
+
+
+def test_inspect_shows_a_key_named_exactly_without_holders_or_waiters(run: Run) -> None:
+    status, out, _ = run("inspect", "mutex:nobody")
+    lines = out.splitlines()
+    assert (status, lines[:2]) == (0, ["mutex:nobody", "  holders 0  limit actor default  waiters 0"])
+    assert lines[2].startswith("Redis ")  # no table of holders or waiters between
+
+
 def test_inspect_never_scans_the_keyspace(backend: RedisBackend, run: Run, redisdb: redis.Redis) -> None:
     assert backend.acquire(Stake("slots:c1", "m1", limit=1, ttl_ms=MINUTE)).acquired
     _park(backend, "slots:c1", "m2")

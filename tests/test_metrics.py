@@ -32,6 +32,7 @@ def test_events_are_no_ops_without_a_sink(no_sink: None) -> None:
     events.ledger_hit("a")
     events.acquired("a")
     events.released("a")
+    events.throttle_window("a", 1, None)
     with events.lock_wait("a"):
         pass
     assert events.get_sink() is None
@@ -71,6 +72,42 @@ def test_guard_metrics_count_events_by_actor(no_sink: None) -> None:
     assert value("dramatiq_guard_lock_waits_total") == 2
     assert value("dramatiq_guard_lock_wait_duration_milliseconds_count") == 2
     assert value("dramatiq_guard_lock_wait_duration_milliseconds_bucket", le="+Inf") == 2
+
+
+def test_the_throttle_window_gauges_show_a_parked_messages_key(no_sink: None, redis_broker: Any) -> None:
+    """A message that parks on a full window: its actor's gauges show the starts in the window and
+    when the oldest leaves it (the key's oldest holder's deadline, in Unix time)."""
+    import dramatiq
+
+    import dramatiq_guard
+
+    registry = CollectorRegistry()
+    dramatiq_guard.install(redis_broker)
+    GuardMetrics().setup(registry)
+    ran = threading.Event()
+
+    @dramatiq.actor(throttle={"limit": 1, "period": 60_000, "key": lambda: "partner"}, max_retries=0)
+    def sync_order() -> None:
+        ran.set()
+
+    worker = dramatiq.Worker(redis_broker, worker_threads=1, worker_timeout=50)
+    worker.start()
+    try:
+        first = sync_order.send()
+        assert ran.wait(30)
+        sync_order.send()  # parks: the window is full for a minute
+        throttle = next(m for m in redis_broker.middleware if isinstance(m, dramatiq_guard.Throttle))
+        state = throttle.backend(redis_broker).inspect("throttle:partner")
+        assert [holder for holder, _ in state.holders] == [f"{first.message_id}:0"] and state.waiters
+    finally:
+        worker.stop()
+    [(_, deadline)] = state.holders
+    labels = {"actor_name": "sync_order"}
+    assert registry.get_sample_value("dramatiq_guard_throttle_window_starts", labels) == 1
+    assert (
+        registry.get_sample_value("dramatiq_guard_throttle_next_open_timestamp_seconds", labels)
+        == deadline / 1000
+    )
 
 
 ACTORS = """

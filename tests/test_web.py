@@ -127,6 +127,21 @@ def test_the_key_page_shows_holders_waiters_in_order_and_the_limit() -> None:
     assert Client(app).get("/key?k=}x").status_code == 400
 
 
+def test_the_key_page_shows_a_throttle_keys_window(redis_url: str) -> None:
+    backend = RedisBackend.from_url(redis_url)
+    key = "throttle:partner"
+    for holder in ("m1:0", "m2:0"):
+        assert backend.acquire(Stake(key, holder, limit=2, ttl_ms=60_000, info="sync_order")).acquired
+    client = Client(make_app(backend))
+    text = client.get("/key", query_string={"k": key}).get_data(as_text=True)
+    assert 'id="window-starts">2<' in text and "the oldest leaves it (a place opens) in" in text
+    view = json.loads(client.get("/api/key", query_string={"k": key}).get_data())
+    oldest = min(deadline for _, deadline in backend.inspect(key).holders)
+    assert view["window"] == {"starts": 2, "opens_in_ms": oldest - view["now_ms"]}
+    assert 'id="window"' not in client.get("/key", query_string={"k": KEY}).get_data(as_text=True)
+    backend.close()
+
+
 def _ages(view: dict[str, Any]) -> dict[str, Any]:
     """The parts of a view that change with time, as they were in ``view``."""
     return {"holders": view["holders"], "waiters": view["waiters"]}

@@ -225,6 +225,13 @@ class KeyState:
     token: int | None
     holder_info: tuple[tuple[str, int, str | None], ...] = ()
 
+    def window(self) -> tuple[int, int | None]:
+        """A throttle key's window: its starts (holders but unconfirmed hand-offs), and when its next
+        place opens (its oldest holder's deadline, ms; None without holders)."""
+        reserved = set(self.reserved)
+        starts = sum(1 for holder, _ in self.holders if holder not in reserved)
+        return starts, min((deadline for _, deadline in self.holders), default=None)
+
 
 @dataclasses.dataclass(frozen=True)
 class Waiter:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -15,7 +14,6 @@ from dramatiq_guard.cli.common import Context, OperationalError, UsageError
 
 if TYPE_CHECKING:
     from dramatiq_guard.backends.redis_client import RedisClient
-    from dramatiq_guard.backends.redis_health import RedisSettings
     from dramatiq_guard.backends.redis_scripts import ScriptLibrary
 
 
@@ -31,36 +29,31 @@ def _cmd_inspect(ctx: Context) -> int:
         return _inspect_summary(ctx)
     backend = ctx.backend
     pattern: str = ctx.args.pattern
-    keys = [k for k in admin.indexed_keys(backend) if fnmatch.fnmatchcase(k, pattern)]
+    keys = admin.indexed_keys(backend, pattern)
     if not any(c in pattern for c in "*?[") and pattern not in keys:
         keys.append(pattern)
-    keys.sort()
     try:
-        summaries = backend.summaries(keys, waiters=ctx.args.waiters)
+        now, views = admin.key_views(backend, sorted(keys), waiters=ctx.args.waiters)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    now = backend.now_ms()
     views = [
-        admin.key_view(key, state, now, summary)
-        for key, summary in zip(keys, summaries, strict=True)
-        for state in (backend.inspect(key, waiters=admin.LISTED_WAITERS),)
-        if state.holders or state.waiters or state.limit is not None or key == pattern
+        v
+        for v in views
+        if v["holders"] or v["waiters"]["count"] or v["limit"] is not None or v["key"] == pattern
     ]
-    settings = _redis_settings(backend)
+    from dramatiq_guard.backends.redis_health import read_settings
+
+    settings = read_settings(backend.client)  # what Redis does with its keys (eviction, persistence)
     if ctx.args.json:
-        report: dict[str, Any] = {"now_ms": now, "keys": views}
-        if settings is not None:
-            report["redis"] = settings.as_dict()
-        ctx.print(json.dumps(report, indent=2))
+        ctx.print(json.dumps({"now_ms": now, "keys": views, "redis": settings.as_dict()}, indent=2))
         return 0
     if not views:
         ctx.print(f"No guard key matching {pattern!r} has waiters or a run-time limit.")
     for view in views:
         _print_key(ctx, view, now)
-    if settings is not None:
-        ctx.print(f"Redis {settings.where}:")
-        for line in settings.describe():
-            ctx.print(f"  {line}")
+    ctx.print(f"Redis {settings.where}:")
+    for line in settings.describe():
+        ctx.print(f"  {line}")
     return 0
 
 
@@ -73,87 +66,79 @@ def _inspect_summary(ctx: Context) -> int:
     if not report["keys"]:
         ctx.print(f"No guard key matching {ctx.args.pattern!r} has waiters or a run-time limit.")
         return 0
-    rows = [("KEY", "KIND", "HOLDERS", "LIMIT", "WAITERS", "OLDEST")]
-    for row in report["keys"]:
-        limit = row["limit_in_force"]
-        rows.append(
-            (
-                row["key"],
-                row["kind"],
-                str(row["holders"]),
-                "?" if limit is None else str(limit) + ("" if row["limit"] is None else " (run-time)"),
-                str(row["waiters"]),
-                _format_ms(row["oldest_age_ms"]),
-            )
+    rows = [
+        (
+            row["key"],
+            row["kind"],
+            str(row["holders"]),
+            "?"
+            if row["limit_in_force"] is None
+            else f"{row['limit_in_force']}{'' if row['limit'] is None else ' (run-time)'}",
+            str(row["waiters"]),
+            _format_ms(row["oldest_age_ms"]),
         )
-    _print_table(ctx, rows, indent="")
+        for row in report["keys"]
+    ]
+    _print_table(ctx, ("KEY", "KIND", "HOLDERS", "LIMIT", "WAITERS", "OLDEST"), rows, indent="")
     return 0
 
 
-def _redis_settings(backend: GuardBackend) -> RedisSettings | None:
-    """What the guard's Redis does with its keys (eviction, persistence), best effort."""
-    from dramatiq_guard.backends import RedisBackend
-    from dramatiq_guard.backends.redis_health import read_settings
-
-    if not isinstance(backend, RedisBackend):
-        return None
-    return read_settings(backend.client)
-
-
 def _print_key(ctx: Context, view: dict[str, Any], now: int) -> None:
-    waiters = view["waiters"]
-    in_force = view["limit"] if view["limit"] is not None else view.get("limit_in_force")
-    if view["limit"] is not None:
-        limit = str(view["limit"])  # a run-time limit
-    elif in_force is not None:
-        limit = f"{in_force} (actor default, as recorded with its waiters)"
+    waiters, limit, in_force = view["waiters"], view["limit"], view["limit_in_force"]
+    if limit is not None:
+        text = str(limit)  # a run-time limit
     else:
-        limit = "actor default"
-    if in_force == 0:
-        limit += " (halted)"
-    summary = f"holders {len(view['holders'])}  limit {limit}  waiters {waiters['count']}"
+        text = (
+            "actor default"
+            if in_force is None
+            else f"{in_force} (actor default, as recorded with its waiters)"
+        )
+    summary = f"holders {len(view['holders'])}  limit {text}{' (halted)' if in_force == 0 else ''}"
+    summary += f"  waiters {waiters['count']}"
     if waiters["count"]:
         summary += (
             f" ({waiters['parked']} parked, {waiters['blocking']} blocking),"
             f" oldest {_format_ms(waiters['oldest_age_ms'])}"
         )
-    ctx.print(f"{view['key']}")
-    ctx.print(f"  {summary}")
-    rows: list[tuple[str, ...]]
-    if view["holders"]:
-        rows = [("HOLDER", "LEASE LEFT", "ACTOR", "SINCE")]
-        for holder in view["holders"]:
-            since = holder["since_ms"]
-            rows.append(
-                (
-                    holder["holder"] + (" (hand-off, unconfirmed)" if holder["reserved"] else ""),
-                    _format_ms(holder["lease_left_ms"]),
-                    holder["actor"] or "-",
-                    "-" if since is None else f"{_format_ms(now - since)} ago",
-                )
-            )
-        _print_table(ctx, rows)
-    first = view["waiters"].get("first") or []
-    if first:
-        rows = [("WAITER", "WAITED", "KIND", "ACTOR", "ARGUMENTS")]
-        for waiter in first:
-            rows.append(
-                (
-                    waiter["id"],
-                    _format_ms(waiter["waited_ms"]),
-                    "parked" if waiter["parked"] else "blocking",
-                    waiter["actor"] or "-",
-                    waiter["args"] or "-",
-                )
-            )
-        _print_table(ctx, rows)
-        if waiters["count"] > len(first):
-            ctx.print(f"  ... and {waiters['count'] - len(first)} more waiter(s)")
+    ctx.print(f"{view['key']}\n  {summary}")
+    if "window" in view:
+        opens = view["window"]["opens_in_ms"]
+        when = "" if opens is None else f"; the oldest leaves it (a place opens) in {_format_ms(opens)}"
+        ctx.print(f"  window: {view['window']['starts']} start(s){when}")
+    holders = [
+        (
+            h["holder"] + (" (hand-off, unconfirmed)" if h["reserved"] else ""),
+            _format_ms(h["lease_left_ms"]),
+            h["actor"] or "-",
+            "-" if h["since_ms"] is None else f"{_format_ms(now - h['since_ms'])} ago",
+        )
+        for h in view["holders"]
+    ]
+    _print_table(ctx, ("HOLDER", "LEASE LEFT", "ACTOR", "SINCE"), holders)
+    first = waiters["first"]
+    rows = [
+        (
+            w["id"],
+            _format_ms(w["waited_ms"]),
+            "parked" if w["parked"] else "blocking",
+            w["actor"] or "-",
+            w["args"] or "-",
+        )
+        for w in first
+    ]
+    _print_table(ctx, ("WAITER", "WAITED", "KIND", "ACTOR", "ARGUMENTS"), rows)
+    if first and waiters["count"] > len(first):
+        ctx.print(f"  ... and {waiters['count'] - len(first)} more waiter(s)")
 
 
-def _print_table(ctx: Context, rows: Sequence[Sequence[str]], indent: str = "  ") -> None:
-    """Rows as aligned columns, indented; the last column is not padded."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+def _print_table(
+    ctx: Context, header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  "
+) -> None:
+    """Rows under ``header`` as aligned columns, indented (the last column not padded); none without rows."""
+    if not rows:
+        return
+    rows = [header, *rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     for row in rows:
         ctx.print(
             indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
@@ -171,32 +156,25 @@ def _print_lines(ctx: Context, lines: list[str]) -> int:
 
 def _broker_requeue(ctx: Context) -> admin.Requeue | None:
     """How to re-enqueue hand-offs on ``--broker`` (None without it); loaded before anything changes."""
-    spec: str | None = getattr(ctx.args, "broker", None)
-    if spec is None:
-        return None
     try:
-        broker = admin.load_broker(spec)
-        return admin.broker_requeue(broker, ctx.backend)
+        return admin.broker_requeue(getattr(ctx.args, "broker", None), ctx.backend)
     except ValueError as e:  # a ConfigurationError too: a broker of no known route
         raise UsageError(str(e)) from None
 
 
-def _actor_limit_key(name: str) -> str:
+def _target(ctx: Context) -> tuple[str, KeyState]:
+    """The key of ``limit``'s KEY or ``--actor NAME``, and its state."""
     from dramatiq_guard.middleware.slots.limits import ACTOR_LIMIT_PREFIX
 
-    return f"{ACTOR_LIMIT_PREFIX}:{name}"
-
-
-def _target(ctx: Context) -> str:
     args = ctx.args
     if (args.target is None) == (args.actor is None):
         raise UsageError(f"limit {args.limit_command}: give either KEY or --actor NAME")
-    return _actor_limit_key(args.actor) if args.actor is not None else str(args.target)
+    key = f"{ACTOR_LIMIT_PREFIX}:{args.actor}" if args.actor is not None else str(args.target)
+    return key, _check_key(ctx.backend, key)
 
 
 def _cmd_limit_get(ctx: Context) -> int:
-    key = _target(ctx)
-    state = _check_key(ctx.backend, key)
+    key, state = _target(ctx)
     if ctx.args.json:
         ctx.print(json.dumps({"key": key, "limit": state.limit}))
     elif state.limit is None:
@@ -207,19 +185,15 @@ def _cmd_limit_get(ctx: Context) -> int:
 
 
 def _cmd_limit_set(ctx: Context) -> int:
-    key = _target(ctx)
-    backend = ctx.backend
-    _check_key(backend, key)
-    return _print_lines(ctx, admin.set_limit(backend, key, ctx.args.limit, _broker_requeue(ctx)))
+    key, _ = _target(ctx)
+    return _print_lines(ctx, admin.set_limit(ctx.backend, key, ctx.args.limit, _broker_requeue(ctx)))
 
 
 def _cmd_limit_clear(ctx: Context) -> int:
-    key = _target(ctx)
-    backend = ctx.backend
-    _check_key(backend, key)
+    key, _ = _target(ctx)
     # The command does not know the actor: the backend hands slots on with the limit recorded
     # with the key's waiters (to blocking waiters; parked ones are left to a worker's sweep).
-    backend.set_limit(key, None, default=None)
+    ctx.backend.set_limit(key, None, default=None)
     ctx.print(f"{key}: run-time limit cleared (the limit declared on the actor applies)")
     return 0
 
@@ -229,10 +203,9 @@ def _cmd_release(ctx: Context) -> int:
     backend = ctx.backend
     state = _check_key(backend, key)
     requeue = _broker_requeue(ctx)
-    reserved = set(state.reserved)
     holders = admin.releasable(state)
     if not holders:
-        extra = f" ({len(reserved)} unconfirmed hand-off(s) left to lapse)" if reserved else ""
+        extra = f" ({len(state.reserved)} unconfirmed hand-off(s) left to lapse)" if state.reserved else ""
         ctx.print(f"{key}: no holder to release{extra}")
         return 0
     if not ctx.args.yes:
@@ -307,24 +280,16 @@ def _cmd_ledger_list(ctx: Context) -> int:
     ctx.print("rows: " + ("  ".join(f"{state} {n}" for state, n in sorted(counts.items())) or "none"))
     for state, rows in view["rows"].items():
         ctx.print(f"{state}: {len(rows)} shown")
-        if rows:
-            table = [("KEY", "ACTOR", "ATTEMPTS", "UPDATED", "ERROR")]
-            table.extend(
-                (r["key"], r["actor_name"], str(r["attempts"]), r["updated_at"], r["error"] or "-")
-                for r in rows
-            )
-            _print_table(ctx, table)
+        table = [
+            (r["key"], r["actor_name"], str(r["attempts"]), r["updated_at"], r["error"] or "-") for r in rows
+        ]
+        _print_table(ctx, ("KEY", "ACTOR", "ATTEMPTS", "UPDATED", "ERROR"), table)
     return 0
 
 
 def _scripts(ctx: Context) -> tuple[RedisClient, ScriptLibrary, str]:
     """The Redis client, the script library and the namespace of the command's backend."""
-    from dramatiq_guard.backends.redis import RedisBackend
-
-    backend = ctx.backend
-    if not isinstance(backend, RedisBackend):  # pragma: no cover - the command always makes one
-        raise UsageError("functions: the guard's backend is not Redis")
-    return backend.client, backend.scripts, backend.namespace
+    return ctx.backend.client, ctx.backend.scripts, ctx.backend.namespace
 
 
 def _processes(processes: list[str], most: int = 5) -> str:

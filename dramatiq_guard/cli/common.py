@@ -6,12 +6,14 @@ import argparse
 import logging
 import os
 import re
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from dramatiq_guard.admin import parse_limit
-from dramatiq_guard.backends.base import GuardBackend
 from dramatiq_guard.bounds import MAX_COUNT, MAX_RETENTION_MS
 from dramatiq_guard.resolve import DEFAULT_REDIS_URL, REDIS_URL_ENV
+
+if TYPE_CHECKING:
+    from dramatiq_guard.backends.redis import RedisBackend
 
 PROG = "dramatiq-guard"
 DEFAULT_NAMESPACE = "dramatiq-guard"
@@ -65,6 +67,27 @@ def _limit_arg(text: str) -> int:
     return value
 
 
+Arg = tuple[list[str], dict[str, Any]]
+#: A verb: its name, help, what runs it (or its actions), its arguments, the parser's other keywords.
+Verb = tuple[str, str, Any, list[Arg], dict[str, Any]]
+
+
+def _arg(spec: str, help: str, **kw: Any) -> Arg:
+    """An argument of ``"--flag METAVAR"`` or ``"dest METAVAR"`` (a last word in capitals: the metavar)."""
+    names = spec.split()
+    if len(names) > 1 and names[-1].isupper():
+        kw.setdefault("metavar", names.pop())
+    return names, {"help": help, **kw}
+
+
+def _switch(spec: str, help: str) -> Arg:
+    return _arg(spec, help, action="store_true")
+
+
+def _verb(name: str, help: str, run: Any, *arguments: Arg, **kw: Any) -> Verb:
+    return name, help, run, list(arguments), kw
+
+
 class Context:
     """What a command runs with: the parsed arguments, the streams, the backend (made on first use)."""
 
@@ -72,7 +95,7 @@ class Context:
         self.args = args
         self.stdin = stdin
         self.stdout = stdout
-        self._backend: GuardBackend | None = None
+        self._backend: RedisBackend | None = None
         self.ledger: Any = None
         self.ledger_url: str | None = None
 
@@ -82,7 +105,7 @@ class Context:
         return url or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
 
     @property
-    def backend(self) -> GuardBackend:
+    def backend(self) -> RedisBackend:
         if self._backend is None:
             from dramatiq_guard.backends.redis import RedisBackend
 

@@ -11,51 +11,38 @@ import ipaddress
 import os
 from pathlib import Path
 
-from dramatiq_guard.cli.common import LEDGER_URL_ENV, Context, UsageError
+from dramatiq_guard.cli.common import LEDGER_URL_ENV, Context, UsageError, _arg, _verb
 
 #: Where ``serve`` reads the write secret when ``--write-secret-file`` is not given.
 WRITE_SECRET_ENV = "DRAMATIQ_GUARD_WRITE_SECRET"
 
 
-def _serve_parser(
-    commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
-) -> None:
-    # Nothing of dramatiq_guard.web here: it needs the web extra, and a base install's --help must work.
-    serve = commands.add_parser(
-        "serve",
-        parents=[common],
-        help="serve the web dashboard (needs the web extra)",
-        description="Serve the web dashboard (it needs the web extra: pip install 'dramatiq-guard[web]'), "
-        "read-only unless a write secret is given.",
-    )
-    serve.add_argument("--host", default="127.0.0.1", help="the address to bind (default: %(default)s)")
-    serve.add_argument(
-        "--port", type=int, default=None, help="the port to bind (default: the dashboard's, 8470)"
-    )
-    serve.add_argument(
-        "--broker",
-        metavar="MODULE:ATTR",
-        help="your app's broker, to re-enqueue parked messages that get a slot from the page",
-    )
-    serve.add_argument(
-        "--write-secret-file",
-        metavar="PATH",
-        help=f"allow changes to a browser that gives the secret in this file (default: ${WRITE_SECRET_ENV})",
-    )
-    serve.add_argument("--write-secret", help=argparse.SUPPRESS)  # refused, saying why (_write_secret)
-    serve.add_argument(
-        "--allowed-host",
-        metavar="NAME",
+# Nothing of dramatiq_guard.web here: it needs the web extra, and a base install's --help must work.
+SERVE = _verb(
+    "serve",
+    "serve the web dashboard (needs the web extra)",
+    lambda ctx: _cmd_serve(ctx),
+    _arg("--host", "the address to bind (default: %(default)s)", default="127.0.0.1"),
+    _arg("--port", "the port to bind (default: the dashboard's, 8470)", type=int, default=None),
+    _arg(
+        "--broker MODULE:ATTR",
+        "your app's broker, to re-enqueue parked messages that get a slot from the page",
+    ),
+    _arg(
+        "--write-secret-file PATH",
+        f"allow changes to a browser that gives the secret in this file (default: ${WRITE_SECRET_ENV})",
+    ),
+    _arg("--write-secret", argparse.SUPPRESS),  # refused, saying why (_write_secret)
+    _arg(
+        "--allowed-host NAME",
+        "also answer to this Host name (repeatable; '.example.com': a domain and subdomains; '*': any)",
         action="append",
         default=[],
-        help="also answer to this Host name (repeatable; '.example.com': a domain and subdomains; '*': any)",
-    )
-    serve.add_argument(
-        "--ledger",
-        metavar="URL",
-        help=f"the idempotency ledger to show (default: ${LEDGER_URL_ENV}, else none)",
-    )
-    serve.set_defaults(run=_cmd_serve)
+    ),
+    _arg("--ledger URL", f"the idempotency ledger to show (default: ${LEDGER_URL_ENV}, else none)"),
+    description="Serve the web dashboard (it needs the web extra: pip install 'dramatiq-guard[web]'), "
+    "read-only unless a write secret is given.",
+)
 
 
 def _write_secret(args: argparse.Namespace) -> str | None:
@@ -92,26 +79,17 @@ def _cmd_serve(ctx: Context) -> int:
         from dramatiq_guard import web
     except ImportError as e:
         raise UsageError(f"serve needs the web extra (pip install 'dramatiq-guard[web]'): {e}") from None
-    from dramatiq_guard import admin
-
     args = ctx.args
     secret = _write_secret(args)
     try:
         hosts = web.AllowedHosts(
             [*web.LOCAL_HOSTS, *_bound_name(args.host), *args.allowed_host], what="--allowed-host (or --host)"
         )
-    except ValueError as e:
+        access = web.Access(write_secret=secret, allowed_hosts=hosts.entries)
+        ledger = args.ledger or os.environ.get(LEDGER_URL_ENV)
+        app = web.make_app(ctx.backend, broker=args.broker, ledger=ledger, access=access)
+    except ValueError as e:  # a bad --broker too
         raise UsageError(str(e)) from None
-    backend = ctx.backend
-    broker = None
-    if args.broker is not None:
-        try:
-            broker = admin.load_broker(args.broker)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-    ledger_url = args.ledger or os.environ.get(LEDGER_URL_ENV)
-    access = web.Access(write_secret=secret, allowed_hosts=hosts.entries)
-    app = web.make_app(backend, broker=broker, ledger=ledger_url, access=access)
     mode = "writes need the write secret" if secret else "read-only (no write secret)"
     port = web.DEFAULT_PORT if args.port is None else args.port
     shown = f"[{args.host}]" if ":" in args.host else args.host

@@ -18,10 +18,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dramatiq_guard.web.app import MAX_KEY_CHARS, Dashboard
-from dramatiq_guard.web.history import History
+from dramatiq_guard.web.history import History, UnlockLimit
 from dramatiq_guard.web.hosts import LOCAL_HOSTS, AllowedHosts
 from dramatiq_guard.web.settings import Access, Page, settings_of
-from dramatiq_guard.web.unlocks import UnlockLimit
 
 if TYPE_CHECKING:
     from dramatiq import Broker
@@ -85,13 +84,9 @@ def make_app(
     access, page = settings_of(access, page, deprecated)
     if backend is None:
         backend = _backend(redis, namespace)
-    requeue = None
-    if broker is not None:
-        from dramatiq_guard import admin
+    from dramatiq_guard import admin
 
-        if isinstance(broker, str):
-            broker = admin.load_broker(broker)
-        requeue = admin.broker_requeue(broker, backend)
+    requeue = admin.broker_requeue(broker, backend)
     if isinstance(ledger, str):
         from dramatiq_guard.ledger import Ledger
 

@@ -21,10 +21,9 @@ from dramatiq_guard import admin
 from dramatiq_guard.backends.base import GuardBackend, check_key
 from dramatiq_guard.bounds import MAX_COUNT
 from dramatiq_guard.errors import BackendUnavailable
-from dramatiq_guard.web.history import History, sparkline
+from dramatiq_guard.web.history import History, UnlockLimit, sparkline
 from dramatiq_guard.web.hosts import AllowedHosts
 from dramatiq_guard.web.settings import Access, Page, settings_of
-from dramatiq_guard.web.unlocks import UnlockLimit
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
@@ -38,13 +37,20 @@ MAX_KEY_CHARS = 1024
 CSRF_COOKIE = "dg_csrf"
 WRITE_COOKIE = "dg_write"
 FLASH_COOKIE = "dg_flash"
+#: The pages (``/confirm/limit`` is answered by ``on_confirm_limit``; ``/api/key`` is ``on_key``'s view as
+#: JSON; and ``/static/<name>``), then the writes (POST).
+PAGES = ("/", "/key", "/ledger", "/api/overview", "/api/key", "/confirm/limit", "/confirm/release")
+WRITES = ("/limit", "/release", "/unlock", "/lock")
 STATIC = {"dashboard.css": "text/css", "dashboard.js": "text/javascript"}
 #: No inline script or style, nothing from elsewhere, no framing: a key or an argument that slips
 #: past escaping still cannot run.
-CSP = (
-    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
-    "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
-)
+HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "same-origin",
+}
 
 
 class Dashboard:
@@ -97,22 +103,9 @@ class Dashboard:
         self.jinja.filters["ms"] = admin.format_ms
         self.jinja.globals["sparkline"] = lambda key: sparkline(self.history.of(key))
         self.jinja.globals["args_query"] = _args_query
-        self.urls = Map(
-            [
-                Rule("/", endpoint="overview", methods=["GET"]),
-                Rule("/key", endpoint="key", methods=["GET"]),
-                Rule("/ledger", endpoint="ledger", methods=["GET"]),
-                Rule("/api/overview", endpoint="api_overview", methods=["GET"]),
-                Rule("/api/key", endpoint="api_key", methods=["GET"]),
-                Rule("/confirm/limit", endpoint="confirm_limit", methods=["GET"]),
-                Rule("/confirm/release", endpoint="confirm_release", methods=["GET"]),
-                Rule("/limit", endpoint="limit", methods=["POST"]),
-                Rule("/release", endpoint="release", methods=["POST"]),
-                Rule("/unlock", endpoint="unlock", methods=["POST"]),
-                Rule("/lock", endpoint="lock", methods=["POST"]),
-                Rule("/static/<name>", endpoint="static", methods=["GET"]),
-            ]
-        )
+        methods = {path: ["POST" if path in WRITES else "GET"] for path in PAGES + WRITES}
+        rules = [Rule(path, endpoint=_endpoint(path), methods=m) for path, m in methods.items()]
+        self.urls = Map([*rules, Rule("/static/<name>", endpoint="static", methods=["GET"])])
 
     # -- WSGI -------------------------------------------------------------------
 
@@ -122,10 +115,7 @@ class Dashboard:
             response = self.respond(request)
         else:
             response = self.wrong_host(request)
-        response.headers["Content-Security-Policy"] = CSP
-        response.headers["X-Content-Type-Options"] = "nosniff"
-        response.headers["X-Frame-Options"] = "DENY"
-        response.headers["Referrer-Policy"] = "same-origin"
+        response.headers.update(HEADERS)
         response.headers.setdefault("Cache-Control", "no-store")
         return response(environ, start_response)
 
@@ -147,9 +137,13 @@ class Dashboard:
     def dispatch(self, request: Request) -> Response:
         adapter = self.urls.bind_to_environ(request.environ)
         endpoint, values = adapter.match()
-        handler: Callable[..., Response] = getattr(self, f"on_{endpoint}")
+        if endpoint.startswith("api_"):
+            return Response(
+                json.dumps(self.view(endpoint[4:], request), default=str), mimetype="application/json"
+            )
         if request.method == "POST":
             self.check_post(request)
+        handler: Callable[..., Response] = getattr(self, f"on_{endpoint}")
         return handler(request, **values)
 
     # -- security ---------------------------------------------------------------
@@ -219,15 +213,11 @@ class Dashboard:
             **context,
         )
         response = Response(page, status=status, mimetype="text/html")
-        self._cookies(request, response)
+        if getattr(request, "_new_csrf", None):
+            _set_cookie(request, response, CSRF_COOKIE, request._new_csrf)  # type: ignore[attr-defined]
         if flash is not None and not context.get("fragment"):
             response.delete_cookie(FLASH_COOKIE, path=request.script_root or "/")
         return response
-
-    def _cookies(self, request: Request, response: Response) -> None:
-        new = getattr(request, "_new_csrf", None)
-        if new:
-            _set_cookie(request, response, CSRF_COOKIE, new)
 
     def done(self, request: Request, key: str, lines: list[str]) -> Response:
         """After a write: back to the key's page, which says what was done."""
@@ -246,7 +236,13 @@ class Dashboard:
             raise BadRequest(str(e)) from None
         return key
 
-    def _overview(self, request: Request) -> dict[str, Any]:
+    def view(self, name: str, request: Request) -> dict[str, Any]:
+        """The view ``overview`` or ``key`` (the ``k`` field's) asked for, its rows sampled for the charts."""
+        if name == "key":
+            key = self._key_arg(request)
+            view = admin.key_detail(self.backend, key)
+            self.history.record([(key, len(view["holders"]), view["waiters"]["count"])])
+            return view
         kind = request.args.get("kind") or None
         try:
             page = int(request.args.get("page", "1"))
@@ -270,34 +266,16 @@ class Dashboard:
         except Exception as e:  # the database down must not take the guard's page with it
             return {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
 
-    def on_overview(self, request: Request) -> Response:
+    def on_overview(self, request: Request, name: str = "overview") -> Response:
+        """The overview or a key's page, whole or (``fragment=1``) the part a page updates itself with."""
         fragment = request.args.get("fragment") == "1"
-        context: dict[str, Any] = {
-            "view": self._overview(request),
-            "ledger": self._ledger(),
-            "kinds": admin.KINDS,
-            "args": request.args,
-            "fragment": fragment,
-        }
-        return self.render(request, "_overview.html" if fragment else "overview.html", **context)
-
-    def on_api_overview(self, request: Request) -> Response:
-        return _json(self._overview(request))
-
-    def _key(self, request: Request) -> dict[str, Any]:
-        key = self._key_arg(request)
-        view = admin.key_detail(self.backend, key)
-        self.history.record([(key, len(view["holders"]), view["waiters"]["count"])])
-        return view
+        view = self.view(name, request)
+        context = {"key": view["key"]} if name == "key" else {"ledger": self._ledger(), "kinds": admin.KINDS}
+        template = f"{'_' if fragment else ''}{name}.html"
+        return self.render(request, template, view=view, args=request.args, fragment=fragment, **context)
 
     def on_key(self, request: Request) -> Response:
-        fragment = request.args.get("fragment") == "1"
-        view = self._key(request)
-        template = "_key.html" if fragment else "key.html"
-        return self.render(request, template, view=view, key=view["key"], fragment=fragment)
-
-    def on_api_key(self, request: Request) -> Response:
-        return _json(self._key(request))
+        return self.on_overview(request, "key")
 
     def on_ledger(self, request: Request) -> Response:
         if self.ledger is None:
@@ -319,19 +297,24 @@ class Dashboard:
 
     # -- confirmations and writes ---------------------------------------------
 
-    def _limit_arg(self, request: Request, values: Any) -> int:
+    def _limit_arg(self, values: Any) -> int:
         text = values.get("limit", "")
         limit = admin.parse_limit(text)
         if limit is None:
             raise BadRequest(f"A limit must be an integer from 0 to {MAX_COUNT}, got {text!r}.")
         return limit
 
+    def _parked_go(self, note: str = "") -> str:
+        """Where the parked messages handed a slot go: the broker, or a worker's sweep (``note`` added)."""
+        if self.requeue is not None:
+            return "re-enqueued on the broker at once"
+        return f"left reserved until a worker's sweep re-enqueues them{note}"
+
     def on_confirm_limit(self, request: Request) -> Response:
         self.require_write(request)
-        limit = self._limit_arg(request, request.args)
-        view = self._key(request)
-        holders, waiters = len(view["holders"]), view["waiters"]["count"]
-        before = view["limit"]
+        limit = self._limit_arg(request.args)
+        view = self.view("key", request)
+        holders, waiters, before = len(view["holders"]), view["waiters"]["count"], view["limit"]
         lines = [
             f"Set the run-time limit of {view['key']} from "
             + ("none (the actor's own)" if before is None else str(before))
@@ -341,23 +324,11 @@ class Dashboard:
             lines.append("0 halts the key: new messages park; running ones finish.")
         elif limit > holders and waiters:
             handed = min(waiters, limit - holders)
-            where = (
-                "re-enqueued on the broker at once"
-                if self.requeue is not None
-                else "left reserved until a worker's sweep re-enqueues them (no --broker given)"
-            )
+            where = self._parked_go(" (no --broker given)")
             lines.append(f"The first {handed} waiter(s) get a slot at once, their messages {where}.")
         elif limit < holders:
             lines.append("Nobody is evicted: new holders wait until the running ones drop below the limit.")
-        return self.render(
-            request,
-            "confirm.html",
-            key=view["key"],
-            action="limit",
-            lines=lines,
-            fields={"limit": limit},
-            holders=[],
-        )
+        return self._confirm(request, view["key"], "limit", lines, {"limit": limit})
 
     def on_confirm_release(self, request: Request) -> Response:
         self.require_write(request)
@@ -365,32 +336,34 @@ class Dashboard:
         state = self.backend.inspect(key)
         holders = admin.releasable(state)
         if not holders:
-            lines = [
-                f"{key} has no holder to release "
-                f"({len(state.reserved)} unconfirmed hand-off(s) left to lapse)."
-            ]
-            return self.render(
-                request, "confirm.html", key=key, action=None, lines=lines, fields={}, holders=[]
-            )
+            left = f"({len(state.reserved)} unconfirmed hand-off(s) left to lapse)"
+            return self._confirm(request, key, None, [f"{key} has no holder to release {left}."])
         lines = [
             f"Release {len(holders)} holder(s) of {key} by force: {', '.join(holders)}.",
             f"Their slots go to the first of its {len(state.waiters)} waiter(s), within the limit recorded "
-            "with them; parked messages are "
-            + (
-                "re-enqueued on the broker at once."
-                if self.requeue is not None
-                else "left reserved until a worker's sweep re-enqueues them."
-            ),
+            f"with them; parked messages are {self._parked_go()}.",
             "A released holder that is still running loses its lease (it is told at its next renewal).",
         ]
+        return self._confirm(request, key, "release", lines, holders=holders)
+
+    def _confirm(
+        self,
+        request: Request,
+        key: str,
+        action: str | None,
+        lines: list[str],
+        fields: Any = (),
+        holders: Any = (),
+    ) -> Response:
+        """The page that says what a write will do, with its form (``action`` None: nothing to do)."""
         return self.render(
-            request, "confirm.html", key=key, action="release", lines=lines, fields={}, holders=holders
+            request, "confirm.html", key=key, action=action, lines=lines, fields=dict(fields), holders=holders
         )
 
     def on_limit(self, request: Request) -> Response:
         self.require_write(request)
         key = self._key_arg(request, request.form)
-        limit = self._limit_arg(request, request.form)
+        limit = self._limit_arg(request.form)
         return self.done(request, key, admin.set_limit(self.backend, key, limit, self.requeue))
 
     def on_release(self, request: Request) -> Response:
@@ -449,8 +422,9 @@ def _digest(secret: str) -> bytes:
     return hashlib.sha256(secret.encode()).digest()
 
 
-def _json(value: Any) -> Response:
-    return Response(json.dumps(value, default=str), mimetype="application/json")
+def _endpoint(path: str) -> str:
+    """``/confirm/limit``: ``confirm_limit``; ``/``: ``overview``."""
+    return path.strip("/").replace("/", "_") or "overview"
 
 
 def _args_query(args: Any, **overrides: Any) -> str:

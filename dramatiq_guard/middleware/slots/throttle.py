@@ -19,6 +19,7 @@ from dramatiq import Broker, Message
 from dramatiq.broker import MessageProxy
 from dramatiq.middleware import SkipMessage
 
+from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.gate import Diverted, Outcome
@@ -114,16 +115,17 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
     ) -> float | None:
         """In how many seconds a place of the message's key opens (None: unknown, the sweep will see)."""
         try:
-            return self._next_place(broker, self.guard_key_of(guard, message), guard.policy.period_ms)
+            return self._next_place(broker, self.guard_key_of(guard, message), guard)
         except BackendUnavailable:
             return None
 
-    def _next_place(self, broker: Broker, key: str, period_ms: int) -> float | None:
+    def _next_place(self, broker: Broker, key: str, guard: ActorGuard[ThrottlePolicy]) -> float | None:
         """When the key's oldest start lapses (a start lapses within a period; a reservation for a
         message not started yet later, so a key held only by those is looked at again in a quarter
-        period); 0 if a place is free; None if nobody waits."""
-        backend = self.backend(broker)
+        period); 0 if a place is free; None if nobody waits. Reports the key's window (metrics)."""
+        backend, period_ms = self.backend(broker), guard.policy.period_ms
         state = backend.inspect(key, waiters=1)
+        events.throttle_window(guard.actor_name, *state.window())
         if not state.waiters:
             return None
         now = backend.now_ms()
@@ -147,7 +149,7 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
             handoffs, standbys = backend.send_standbys(key, limit=limit, count=ahead)
             self.deliver(broker, handoffs)
             self.courier(broker).send_ahead(standbys)
-            return self._next_place(broker, key, guard.policy.period_ms)
+            return self._next_place(broker, key, guard)
         except BackendUnavailable:
             return None
 
