@@ -127,6 +127,15 @@ class ForgetCopyArgs(NamedTuple):
     waiter: str
 
 
+class DebounceArgs(NamedTuple):
+    op: str
+    waiter: str
+    payload: bytes = b""
+    wait_ms: int | str = ""
+    max_wait_ms: int | str = ""
+    generation: int | str = ""
+
+
 class LockArgs(NamedTuple):
     holder: str
     ttl_ms: int
@@ -177,6 +186,7 @@ SCRIPTS: dict[Any, str] = {
     InspectArgs: "inspect",
     StandbyArgs: "standby",
     ForgetCopyArgs: "forget_copy",
+    DebounceArgs: "debounce",
 }
 
 #: Every script's layout, by name.

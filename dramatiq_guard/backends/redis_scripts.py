@@ -36,6 +36,7 @@ PRELUDE_SCRIPTS = (
     "inspect",
     "standby",
     "forget_copy",
+    "debounce",
 )
 #: The prelude's files, in order: per-call state, holders and token; hand-off; the index and finish().
 PRELUDE = ("_lease", "_handoff", "_index")
