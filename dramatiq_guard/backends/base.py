@@ -314,7 +314,8 @@ class GuardBackend(abc.ABC):
         raise NotImplementedError
 
     def copy_is_live(self, key: str, waiter_id: str, generation: int) -> bool:
-        """Whether the copy of ``waiter_id`` carrying ``generation`` may start (*generations*)."""
+        """Whether the copy of ``waiter_id`` carrying ``generation`` may start (*generations*); if it
+        may, it starts: its hand-off is confirmed (as :meth:`confirm_handoff`, for 1 ms) if it was not."""
         raise NotImplementedError
 
     @abc.abstractmethod

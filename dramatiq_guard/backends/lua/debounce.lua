@@ -3,18 +3,28 @@
 -- pending one; its due time min(last send + wait_ms, first send + max_wait_ms) is the deadline of
 -- the timer holder DUE, which keeps K's one slot until then: then the sweep hands the run off as a
 -- parked waiter's (docs/flow-control-design.md, "Debounce"). Returns {superseded waiters, due in ms}.
--- op 'live': 1 if the copy of `waiter` carrying `generation` may start, 0 if it is stale.
+-- op 'live': 0 if the copy of `waiter` carrying `generation` is stale; else 1, and the copy
+-- starts: its hand-off is confirmed if it was not yet (so it cannot lapse and be handed off again).
 local DUE = '~due'
-if op == 'live' then
-  local live = live_generation(waiter)
-  return (live and live ~= generation) and 0 or 1
-end
-local refused = validate_args({ 'wait_ms', wait_ms, 0, MAX_DURATION_MS }, { 'max_wait_ms', max_wait_ms, 0, MAX_DURATION_MS })
+local refused = validate_args(
+  { 'wait_ms', op == 'live' and 0 or wait_ms, 0, MAX_DURATION_MS },
+  { 'max_wait_ms', op == 'live' and 0 or max_wait_ms, 0, MAX_DURATION_MS },
+  { 'generation', op == 'send' and 0 or generation, 0, MAX_GENERATION }
+)
 if refused then
   return refused
 end
 OWNED = true
 reclaim()
+if op == 'live' then
+  local live = live_generation(waiter)
+  local started = not live or live == generation
+  if started then
+    confirm(waiter, 1, generation)
+  end
+  finish()
+  return started and 1 or 0
+end
 local pending, superseded = QUEUED and redis.call('ZRANGE', W, 0, -1) or {}, {}
 local first = #pending > 0 and tonumber(redis.call('HGET', M, 'first') or NOW) or NOW
 for _, w in ipairs(pending) do
@@ -26,7 +36,7 @@ end
 enqueue(waiter)
 redis.call('HSET', P, waiter, payload)
 redis.call('HSET', M, 'r:' .. waiter, ARG_ROUTE, 'first', fmt(first))
-local due = math.min(NOW + tonumber(wait_ms), first + tonumber(max_wait_ms))
+local due = math.max(NOW, math.min(NOW + tonumber(wait_ms), first + tonumber(max_wait_ms)))
 set_holders({ due, DUE })
 finish()
 return { superseded, due - NOW }
