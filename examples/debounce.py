@@ -11,7 +11,7 @@ after its last save, with that save's version (document 1 at most five seconds a
 save, however long the user goes on). The superseded saves are logged, and counted in
 ``dramatiq_guard_messages_debounced_total``. The pending runs are visible meanwhile::
 
-    dramatiq-guard inspect debounce:1
+    dramatiq-guard inspect debounce:doc:1
 
 Redis is ``DRAMATIQ_GUARD_REDIS_URL``, else ``redis://localhost:6379/0``.
 """
@@ -33,7 +33,7 @@ dramatiq_guard.install(broker)  # before any actor is declared
 dramatiq.set_broker(broker)
 
 
-@dramatiq.actor(debounce={"wait": 1_000, "max_wait": 5_000, "key": ["doc_id"]})
+@dramatiq.actor(debounce={"wait": 1_000, "max_wait": 5_000, "key": lambda doc_id, version: f"doc:{doc_id}"})
 def reindex_document(doc_id: int, version: int) -> None:
     print(f"{time.strftime('%H:%M:%S')} reindexed document {doc_id} at version {version}")
 
