@@ -56,9 +56,11 @@ def _drain(guard: str, label: str, floor: str = "floor") -> list[Budget]:
 BUDGETS: tuple[Budget, ...] = (
     # A RedisBroker on the guard's Redis: the lock and the push in one script.
     Budget("dedup: accepted send >= 0.9x a plain send", "dedup/send_rate", ">=", 0.9,
-           "dedup/plain_send_rate"),
+           "dedup/plain_send_rate", "dedup/fused_floor_send_rate"),
     Budget("dedup: duplicate send >= 1.0x a plain send", "dedup/duplicate_send_rate", ">=", 1.0,
            "dedup/plain_send_rate"),
+    Budget("concurrency: a send under its limit >= 0.9x a plain send", "dedup/concurrency_send_rate", ">=",
+           0.9, "dedup/plain_send_rate", "dedup/fused_floor_send_rate"),
     Budget("dedup: one round trip per send, as a plain send", "dedup/round_trips_per_send", "<=", 1),
     # Other brokers: the lock alone, then the broker's push.
     Budget("dedup: at most 6 Redis commands in the lock alone", "dedup/lock_commands_per_send", "<=", 6),
@@ -86,6 +88,10 @@ BUDGETS: tuple[Budget, ...] = (
     Budget("at most 1.05 broker pickups per message", "slots/slot_pickups", "<=", 1.05),
     Budget('mutex hand-off median <= 1.0 ms (on_busy="wait")', "slots/handoff_wait_ms", "<=", 1.0),
     Budget('mutex hand-off median <= 1.0 ms (on_busy="park")', "slots/handoff_park_ms", "<=", 1.0),
+    # Issue #33: the ideal is (ceil(N / limit) - 1) x period + the last job (the first window admits at once).
+    Budget("throttle: backlog drains in <= 1.03x its ideal", "throttle/throttle_makespan_ratio", "<=", 1.03),
+    Budget("throttle: parked message starts <= 10 ms after its place opens (median)",
+           "throttle/throttle_start_delay_ms", "<=", 10),
 )  # fmt: skip
 
 

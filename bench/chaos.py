@@ -14,7 +14,8 @@ What it does:
 * two applications, each an actor module written to a temporary directory, each with its own
   broker and ``dramatiq_guard.install(broker, redis=<db 0>)``: app A on a RedisBroker (concurrency
   limit 2 on ``a-shared``, limit 1 per customer on 3 customers, an ``until_executed`` dedup actor,
-  limit 2 on ``both``), app B on RabbitMQ (limit 3 on ``b-own``, a parking mutex on ``b-mutex``,
+  limit 2 on ``both``, and a throttle of 3 starts a second with a concurrency limit of 2 on one
+  actor, ``a-throttle``), app B on RabbitMQ (limit 3 on ``b-own``, a parking mutex on ``b-mutex``,
   limit 2 on ``both``: the key the two applications share);
 * two worker pools per application (``dramatiq <app> --processes 1 --threads 4``, each its own
   process group); messages are sent in bursts (``--burst`` per app at once, so keys fill up and
@@ -27,12 +28,14 @@ the records, the kill times and the guard Redis it reports: messages lost (sent,
 messages run more than once (and whether each extra run is explained by a kill of the process that
 ran it before: Dramatiq's at-least-once delivery on a crash), the highest number of live runs of
 each key at once (a run lives from its start to its end, or to the death of its killed process)
-against its limit, dedup keys admitted twice while a holder was outstanding, the time to drain,
-and the guard keys left in Redis. The figures are printed as Markdown and written, with the
-records, the kills and every worker's log, to ``--out`` (a temporary directory by default). The
-exit status is 1 if a message was lost, ran again without a kill to explain it, a limit was
-exceeded, a dedup key admitted a second message, or a guard key other than a limit, a ``:gens:<waiter>``
-record or a last fencing token (``:token``, with an expiry) was left.
+against its limit, the most starts of the throttled key in any window of its period (less
+0.1 s: a start is recorded a moment after its acquire) against its limit, dedup keys admitted
+twice while a holder was outstanding, the time to drain, and the guard keys left in Redis. The
+figures are printed as Markdown and written, with the records, the kills and every worker's log,
+to ``--out`` (a temporary directory by default). The exit status is 1 if a message was lost, ran
+again without a kill to explain it, a limit or a window was exceeded, a dedup key admitted a
+second message, or a guard key other than a limit, a ``:gens:<waiter>`` record or a last fencing
+token (``:token``, with an expiry) was left.
 
 With ``--guard cluster`` the guard's Redis is a Redis Cluster of 3 primaries with 1 replica each
 (:class:`harness.topology.RedisCluster3x1`), both applications are on RabbitMQ (the RedisBroker is
@@ -93,7 +96,12 @@ LIMITS = {
     "both": 2,
     "b-own": 3,
     "b-mutex": 1,
+    "a-throttle": 2,
 }
+#: The throttled keys: (starts allowed, in any window of seconds). A start is recorded a moment after
+#: its acquire, so windows are checked TOLERANCE_S shorter than the period.
+WINDOWS = {"a-throttle": (3, 1.0)}
+TOLERANCE_S = 0.1
 
 APP_HEADER = """
 import json
@@ -150,6 +158,15 @@ def a_dedup(n, s, u):
 @dramatiq.actor(concurrency={"limit": 2, "key": lambda n, s: "both"}, **OPTS)
 def a_both(n, s):
     run("both", n, s)
+
+
+@dramatiq.actor(
+    throttle={"limit": 3, "period": 1_000, "key": lambda n, s: "a-throttle"},
+    concurrency={"limit": 2, "key": lambda n, s: "a-throttle"},
+    **OPTS,
+)
+def a_throttled(n, s):
+    run("a-throttle", n, s)
 """
 
 APP_B = """
@@ -361,7 +378,9 @@ def plan(app: str, n: int, rng: random.Random) -> tuple[str, tuple[Any, ...], st
         if slot < 8:  # 6 and 7 share a user: 7 is sent right after 6, and is usually deduplicated
             user = (n // 10) % 4
             return "a_dedup", (n, seconds, user), f"user-{user}"
-        return "a_both", (n, seconds), "both"
+        if slot < 9:
+            return "a_both", (n, seconds), "both"
+        return "a_throttled", (n, seconds / 4), "a-throttle"  # short: the window binds, not the slots
     if slot < 6:
         return "b_own", (n, seconds), "b-own"
     if slot < 8:
@@ -711,6 +730,20 @@ def concurrency(runs: Sequence[Run], kills_by_pid: dict[int, Kill]) -> dict[str,
     return {key: max_overlap(intervals.get(key, [])) for key in LIMITS}
 
 
+def window_peaks(runs: Sequence[Run]) -> dict[str, int]:
+    """Per throttled key, the most starts in any window of its period (less TOLERANCE_S)."""
+    peaks = {}
+    for key, (_, period) in WINDOWS.items():
+        starts = sorted(run.start for run in runs if run.key == key)
+        first, best = 0, 0
+        for last, at in enumerate(starts):
+            while starts[first] <= at - (period - TOLERANCE_S):
+                first += 1
+            best = max(best, last - first + 1)
+        peaks[key] = best
+    return peaks
+
+
 def explain(earlier: Run, later: Run, kills_by_pid: dict[int, Kill]) -> str | None:
     """Why ``later`` ran the message again, if a kill explains it: ``earlier``'s process was killed
     after ``earlier`` started and before ``later`` started."""
@@ -851,6 +884,7 @@ def analyse(outcome: Outcome, logs: Path) -> dict[str, Any]:
         "apps": {app: app_figures(app, outcome, runs, kills_by_pid) for app in ("a", "b")},
         "max_concurrency": concurrency(runs, kills_by_pid),
         "limits": LIMITS,
+        "window_peaks": window_peaks(runs),
         "dedup_admitted_while_held": dedup_violations(outcome.sent, runs),
         "kills": len(outcome.kills),
         "kills_per_pool": Counter(kill.pool for kill in outcome.kills),
@@ -910,6 +944,13 @@ def key_table(result: dict[str, Any]) -> list[str]:
     lines = ["| key | limit | max live runs at once |", "|---|---:|---:|"]
     for key, limit in result["limits"].items():
         lines.append(f"| `{key}` | {limit} | {result['max_concurrency'][key]} |")
+    lines += [
+        "",
+        "| throttled key | starts allowed per window | most starts in any window |",
+        "|---|---:|---:|",
+    ]
+    for key, (limit, period) in WINDOWS.items():
+        lines.append(f"| `{key}` | {limit} per {period:g} s | {result['window_peaks'][key]} |")
     return lines
 
 
@@ -1005,6 +1046,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         or a["unexplained_extra_runs"]
         or b["unexplained_extra_runs"]
         or any(result["max_concurrency"][k] > v for k, v in LIMITS.items())
+        or any(result["window_peaks"][k] > limit for k, (limit, _) in WINDOWS.items())
         or result["dedup_admitted_while_held"]
         or result["leftovers"]["other"]
     )

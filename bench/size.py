@@ -1,7 +1,8 @@
 """Sizing: bytes of Redis per holder, waiter and parked message, and a million parked messages.
 
-``python -m bench.size [--messages N] [--keys K]`` starts a private ``redis-server`` (loopback,
-no persistence) and measures, with the real scripts of :class:`~dramatiq_guard.backends.RedisBackend`:
+``python -m bench.size [--messages N] [--keys K] [--priorities P]`` starts a private
+``redis-server`` (loopback, no persistence) and measures, with the real scripts of
+:class:`~dramatiq_guard.backends.RedisBackend`:
 
 * bytes per key with one holder, per extra holder, per blocking waiter, per parked message (with
   a typical Dramatiq message as payload), and per drained key (its last fencing token, kept for
@@ -60,6 +61,7 @@ class Sizer:
     def __init__(self, server: RedisServer) -> None:
         self.client = server.client()
         self.backend = RedisBackend(self.client)
+        self.priorities = 1  # the parks of each key spread over priorities 0 .. priorities - 1
 
     def used(self) -> int:
         return int(self.client.info("memory")["used_memory"])
@@ -89,6 +91,7 @@ class Sizer:
                     generation="",
                     fenced="1",
                     runner="",
+                    priority=j % self.priorities,
                 )
                 args = self.backend._args(key, 1, *own)
                 calls.append((script, self.backend._keys(key), args))
@@ -119,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--messages", type=int, default=1_000_000)
     parser.add_argument("--keys", type=int, default=2_000)
     parser.add_argument("--handoffs", type=int, default=20_000)
+    parser.add_argument("--priorities", type=int, default=1, help="spread each key's parks over N priorities")
     options = parser.parse_args(argv)
     rows: list[tuple[str, str, str]] = []
     payload = len(typical_message(0))
@@ -151,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with RedisServer() as server:
         sizer = Sizer(server)
+        sizer.priorities = options.priorities
         keys = [f"webhooks:{i}" for i in range(options.keys)]
         per_key = options.messages // options.keys
         sizer.hold(keys)
@@ -159,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         total = per_key * len(keys)
         memory = sizer.used() - before
         rss = int(sizer.client.info("memory")["used_memory_rss"]) / 2**20
-        rows.append(("parked messages", f"{total:,} on {len(keys):,} keys", f"{per_key} per key, slots held"))
+        how = f"{per_key} per key, slots held; {options.priorities} priorities"
+        rows.append(("parked messages", f"{total:,} on {len(keys):,} keys", how))
         rows.append(("park rate", f"{rate:,.0f} msg/s", f"pipelined {BATCH} per round trip, one client"))
         how = f"used_memory delta; RSS {rss:,.0f} MiB"
         measured = f"{memory / 2**20:,.0f} MiB ({memory / total:.0f} B/message)"

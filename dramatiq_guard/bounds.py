@@ -13,3 +13,6 @@ MAX_RETENTION_MS = 100 * MAX_DURATION_MS
 
 #: The largest limit or count: 2**31 - 1.
 MAX_COUNT = 2**31 - 1
+
+#: The priorities a waiter takes (an actor's Dramatiq ``priority``): from -2048 to 2048.
+MAX_PRIORITY = 2048

@@ -11,10 +11,10 @@ one lock, no expiry: what a key holds is plain data), disagrees where the Lua is
 model test's random runs find where. It is kept in step with the contract
 (``dramatiq_guard/backends/base.py``) by hand, like a specification, and used nowhere else.
 
-Each guard key is a :class:`_Guard` object with its holders, its queue of waiters and its
-*reserved* waiters. Every operation runs under one lock; blocking waiters sleep on a
-:class:`threading.Condition` of that lock and are woken by a notification when a slot is
-handed to them.
+Each guard key is a :class:`_Guard` object with its holders, its queue of waiters (by priority,
+lower first, then FIFO) and its *reserved* waiters. Every operation runs under one lock; blocking
+waiters sleep on a :class:`threading.Condition` of that lock and are woken by a notification when
+a slot is handed to them.
 """
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ _DUE = "~due"
 
 @dataclasses.dataclass
 class _Entry:
-    """A waiter: its place in the FIFO, when it came, and what it waits with."""
+    """A waiter: its place in the queue (its priority, then when it came: lower first), when it
+    came, and what it waits with."""
 
-    place: int
+    place: tuple[int, int]
     since_ms: int
     payload: bytes | None = None
     drop_at_ms: int | None = None  # ready waiters and standbys only
@@ -162,7 +163,7 @@ class _Guard:
         return generation is not None and live is not None and live[0] != generation
 
     def choose(self, free: int, limit: int) -> list[str]:
-        """Who ``free`` slots go to, oldest first: among the first ``limit`` waiters, the ready ones first."""
+        """Who ``free`` slots go to, in queue order: among the first ``limit``, the ready ones first."""
         if free <= 0:
             return []
         window = sorted(self.queue, key=lambda w: self.queue[w].place)[: max(free, limit)]
@@ -341,7 +342,7 @@ class OracleBackend(GuardBackend):
                     and (entry.on_broker or entry.ready)
                 )
                 if entry is None:
-                    entry = guard.queue[holder] = _Entry(next(self._places), now)
+                    entry = guard.queue[holder] = _Entry((stake.priority, next(self._places)), now)
                 if limit is not None:
                     guard.default_limit = limit
                 entry.on_broker = False
@@ -558,7 +559,7 @@ class OracleBackend(GuardBackend):
             )
             for waiter in superseded:
                 del guard.queue[waiter]
-            entry = guard.queue.setdefault(waiter_id, _Entry(place=next(self._places), since_ms=now))
+            entry = guard.queue.setdefault(waiter_id, _Entry((0, next(self._places)), now))
             entry.payload, entry.route = payload, self.route
             guard.default_limit, guard.first_send_ms = 1, first
             due = max(now, min(now + wait_ms, first + max_wait_ms))
@@ -640,6 +641,13 @@ class OracleBackend(GuardBackend):
                 token=guard.token or None,
                 holder_info=tuple((h, *guard.info[h][:2]) for h, _ in holders if h in guard.info),
             )
+
+    def queue(self, key: str) -> list[tuple[str, bool, bool, str | None]]:
+        """The waiters of ``key`` in queue order: (waiter, ready, parked and not being sent, route)."""
+        with self._changed:
+            guard = self._guards.get(key)
+            entries = sorted(guard.queue.items(), key=lambda item: item[1].place) if guard else []
+            return [(w, e.ready, e.payload is not None and not e.on_broker, e.route) for w, e in entries]
 
     def waiting_keys(self) -> list[str]:
         """Keys with waiters or unconfirmed hand-offs (the backend's own table of keys)."""

@@ -43,7 +43,7 @@ from dramatiq_guard.backends import (
     Woken,
 )
 from dramatiq_guard.backends.base import HOLDERS_SHOWN, MIN_STANDBY_WINDOW, ORIGINAL_GENERATION
-from dramatiq_guard.backends.redis import RedisClient
+from dramatiq_guard.backends.redis_client import RedisClient
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.renewer import LeaseHandle, LeaseRenewer, get_renewer
@@ -820,6 +820,72 @@ def test_parked_payloads_come_out_fifo_and_reparking_keeps_the_place(env: Env) -
         holder = handoff.waiter_id
         out.append(holder)
     assert out == ["p1", "p2", "p3", "p4"]
+    assert_drained(env, backend)
+
+
+def hand_off_all(backend: GuardBackend, holder: str, *, key: str = KEY) -> list[str]:
+    """Release ``holder``, then run each parked waiter handed the slot in turn: who ran, in order."""
+    out: list[str] = []
+    while True:
+        released = backend.release(key, holder, limit=1)
+        assert released.released
+        if not released.handoffs:
+            return out
+        [handoff] = released.handoffs
+        holder = handoff.waiter_id
+        out.append(holder)
+        assert backend.confirm_handoff(key, holder, ttl_ms=60_000)
+        assert backend.acquire(Stake(key, holder, limit=1, ttl_ms=60_000)).acquired
+
+
+def test_waiters_are_handed_off_by_priority_then_in_order(env: Env) -> None:
+    backend = env.backend()
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
+    parks = [("p1", 5), ("p2", 0), ("p3", -3), ("p4", 0), ("p5", 5), ("p6", -3), ("p7", 2048), ("p8", -2048)]
+    before_ms = int(time.time() * 1000)
+    for waiter, priority in [*parks, ("p2", 0)]:  # p2 again: keeps its place
+        stake = Stake(KEY, waiter, limit=1, ttl_ms=60_000, priority=priority)
+        assert backend.acquire(stake, Waiter(payload=f"msg:{waiter}".encode())).parked
+    after_ms = int(time.time() * 1000)
+    blocked = backend.acquire(Stake(KEY, "b", limit=1, ttl_ms=60_000, priority=-3), Waiter(wait_ms=60_000))
+    assert blocked.parked
+    order = ["p8", "p3", "p6", "b", "p2", "p4", "p1", "p5", "p7"]
+    state = backend.inspect(KEY)
+    assert waiter_ids(state) == order
+    # A place runs ahead of the clock by at most one per park before it in its priority.
+    assert all(before_ms <= since <= after_ms + len(parks) + 1 for _, since, _ in state.waiters)
+    [summary] = backend.summaries([KEY], waiters=2)
+    assert [peek.waiter_id for peek in summary.first] == ["p8", "p3"]
+    assert summary.oldest_since_ms == state.waiters[0][1]
+    assert backend.cancel_wait(KEY, "b", limit=1).handoffs == ()
+    assert hand_off_all(backend, "a") == [w for w in order if w != "b"]
+    assert_drained(env, backend)
+
+
+def test_a_priority_out_of_range_is_refused(env: Env) -> None:
+    backend = env.backend()
+    for priority in (2049, -2049, 1.5, True):
+        with pytest.raises(ValueError, match="priority must be an integer from -2048 to 2048"):
+            backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=1_000, priority=priority))  # type: ignore[arg-type]
+    assert backend.inspect(KEY) == KeyState((), (), (), None, None)
+
+
+def test_a_waiter_parked_before_priorities_is_handed_off_among_the_defaults(env: Env) -> None:
+    """A place written by a version without priorities (the server's time in us) is priority 0's."""
+    backend = env.backend()
+    assert isinstance(backend, RedisBackend)
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=60_000)).acquired
+    seconds, micros = backend.client.time()
+    names = f"{backend.namespace}:{{{KEY}}}:"
+    backend.client.zadd(names + "waiters", {"old": seconds * 1_000_000 + micros})
+    backend.client.hset(names + "payloads", "old", b"msg:old")
+    for waiter, priority in [("late", 1), ("new", 0), ("urgent", -1)]:
+        stake = Stake(KEY, waiter, limit=1, ttl_ms=60_000, priority=priority)
+        assert backend.acquire(stake, Waiter(payload=f"msg:{waiter}".encode())).parked
+    state = backend.inspect(KEY)
+    assert waiter_ids(state) == ["urgent", "old", "new", "late"]
+    assert state.waiters[1][1] == seconds * 1000 + micros // 1000
+    assert hand_off_all(backend, "a") == ["urgent", "old", "new", "late"]
     assert_drained(env, backend)
 
 

@@ -79,3 +79,11 @@ def test_measurements_take_turns_and_none_always_follows_the_same_one() -> None:
         followers = {r[r.index(item) + 1] for r in rounds if not r.endswith(item)}
         assert len(followers) > 1, f"{item} is always followed by {followers}"
     assert list(in_turns([1, 2], 0)) == []
+
+
+def test_the_throttle_row_is_judged_on_its_makespan_and_its_start_delay() -> None:
+    figures = _figures(throttle__throttle_makespan_ratio=1.02, throttle__throttle_start_delay_ms=12.5)
+    lines = render_budgets(figures)
+    assert _row(lines, "throttle: backlog drains in <= 1.03x its ideal").endswith("| 1.02 | - | - | met |")
+    delay = "throttle: parked message starts <= 10 ms after its place opens (median)"
+    assert _row(lines, delay).endswith("| 12.50 | - | - | **missed** |")

@@ -253,10 +253,12 @@ def test_the_send_lock_with_an_insane_ttl_writes_nothing(redis_env: Env, ttl: st
     [
         ("acquire", ("h", 1000, "park", b"m", "-1", ""), "wait_ms"),
         ("acquire", ("h", 1000, "block", b"", str(ABSURD), ""), "wait_ms"),
+        ("acquire", ("h", 1000, "park", b"m", 0, "", "", "1", "", "2049"), "priority"),
+        ("acquire", ("h", 1000, "park", b"m", 0, "", "", "1", "", "-1e3"), "priority"),
         ("confirm_handoff", ("h", str(ABSURD)), "ttl_ms"),
         ("release", ("h", "-1"), "send_ahead"),
         ("standby", ("send", "1e9"), "count"),
-        ("standby", ("confirm", "h", str(ABSURD), b"m"), "ttl_ms"),
+        ("standby", ("confirm", "", "h", str(ABSURD), b"m"), "ttl_ms"),
         ("set_limit", (str(ABSURD),), "limit"),
         ("set_limit", ("1e3",), "limit"),
         ("set_limit", ("-1",), "limit"),

@@ -85,6 +85,7 @@ from dramatiq_guard.backends import (
     Woken,
 )
 from dramatiq_guard.backends.base import ORIGINAL_GENERATION
+from dramatiq_guard.bounds import MAX_PRIORITY
 from dramatiq_guard.errors import BackendUnavailable
 
 EXAMPLES = int(os.environ.get("DRAMATIQ_GUARD_MODEL_EXAMPLES", "60"))
@@ -108,6 +109,9 @@ START_MS = 1_893_456_000_000  # 2030-01-01T00:00:00Z
 #: Keys of a guard key that may not expire, but exist only while something of it is queued
 #: (``info`` holds a ready waiter's too: without a holder, it has no deadline to expire with).
 QUEUED_STATE = {"waiters", "payloads", "reserved", "meta", "deadlines", "ready", "standbys", "info"}
+
+#: A message's actor's priority: mostly the default; both ends of the range, and a few between.
+PRIORITIES = st.sampled_from([0, 0, 0, -1, 3, -MAX_PRIORITY, MAX_PRIORITY])
 
 #: Whether an operation's reply is lost (the script ran, the caller got an error): one time in six.
 LOST = st.sampled_from([False] * 5 + [True])
@@ -289,7 +293,10 @@ class GuardModel(RuleBasedStateMachine):
         ]  # fmt: skip
         for _, backend in self.backends:
             backend.route = MAIN
-        self.oracle = self.backends[0][1]
+        oracle = self.backends[0][1]
+        assert isinstance(oracle, OracleBackend)
+        self.oracle = oracle
+        self.priorities: dict[str, int] = {}  # message -> its actor's priority (0 if not drawn)
         memory = self.backends[3][1]
         assert isinstance(memory, MemoryBackend)
         #: Every Redis the scripts run on (fakeredis's: the memory backend's own), the standalone ones.
@@ -344,6 +351,7 @@ class GuardModel(RuleBasedStateMachine):
         """
         self.clock.advance(TICK_MS)
         before = self.live_holders(key)
+        queue = self.oracle.queue(key)
         results: list[T] = []
         for _, backend in self.backends:
             backend.route = route
@@ -359,9 +367,36 @@ class GuardModel(RuleBasedStateMachine):
             assert len(after) <= self.limit_in_force(key), (
                 f"{sorted(after - before)} joined {sorted(before)} over the limit {self.limit_in_force(key)}"
             )
+        self.check_order(key, queue, results[0], route)
         if lost:
             raise ReplyLost(results)
         return results
+
+    def check_order(
+        self, key: str, queue: list[tuple[str, bool, bool, str | None]], result: object, route: str
+    ) -> None:
+        """A waiter handed a slot passed over no waiter still queued ahead of it (by priority, then
+        FIFO), except: a ready one passes the others among the first ``limit`` (its thread starts at
+        once), and a parked one of another route (and the parked ones behind it) waits for its route."""
+        handoffs: tuple[Handoff, ...] = ()
+        if isinstance(result, AcquireResult | ReleaseResult):
+            handoffs = result.handoffs
+        elif isinstance(result, Swept):
+            handoffs = result.result.handoffs
+        left = {waiter for waiter, *_ in self.oracle.queue(key)}
+        ready = {waiter for waiter, is_ready, _, _ in queue if is_ready}
+        left_before = {waiter for waiter, *_ in queue}  # not a reservation requeued by this operation
+        for handoff in handoffs:
+            stopped = False
+            ahead = (
+                [entry[0] for entry in queue].index(handoff.waiter_id)
+                if handoff.waiter_id in left_before
+                else 0
+            )
+            for waiter, _, parked, owner in queue[:ahead]:
+                stopped = stopped or (parked and bool(owner) and owner != route)
+                excused = (handoff.waiter_id in ready and waiter not in ready) or (parked and stopped)
+                assert waiter not in left or excused, f"{handoff.waiter_id} handed {key!r} before {waiter}"
 
     def check_tokens(self, key: str, results: Sequence[object]) -> None:
         """The tokens each backend issued strictly rise (a wake's: above what was seen before it)."""
@@ -441,7 +476,8 @@ class GuardModel(RuleBasedStateMachine):
             results = self.call(
                 key,
                 lambda b: b.acquire(
-                    Stake(key, mid, DEFAULTS[key], LEASE_MS, info=info, generation=generation, runner=runner),
+                    Stake(key, mid, DEFAULTS[key], LEASE_MS, info=info, generation=generation, runner=runner,
+                          priority=self.priorities.get(mid, 0)),
                     wait,
                 ),
                 route=route,
@@ -497,8 +533,11 @@ class GuardModel(RuleBasedStateMachine):
         route=st.sampled_from([MAIN, MAIN, OTHER]),
         lost=LOST,
         lock=st.booleans(),
+        priority=PRIORITIES,
     )
-    def a_message_arrives(self, key: str, mode: str, route: str, lost: bool, lock: bool) -> None:
+    def a_message_arrives(
+        self, key: str, mode: str, route: str, lost: bool, lock: bool, priority: int
+    ) -> None:
         """A new message acquires: without waiting or blocking its worker thread, or parking its
         payload at enqueue time (no thread: a reservation anyone may take up).
 
@@ -508,6 +547,7 @@ class GuardModel(RuleBasedStateMachine):
         """
         with self.step():
             mid = next(self.ids)
+            self.priorities[mid] = priority
             wait = {
                 "now": None,
                 "park": Waiter(payload=f"msg:{mid}".encode()),

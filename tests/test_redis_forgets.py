@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 
 import dramatiq_guard
 from dramatiq_guard import events
-from dramatiq_guard.backends import MemoryBackend, RedisBackend, Stake, Waiter, redis_health, redis_watch
+from dramatiq_guard.backends import MemoryBackend, RedisBackend, Stake, Waiter, redis_health
 from dramatiq_guard.backends.base import GuardBackend
 from dramatiq_guard.cli import main
 from dramatiq_guard.errors import BackendUnavailable, EvictingRedis, PayloadTooLarge
@@ -260,7 +260,7 @@ def test_a_restart_without_persistence_is_reported_and_new_work_is_guarded(
     worker_for(broker)
 
     def watching() -> bool:
-        state = redis_watch._watches.get(backend)
+        state = redis_health._watches.get(backend)
         return state is not None and state.run_id is not None and "concurrency:k" in state.waiting
 
     wait_until(watching, what="the state watch to see the parked key")
@@ -292,7 +292,7 @@ def test_a_restart_with_persistence_that_kept_the_parked_keys_is_not_a_loss(
     try:
         redis_health.check(backend)
         backend.acquire(Stake("concurrency:k", "m1", limit=0, ttl_ms=MINUTE), wait=Waiter(payload=b"{}"))
-        watch = redis_watch.StateWatch(backend, keys_every_s=0)
+        watch = redis_health.StateWatch(backend, keys_every_s=0)
         assert watch.check() == []
         server.stop()
         server.start()
@@ -314,7 +314,7 @@ def test_vanished_waiters_a_lost_index_entry_and_a_flush_are_reported(
     try:
         for key, waiter in (("concurrency:a", "m1"), ("concurrency:b", "m2")):
             backend.acquire(Stake(key, waiter, limit=0, ttl_ms=MINUTE), wait=Waiter(payload=b"{}"))
-        watch = redis_watch.StateWatch(backend, keys_every_s=0)
+        watch = redis_health.StateWatch(backend, keys_every_s=0)
         caplog.set_level(logging.WARNING, logger="dramatiq_guard")
         assert watch.check() == []
 
@@ -354,7 +354,7 @@ def test_the_waiters_check_reads_every_waiting_key_only_every_keys_every_s(
     backend = RedisBackend.from_url(server.url, namespace="g")
     try:
         backend.acquire(Stake("concurrency:a", "m1", limit=0, ttl_ms=MINUTE), wait=Waiter(payload=b"{}"))
-        watch = redis_watch.StateWatch(backend, keys_every_s=3600)
+        watch = redis_health.StateWatch(backend, keys_every_s=3600)
         assert watch.check() == []  # the first check reads every waiting key
         backend.client.delete("g:{concurrency:a}:waiters")
         assert watch.check() == []  # not again within the hour

@@ -22,7 +22,7 @@ import redis
 from harness import DramatiqWorker, wait_until
 from harness.redis_server import RedisServer
 
-from dramatiq_guard.backends import RedisBackend, Stake, Waiter, redis_watch
+from dramatiq_guard.backends import RedisBackend, Stake, Waiter, redis_health
 from dramatiq_guard.backends.base import Handoff
 from dramatiq_guard.backends.redis_scripts import (
     LEAN_SCRIPTS,
@@ -103,7 +103,7 @@ def test_the_restricted_user_is_the_documented_one_and_runs_the_guard(
     assert backend.set_limit(KEY, 3).handoffs == () and backend.get_limit(KEY) == 3
     assert [summary.limit for summary in backend.summaries([KEY])] == [3]
     assert backend.wait_for_handoff(KEY, "w", timeout_ms=0) is None
-    redis_watch.watch(backend)  # the state watch and the worker's record
+    redis_health.watch(backend)  # the state watch and the worker's record
     assert ScriptLibrary.running(backend.client, "t") == {
         backend.scripts.library: [f"{socket.gethostname()}:{os.getpid()}"]
     }
@@ -369,7 +369,7 @@ def test_prune_refuses_while_workers_of_another_version_run(
     theirs.load_functions(admin)
     worker = RedisBackend(private_redis.client(), namespace="dramatiq-guard")
     worker.scripts = theirs
-    redis_watch.watch(worker)  # a pass of that worker's sweep
+    redis_health.watch(worker)  # a pass of that worker's sweep
     process = f"{socket.gethostname()}:{os.getpid()}"
 
     def prune(*argv: str) -> tuple[int, str, str]:
@@ -387,12 +387,12 @@ def test_prune_refuses_while_workers_of_another_version_run(
         in capsys.readouterr().out
     )
 
-    redis_watch.leave(worker)  # the worker stops: its sweep withdraws the record
+    redis_health.leave(worker)  # the worker stops: its sweep withdraws the record
     status, out, err = prune()
     assert (status, err) == (0, "") and out.startswith(f"{theirs.library}: deleted")
 
     theirs.load_functions(admin)
-    redis_watch.watch(worker)
+    redis_health.watch(worker)
     status, out, err = prune("--force")
     assert status == 0 and out.startswith(f"{theirs.library}: deleted") and process in out
     assert [entry[1].decode() for entry in admin.function_list()] == []

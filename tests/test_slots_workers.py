@@ -73,6 +73,19 @@ def hold(n):
 def wait_for_slot(n):
     with rec.track("shared"):
         rec.record(phase="waiter", n=n)
+
+
+RANKED = {"limit": 1, "key": lambda n: "ranked"}
+
+
+@dramatiq.actor(concurrency=RANKED, max_retries=0, queue_name=QUEUE, priority=5)
+def later(n):
+    rec.record(phase="ranked", n=n)
+
+
+@dramatiq.actor(concurrency=RANKED, max_retries=0, queue_name=QUEUE)
+def sooner(n):
+    rec.record(phase="ranked", n=n)
 """
 
 Start = Callable[..., DramatiqWorker]
@@ -177,6 +190,20 @@ def test_limit_zero_parks_everything_and_four_drains_four_at_a_time(
     assert module.concurrency.get_limit("k3") == 4  # a configured limit stays until cleared
     module.concurrency.set_limit("k3", None)
     assert guard_leftovers(redisdb) == []  # its last fencing token stays, expiring by itself
+
+
+def test_parked_messages_of_a_key_run_by_their_actors_priority_then_in_order(
+    actor_module: Callable[..., ModuleType], dramatiq_worker: Start, recorder: Recorder, unique_name: str
+) -> None:
+    queue = f"{unique_name}_q"
+    module = actor_module(source(queue))
+    dramatiq_worker("actors", processes=2, threads=4, queues=[queue])
+    module.concurrency.set_limit("ranked", 0)
+    for n in range(12):  # interleaved: later (priority 5) 0, 2, ...; sooner (the default, 0) 1, 3, ...
+        (module.sooner if n % 2 else module.later).send(n)
+    module.concurrency.set_limit("ranked", 1)
+    wait_until(lambda: len(_records(recorder)) == 12, timeout=60, what="12 runs")
+    assert [r["n"] for r in _records(recorder)] == [1, 3, 5, 7, 9, 11, 0, 2, 4, 6, 8, 10]
 
 
 def kill(pid: int) -> float:

@@ -150,7 +150,7 @@ def test_a_limit_is_changed_after_a_confirmation_that_says_what_will_happen() ->
     assert 'id="limit-form"' in page and "writes enabled" in page
     confirm = client.get("/confirm/limit", query_string={"k": KEY, "limit": "4"}).get_data(as_text=True)
     assert "from none (the actor&#39;s own) to 4" in confirm
-    assert "The 2 oldest waiter(s) get a slot at once, their messages re-enqueued on the broker" in confirm
+    assert "The first 2 waiter(s) get a slot at once, their messages re-enqueued on the broker" in confirm
     assert backend.get_limit(KEY) is None  # nothing changed yet
     done = _post(client, "/limit", {"k": KEY, "limit": "4", "csrf": token})
     assert done.status_code == 303

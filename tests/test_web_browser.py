@@ -144,7 +144,7 @@ def test_ten_parked_webhooks_then_a_limit_raised_from_the_page(
     expect(operator.locator("#confirm-text")).to_contain_text(
         f"Set the run-time limit of {KEY} from none (the actor's own) to 4"
     )
-    expect(operator.locator("#confirm-text")).to_contain_text("The 2 oldest waiter(s) get a slot at once")
+    expect(operator.locator("#confirm-text")).to_contain_text("The first 2 waiter(s) get a slot at once")
     operator.click("#confirm button")
     expect(operator.locator("#flash")).to_contain_text("limit set to 4")
     expect(operator.locator("#flash")).to_contain_text("2 parked message(s) re-enqueued")
@@ -189,7 +189,7 @@ def test_a_forced_release_from_the_page_hands_the_slot_to_the_oldest_waiter(
     page.click("#release-form button")
     confirm = page.locator("#confirm-text")
     expect(confirm).to_contain_text(f"Release 1 holder(s) of mutex:report by force: {first.message_id}.")
-    expect(confirm).to_contain_text("Their slots go to the oldest of its 2 waiter(s)")
+    expect(confirm).to_contain_text("Their slots go to the first of its 2 waiter(s)")
     expect(confirm).to_contain_text("loses its lease")
     page.click("#confirm button")
     expect(page.locator("#flash")).to_contain_text("released 1 holder(s)")

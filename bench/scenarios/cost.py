@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.core import SCRIPT_COMMANDS, Context, Figure, in_turns, median_run, scenario
-from dramatiq_guard.backends import GuardBackend, RedisBackend, ReleaseResult, Stake, Waiter, redis_watch
+from dramatiq_guard.backends import GuardBackend, RedisBackend, ReleaseResult, Stake, Waiter, redis_health
 from dramatiq_guard.middleware.slots.standbys import DEFAULT_LOOKAHEAD
 from dramatiq_guard.middleware.sweep import Member, sweep_all
 
@@ -491,7 +491,7 @@ def _idle_sweep(ctx: Context) -> list[Figure]:
         backends = [cls.from_url(ctx.redis_url) for _ in range(processes if name == "due" else 2)]
         members: list[list[Member]] = [[(_SweepAll(b), None)] for b in backends]  # type: ignore[list-item]
         watches = [
-            redis_watch.StateWatch(b, keys_every_s=redis_watch.KEYS_EVERY_S if name == "due" else 0)
+            redis_health.StateWatch(b, keys_every_s=redis_health.KEYS_EVERY_S if name == "due" else 0)
             for b in backends
         ]
         for b, m, w in zip(

@@ -78,11 +78,8 @@ class GuardBackend(abc.ABC):
     """The atomic operations of the guard. The model they keep: ``docs/contract.md``.
 
     Every method is atomic with respect to every other on the same key, across threads and
-    processes sharing the backend. Every mutating method first reclaims the key's lapsed holders
-    and returned-waiter reservations and hands free slots to waiters, except :meth:`renew` (the
-    holder's own entry only: a lapsed one is never revived) and :meth:`confirm_handoff` (it
-    reclaims but does not hand off; the next acquire, release or sweep does). :meth:`try_lock`
-    may skip both when its answer is the same.
+    processes sharing the backend; every mutating one first reclaims and hands off (*Hand-off*),
+    except :meth:`renew` and :meth:`confirm_handoff` (it reclaims only).
 
     Parameters:
       handoff_ttl_ms(int): How long a slot handed to a waiter stays reserved (a parked waiter:
@@ -116,11 +113,7 @@ class GuardBackend(abc.ABC):
         self.route = ""
 
     def check_payload(self, key: str, waiter_id: str, wait: Waiter | None) -> None:
-        """Refuse a payload larger than :attr:`max_payload_bytes`; called first by :meth:`acquire`.
-
-        Raises:
-          PayloadTooLarge: If ``wait`` carries a payload over the bound.
-        """
+        """Raise :class:`PayloadTooLarge` for a payload over :attr:`max_payload_bytes` (:meth:`acquire`)."""
         if wait is not None and wait.payload is not None and len(wait.payload) > self.max_payload_bytes:
             raise PayloadTooLarge(key, waiter_id, len(wait.payload), self.max_payload_bytes)
 
@@ -135,13 +128,10 @@ class GuardBackend(abc.ABC):
 
     @abc.abstractmethod
     def acquire(self, stake: Stake, wait: Waiter | None = None) -> AcquireResult:
-        """Try to become a holder of ``stake.key``.
+        """Try to become a holder of ``stake.key``; if refused and ``wait`` is given, queue as a waiter.
 
-        Re-entrant: a holder that already holds the key (a reservation handed to it included)
-        gets a deadline of ``now + ttl_ms`` and a new fencing token. An acquiring holder leaves
-        the waiters (its stored payload dropped). Otherwise it acquires if fewer than the limit
-        in force hold the key and no waiter is queued ahead of it; if refused and ``wait`` is
-        given, it is queued as a waiter (keeping its place if it was).
+        Re-entrant: a holder that holds the key already (a reservation handed to it included) gets
+        ``now + ttl_ms`` and a new fencing token, and leaves the waiters (its payload dropped).
 
         Parameters:
           stake(Stake): The key, the holder and what identifies the copy that acquires.
@@ -157,50 +147,36 @@ class GuardBackend(abc.ABC):
         """
 
     def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:
-        """Take ``key`` as a limit-1 lock for ``holder`` if it is free: the send-time dedup lock.
-
-        :meth:`acquire` of ``Stake(key, holder, 1, ttl_ms, info=info)`` without ``wait``, except
-        that no fencing token is returned (the lock fences no writes). A backend may decide the
-        common cases (the key is free, or held by another) more cheaply.
-
-        Returns:
-          AcquireResult: ``acquired``, or the live ``holders`` in the way.
-        """
+        """The send-time dedup lock: :meth:`acquire` of ``Stake(key, holder, 1, ttl_ms, info=info)``
+        without ``wait`` and without a fencing token (a backend may decide the common cases more
+        cheaply): ``acquired``, or the live ``holders`` in the way."""
         result = self.acquire(Stake(key, holder, 1, ttl_ms, info=info))
         return dataclasses.replace(result, token=None)
 
     def enqueues_on(self, broker: Any) -> bool:
         """Whether :meth:`lock_and_enqueue` and :meth:`reserve_and_enqueue` can push to ``broker``
-        (default: never).
-
-        Checked once per broker; a backend that can says why not in a warning when it cannot.
-        """
+        (default: never); checked once per broker."""
         return False
 
     def lock_and_enqueue(
         self, key: str, holder: str, *, ttl_ms: int, info: str, push: Enqueue
     ) -> AcquireResult | None:
-        """:meth:`try_lock`, and if it is acquired, the broker's push of ``push`` in the same atomic step.
-
-        Only called where :meth:`enqueues_on` said yes: the lock is written with its whole
-        ``ttl_ms`` (no pending lock: the message is on the broker already).
+        """:meth:`try_lock`, and if it is acquired, the broker's push of ``push`` in the same atomic step
+        (only where :meth:`enqueues_on` said yes; the lock gets its whole ``ttl_ms``).
 
         Returns:
-          AcquireResult|None: As :meth:`try_lock` (acquired: the message is enqueued; refused:
-          nothing was written), or None when the backend could not decide in one step: nothing
-          was written, take the lock with :meth:`try_lock` and push as usual.
+          AcquireResult|None: As :meth:`try_lock`, or None when the backend could not decide in
+          one step: nothing was written, take the lock with :meth:`try_lock` and push as usual.
         """
         return None
 
     def reserve_and_enqueue(self, stake: Stake, push: Enqueue) -> AcquireResult | None:
-        """:meth:`acquire` of a message at send, parked with ``push.data`` if refused; if it acquires,
-        the broker's push of ``push`` in the same atomic step (nothing is pushed otherwise).
-
-        Only called where :meth:`enqueues_on` said yes, for a new holder (no generation).
+        """:meth:`acquire` of a new message at send, parked with ``push.data`` if refused; if it acquires,
+        the broker's push of ``push`` in the same atomic step (only where :meth:`enqueues_on` said yes).
 
         Returns:
-          AcquireResult|None: As :meth:`acquire` (acquired: the message is enqueued), or None
-          when the backend could not decide in one step: nothing was written, acquire and push as usual.
+          AcquireResult|None: As :meth:`acquire`, or None when the backend could not decide in
+          one step: nothing was written, acquire and push as usual.
         """
         return None
 
@@ -219,9 +195,8 @@ class GuardBackend(abc.ABC):
 
     @abc.abstractmethod
     def release(self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0) -> ReleaseResult:
-        """Give up ``holder``'s slot (only the holder itself releases it) and hand it to a waiter.
-
-        A key left with no holder and no waiter loses all its state but a run-time limit.
+        """Give up ``holder``'s slot and hand it on; a key left with no holder and no waiter loses all
+        its state but a run-time limit.
 
         Parameters:
           limit(int|None): The default limit (needed to hand off freed slots).
@@ -240,11 +215,9 @@ class GuardBackend(abc.ABC):
     def confirm_handoff(
         self, key: str, waiter_id: str, *, ttl_ms: int, generation: int | None = None
     ) -> bool:
-        """Confirm that a handed-off parked message was re-enqueued.
-
-        Drops its stored payload and sets its reservation to ``now + ttl_ms`` (time to be picked
-        up and start). A waiter put back in the queue after its reservation lapsed is taken out
-        again (the re-enqueued copy wins): a message is never both on the broker and parked.
+        """Confirm that a handed-off parked message was re-enqueued (*Hand-off*): its payload is
+        dropped and its reservation set to ``now + ttl_ms``. One put back in the queue meanwhile is
+        taken out again: a message is never both on the broker and parked.
 
         Returns:
           bool: Whether the waiter still holds its reservation.
@@ -254,11 +227,8 @@ class GuardBackend(abc.ABC):
     def send_standbys(
         self, key: str, *, limit: int | None, count: int
     ) -> tuple[tuple[Handoff, ...], tuple[Handoff, ...]]:
-        """Send the oldest parked waiters ahead as standbys, up to ``count`` within the standby window.
-
-        Each parked one sent is returned with its payload; the caller enqueues it on the broker
-        and confirms it with :meth:`confirm_standby`. It keeps its place, and until confirmed its
-        payload (*standbys*).
+        """Send up to ``count`` of the oldest parked waiters ahead (*Standbys*), with their payloads:
+        the caller enqueues each and confirms it with :meth:`confirm_standby`.
 
         Returns:
           tuple: The hand-offs of this operation, and the standbys sent.
@@ -268,11 +238,8 @@ class GuardBackend(abc.ABC):
     def confirm_standby(
         self, key: str, waiter_id: str, payload: bytes, *, ttl_ms: int, generation: int | None = None
     ) -> bool:
-        """Confirm that a standby sent by :meth:`send_standbys` was enqueued.
-
-        If the stored payload is still ``payload`` it is dropped: the standby waits on the
-        broker until picked up or ``ttl_ms`` passes (a slot handed to it meanwhile is kept for
-        ``ttl_ms``, as by :meth:`confirm_handoff`). One that parked again meanwhile stays parked.
+        """Confirm that a standby sent by :meth:`send_standbys` was enqueued (*Standbys*): if its stored
+        payload is still ``payload`` it is dropped, and it (or a slot handed to it) lasts ``ttl_ms``.
 
         Returns:
           bool: Whether the standby (or its reserved slot) is in place.
@@ -280,11 +247,8 @@ class GuardBackend(abc.ABC):
 
     @abc.abstractmethod
     def wait_for_handoff(self, key: str, waiter_id: str, *, timeout_ms: int) -> Woken | None:
-        """Block until a blocking waiter is handed a slot, or ``timeout_ms`` passes.
-
-        Woken by the push of the hand-off, which issued its fencing token: the waiter holds the
-        slot at once and must renew it within :attr:`Woken.reserved_ms` (a wake not taken by
-        then is dropped; its next :meth:`acquire` finds the slot still reserved, or handed on).
+        """Block until a blocking waiter is handed a slot (it holds it, and must renew it within
+        :attr:`Woken.reserved_ms`), or ``timeout_ms`` passes.
 
         Returns:
           Woken|None: The token and the reservation left, or None if nothing was handed in time.
@@ -292,11 +256,9 @@ class GuardBackend(abc.ABC):
 
     @abc.abstractmethod
     def forget_parked_copy(self, key: str, waiter_id: str) -> bool:
-        """The broker acked the copy of ``waiter_id`` that parked after pickup: it cannot come back.
-
-        Its record of which generation may start is forgotten if it was kept for that copy only
-        (*generations*); any other stays for ``stale_ttl_ms``. Only for a broker whose ack is
-        known to have landed (:func:`~dramatiq_guard.delivery.acks_are_final`).
+        """The broker acked the copy of ``waiter_id`` that parked after pickup (*Generations*): a record
+        kept for it only is forgotten. Only for a broker whose ack is known to have landed
+        (:func:`~dramatiq_guard.delivery.acks_are_final`).
 
         Returns:
           bool: Whether a record was forgotten.
@@ -322,26 +284,17 @@ class GuardBackend(abc.ABC):
     def cancel_wait(
         self, key: str, waiter_id: str, *, limit: int | None, generation: int | None = None
     ) -> ReleaseResult:
-        """Leave the waiters of ``key``: a blocking waiter that gave up, or a message parked elsewhere.
-
-        A slot handed to it meanwhile is released and handed on (``released``: it held one).
-        With ``generation`` (a :attr:`Handoff.generation`), only that hand-off or standby send is
-        withdrawn, and only while it is unconfirmed and current; a waiter that came back to the
-        key since (parked again, or taking up the reservation) is left as it is.
-        """
+        """Leave the waiters of ``key``; a slot handed to it meanwhile is released and handed on
+        (``released``). With ``generation``, only that hand-off or standby send is withdrawn, while
+        it is unconfirmed and current."""
 
     def take_back(self, key: str, holder: str, *, limit: int | None) -> ReleaseResult | None:
-        """Undo an acquire of a new ``holder`` that raised: what the caller does before it reports it.
-
-        An acquire can raise after it was done (``ReplicasBehind``, a reply lost), and a caller
-        told it failed retries, so what it may have left (a slot, a lock, a parked message) must
-        not trip the retry. This is :meth:`cancel_wait` without a generation, for a holder that
-        had nothing in ``key`` before the call (a message at ``send()``, a fresh lock holder).
+        """Undo an acquire of a new ``holder`` that raised (it may have been done: ``ReplicasBehind``,
+        a reply lost), so a retry does not trip on it: :meth:`cancel_wait` without a generation.
 
         Returns:
           ReleaseResult|None: The result (its hand-offs are the caller's to deliver), or None if
-          this failed too (logged): a lease or reservation then lapses on its own, and a parked
-          message stays and starts once.
+          this failed too (logged; what was left lapses, or starts once).
         """
         try:
             return self.cancel_wait(key, holder, limit=limit)
@@ -357,30 +310,22 @@ class GuardBackend(abc.ABC):
 
     @abc.abstractmethod
     def sweep(self, key: str, *, limit: int | None) -> ReleaseResult:
-        """Reclaim lapsed holders and reservations of ``key`` and hand free slots on.
-
-        What a worker runs periodically, so waiters are never stranded when every holder died.
-        ``released`` tells whether a lapsed holder was reclaimed.
-        """
+        """Reclaim lapsed holders and reservations of ``key`` and hand free slots on (each worker, now
+        and then); ``released``: a lapsed holder was reclaimed."""
 
     def sweep_many(self, keys: Sequence[tuple[str, int | None]]) -> list[ReleaseResult]:
         """:meth:`sweep` each ``(key, limit)``, in order; each key's sweep is atomic, not the batch."""
         return [self.sweep(key, limit=limit) for key, limit in keys]
 
     def due_keys(self) -> list[str]:
-        """The waiting keys a sweep should look at now: never fewer than those that need one.
-
-        A key needs one once a deadline of it passed, or when it has a parked waiter only a
-        process of another route can take. The default returns :meth:`waiting_keys`.
-        """
+        """The waiting keys a sweep should look at now (one a deadline of which passed, or that waits for
+        another route), never fewer; the default returns :meth:`waiting_keys`."""
         return self.waiting_keys()
 
     @abc.abstractmethod
     def set_limit(self, key: str, limit: int | None, *, default: int | None = 1) -> ReleaseResult:
-        """Set (or with None, clear) the run-time limit of ``key``; nobody is evicted.
-
-        Raising it hands the new slots to waiters at once. ``default`` is the limit in force
-        after clearing (needed to hand off). ``released`` is False.
+        """Set (or with None, clear) the run-time limit of ``key`` and hand on the slots it frees; nobody
+        is evicted. ``default``: the limit in force after clearing. ``released`` is False.
 
         Raises:
           ValueError: If ``limit`` or ``default`` is out of range (:func:`check_count`).
@@ -392,11 +337,8 @@ class GuardBackend(abc.ABC):
 
     @abc.abstractmethod
     def inspect(self, key: str, *, waiters: int | None = None) -> KeyState:
-        """A snapshot of ``key``, read atomically (nothing is reclaimed).
-
-        ``waiters``: at most this many of the first waiters (None: all). Holders are all listed
-        (bounded by the limit). The one operation that may read a whole key.
-        """
+        """A snapshot of ``key``, read atomically (nothing reclaimed), with at most ``waiters`` of its
+        first waiters (None: all: the one operation that may read a whole key)."""
 
     @abc.abstractmethod
     def waiting_keys(self) -> list[str]:
@@ -408,10 +350,8 @@ class GuardBackend(abc.ABC):
 
     @abc.abstractmethod
     def summaries(self, keys: Sequence[str], *, waiters: int = 0) -> list[KeySummary]:
-        """A few numbers about each of ``keys``, cheap to read for many keys.
-
-        Read only, O(log n + ``waiters``) per key, every key's reads sent together. Each key's
-        numbers are a snapshot of it, not all of one instant: for display, never for decisions.
+        """A few numbers about each of ``keys``, cheap to read for many keys (O(log n + ``waiters``)
+        each): a snapshot per key, not of one instant; for display, never for decisions.
 
         Parameters:
           keys(Sequence[str]): The guard keys, e.g. from :meth:`waiting_keys`.
@@ -428,20 +368,13 @@ class GuardBackend(abc.ABC):
     # -- what a process asks of the store beyond the operations (neutral defaults) ----------
 
     def slow_call_warning(self, shortest_lease_ms: int) -> str | None:
-        """Why one call could block longer than ``shortest_lease_ms`` on a store that stops answering.
-
-        ``dramatiq_guard.install`` logs it; the default says nothing (an in-process store answers).
-
-        Returns:
-          str|None: The warning, naming what to set, or None.
-        """
+        """Why one call could block longer than ``shortest_lease_ms`` on a store that stops answering,
+        naming what to set (``install`` logs it), or None (the default)."""
         return None
 
     def check_health(self, *, allow_evicting: bool | None = None) -> None:
-        """Refuse a store that would lose the guard's state silently; the default checks nothing.
-
-        Called by :func:`dramatiq_guard.install`, or by a middleware when it first resolves its
-        backend.
+        """Refuse a store that would lose the guard's state silently (at install, or when a middleware
+        first resolves it); the default checks nothing.
 
         Parameters:
           allow_evicting(bool|None): True: run on a store that may evict keys, with a warning.
@@ -455,11 +388,8 @@ class GuardBackend(abc.ABC):
         return
 
     def watch(self, interval_s: float) -> None:
-        """One look at the store by each worker's sweep after each pass; never raises. Default: nothing.
-
-        Reports state the store lost since the last look, and keeps this process's record of the
-        library it runs (for three passes of ``interval_s`` at least).
-        """
+        """One look at the store by each worker's sweep after each pass (lost state, this process's
+        record); never raises. Default: nothing."""
         return
 
     def stop_watching(self) -> None:
@@ -467,10 +397,8 @@ class GuardBackend(abc.ABC):
         return
 
     def wait_for_replicas(self, count: int, timeout_ms: int) -> None:
-        """Make every decision from now on wait until ``count`` replicas acknowledge it (0: no change).
-
-        Fewer acknowledgements within ``timeout_ms`` fail the operation closed
-        (:class:`~dramatiq_guard.errors.ReplicasBehind`). The default has no replicas.
+        """Make every decision from now on wait until ``count`` replicas acknowledge it (0: no change);
+        fewer within ``timeout_ms`` fail it closed (``ReplicasBehind``). The default has no replicas.
 
         Raises:
           ValueError: If ``count`` or ``timeout_ms`` is out of range (:func:`check_replica_waits`).
@@ -483,11 +411,7 @@ class GuardBackend(abc.ABC):
             )
 
     def now_ms(self) -> int:
-        """Now on the backend's clock, in ms since the epoch (ages and lapses are measured on it).
-
-        Raises:
-          BackendUnavailable: If the store's clock cannot be read.
-        """
+        """Now on the backend's clock, in ms since the epoch (ages and lapses are measured on it)."""
         return int(time.time() * 1000)
 
     @abc.abstractmethod

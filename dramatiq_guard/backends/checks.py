@@ -1,20 +1,20 @@
-"""What every backend checks before it touches anything: keys, durations, counts, payload sizes.
-
-The same :class:`ValueError` from every backend, before anything is written (Redis does not roll
-back a script that fails half-way); the bounds are :mod:`dramatiq_guard.bounds`'.
+"""What every backend checks before it touches anything: the same :class:`ValueError` from each
+(Redis does not roll back a script that fails half-way); the bounds are :mod:`dramatiq_guard.bounds`'.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dramatiq_guard.bounds import MAX_COUNT, MAX_DURATION_MS
+from dramatiq_guard.bounds import MAX_COUNT, MAX_DURATION_MS, MAX_PRIORITY
 
 if TYPE_CHECKING:
     from dramatiq_guard.backends.values import Stake, Waiter
 
 #: The default bound on a parked message's encoded size (:attr:`GuardBackend.max_payload_bytes`).
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
+#: The longest runner id :meth:`GuardBackend.acquire` takes.
+MAX_RUNNER_CHARS = 200
 
 
 def _is_int(value: object) -> bool:
@@ -22,16 +22,8 @@ def _is_int(value: object) -> bool:
 
 
 def check_ms(value: int, what: str, *, minimum: int = 1) -> None:
-    """Reject a duration in milliseconds that no backend accepts.
-
-    Parameters:
-      value(int): The duration.
-      what(str): The argument's name, for the error.
-      minimum(int): 1 for a lease or reservation being taken, 0 for a wait or a renewal.
-
-    Raises:
-      ValueError: If ``value`` is not an int from ``minimum`` to 366 days.
-    """
+    """Reject a duration (``what``) that is not an int from ``minimum`` (1 for a lease or reservation
+    being taken, 0 for a wait or a renewal) to 366 days in milliseconds."""
     if not _is_int(value) or not minimum <= value <= MAX_DURATION_MS:
         raise ValueError(
             f"{what} must be an integer from {minimum} to {MAX_DURATION_MS} ms (366 days), got {value!r}"
@@ -39,37 +31,26 @@ def check_ms(value: int, what: str, *, minimum: int = 1) -> None:
 
 
 def check_count(value: int | None, what: str) -> None:
-    """Reject a limit or count that no backend accepts (None: a limit the caller does not know).
-
-    Raises:
-      ValueError: If ``value`` is not None or an int from 0 to 2**31 - 1.
-    """
-    if value is None:
-        return
-    if not _is_int(value) or not 0 <= value <= MAX_COUNT:
+    """Reject a limit or count that is not None (a limit the caller does not know) or an int from 0
+    to 2**31 - 1."""
+    if value is not None and (not _is_int(value) or not 0 <= value <= MAX_COUNT):
         raise ValueError(f"{what} must be an integer from 0 to {MAX_COUNT}, got {value!r}")
 
 
-#: The longest runner id :meth:`GuardBackend.acquire` takes.
-MAX_RUNNER_CHARS = 200
-
-
 def check_acquire(stake: Stake, wait: Waiter | None) -> None:
-    """The checks of :meth:`GuardBackend.acquire`'s numbers (see :func:`check_ms`) and runner.
-
-    Raises:
-      ValueError: If a number is out of its bounds, or the runner is not a non-empty str of at
-        most :data:`MAX_RUNNER_CHARS` characters without ``|`` or ``@``.
-    """
+    """The checks of :meth:`GuardBackend.acquire`'s numbers (the priority too) and runner (a non-empty
+    str of at most :data:`MAX_RUNNER_CHARS` characters without ``|`` or ``@``)."""
     check_count(stake.limit, "limit")
     check_ms(stake.ttl_ms, "ttl_ms")
+    if not _is_int(stake.priority) or abs(stake.priority) > MAX_PRIORITY:
+        bounds = f"-{MAX_PRIORITY} to {MAX_PRIORITY}"
+        raise ValueError(f"priority must be an integer from {bounds}, got {stake.priority!r}")
     if wait is not None:
         check_ms(wait.wait_ms, "wait_ms", minimum=0)
     runner = stake.runner
     if runner is not None and (
         not isinstance(runner, str)
-        or not runner
-        or len(runner) > MAX_RUNNER_CHARS
+        or not 0 < len(runner) <= MAX_RUNNER_CHARS
         or "|" in runner
         or "@" in runner
     ):
@@ -80,32 +61,20 @@ def check_acquire(stake: Stake, wait: Waiter | None) -> None:
 
 
 def check_key(key: str) -> None:
-    """Reject a guard key that no backend accepts.
-
-    Raises:
-      ValueError: If ``key`` is empty or starts with ``}``.
-    """
+    """Reject a guard key that is empty or starts with ``}``."""
     if not key or key.startswith("}"):
         raise ValueError(f"a guard key must be non-empty and must not start with '}}', got {key!r}")
 
 
 def check_max_payload_bytes(value: int) -> int:
-    """Validate a ``max_payload_bytes`` setting.
-
-    Raises:
-      ValueError: If ``value`` is not a positive int.
-    """
+    """``value`` if it is a positive int, else :class:`ValueError`."""
     if not _is_int(value) or value <= 0:
         raise ValueError(f"max_payload_bytes must be a positive int (bytes), not {value!r}")
     return value
 
 
 def check_replica_waits(count: int, timeout_ms: int) -> None:
-    """Reject replica waits no backend accepts (:meth:`GuardBackend.wait_for_replicas`).
-
-    Raises:
-      ValueError: If ``count`` is not an int from 0 to 2**31 - 1, or ``timeout_ms`` not a
-        duration from 1 ms (``WAIT`` with 0 would wait without end).
-    """
+    """Reject replica waits (:meth:`GuardBackend.wait_for_replicas`) of a bad count, or a
+    ``timeout_ms`` under 1 (``WAIT`` with 0 would wait without end)."""
     check_count(count, "replica_waits")
     check_ms(timeout_ms, "replica_wait_timeout_ms")

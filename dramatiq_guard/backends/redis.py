@@ -1,10 +1,4 @@
-"""The Redis guard backend: each operation is one Lua script on one Cluster slot.
-
-The contract is :mod:`dramatiq_guard.backends.base`'s; how the state lives in Redis, and the
-scripts (``backends/lua/``), are in ``docs/redis.md``. The store beneath (key names, script
-calls, reads) is :mod:`~dramatiq_guard.backends.redis_store`; the client side (what redis-py may
-raise, how long a call can block, pipelining) :mod:`~dramatiq_guard.backends.redis_client`.
-"""
+"""The Redis guard backend: each operation is one Lua script on one Cluster slot (``docs/redis.md``)."""
 
 from __future__ import annotations
 
@@ -16,15 +10,8 @@ from typing import Any, cast
 from dramatiq_guard.backends import redis_enqueue
 from dramatiq_guard.backends import redis_layout as layout
 from dramatiq_guard.backends.checks import check_acquire, check_count, check_key, check_ms
-from dramatiq_guard.backends.redis_client import (
-    DEFAULT_SOCKET_TIMEOUT_S,
-    RedisClient,
-    ScriptCall,
-    reachable,
-    run_scripts,
-    text,
-)
-from dramatiq_guard.backends.redis_store import RedisStore, handoffs_of, release_of, replica_waits_of
+from dramatiq_guard.backends.redis_client import ScriptCall, reachable, run_scripts, text
+from dramatiq_guard.backends.redis_store import RedisStore, handoffs_of, release_of
 from dramatiq_guard.backends.values import (
     HOLDERS_SHOWN,
     AcquireOutcome,
@@ -36,8 +23,6 @@ from dramatiq_guard.backends.values import (
     Waiter,
     Woken,
 )
-
-__all__ = ["DEFAULT_SOCKET_TIMEOUT_S", "RedisBackend", "RedisClient", "replica_waits_of"]
 
 #: The most leases one ``renew.lua`` call renews (:meth:`RedisBackend.renew_many`).
 RENEWALS_PER_CALL = 200
@@ -124,12 +109,7 @@ class RedisBackend(RedisStore):
         return self._acquire_reply(key, reply, sent)
 
     def _acquire_args(self, stake: Stake, wait: Waiter | None) -> layout.AcquireArgs:
-        """acquire.lua's own arguments, checked.
-
-        Raises:
-          ValueError: See :meth:`GuardBackend.acquire`.
-          PayloadTooLarge: If ``wait.payload`` is over :attr:`max_payload_bytes`.
-        """
+        """acquire.lua's own arguments, checked (the errors of :meth:`GuardBackend.acquire`)."""
         check_acquire(stake, wait)
         self.check_payload(stake.key, stake.holder, wait)
         if wait is not None:
@@ -144,32 +124,27 @@ class RedisBackend(RedisStore):
             generation="" if stake.generation is None else stake.generation,
             fenced="1" if stake.fenced else "0",
             runner=stake.runner or "",
+            priority=stake.priority,
         )
 
     def try_lock(self, key: str, holder: str, *, ttl_ms: int, info: str | None = None) -> AcquireResult:
         """``lua/lock.lua`` decides a free key and one held by another; the rest goes to :meth:`acquire`."""
-        decided = self._lock(key, holder, ttl_ms, info or "", None)
+        decided = self.lock_and_enqueue(key, holder, ttl_ms=ttl_ms, info=info or "", push=None)
         if decided is None:
             return self.acquire(Stake(key, holder, 1, ttl_ms, info=info, fenced=False))
         return decided
 
     def enqueues_on(self, broker: Any) -> bool:
-        """Yes for a RedisBroker on this backend's server and database whose layout the guard knows.
-
-        Decided once per broker (:mod:`~dramatiq_guard.backends.redis_enqueue`: the version, then a
-        probe the broker itself must fetch, ack and dead-letter); an unknown layout is logged once.
-        Never with replica waits: the push would not be waited for.
-        """
+        """Yes for a RedisBroker on this server and database whose layout the guard knows (decided once
+        per broker: :mod:`~dramatiq_guard.backends.redis_enqueue`), never with replica waits."""
         known = self._enqueues.get(id(broker))
         if known is not None and known[0] is broker:
             return known[1]
         if not redis_enqueue.shares_server(broker, self.client) or self.replicas:
             self._enqueues[id(broker)] = (broker, False)
             return False
-        reason = redis_enqueue.unknown_layout()
-        if reason is None:
-            with reachable():  # unreachable: raised, and asked again on the next send
-                reason = redis_enqueue.probe(broker, functools.partial(self._probe_push, broker))
+        with reachable():  # unreachable: raised, and asked again on the next send
+            reason = redis_enqueue.refusal(broker, functools.partial(self._probe_push, broker))
         if reason is not None:
             redis_enqueue.logger.warning(
                 "dramatiq-guard: a send's guard decision and its push take two steps on this broker: %s.",
@@ -186,12 +161,7 @@ class RedisBackend(RedisStore):
         self.release(f"probe:{rid}", rid, limit=1)
 
     def lock_and_enqueue(
-        self, key: str, holder: str, *, ttl_ms: int, info: str, push: Enqueue
-    ) -> AcquireResult | None:
-        return self._lock(key, holder, ttl_ms, info, push)
-
-    def _lock(
-        self, key: str, holder: str, ttl_ms: int, info: str, push: Enqueue | None
+        self, key: str, holder: str, *, ttl_ms: int, info: str, push: Enqueue | None
     ) -> AcquireResult | None:
         """Run ``lua/lock.lua`` (with ``push``: the broker's push too); None: not decided there."""
         check_ms(ttl_ms, "ttl_ms")
@@ -224,31 +194,21 @@ class RedisBackend(RedisStore):
 
     def renew_many(self, leases: Sequence[tuple[str, str, int]]) -> list[bool]:
         """Up to :data:`RENEWALS_PER_CALL` leases per ``renew.lua`` call (on a Cluster: of one key)."""
-        if not leases:
-            return []
-        for _, _, ttl_ms in leases:
+        groups: dict[str, list[int]] = {}
+        for i, (key, _, ttl_ms) in enumerate(leases):
             check_ms(ttl_ms, "ttl_ms", minimum=0)
-        if self._in_cluster():
-            by_key: dict[str, list[int]] = {}
-            for i, (key, _, _) in enumerate(leases):
-                by_key.setdefault(key, []).append(i)
-            groups = list(by_key.values())
-        else:
-            groups = [list(range(len(leases)))]
-        chunks = [g[s : s + RENEWALS_PER_CALL] for g in groups for s in range(0, len(g), RENEWALS_PER_CALL)]
+            groups.setdefault(key if self._in_cluster() else "", []).append(i)
+        chunks = [
+            g[s : s + RENEWALS_PER_CALL] for g in groups.values() for s in range(0, len(g), RENEWALS_PER_CALL)
+        ]
         calls: list[ScriptCall] = []
         for chunk in chunks:
-            keys: list[str] = []
-            args: list[str | int] = []
-            for i in chunk:
-                key, holder, ttl_ms = leases[i]
-                keys += self._renew_keys(key)
-                args += layout.LeaseArgs(holder=holder, ttl_ms=ttl_ms)
+            keys = [name for i in chunk for name in self._renew_keys(leases[i][0])]
+            args = [arg for i in chunk for arg in layout.LeaseArgs(holder=leases[i][1], ttl_ms=leases[i][2])]
             calls.append((self.scripts["renew"], keys, args))
         renewed = [False] * len(leases)
-        for chunk, reply in zip(
-            chunks, run_scripts(self.client, self.scripts, calls, replicas=self.replicas), strict=True
-        ):
+        replies = run_scripts(self.client, self.scripts, calls, replicas=self.replicas) if calls else []
+        for chunk, reply in zip(chunks, replies, strict=True):
             for i, answer in zip(chunk, reply, strict=True):
                 renewed[i] = bool(answer)
         return renewed
@@ -267,7 +227,6 @@ class RedisBackend(RedisStore):
         return [release_of(key, reply) for (key, *_), reply in zip(releases, replies, strict=True)]
 
     def _release_call(self, key: str, holder: str, limit: int | None, send_ahead: int) -> ScriptCall:
-        check_count(limit, "limit")
         check_count(send_ahead, "send_ahead")
         return self._script_call(key, limit, layout.ReleaseArgs(holder=holder, standbys=send_ahead))
 
@@ -282,7 +241,6 @@ class RedisBackend(RedisStore):
     def send_standbys(
         self, key: str, *, limit: int | None, count: int
     ) -> tuple[tuple[Handoff, ...], tuple[Handoff, ...]]:
-        check_count(limit, "limit")
         check_count(count, "count")
         handoffs, sent = self._run(key, limit, layout.StandbyArgs(op="send", standbys=count))
         return handoffs_of(key, handoffs), handoffs_of(key, sent)
@@ -303,7 +261,9 @@ class RedisBackend(RedisStore):
         check_key(key)
         check_ms(timeout_ms, "timeout_ms", minimum=0)
         wake = self._wake_prefix(key) + waiter_id
-        chunk_s = self._blocking_chunk_s()
+        # Each BLPOP ends before the socket_timeout in force (less 1 s, or half of it).
+        socket_timeout = self.timeouts.socket_timeout
+        chunk_s = None if socket_timeout is None else max(socket_timeout - 1.0, socket_timeout / 2)
         give_up = time.monotonic() + timeout_ms / 1000
         with reachable():
             while True:
@@ -315,13 +275,6 @@ class RedisBackend(RedisStore):
                 popped = cast("tuple[Any, bytes | str] | None", self.client.blpop([wake], timeout=timeout))
                 if popped is not None:
                     return self.woken(int(popped[1]))
-
-    def _blocking_chunk_s(self) -> float | None:
-        """The longest BLPOP the ``socket_timeout`` in force allows (less 1 s, or half of it), or None."""
-        socket_timeout = self.timeouts().socket_timeout
-        if socket_timeout is None:
-            return None
-        return max(socket_timeout - 1.0, socket_timeout / 2)
 
     def forget_parked_copy(self, key: str, waiter_id: str) -> bool:
         self._check_waiter(waiter_id)
@@ -350,13 +303,11 @@ class RedisBackend(RedisStore):
         self, key: str, waiter_id: str, *, limit: int | None, generation: int | None = None
     ) -> ReleaseResult:
         self._check_waiter(waiter_id)
-        check_count(limit, "limit")
         gen = "" if generation is None else generation
         own = layout.CancelWaitArgs(waiter=waiter_id, generation=gen)
         return release_of(key, self._run(key, limit, own))
 
     def sweep(self, key: str, *, limit: int | None) -> ReleaseResult:
-        check_count(limit, "limit")
         return release_of(key, self._run(key, limit, layout.SweepArgs()))
 
     def sweep_many(self, keys: Sequence[tuple[str, int | None]]) -> list[ReleaseResult]:
@@ -364,8 +315,6 @@ class RedisBackend(RedisStore):
         results: list[ReleaseResult] = []
         for first in range(0, len(keys), self.SWEEP_BATCH):
             batch = keys[first : first + self.SWEEP_BATCH]
-            for _, limit in batch:
-                check_count(limit, "limit")
             calls = [self._script_call(key, limit, layout.SweepArgs()) for key, limit in batch]
             replies = run_scripts(self.client, self.scripts, calls)
             results.extend(release_of(key, r) for (key, _), r in zip(batch, replies, strict=True))

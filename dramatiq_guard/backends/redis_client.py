@@ -1,9 +1,5 @@
-"""The redis-py client side of the Redis backend: what it may raise, how long one call can block,
-loading and pipelining the scripts.
-
-Why a client needs a ``socket_timeout`` is in ``docs/failure-model.md`` ("A silent Redis"); how
-scripts reach Redis, and replica waits, in ``docs/redis.md``.
-"""
+"""The redis-py side of the Redis backend: what it may raise, how long one call can block
+(``docs/failure-model.md``, "A silent Redis"), running and pipelining the scripts (``docs/redis.md``)."""
 
 from __future__ import annotations
 
@@ -34,21 +30,10 @@ class Timeouts(NamedTuple):
     retries: int  # how many times a timed-out call is tried again (-1: without end)
     backoff_cap: float  # the longest pause between two tries (seconds)
 
-    @property
-    def bound_s(self) -> float | None:
-        """About the longest one call can block (None: without bound)."""
-        if self.socket_timeout is None or self.retries < 0:
-            return None
-        per_try = max(self.socket_timeout, self.connect_timeout or 0.0)
-        return (1 + self.retries) * per_try + self.retries * self.backoff_cap
-
 
 def timeouts_of(client: RedisClient) -> Timeouts:
-    """The effective timeouts of ``client``'s connections, and its retries of a timed-out call.
-
-    Read from a connection made (not connected) as its pool makes them, so redis-py's own
-    defaults count too.
-    """
+    """The timeouts of ``client``'s connections (redis-py's defaults included: read from a connection
+    made, not connected), and its retries of a timed-out call."""
     if isinstance(client, redis.cluster.RedisCluster):
         kwargs = dict(cast(Any, client).get_connection_kwargs())
         connection_class: Any = kwargs.pop("connection_class", redis.connection.Connection)
@@ -80,7 +65,7 @@ def timeouts_of(client: RedisClient) -> Timeouts:
     )
 
 
-_UNAVAILABLE: tuple[type[Exception], ...] = (
+UNAVAILABLE: tuple[type[Exception], ...] = (
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
     redis.exceptions.ClusterDownError,
@@ -98,63 +83,55 @@ def data(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else value.encode("utf-8")
 
 
-class _Reachable:
-    """See :func:`reachable`; a class, not a generator-based context manager: it wraps every call."""
+class reachable:
+    """``with reachable(): ...`` turns redis-py's connection-level errors into :class:`BackendUnavailable`,
+    and a call the ACL user may not make (``NOPERM``) into :class:`BackendRefused` (it fails closed too)."""
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        if exc is None:
-            return
-        if isinstance(exc, _UNAVAILABLE):
+        if isinstance(exc, UNAVAILABLE):
             raise BackendUnavailable(f"the guard's Redis backend is unavailable: {exc}") from exc
         if isinstance(exc, redis.exceptions.NoPermissionError):
             raise BackendRefused(str(exc)) from exc
 
 
-_REACHABLE = _Reachable()
-
-
-def reachable() -> _Reachable:
-    """Turn redis-py's connection-level errors into :class:`BackendUnavailable`: ``with reachable(): ...``.
-
-    A call the ACL user may not make (``NOPERM``) raises :class:`BackendRefused` (a
-    :class:`BackendUnavailable`: it fails closed, and ``fail_open`` applies).
-    """
-    return _REACHABLE
-
-
-def slow_call_warning(client: RedisClient, timeouts: Timeouts, shortest_lease_ms: int) -> str | None:
-    """Why one call could block longer than ``shortest_lease_ms`` on a Redis that does not answer.
-
-    Returns:
-      str|None: A warning naming the client and what to set on it, or
-      None if its timeouts bound every call below ``shortest_lease_ms``.
-    """
-    bound = timeouts.bound_s
-    if timeouts.socket_timeout is None:
+def slow_call_warning(
+    client: RedisClient, timeouts: Timeouts, shortest_lease_ms: int, replicas: ReplicaWaits | None
+) -> str | None:
+    """Why one call could block longer than ``shortest_lease_ms`` on a Redis that does not answer, or
+    a replica wait could outlast the ``socket_timeout``, naming what to set; None if neither."""
+    found, socket_timeout, retries = [], timeouts.socket_timeout, timeouts.retries
+    per_try = max(socket_timeout or 0.0, timeouts.connect_timeout or 0.0)
+    bound = (1 + retries) * per_try + retries * timeouts.backoff_cap
+    how = None
+    if socket_timeout is None:
         how = "without end (it has no socket_timeout)"
-    elif bound is None:
+    elif retries < 0:
         how = "without end (its retry tries a timed-out call again without end)"
     elif bound * 1000 >= shortest_lease_ms:
-        how = (
-            f"for up to about {bound:g} s (socket_timeout={timeouts.socket_timeout:g} s, "
-            f"tried again {timeouts.retries} times on a timeout)"
+        how = f"for up to about {bound:g} s (socket_timeout={socket_timeout:g} s, tried again {retries} times"
+        how += " on a timeout)"
+    if how is not None:
+        found.append(
+            f"dramatiq-guard: a call to the guard's Redis through {client!r} can block {how} when "
+            f"Redis stops answering without closing the connection (a frozen primary, a partition, a "
+            f"failover), longer than the shortest lease ({shortest_lease_ms} ms): leases are still "
+            f"reported lost when their time is up, but worker threads hang in the guard meanwhile. Set "
+            f"socket_timeout= and socket_connect_timeout= on that client, below the lease (e.g. 5), with "
+            f"few or no retries on timeouts: redis.Redis(..., socket_timeout=5, socket_connect_timeout=5), "
+            f"or for a RedisBroker in its URL: RedisBroker(url='redis://host:6379/0?socket_timeout=5"
+            f"&socket_connect_timeout=5') (RedisBroker(url=..., socket_timeout=5) ignores the keyword); "
+            f"or give the guard a client of its own: dramatiq_guard.install(broker, redis='redis://...')."
         )
-    else:
-        return None
-    return (
-        f"dramatiq-guard: a call to the guard's Redis through {client!r} can block {how} when "
-        f"Redis stops answering without closing the connection (a frozen primary, a partition, a "
-        f"failover), longer than the shortest lease ({shortest_lease_ms} ms): leases are still "
-        f"reported lost when their time is up, but worker threads hang in the guard meanwhile. Set "
-        f"socket_timeout= and socket_connect_timeout= on that client, below the lease (e.g. 5), with "
-        f"few or no retries on timeouts: redis.Redis(..., socket_timeout=5, socket_connect_timeout=5), "
-        f"or for a RedisBroker in its URL: RedisBroker(url='redis://host:6379/0?socket_timeout=5"
-        f"&socket_connect_timeout=5') (RedisBroker(url=..., socket_timeout=5) ignores the keyword); "
-        f"or give the guard a client of its own: dramatiq_guard.install(broker, redis='redis://...')."
-    )
+    if replicas is not None and socket_timeout is not None and socket_timeout * 1000 <= replicas.timeout_ms:
+        found.append(
+            f"dramatiq-guard: replica_wait_timeout_ms={replicas.timeout_ms} is not below the guard "
+            f"client's socket_timeout ({socket_timeout:g} s): a decision whose replicas are slow "
+            f"fails as a connection timeout. Set replica_wait_timeout_ms below it."
+        )
+    return " ".join(found) or None
 
 
 class ReplicaWaits(NamedTuple):
@@ -171,11 +148,7 @@ ScriptCall: TypeAlias = tuple[LuaScript, list[str], list[Any]]
 def run_script(
     client: RedisClient, library: ScriptLibrary, script: LuaScript, keys: list[str], args: list[Any]
 ) -> Any:
-    """Run one script (no replica waits); a call refused for want of its code loads it and runs again.
-
-    Raises:
-      BackendUnavailable: If Redis cannot be reached.
-    """
+    """Run one script (no replica waits); a call refused for want of its code loads it and runs again."""
     execute: Callable[..., Any] = client.execute_command  # untyped in redis-py
     with reachable():
         try:
@@ -197,15 +170,10 @@ def run_scripts(
 ) -> list[Any]:
     """Run several scripts in one pipelined round trip, optionally after a ZADD ``(index, member)``.
 
-    A call refused for want of its code (NOSCRIPT, ``Function not found``) did nothing: the code
-    is loaded and only those calls run again (redis-py's own pipeline scripts cost a SCRIPT
-    EXISTS round trip). With ``replicas``, each pipeline ends with a ``WAIT`` on its connection:
-    on a Redis Cluster one pipeline per node owning the calls' first keys, and a call refused
-    with MOVED or ASK (a failover moved its slot) runs once more on the new owner.
-
-    Raises:
-      ReplicasBehind: If a ``WAIT`` got fewer acknowledgements than asked, after every call ran.
-      BackendUnavailable: If Redis cannot be reached.
+    Calls refused for want of their code did nothing: it is loaded and they run again. With
+    ``replicas``, each pipeline ends with a ``WAIT`` (:class:`ReplicasBehind`, after every call
+    ran): on a Redis Cluster one pipeline per node, and a call refused with MOVED or ASK (a
+    failover moved its slot) runs once more on the new owner.
     """
     if replicas is None or replicas.replicas <= 0:
         if len(calls) == 1 and zadd_first is None:  # a pipeline of one costs ~20 us more CPU than a call
@@ -246,7 +214,7 @@ def _run_on_nodes(
                 )
             except BackendUnavailable as exc:
                 if not isinstance(exc, ReplicasBehind):  # the node is gone: ask the cluster again
-                    with contextlib.suppress(*_UNAVAILABLE):
+                    with contextlib.suppress(*UNAVAILABLE):
                         client.nodes_manager.initialize()
                 failed = failed or exc
                 continue
@@ -322,11 +290,7 @@ def _pipeline(
     zadd_first: tuple[str, str] | None,
     replicas: ReplicaWaits | None,
 ) -> list[Any]:
-    """The replies of one pipeline (errors as values), the ZADD's and the WAIT's left out.
-
-    Raises:
-      ReplicasBehind: If the WAIT got fewer acknowledgements than ``replicas.replicas``.
-    """
+    """The replies of one pipeline (errors as values), the ZADD's and the WAIT's left out."""
     pipe = target.pipeline(transaction=False)
     if zadd_first is not None:
         pipe.zadd(zadd_first[0], {zadd_first[1]: int(time.time() * 1000)})
@@ -335,15 +299,15 @@ def _pipeline(
     if replicas is not None:
         pipe.execute_command("WAIT", replicas.replicas, replicas.timeout_ms)
     results = list(pipe.execute(raise_on_error=False))
+    if zadd_first is not None:
+        results.pop(0)
     if replicas is not None:
         acked = results.pop()
         if isinstance(acked, Exception):
             if any(isinstance(result, Exception) for result in results):
-                return results[1:] if zadd_first is not None else results  # the calls' errors say more
+                return results  # the calls' errors say more
             # A node that refuses WAIT is a replica (a failover demoted it): nothing stands.
             raise BackendUnavailable(f"the guard's Redis backend could not wait for replicas: {acked}")
         if int(acked) < replicas.replicas:
             raise ReplicasBehind(int(acked), replicas.replicas, replicas.timeout_ms)
-    if zadd_first is not None:
-        results = results[1:]
     return results

@@ -1,11 +1,8 @@
-"""A dedup lock and the RedisBroker's push in one script, where the broker shares the guard's Redis.
+"""A guard decision and the RedisBroker's push in one script, where the broker shares the guard's Redis.
 
-Dramatiq's queue layout (``dispatch.lua``: a message hash ``<namespace>:<queue>.msgs`` and a list
-``<namespace>:<queue>`` of message ids) is its own, not a public contract. So a broker is trusted
-with the one-step enqueue only when its Dramatiq is a version whose layout the tests pin
-(:data:`KNOWN_DRAMATIQ`) *and* a probe passes against the running broker, once per broker: a
-message written by the script is fetched, acked and dead-lettered by the broker's own commands
-like one of its own. Anything else takes the two-step path (lock, then the broker's push).
+Dramatiq's queue layout (a message hash ``<namespace>:<queue>.msgs``, a list of ids) is not a public
+contract: a broker is trusted with it only on a Dramatiq version the tests pin (:data:`KNOWN_DRAMATIQ`)
+*and* once a probe passed (:func:`probe`); anything else takes two steps (lock, then the broker's push).
 """
 
 from __future__ import annotations
@@ -32,33 +29,27 @@ def queue_keys(broker: Any, queue_name: str) -> tuple[str, str]:
     return full, f"{full}.msgs"
 
 
-def same_server(ours: Any, theirs: Any) -> bool:
-    """Whether two redis-py clients talk to the same server and database."""
-    if ours is theirs:
-        return True
-    try:
-        a, b = ours.connection_pool.connection_kwargs, theirs.connection_pool.connection_kwargs
-    except AttributeError:
-        return False
-    where = ("host", "port", "path", "db")
-    return all(a.get(name) == b.get(name) for name in where) and type(ours) is type(theirs)
-
-
 def shares_server(broker: Broker, client: Any) -> bool:
     """Whether ``broker`` is a RedisBroker on ``client``'s server and database."""
     try:
         from dramatiq.brokers.redis import RedisBroker
     except ImportError:  # pragma: no cover - the redis extra of dramatiq is missing
         return False
-    return isinstance(broker, RedisBroker) and same_server(client, broker.client)
+    if not isinstance(broker, RedisBroker) or broker.client is client:
+        return isinstance(broker, RedisBroker)
+    theirs: Any = broker.client
+    try:
+        a, b = client.connection_pool.connection_kwargs, theirs.connection_pool.connection_kwargs
+    except AttributeError:
+        return False
+    return type(client) is type(theirs) and all(a.get(n) == b.get(n) for n in ("host", "port", "path", "db"))
 
 
-def unknown_layout() -> str | None:
-    """Why the running Dramatiq's queue layout is not trusted, or None if the tests pin it."""
-    version = ".".join(dramatiq.__version__.split(".")[:2])
-    if version not in KNOWN_DRAMATIQ:
+def refusal(broker: Any, push: Any) -> str | None:
+    """Why ``broker``'s queue layout is not trusted (its Dramatiq version, else :func:`probe`), or None."""
+    if ".".join(dramatiq.__version__.split(".")[:2]) not in KNOWN_DRAMATIQ:
         return f"Dramatiq {dramatiq.__version__}'s queue layout is not one the guard knows"
-    return None
+    return probe(broker, push)
 
 
 def probe(broker: Any, push: Any) -> str | None:

@@ -1,7 +1,8 @@
-"""What the guard needs from its Redis, checked at install: no eviction, persistence, its layout.
+"""What the guard needs from its Redis, checked at install, and what it lost while workers run.
 
-What is checked and why is in ``docs/failure-model.md`` ("What the guard checks"); what is lost
-while workers run is detected by :mod:`dramatiq_guard.backends.redis_watch`.
+:func:`check` refuses an evicting Redis and a layout too new; :func:`watch` (each sweep pass)
+reports a restart, a flush or an evicted key and keeps this process's record of its function
+library. Both are in ``docs/failure-model.md`` ("What the guard checks", "What the workers detect").
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 import weakref
 from typing import Any, Protocol, cast
 
@@ -17,9 +19,9 @@ import redis
 import redis.cluster
 
 from dramatiq_guard import events
-from dramatiq_guard.backends.redis_client import RedisClient, text
-from dramatiq_guard.backends.redis_scripts import ScriptLibrary
-from dramatiq_guard.errors import BackendRefused, EvictingRedis, LayoutTooNew
+from dramatiq_guard.backends.redis_client import UNAVAILABLE, RedisClient, run_script, text
+from dramatiq_guard.backends.redis_scripts import PROCESS_TTL_MS, ScriptLibrary
+from dramatiq_guard.errors import BackendRefused, BackendUnavailable, EvictingRedis, LayoutTooNew
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +39,15 @@ RESTART_LOSES = (
 #: misread. A process never starts on a namespace recorded in a newer layout.
 LAYOUT = 1
 
-UNREACHABLE: tuple[type[Exception], ...] = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+#: How often, by default, a process checks every waiting key's waiters, at most...
+KEYS_EVERY_S = 30.0
+#: ...and no oftener than this many keys a second on average.
+KEYS_PER_S = 50
+_UNREACHABLE: tuple[type[Exception], ...] = (*UNAVAILABLE, BackendUnavailable)
 
 
 class RedisBackendLike(Protocol):
-    """What this module and :mod:`~dramatiq_guard.backends.redis_watch` use of a RedisBackend."""
+    """What this module uses of a RedisBackend."""
 
     client: RedisClient
     namespace: str
@@ -77,21 +83,12 @@ class RedisSettings:
         """Whether a restart reloads the data (AOF, or an RDB schedule); None if unknown."""
         if self.appendonly or (self.save is not None and self.save.strip()):
             return True
-        if self.appendonly is False and self.save is not None:
-            return False
-        return None
+        return False if self.appendonly is False and self.save is not None else None
 
     def as_dict(self) -> dict[str, Any]:
         """The settings and their verdicts, for JSON."""
-        return {
-            "where": self.where,
-            "maxmemory_policy": self.maxmemory_policy,
-            "appendonly": self.appendonly,
-            "save": self.save,
-            "evicting": self.evicting,
-            "persistent": self.persistent,
-            "notes": list(self.notes),
-        }
+        found = dataclasses.asdict(self) | {"evicting": self.evicting, "persistent": self.persistent}
+        return found | {"notes": list(self.notes)}
 
     def describe(self) -> list[str]:
         """One line per finding, for people (``dramatiq-guard inspect``)."""
@@ -104,56 +101,49 @@ class RedisSettings:
         elif self.evicting is False:
             lines.append("maxmemory-policy noeviction: no guard key is evicted")
         if self.persistent:
-            aof = "appendonly yes" if self.appendonly else "appendonly no"
-            lines.append(f"persistence: {aof}, save {self.save!r}")
+            lines.append(f"persistence: appendonly {'yes' if self.appendonly else 'no'}, save {self.save!r}")
         elif self.persistent is False:
             lines.append(
                 "persistence: none; a restart loses every parked message, dedup lock and holder "
                 "(set 'appendonly yes')"
             )
-        lines.extend(f"note: {note}" for note in self.notes)
-        return lines
+        return lines + [f"note: {note}" for note in self.notes]
 
 
-def where(client: redis.Redis) -> str:
+def where(client: RedisClient) -> str:
+    if isinstance(client, redis.cluster.RedisCluster):
+        return "a Redis Cluster"
     kwargs = client.get_connection_kwargs()
-    if "path" in kwargs:
-        return str(kwargs["path"])
-    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
-
-
-def _config(client: redis.Redis, name: str, notes: list[str]) -> str | None:
-    try:
-        reply = cast("dict[Any, Any]", client.config_get(name))
-    except redis.exceptions.ResponseError as e:  # NOPERM, or CONFIG renamed or disabled
-        notes.append(
-            f"CONFIG GET {name} was refused by {where(client)} ({e}); check it by hand "
-            f"(see docs/failure-model.md in dramatiq-guard's repository)"
-        )
-        return None
-    for key, value in reply.items():
-        if text(key) == name:
-            return text(value)
-    notes.append(f"{where(client)} did not report {name}")
-    return None
+    return str(kwargs["path"]) if "path" in kwargs else f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
 
 
 def _read_one(client: redis.Redis) -> RedisSettings:
     notes: list[str] = []
-    policy = _config(client, "maxmemory-policy", notes)
-    appendonly = _config(client, "appendonly", notes)
-    save = _config(client, "save", notes)
+    found: dict[str, str | None] = {}
+    for name in ("maxmemory-policy", "appendonly", "save"):
+        try:
+            reply = cast("dict[Any, Any]", client.config_get(name))
+        except redis.exceptions.ResponseError as e:  # NOPERM, or CONFIG renamed or disabled
+            notes.append(
+                f"CONFIG GET {name} was refused by {where(client)} ({e}); check it by hand "
+                f"(see docs/failure-model.md in dramatiq-guard's repository)"
+            )
+            continue
+        found[name] = next((text(v) for k, v in reply.items() if text(k) == name), None)
+        if found[name] is None:
+            notes.append(f"{where(client)} did not report {name}")
+    appendonly = found.get("appendonly")
     return RedisSettings(
-        where(client), policy, None if appendonly is None else appendonly == "yes", save, tuple(notes)
+        where(client),
+        found.get("maxmemory-policy"),
+        None if appendonly is None else appendonly == "yes",
+        found.get("save"),
+        tuple(notes),
     )
 
 
 def read_settings(client: RedisClient) -> RedisSettings:
-    """Read the server's ``maxmemory-policy``, ``appendonly`` and ``save`` (best effort; every primary).
-
-    Raises:
-      redis.ConnectionError: If the server cannot be reached.
-    """
+    """Read the server's ``maxmemory-policy``, ``appendonly`` and ``save`` (best effort; every primary)."""
     if not isinstance(client, redis.cluster.RedisCluster):
         return _read_one(client)
     found = [_read_one(client.get_redis_connection(node)) for node in client.get_primaries()]  # type: ignore[no-untyped-call]
@@ -161,20 +151,12 @@ def read_settings(client: RedisClient) -> RedisSettings:
     evicting = [p for p in policies if p is not None and p != "noeviction"]
     policy = evicting[0] if evicting else (None if None in policies else "noeviction")
     persistent = [s.persistent for s in found]
-    save: str | None = None
-    appendonly: bool | None = None
+    appendonly, save = (False, "") if False in persistent else (None, None)
     if all(persistent):
         appendonly = all(s.appendonly for s in found)
         save = "" if appendonly else "(every primary)"
-    elif False in persistent:
-        appendonly, save = False, ""
-    return RedisSettings(
-        ", ".join(s.where for s in found),
-        policy,
-        appendonly,
-        save,
-        tuple(note for s in found for note in s.notes),
-    )
+    notes = tuple(note for s in found for note in s.notes)
+    return RedisSettings(", ".join(s.where for s in found), policy, appendonly, save, notes)
 
 
 # -- the check at install -------------------------------------------------------
@@ -185,34 +167,20 @@ _allowed: weakref.WeakSet[RedisBackendLike] = weakref.WeakSet()
 _warned: weakref.WeakSet[RedisBackendLike] = weakref.WeakSet()
 
 
-def _env_allows() -> bool:
-    return os.environ.get(ALLOW_EVICTING_ENV, "").strip().lower() in ("1", "true", "yes")
-
-
 def check(backend: RedisBackendLike, *, allow_evicting: bool | None = None) -> RedisSettings | None:
-    """Check that ``backend``'s Redis keeps the guard's keys: ``RedisBackend.check_health``.
-
-    The server is read once per backend and process; the verdict is given again at each call, so
-    every middleware that resolves the backend is refused alike.
-
-    Returns:
-      RedisSettings|None: What was read, or None (unreachable for now: checked at the next call).
-
-    Raises:
-      EvictingRedis: If the server may evict keys and that was not allowed.
-      LayoutTooNew: If the namespace's state is in a layout newer than :data:`LAYOUT`.
-    """
+    """``RedisBackend.check_health``: the server is read once per backend and process (None if it
+    does not answer: read at the next call); the verdict is given again at each call."""
     with _lock:
         if allow_evicting:
             _allowed.add(backend)
-        allowed = backend in _allowed or _env_allows()
-        settings = _settings.get(backend)
-        first = settings is None
+        env = os.environ.get(ALLOW_EVICTING_ENV, "").strip().lower() in ("1", "true", "yes")
+        allowed = backend in _allowed or env
+        settings = first = _settings.get(backend)
         if settings is None:
             try:
                 settings = read_settings(backend.client)
                 check_layout(backend)
-            except UNREACHABLE as e:
+            except UNAVAILABLE as e:
                 logger.warning(
                     "Could not check the guard's Redis settings (%s); they are checked when it answers.", e
                 )
@@ -221,38 +189,35 @@ def check(backend: RedisBackendLike, *, allow_evicting: bool | None = None) -> R
         warn_evicting = bool(settings.evicting) and allowed and backend not in _warned
         if warn_evicting:
             _warned.add(backend)
-    if first:
-        _report(settings)
-    if settings.evicting:
-        if not allowed:
-            raise EvictingRedis(str(settings.maxmemory_policy), settings.where)
-        if warn_evicting:
+    if first is None:  # the first time: the notes, no persistence, and the gauges
+        for note in settings.notes:
+            logger.warning("dramatiq-guard: %s.", note)
+        if settings.persistent is False:
             logger.warning(
-                "The guard's Redis (%s) has maxmemory-policy %r: it may evict guard keys and lose "
-                "parked messages, dedup locks and holders silently; running anyway, as allowed "
-                "(allow_evicting_redis / %s).",
+                "The guard's Redis (%s) does not persist its data (appendonly no, no save schedule): "
+                "a restart of it loses %s. Set 'appendonly yes' and 'appendfsync everysec' in its "
+                "redis.conf if parked messages must survive a restart.",
                 settings.where,
-                settings.maxmemory_policy,
-                ALLOW_EVICTING_ENV,
+                RESTART_LOSES,
             )
+        events.redis_settings(settings.evicting, settings.persistent)
+    if settings.evicting and not allowed:
+        raise EvictingRedis(str(settings.maxmemory_policy), settings.where)
+    if warn_evicting:
+        logger.warning(
+            "The guard's Redis (%s) has maxmemory-policy %r: it may evict guard keys and lose "
+            "parked messages, dedup locks and holders silently; running anyway, as allowed "
+            "(allow_evicting_redis / %s).",
+            settings.where,
+            settings.maxmemory_policy,
+            ALLOW_EVICTING_ENV,
+        )
     return settings
 
 
 def check_layout(backend: RedisBackendLike, *, record: bool = True) -> int:
-    """Refuse a namespace whose state is in a layout newer than :data:`LAYOUT`.
-
-    Parameters:
-      backend(RedisBackendLike): The backend.
-      record(bool): Record :data:`LAYOUT` if none is (``SET NX``); False only reads (the command).
-
-    Returns:
-      int: The layout recorded (:data:`LAYOUT` if none is).
-
-    Raises:
-      LayoutTooNew: If the recorded layout is newer than :data:`LAYOUT`.
-      BackendRefused: If the guard's ACL user may not read (or write) the record.
-      redis.exceptions.ConnectionError: If Redis cannot be reached.
-    """
+    """The layout recorded (``record``: :data:`LAYOUT` recorded if none is); :class:`LayoutTooNew`
+    if it is newer than :data:`LAYOUT`, :class:`BackendRefused` if the ACL user may not read it."""
     key = f"{backend.namespace}:layout"
     try:
         if record:
@@ -268,35 +233,241 @@ def check_layout(backend: RedisBackendLike, *, record: bool = True) -> int:
         ) from None
     layout = LAYOUT if stored is None else int(stored)
     if layout > LAYOUT:
-        client = backend.client
-        server = "a Redis Cluster" if isinstance(client, redis.cluster.RedisCluster) else where(client)
-        raise LayoutTooNew(layout, LAYOUT, f"namespace {backend.namespace!r} of {server}", key)
+        where_ = f"namespace {backend.namespace!r} of {where(backend.client)}"
+        raise LayoutTooNew(layout, LAYOUT, where_, key)
     return layout
 
 
-def _report(settings: RedisSettings) -> None:
-    """Log what was read about a server the first time (notes, no persistence) and set the gauges."""
-    for note in settings.notes:
-        logger.warning("dramatiq-guard: %s.", note)
-    if settings.persistent is False:
-        logger.warning(
-            "The guard's Redis (%s) does not persist its data (appendonly no, no save schedule): "
-            "a restart of it loses %s. Set 'appendonly yes' and 'appendfsync everysec' in its "
-            "redis.conf if parked messages must survive a restart.",
-            settings.where,
-            RESTART_LOSES,
+def _check_logged(backend: RedisBackendLike, after: str = "") -> None:
+    """:func:`check` again (at a pass, or after a restart), an evicting policy logged as an error."""
+    try:
+        check(backend)
+    except EvictingRedis as e:
+        logger.error("%s%s.", after, e)
+
+
+# -- the watch while workers run --------------------------------------------------
+
+
+def _info(reply: Any) -> dict[str, Any]:
+    return reply if isinstance(reply, dict) else {}
+
+
+def _keys(keys: list[str], most: int = 20) -> str:
+    shown = ", ".join(repr(k) for k in keys[:most]) or "none"
+    return shown if len(keys) <= most else f"{shown} and {len(keys) - most} more"
+
+
+class StateWatch:
+    """Detects state the guard's Redis lost since the previous check; one per backend and process.
+
+    :meth:`check` is not thread-safe (the sweep thread calls it).
+
+    Parameters:
+      backend(RedisBackendLike): The backend to watch.
+      keys_every_s(float): How often the waiters check (it reads every waiting key) runs, or
+        every ``keys / KEYS_PER_S`` seconds if longer; at once after a restart or a flush. The
+        server checks (run id, flushes, evictions) run at every :meth:`check`. 0: every check.
+    """
+
+    def __init__(self, backend: RedisBackendLike, *, keys_every_s: float = KEYS_EVERY_S) -> None:
+        self._backend = weakref.ref(backend)  # weak: the watches are kept per backend, weakly
+        self.run_id: str | None = None
+        self.flushes: int | None = None
+        self.evicted: int | None = None
+        self.waiting: list[str] = []  # the guard keys that had waiters at the last waiters check
+        self.keys_every_s = keys_every_s
+        self.keys_checked: float | None = None  # time.monotonic() of the last waiters check
+        self.announced: float | None = None  # time.monotonic() of this process's last record
+        self._announce_refused = False
+
+    @property
+    def backend(self) -> RedisBackendLike:
+        """The backend watched (``ReferenceError`` if it was garbage-collected)."""
+        backend = self._backend()
+        if backend is None:
+            raise ReferenceError("the watched backend is gone")
+        return backend
+
+    def check(self) -> list[str]:
+        """Compare the server with the previous check; log, count and return the losses found
+        (``"restart"``, ``"flush"``, ``"vanished"``). Raises if Redis cannot be reached."""
+        if isinstance(self.backend.client, redis.cluster.RedisCluster):
+            return []
+        run_id, flushes, evicted, counted = self._server_facts()
+        indexed, vanished, payloads, unindexed = self._key_facts(run_id, flushes, counted)
+        losses: list[str] = []
+        if self.run_id is not None and run_id is not None and run_id != self.run_id:
+            losses += self._restarted(run_id, indexed)
+        elif self.flushes is not None and counted and flushes > self.flushes:
+            self._lost(
+                "flush",
+                "The guard's Redis (%s) was flushed (FLUSHALL/FLUSHDB) while workers ran: if it was "
+                "the guard's database, it lost %s. Keys waiting before: %s.",
+                where(self.backend.client),
+                RESTART_LOSES,
+                _keys(self.waiting),
+            )
+            losses.append("flush")
+        losses += self._lost_keys(vanished, payloads, unindexed)
+        if evicted is not None and self.evicted is not None and evicted > self.evicted and not losses:
+            logger.warning(
+                "The guard's Redis (%s) evicted %d key(s) since the last check (its maxmemory-policy "
+                "evicts): guard keys may be among them.",
+                where(self.backend.client),
+                evicted - self.evicted,
+            )
+        self.run_id = run_id or self.run_id
+        self.flushes = flushes if counted else self.flushes
+        self.evicted, self.waiting = evicted, indexed
+        return losses
+
+    def _server_facts(self) -> tuple[str | None, int, int | None, bool]:
+        """The server's run id, FLUSHALL/FLUSHDB calls, evicted keys, and whether commands are counted."""
+        pipe = self.backend.client.pipeline(transaction=False)
+        for section in ("server", "stats", "commandstats"):
+            pipe.info(section)
+        server, stats, commands = (_info(r) for r in pipe.execute(raise_on_error=False))
+        run_id, evicted = server.get("run_id"), stats.get("evicted_keys")
+        flushes = sum(
+            int(_info(commands.get(f"cmdstat_{c}")).get("calls", 0)) for c in ("flushall", "flushdb")
         )
-    events.redis_settings(settings.evicting, settings.persistent)
+        return (
+            None if run_id is None else str(run_id),
+            flushes,
+            None if evicted is None else int(evicted),
+            bool(commands),
+        )
+
+    def _key_facts(
+        self, run_id: str | None, flushes: int, counted: bool
+    ) -> tuple[list[str], list[Any], list[Any], list[Any]]:
+        """The waiting keys indexed now, and those vanished (with their payloads left) or unindexed."""
+        now = time.monotonic()
+        every = 0.0 if self.keys_every_s <= 0 else max(self.keys_every_s, len(self.waiting) / KEYS_PER_S)
+        due = self.keys_checked is None or now - self.keys_checked >= every
+        if not (due or run_id != self.run_id or (counted and flushes != self.flushes)):
+            return self.waiting, [], [], []
+        b = self.backend
+        script, index = b.scripts["health"], f"{b.namespace}:waiting"
+        found, vanished, payloads, unindexed = run_script(
+            b.client, b.scripts, script, [index], [b.namespace, *self.waiting]
+        )
+        self.keys_checked = now
+        return [text(k) for k in found], vanished, payloads, unindexed
+
+    def _lost(self, reason: str, message: str, *args: Any) -> None:
+        logger.error(message, *args)
+        events.redis_state_lost(reason)
+
+    def _lost_keys(self, vanished: list[Any], payloads: list[Any], unindexed: list[Any]) -> list[str]:
+        """Log and count each key whose waiters vanished, or that vanished from the index."""
+        server, namespace = where(self.backend.client), self.backend.namespace
+        for key, left in zip(vanished, payloads, strict=True):
+            self._lost(
+                "vanished",
+                "The waiters of guard key %r vanished from the guard's Redis (%s) without being handed "
+                "a slot (evicted or deleted): its parked messages are lost%s.",
+                text(key),
+                server,
+                f" ({left} stored payload(s) are left in {namespace}:{{{text(key)}}}:payloads)"
+                if int(left)
+                else "",
+            )
+        for key in unindexed:
+            self._lost(
+                "vanished",
+                "Guard key %r has waiters but had vanished from the waiting-keys index of the guard's "
+                "Redis (%s; evicted or deleted): put back, so the sweeps hand its slots on again.",
+                text(key),
+                server,
+            )
+        return ["vanished"] * (len(vanished) + len(unindexed))
+
+    def announce(self, interval_s: float) -> None:
+        """Record, or refresh once a quarter of its lifetime passed, the library this process runs.
+
+        The record lasts :data:`~dramatiq_guard.backends.redis_scripts.PROCESS_TTL_MS`, or three
+        passes (``interval_s``) if longer. Never raises: a refused record is logged once.
+        """
+        ttl_ms = max(PROCESS_TTL_MS, int(interval_s * 3000))
+        now = time.monotonic()
+        if self.announced is not None and now - self.announced < ttl_ms / 4000:
+            return
+        try:
+            self.backend.scripts.announce(self.backend.client, self.backend.namespace, ttl_ms)
+        except redis.RedisError as e:
+            if isinstance(e, redis.exceptions.ResponseError) and not self._announce_refused:
+                self._announce_refused = True
+                logger.warning(
+                    "dramatiq-guard: could not record which function library this worker runs (%s): "
+                    "'dramatiq-guard functions prune' will not see it.",
+                    e,
+                )
+            return
+        self.announced = now
+
+    def _restarted(self, run_id: str, indexed: list[str]) -> list[str]:
+        gone = [k for k in self.waiting if k not in indexed]
+        with _lock:
+            settings = _settings.pop(self.backend, None)  # read again: they may have changed
+            _warned.discard(self.backend)
+        _check_logged(self.backend, "After its restart: ")
+        persistent = settings is not None and settings.persistent
+        server = where(self.backend.client)
+        if persistent and not gone:
+            logger.warning(
+                "The guard's Redis (%s) restarted (run id %s -> %s) and reloaded its data; the "
+                "writes of its last moments before the restart may be lost (appendfsync).",
+                server,
+                self.run_id,
+                run_id,
+            )
+            return []
+        self._lost(
+            "restart",
+            "The guard's Redis (%s) restarted (run id %s -> %s)%s: it lost %s. Keys waiting before, "
+            "gone now: %s. New work is guarded on the state Redis has now.",
+            server,
+            self.run_id,
+            run_id,
+            "" if persistent else " without persistence",
+            RESTART_LOSES,
+            _keys(gone),
+        )
+        return ["restart"]
 
 
-def known_settings(backend: RedisBackendLike) -> RedisSettings | None:
-    """The settings read from ``backend``'s Redis, if they were read already."""
-    with _lock:
-        return _settings.get(backend)
+_watches: weakref.WeakKeyDictionary[RedisBackendLike, StateWatch] = weakref.WeakKeyDictionary()
 
 
-def forget_settings(backend: RedisBackendLike) -> None:
-    """Read the settings again at the next :func:`check` (after a restart: they may have changed)."""
-    with _lock:
-        _settings.pop(backend, None)
-        _warned.discard(backend)
+def watch(backend: RedisBackendLike, interval_s: float = 1.0) -> None:
+    """One check of ``backend``'s state (:class:`StateWatch`) and its library record; never raises.
+
+    A failed check is logged at DEBUG and compared at the next one. Settings not read yet (Redis
+    was unreachable at install) are read, an evicting policy logged as an error.
+    """
+    try:
+        state = _watches.get(backend)
+        if state is None:
+            state = _watches[backend] = StateWatch(backend)
+        state.announce(interval_s)
+        if backend not in _settings:
+            _check_logged(backend)
+        state.check()
+    except _UNREACHABLE:
+        logger.debug("The guard's Redis state check could not reach Redis; retrying.", exc_info=True)
+    except Exception:
+        logger.warning("The guard's Redis state check failed; retrying.", exc_info=True)
+
+
+def leave(backend: RedisBackendLike) -> None:
+    """Withdraw this process's record of the library it runs (its sweep stopped). Never raises."""
+    state = _watches.get(backend)
+    if state is None or state.announced is None:
+        return
+    state.announced = None
+    try:
+        backend.scripts.withdraw(backend.client, backend.namespace)
+    except Exception:  # it lapses by itself
+        logger.debug("Could not withdraw this worker's record of its library.", exc_info=True)

@@ -23,7 +23,34 @@ CONSTANTS: dict[str, int] = {
     "HOLDERS_SHOWN": HOLDERS_SHOWN,
     "MIN_STANDBY_WINDOW": MIN_STANDBY_WINDOW,
     "DUE_BACKSTOP_MS": DUE_BACKSTOP_MS,
+    "MAX_PRIORITY": bounds.MAX_PRIORITY,
+    "PLACE_BAND": 2**41,  # ms: MAX_PRIORITY bands each side of priority 0's [0, 2^52) fill +-2^53
+    "PLACE_EPOCH_MS": 1_767_225_600_000,  # 2026-01-01
 }
+
+
+class Check(NamedTuple):
+    """An ARGV number a script refuses before its first write unless whole and in ``low..high`` (a
+    constant's name); ``name``: the one its error gives; ``optional``: ``''`` or none passes."""
+
+    low: int
+    high: str
+    name: str = ""
+    optional: bool = False
+
+
+MS, COUNT, GENERATION = (
+    Check(1, "MAX_DURATION_MS"),
+    Check(0, "MAX_COUNT"),
+    Check(0, "MAX_GENERATION", optional=True),
+)
+WAIT_MS, LIMIT = Check(0, "MAX_DURATION_MS"), Check(0, "MAX_COUNT", optional=True)
+
+
+def since_ms(place: float) -> int:
+    """When a waiter took ``place`` in W (``enqueue`` in ``_handoff.lua``), in ms since the epoch."""
+    n = int(place)
+    return n // 1000 if 0 <= n < 2**52 else CONSTANTS["PLACE_EPOCH_MS"] + n % CONSTANTS["PLACE_BAND"]
 
 
 class KeyNames(NamedTuple):
@@ -34,7 +61,7 @@ class KeyNames(NamedTuple):
     """
 
     holders: Annotated[str, "H", "zset holder -> deadline (ms)"]
-    waiters: Annotated[str, "W", "zset waiter -> place in the FIFO (a sequence in us, see enqueue)"]
+    waiters: Annotated[str, "W", "zset waiter -> place: by priority, then FIFO (a sequence, see enqueue)"]
     payloads: Annotated[str, "P", "hash waiter -> payload (parked waiters, reservations not confirmed yet)"]
     reserved: Annotated[str, "R", "hash waiter -> its place in W, while it holds an unconfirmed reservation"]
     deadlines: Annotated[
@@ -63,43 +90,45 @@ class CallArgs(NamedTuple):
     """The leading ARGV of every per-key script: values the Python side owns. Lua: ``ARG_<NAME>``."""
 
     wake: Annotated[str, "the prefix of the per-waiter wake lists (wake .. waiter id)"]
-    handoff_ttl_ms: Annotated[int, "how long a slot handed to a waiter stays reserved"]
-    wake_ttl_ms: Annotated[int, "how long a wake waits to be taken (GuardBackend.wake_ttl_ms)"]
+    handoff_ttl_ms: Annotated[int, "how long a slot handed to a waiter stays reserved", MS]
+    wake_ttl_ms: Annotated[int, "how long a wake waits to be taken (GuardBackend.wake_ttl_ms)", MS]
     key: Annotated[str, "the guard key K itself (for the indexes)"]
-    default_limit: Annotated[int | str, "the default limit, or '' if the caller does not know it"]
+    default_limit: Annotated[int | str, "the default limit, or '' if the caller does not know it", LIMIT]
     route: Annotated[str, "the caller's route: the broker it delivers parked messages to"]
-    stale_ttl_ms: Annotated[int, "how long G and T outlive their last write"]
+    stale_ttl_ms: Annotated[int, "how long G and T outlive their last write", MS]
 
 
-# Each script's own arguments (a per-key script's after CallArgs), in order (its header says what they mean).
+# Each script's own arguments (a per-key script's after CallArgs), in order (its header says what they
+# mean); a Check annotation makes the script refuse a bad number (lua_checks).
 
 
 class AcquireArgs(NamedTuple):
     holder: str
-    ttl_ms: int
+    ttl_ms: Annotated[int, MS]
     mode: str
     payload: bytes
-    wait_ms: int
+    wait_ms: Annotated[int, WAIT_MS]
     info: str
-    generation: int | str
+    generation: Annotated[int | str, GENERATION]
     fenced: str
     runner: str
+    priority: int
 
 
 class ReleaseArgs(NamedTuple):
     holder: str
-    standbys: int
+    standbys: Annotated[int, COUNT._replace(name="send_ahead")]
 
 
 class ConfirmHandoffArgs(NamedTuple):
     waiter: str
-    ttl_ms: int
-    generation: int | str
+    ttl_ms: Annotated[int, MS]
+    generation: Annotated[int | str, GENERATION]
 
 
 class CancelWaitArgs(NamedTuple):
     waiter: str
-    generation: int | str
+    generation: Annotated[int | str, GENERATION]
 
 
 class SweepArgs(NamedTuple):
@@ -107,20 +136,20 @@ class SweepArgs(NamedTuple):
 
 
 class SetLimitArgs(NamedTuple):
-    limit: int | str
+    limit: Annotated[int | str, LIMIT]
 
 
 class InspectArgs(NamedTuple):
-    waiters: int | str
+    waiters: Annotated[int | str, LIMIT]
 
 
 class StandbyArgs(NamedTuple):
     op: str
-    standbys: int | str = ""
+    standbys: Annotated[int | str, LIMIT._replace(name="count")] = ""
     waiter: str = ""
-    ttl_ms: int | str = ""
+    ttl_ms: Annotated[int | str, MS._replace(optional=True)] = ""
     payload: bytes = b""
-    generation: int | str = ""
+    generation: Annotated[int | str, GENERATION] = ""
 
 
 class ForgetCopyArgs(NamedTuple):
@@ -131,14 +160,14 @@ class DebounceArgs(NamedTuple):
     op: str
     waiter: str
     payload: bytes = b""
-    wait_ms: int | str = ""
-    max_wait_ms: int | str = ""
-    generation: int | str = ""
+    wait_ms: Annotated[int | str, WAIT_MS._replace(optional=True)] = ""
+    max_wait_ms: Annotated[int | str, WAIT_MS._replace(optional=True)] = ""
+    generation: Annotated[int | str, GENERATION] = ""
 
 
 class LockArgs(NamedTuple):
     holder: str
-    ttl_ms: int
+    ttl_ms: Annotated[int, MS]
     info: str
 
 
@@ -218,8 +247,20 @@ lock_keys = attrgetter(*LAYOUTS["lock"].keys)
 lease_keys = attrgetter(*LAYOUTS["renew"].each_keys)
 
 
-def _annotations(cls: type) -> dict[str, tuple[str, ...]]:
-    return {name: hint.__metadata__ for name, hint in get_type_hints(cls, include_extras=True).items()}
+def _annotations(cls: type) -> dict[str, tuple[Any, ...]]:
+    hints = get_type_hints(cls, include_extras=True).items()
+    return {name: hint.__metadata__ for name, hint in hints if hasattr(hint, "__metadata__")}
+
+
+def _checks(cls: type, prefix: str = "") -> list[str]:
+    """The refusal() entries of ``cls``'s checked fields (Lua locals: ``prefix`` and the name in capitals)."""
+    found = [(name, m) for name, meta in _annotations(cls).items() for m in meta if isinstance(m, Check)]
+    entries = []
+    for name, check in found:
+        value = prefix + name.upper() if prefix else name
+        value = f"({value} or '') == '' and {check.low} or {value}" if check.optional else value
+        entries.append(f"  {{ '{check.name or name}', {value}, {check.low}, {check.high} }},\n")
+    return entries
 
 
 #: A :class:`KeyNames` field's name in the scripts (and the index's).
@@ -284,3 +325,12 @@ def lua_prologue(name: str) -> str:
             "end\n",
         ]
     return "".join(lines)
+
+
+def lua_checks(name: str) -> str:
+    """What script ``name`` runs after its prologue: the refusal of a bad number (its checks)."""
+    own = {script: args for args, script in SCRIPTS.items()} | {"lock": LockArgs}
+    checks = (_checks(CallArgs, "ARG_") if LAYOUTS[name].per_key else []) + _checks(own.get(name, tuple))
+    if not checks:
+        return ""
+    return "".join(["local refused = refusal({\n", *checks, "})\nif refused then\n  return refused\nend\n"])

@@ -1,8 +1,5 @@
-"""The guard's Lua scripts on one Redis: one function library where the server allows it, else EVALSHA.
-
-How the scripts reach Redis, and when a backend switches to EVALSHA, is in
-``docs/redis.md`` ("How the scripts reach Redis").
-"""
+"""The guard's Lua scripts on one Redis: one function library where the server allows it, else
+EVALSHA (``docs/redis.md``, "How the scripts reach Redis")."""
 
 from __future__ import annotations
 
@@ -18,7 +15,14 @@ from typing import Any, NamedTuple
 
 from redis.exceptions import NoPermissionError, NoScriptError, RedisError, ResponseError
 
-from dramatiq_guard.backends.redis_layout import lua_binding, lua_constants, lua_prologue
+from dramatiq_guard.backends.redis_layout import (
+    LAYOUTS,
+    SCRIPTS,
+    lua_binding,
+    lua_checks,
+    lua_constants,
+    lua_prologue,
+)
 from dramatiq_guard.errors import BackendRefused
 
 logger = logging.getLogger("dramatiq_guard.backends.redis")
@@ -26,24 +30,13 @@ logger = logging.getLogger("dramatiq_guard.backends.redis")
 #: What the name of every version's library starts with.
 LIBRARY_PREFIX = "dramatiq_guard_"
 #: The scripts of one guard key, run with the prelude (``_lease``, ``_handoff``, ``_index``).
-PRELUDE_SCRIPTS = (
-    "acquire",
-    "release",
-    "confirm_handoff",
-    "cancel_wait",
-    "sweep",
-    "set_limit",
-    "inspect",
-    "standby",
-    "forget_copy",
-    "debounce",
-)
+PRELUDE_SCRIPTS = tuple(SCRIPTS.values())
 #: The prelude's files, in order: per-call state, holders and token; hand-off; the index and finish().
 PRELUDE = ("_lease", "_handoff", "_index")
 #: Scripts with a common path run before the prelude is set up (``lua/<name>_fast.lua``).
 FAST_PATHS = ("acquire", "release")
 #: Scripts without the prelude: the lean common paths, and those of other slots.
-LEAN_SCRIPTS = ("lock", "renew", "unindex", "due", "summaries", "health")
+LEAN_SCRIPTS = tuple(name for name in LAYOUTS if name not in PRELUDE_SCRIPTS)
 #: Function flags: read-only scripts run on a full Redis, and so do those that take state away.
 FLAGS = {
     **dict.fromkeys(("inspect", "summaries", "due"), "no-writes"),
@@ -73,12 +66,6 @@ class LuaScript(NamedTuple):
     function: str
 
 
-class _Code(NamedTuple):
-    library: str
-    code: str
-    scripts: dict[str, LuaScript]
-
-
 def prelude() -> str:
     """The text of the prelude's files, as put in front of the per-key scripts."""
     return "\n".join(load_lua(name) for name in PRELUDE) + "\n"
@@ -86,7 +73,7 @@ def prelude() -> str:
 
 def _fast_and_rest(name: str) -> tuple[str, str]:
     """A script's prologue and fast path (run before the prelude is set up), and what runs after it."""
-    top = lua_prologue(name)
+    top = lua_prologue(name) + lua_checks(name)
     if name not in PRELUDE_SCRIPTS:
         return top, load_lua(name)
     fast = load_lua(f"{name}_fast") + "\n" if name in FAST_PATHS else ""
@@ -94,7 +81,7 @@ def _fast_and_rest(name: str) -> tuple[str, str]:
 
 
 @functools.cache
-def _code() -> _Code:
+def _code() -> tuple[str, str, dict[str, LuaScript]]:
     """The scripts' texts and the library's, made once per process.
 
     As a script: the constants, (per key) the binding, ``_common.lua``, the prologue and fast path,
@@ -122,7 +109,7 @@ def _code() -> _Code:
             source = constants + common + fast + rest
         sha = hashlib.sha1(source.encode()).hexdigest()
         scripts[name] = LuaScript(name, source, sha, f"{library}_{name}")
-    return _Code(library, code.replace("@LIBRARY@", library), scripts)
+    return library, code.replace("@LIBRARY@", library), scripts
 
 
 def _refuses_functions(error: RedisError) -> bool:
@@ -137,10 +124,7 @@ class ScriptLibrary:
     """The guard's scripts on one Redis (or Redis Cluster), as functions until the server refuses them."""
 
     def __init__(self) -> None:
-        code = _code()
-        self.library = code.library
-        self.code = code.code
-        self._scripts = code.scripts
+        self.library, self.code, self._scripts = _code()
         #: Whether calls are FCALLs (else EVALSHAs).
         self.functions = True
 
@@ -169,63 +153,39 @@ class ScriptLibrary:
         return False
 
     def load(self, client: Any, scripts: Iterable[LuaScript]) -> None:
-        """Put the code of ``scripts`` on the server: the whole library, or (as scripts) each one.
-
-        A server that refuses ``FUNCTION LOAD`` switches the backend to scripts; a user not allowed
-        it switches only if it may run scripts, else it stays on functions and the call fails closed.
-
-        Parameters:
-          client(redis.Redis): The backend's client (on a Redis Cluster, the cluster client: it
-            loads on every primary).
-          scripts(Iterable[LuaScript]): The scripts of the call that found its code missing.
-
-        Raises:
-          BackendRefused: If the library is missing and this user may neither
-            load it nor run scripts.
-          redis.RedisError: If the server cannot be reached, or refuses to
-            load a script.
-        """
+        """Put the code of ``scripts`` on the server (``client``'s every primary): the whole library,
+        or (as scripts) each one. A server that refuses ``FUNCTION LOAD`` switches the backend to
+        scripts; a user not allowed it switches only if it may run scripts, else it stays on
+        functions and the call fails closed (:class:`BackendRefused`)."""
+        refused: ResponseError | None = None
         if self.functions:
             try:
-                self.load_functions(client)
-                return
+                return self.load_functions(client)
             except ResponseError as exc:
                 if not _refuses_functions(exc):
                     raise
-                if not isinstance(exc, NoPermissionError):  # a server without functions
-                    self._use_scripts(str(exc))
-                else:
-                    try:
-                        self._load_scripts(client, scripts)
-                    except NoPermissionError as refused:
-                        raise self._missing(exc, refused) from refused
-                    self._use_scripts(str(exc))
-                    return
-        self._load_scripts(client, scripts)
-
-    @staticmethod
-    def _load_scripts(client: Any, scripts: Iterable[LuaScript]) -> None:
-        for script in {script.name: script for script in scripts}.values():
-            client.script_load(script.source)
-
-    def _missing(self, load: RedisError, scripts: RedisError) -> BackendRefused:
-        """Why a call fails while this library is missing and may not be loaded by this user."""
-        return BackendRefused(
-            f"this version's function library {self.library} is not on the server, and the guard's ACL "
-            f"user may neither load it (FUNCTION LOAD: {load}) nor run its scripts instead ({scripts})",
-            cure=(
-                "have an operator load it with this version of dramatiq-guard: 'dramatiq-guard --redis "
-                "redis://<admin>@<host>:<port>/<db> functions load' (calls fail closed until then, and "
-                "run again from the next one after)"
-            ),
-        )
+                refused = exc
+        try:
+            for script in {script.name: script for script in scripts}.values():
+                client.script_load(script.source)
+        except NoPermissionError as no_scripts:
+            if isinstance(refused, NoPermissionError):
+                raise BackendRefused(
+                    f"this version's function library {self.library} is not on the server, and the guard's "
+                    f"ACL user may neither load it (FUNCTION LOAD: {refused}) nor run its scripts instead "
+                    f"({no_scripts})",
+                    cure=(
+                        "have an operator load it with this version of dramatiq-guard: 'dramatiq-guard "
+                        "--redis redis://<admin>@<host>:<port>/<db> functions load' (calls fail closed "
+                        "until then, and run again from the next one after)"
+                    ),
+                ) from no_scripts
+            raise
+        if refused is not None:
+            self._use_scripts(str(refused))
 
     def load_functions(self, client: Any) -> None:
-        """``FUNCTION LOAD REPLACE`` this version's library (a library of that name holds this very code).
-
-        Raises:
-          redis.RedisError: If the server cannot be reached, or refuses it.
-        """
+        """``FUNCTION LOAD REPLACE`` this version's library (a library of that name holds this very code)."""
         client.function_load(self.code, replace=True)
 
     def libraries(self, client: Any) -> dict[str, int]:
@@ -250,14 +210,8 @@ class ScriptLibrary:
         return others
 
     def announce(self, client: Any, namespace: str, ttl_ms: int = PROCESS_TTL_MS) -> None:
-        """Record that this process runs this library, until ``ttl_ms`` from now (see :meth:`running`).
-
-        Made by each worker's sweep every ``ttl_ms / 4``: drops the records that lapsed, refreshes
-        this one, and expires the key with it. Deadlines are on each process's clock.
-
-        Raises:
-          redis.RedisError: If the server cannot be reached, or refuses it.
-        """
+        """Record that this process runs this library until ``ttl_ms`` from now (its clock), dropping
+        the records that lapsed (each worker's sweep, every ``ttl_ms / 4``; see :meth:`running`)."""
         now = int(time.time() * 1000)
         key = processes_key(namespace)
         pipe = client.pipeline(transaction=False)
@@ -267,11 +221,7 @@ class ScriptLibrary:
         pipe.execute()
 
     def withdraw(self, client: Any, namespace: str) -> None:
-        """Remove this process's record (its sweep stopped).
-
-        Raises:
-          redis.RedisError: If the server cannot be reached, or refuses it.
-        """
+        """Remove this process's record (its sweep stopped)."""
         client.zrem(processes_key(namespace), self._record())
 
     @staticmethod

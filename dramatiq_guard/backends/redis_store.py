@@ -1,10 +1,5 @@
-"""The Redis backend's store: its client, its key names, script calls, and the reads that decide nothing.
-
-:class:`RedisStore` is what :class:`~dramatiq_guard.backends.RedisBackend` (the operations that
-decide, ``redis.py``) stands on: how a guard key's Redis keys are named, how a per-key script is
-called and its replies decoded, the process hooks (health, watch, replica waits), and the reads
-(``inspect``, ``summaries``, the indexes, the clock). The layout is in ``docs/redis.md``.
-"""
+"""What :class:`~dramatiq_guard.backends.RedisBackend` stands on: its client, its key names
+(``docs/redis.md``), script calls and their replies, the process hooks, and the reads."""
 
 from __future__ import annotations
 
@@ -16,7 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 import redis
 import redis.cluster
 
-from dramatiq_guard.backends import redis_health, redis_watch
+from dramatiq_guard.backends import redis_health
 from dramatiq_guard.backends import redis_layout as layout
 from dramatiq_guard.backends.base import BackendSettings, GuardBackend
 from dramatiq_guard.backends.checks import check_count, check_key, check_ms, check_replica_waits
@@ -42,11 +37,7 @@ if TYPE_CHECKING:
 
 
 def replica_waits_of(count: int, timeout_ms: int) -> ReplicaWaits | None:
-    """The replica waits asked for, checked: None for a count of 0.
-
-    Raises:
-      ValueError: If ``count`` or ``timeout_ms`` is out of range (:func:`check_replica_waits`).
-    """
+    """The replica waits asked for, checked (:func:`check_replica_waits`): None for a count of 0."""
     check_replica_waits(count, timeout_ms)
     return ReplicaWaits(count, timeout_ms) if count else None
 
@@ -89,7 +80,7 @@ def _key_state(reply: list[Any]) -> KeyState:
     return KeyState(
         holders=tuple((text(holders[i]), int(float(holders[i + 1]))) for i in range(0, len(holders), 2)),
         waiters=tuple(
-            (text(waiters[i]), int(float(waiters[i + 1])) // 1000, bool(parked[i // 2]))
+            (text(waiters[i]), layout.since_ms(float(waiters[i + 1])), bool(parked[i // 2]))
             for i in range(0, len(waiters), 2)
         ),
         reserved=tuple(text(r) for r in reserved),
@@ -135,22 +126,12 @@ class RedisStore(GuardBackend):
         self._owns_client = False
         #: The scripts, as functions of one library where the server allows (see redis_scripts).
         self.scripts = ScriptLibrary()
-        self._client_timeouts: Timeouts | None = None
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
-        """Make a backend with its own client, from a ``redis://`` (or ``rediss://``, ``unix://``) URL.
-
-        The client's ``socket_timeout`` and ``socket_connect_timeout`` are
-        :data:`DEFAULT_SOCKET_TIMEOUT_S` unless the URL sets them (``?socket_timeout=2``).
-
-        Parameters:
-          url(str): The Redis URL.
-          **options: The keyword arguments of :class:`RedisBackend`.
-
-        Returns:
-          RedisBackend: A backend whose :meth:`close` closes its client.
-        """
+        """A backend whose :meth:`close` closes its own client, made from a ``redis://`` (``rediss://``,
+        ``unix://``) URL with a ``socket_timeout`` and ``socket_connect_timeout`` of
+        :data:`DEFAULT_SOCKET_TIMEOUT_S` unless it sets them; ``options``: :class:`RedisBackend`'s."""
         client = redis.Redis.from_url(
             url, socket_timeout=DEFAULT_SOCKET_TIMEOUT_S, socket_connect_timeout=DEFAULT_SOCKET_TIMEOUT_S
         )
@@ -158,35 +139,24 @@ class RedisStore(GuardBackend):
         backend._owns_client = True
         return backend
 
+    @functools.cached_property
     def timeouts(self) -> Timeouts:
         """The client's timeouts and retries in force (read once)."""
-        if self._client_timeouts is None:
-            self._client_timeouts = timeouts_of(self.client)
-        return self._client_timeouts
+        return timeouts_of(self.client)
 
     # -- the process's hooks (see GuardBackend) ---------------------------------------------
 
     def slow_call_warning(self, shortest_lease_ms: int) -> str | None:
-        warnings = [slow_call_warning(self.client, self.timeouts(), shortest_lease_ms)]
-        socket_timeout = self.timeouts().socket_timeout
-        waits = self.replicas
-        if waits is not None and socket_timeout is not None and socket_timeout * 1000 <= waits.timeout_ms:
-            warnings.append(
-                f"dramatiq-guard: replica_wait_timeout_ms={waits.timeout_ms} is not below the guard "
-                f"client's socket_timeout ({socket_timeout:g} s): a decision whose replicas are slow "
-                f"fails as a connection timeout. Set replica_wait_timeout_ms below it."
-            )
-        found = [warning for warning in warnings if warning is not None]
-        return " ".join(found) if found else None
+        return slow_call_warning(self.client, self.timeouts, shortest_lease_ms, self.replicas)
 
     def check_health(self, *, allow_evicting: bool | None = None) -> None:
         redis_health.check(self, allow_evicting=allow_evicting)
 
     def watch(self, interval_s: float) -> None:
-        redis_watch.watch(self, interval_s)
+        redis_health.watch(self, interval_s)
 
     def stop_watching(self) -> None:
-        redis_watch.leave(self)
+        redis_health.leave(self)
 
     def wait_for_replicas(self, count: int, timeout_ms: int) -> None:
         replicas = replica_waits_of(count, timeout_ms)
@@ -235,6 +205,7 @@ class RedisStore(GuardBackend):
 
     def _script_call(self, key: str, default_limit: int | None, own: tuple[Any, ...]) -> ScriptCall:
         """The per-key script whose own arguments are ``own`` (a ``redis_layout`` tuple), KEYS, ARGV."""
+        check_count(default_limit, "limit")
         return self.scripts[layout.SCRIPTS[type(own)]], self._keys(key), self._args(key, default_limit, *own)
 
     def _run(
@@ -259,8 +230,7 @@ class RedisStore(GuardBackend):
         return None if value is None else int(value)
 
     def inspect(self, key: str, *, waiters: int | None = None) -> KeyState:
-        if waiters is not None:
-            check_count(waiters, "waiters")
+        check_count(waiters, "waiters")
         args = self._args(key, 0, *layout.InspectArgs(waiters="" if waiters is None else waiters))
         return _key_state(self._call(self.scripts["inspect"], self._keys(key, cached=False), args))
 
@@ -299,76 +269,51 @@ class RedisStore(GuardBackend):
         check_count(waiters, "waiters")
         for key in keys:
             check_key(key)
-        pairs = [(key, f"{self.namespace}:{{{key}}}:") for key in keys]
         summaries: list[KeySummary] = []
-        for start in range(0, len(pairs), self.SUMMARY_CHUNK):
-            summaries.extend(self._summary_chunk(pairs[start : start + self.SUMMARY_CHUNK], waiters))
+        for start in range(0, len(keys), self.SUMMARY_CHUNK):
+            summaries.extend(self._summary_chunk(keys[start : start + self.SUMMARY_CHUNK], waiters))
         return summaries
 
-    def _summary_counts(self, chunk: list[tuple[str, str]], first: int) -> list[Any]:
-        """Six replies per key: ZCARD H, ZCARD W, its first waiters WITHSCORES, HLEN R, GET L, HGET M limit.
-
-        On a standalone Redis one script call (``lua/summaries.lua``) reads a whole chunk; on a
-        cluster, whose keys are in many slots, a pipeline.
-        """
-        if not self._in_cluster():
-            keys = [p + suffix for _, p in chunk for suffix in layout.LAYOUTS["summaries"].each_keys]
-            own = layout.SummariesArgs(first=first)
-            [reply] = run_scripts(self.client, self.scripts, [(self.scripts["summaries"], keys, list(own))])
-            if isinstance(reply, Exception):
-                raise reply
-            flat: list[Any] = []
-            for holders, count, oldest, reserved, limit, recorded in reply:
-                pairs = [(oldest[j], oldest[j + 1]) for j in range(0, len(oldest), 2)]
-                flat += [holders, count, pairs, reserved, limit, recorded]
-            return flat
-        pipe = self.client.pipeline(transaction=False)
-        for _, p in chunk:  # p: the prefix of the key's names
-            pipe.zcard(p + "holders")
-            pipe.zcard(p + "waiters")
-            pipe.zrange(p + "waiters", 0, first - 1, withscores=True)
-            pipe.hlen(p + "reserved")
-            pipe.get(p + "limit")
-            pipe.hget(p + "meta", "limit")
-        return list(pipe.execute())
-
-    def _summary_chunk(self, chunk: list[tuple[str, str]], waiters: int) -> list[KeySummary]:
+    def _summary_chunk(self, chunk: Sequence[str], waiters: int) -> list[KeySummary]:
+        """``lua/summaries.lua`` on the whole chunk (on a Redis Cluster: once per key, pipelined),
+        then the first waiters' payloads and infos."""
+        prefixes = [f"{self.namespace}:{{{key}}}:" for key in chunk]
+        groups = [[p] for p in prefixes] if self._in_cluster() else [prefixes]
+        each, own = layout.LAYOUTS["summaries"].each_keys, list(layout.SummariesArgs(first=max(waiters, 1)))
+        calls = [(self.scripts["summaries"], [p + field for p in g for field in each], own) for g in groups]
+        rows = [row for reply in run_scripts(self.client, self.scripts, calls) for row in reply]
+        firsts = []
+        for row in rows:
+            f = row[2][: 2 * waiters]
+            firsts.append([(text(f[i]), layout.since_ms(float(f[i + 1]))) for i in range(0, len(f), 2)])
         with reachable():
-            replies = self._summary_counts(chunk, max(waiters, 1))
-            firsts = [
-                [(text(w), int(float(score)) // 1000) for w, score in replies[6 * i + 2]][:waiters]
-                for i in range(len(chunk))
-            ]
-            details: Iterator[Any] = iter(())
-            if any(firsts):
-                pipe = self.client.pipeline(transaction=False)
-                for (_, p), first in zip(chunk, firsts, strict=True):
-                    if first:
-                        pipe.hmget(p + "payloads", [w for w, _ in first])
-                        pipe.hmget(p + "info", [w for w, _ in first])
-                details = iter(pipe.execute())
+            pipe = self.client.pipeline(transaction=False)
+            for p, first in zip(prefixes, firsts, strict=True):
+                if first:
+                    pipe.hmget(p + "payloads", [w for w, _ in first])
+                    pipe.hmget(p + "info", [w for w, _ in first])
+            details: Iterator[Any] = iter(pipe.execute() if any(firsts) else ())
         summaries = []
-        for i, (key, _) in enumerate(chunk):
-            holders, count, oldest, reserved, limit, recorded = replies[6 * i : 6 * i + 6]
-            peeks: tuple[WaiterPeek, ...] = ()
-            if firsts[i]:
-                payloads, infos = next(details), next(details)
-                peeks = tuple(
-                    WaiterPeek(
-                        w,
-                        since,
-                        None if payload is None else data(payload),
-                        None if info is None else (text(info).partition("|")[2] or None),
-                    )
-                    for (w, since), payload, info in zip(firsts[i], payloads, infos, strict=True)
+        for key, (holders, count, oldest, reserved, limit, recorded), first in zip(
+            chunk, rows, firsts, strict=True
+        ):
+            payloads, infos = (next(details), next(details)) if first else ((), ())
+            peeks = tuple(
+                WaiterPeek(
+                    w,
+                    since,
+                    None if pay is None else data(pay),
+                    None if info is None else (text(info).partition("|")[2] or None),
                 )
+                for (w, since), pay, info in zip(first, payloads, infos, strict=True)
+            )
             summaries.append(
                 KeySummary(
                     key,
                     holders=int(holders),
                     waiters=int(count),
                     reserved=int(reserved),
-                    oldest_since_ms=int(float(oldest[0][1])) // 1000 if oldest else None,
+                    oldest_since_ms=layout.since_ms(float(oldest[1])) if oldest else None,
                     limit=None if limit is None else int(limit),
                     recorded_limit=None if recorded is None else int(recorded),
                     first=peeks,

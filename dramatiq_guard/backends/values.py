@@ -35,16 +35,16 @@ class Stake:
         caller does not know it (the recorded one is used: *limits known from the backend*).
       ttl_ms(int): The lease an acquire takes.
       info(str|None): What :meth:`GuardBackend.inspect` shows of the holder (its actor's name).
-      generation(int|None): The generation of the copy acquiring (*generations*): a hand-off's,
-        :data:`ORIGINAL_GENERATION` for a message picked up as sent, None for one not on a
-        broker. A stale one is refused (``stale``) with nothing done.
-      runner(str|None): Who runs the job once it holds (a worker thread,
-        :func:`~dramatiq_guard.lease.runner_id`), or None (a reservation, a lock). A holder held,
-        or blocked for, by a runner is re-entered by that runner only: any other acquire is
-        refused (``running``), so two copies of one message never hold a slot at once. At most
-        200 characters, without ``|`` or ``@``.
+      generation(int|None): The generation of the copy acquiring (*Generations*):
+        :data:`ORIGINAL_GENERATION` as sent, None for a message not on a broker.
+      runner(str|None): Who runs the job once it holds (:func:`~dramatiq_guard.lease.runner_id`),
+        or None (a reservation, a lock); a holder of a runner is re-entered by that runner only
+        (else ``running``). At most 200 characters, without ``|`` or ``@``.
       fenced(bool): False for a lock that fences no writes (a dedup lock): no token is issued
         nor kept for the key.
+      priority(int): Its place among the key's waiters if it waits: lower is handed a slot
+        first, FIFO within one priority (an actor's Dramatiq ``priority``). From -2048 to
+        2048 (:data:`~dramatiq_guard.bounds.MAX_PRIORITY`).
     """
 
     key: str
@@ -55,6 +55,7 @@ class Stake:
     generation: int | None = None
     runner: str | None = None
     fenced: bool = True
+    priority: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +67,8 @@ class Handoff:
       waiter_id(str): The waiter's id (a message id); now a holder with a reservation.
       payload(bytes|None): The parked message to re-enqueue, or None for a blocking waiter
         (already woken by the backend).
-      generation(int|None): The generation of this hand-off or standby send (*generations*),
-        which the re-enqueued copy carries and its confirmation names. Not compared.
+      generation(int|None): The generation of this hand-off or standby send (*Generations*),
+        which the re-enqueued copy carries. Not compared.
     """
 
     key: str
@@ -116,14 +117,11 @@ class AcquireResult:
       limit(int): The limit in force.
       handoffs(tuple[Handoff, ...]): Waiters given a slot by this operation; the caller must
         re-enqueue the ones with a payload.
-      reserved_ms(int|None): Only on a result made from a wake (:meth:`Woken.result`): the
-        holder's deadline is still the hand-off reservation, which lasts at least this long;
-        the lease must be renewed within it.
-      valid_from(float|None): When the lease's ttl surely started counting, on this process's
-        ``time.monotonic()`` (just before the request was sent, or when the wake was taken);
-        None: unknown (see :mod:`dramatiq_guard.renewer`, known-valid time).
-      lapses_in_ms(int|None): With :attr:`running`: in how many ms the entry in the way lapses
-        unless renewed; the copy may ask again then.
+      reserved_ms(int|None): From a wake (:meth:`Woken.result`): the reservation lasts at least
+        this long; the lease must be renewed within it.
+      valid_from(float|None): When the lease's ttl surely started counting (``time.monotonic()``),
+        or None (:mod:`dramatiq_guard.renewer`, known-valid time).
+      lapses_in_ms(int|None): With :attr:`running`: in how many ms the entry in the way lapses.
     """
 
     outcome: AcquireOutcome
@@ -193,8 +191,8 @@ class ReleaseResult:
     """The outcome of a release, a sweep, a limit change or a cancelled wait.
 
     Parameters:
-      released(bool): Whether the holder held the key (False, e.g. its lease had lapsed and
-        was reclaimed: the caller must report it, never swallow it).
+      released(bool): Whether the holder held the key (False: e.g. its lease had lapsed; the
+        caller must report it).
       handoffs(tuple[Handoff, ...]): Waiters given a slot by this operation.
       standbys(tuple[Handoff, ...]): Waiters sent ahead by a release with ``send_ahead``; the
         caller enqueues each and confirms it (:meth:`GuardBackend.confirm_standby`).
@@ -217,8 +215,7 @@ class KeyState:
       limit(int|None): The run-time limit, or None if none is set.
       token(int|None): The last fencing token issued, if the key has state.
       holder_info(tuple[tuple[str, int, str|None], ...]): ``(holder, since_ms, info)`` of the
-        holders that acquired, in the order of ``holders``: when each first acquired, and its
-        ``info``.
+        holders that acquired, in the order of ``holders``.
     """
 
     holders: tuple[tuple[str, int], ...]
@@ -252,7 +249,7 @@ class WaiterPeek:
       waiter_id(str): The waiter's id (a message id).
       since_ms(int): When it queued, on the backend's clock.
       payload(bytes|None): The parked message, or None (a blocking waiter, a confirmed
-        standby, or one handed a slot between the two reads of a Redis summary).
+        standby, or one handed a slot between two reads).
       info(str|None): What a ready waiter's thread said of it (its actor's name), if anything.
     """
 
@@ -271,7 +268,7 @@ class KeySummary:
       holders(int): How many holders it has (lapsed ones not yet reclaimed included).
       waiters(int): How many waiters are queued.
       reserved(int): How many holders are unconfirmed hand-offs.
-      oldest_since_ms(int|None): When the oldest waiter queued, or None.
+      oldest_since_ms(int|None): When the first waiter (the next handed a slot) queued, or None.
       limit(int|None): The run-time limit, or None.
       recorded_limit(int|None): The default limit recorded with the key's waiters
         (*limits known from the backend*), or None.

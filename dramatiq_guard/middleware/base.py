@@ -17,6 +17,7 @@ from dramatiq import Broker, Message
 from dramatiq.broker import MessageProxy
 
 from dramatiq_guard.backends.base import GuardBackend
+from dramatiq_guard.bounds import MAX_PRIORITY
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.gate import gate_for
 from dramatiq_guard.keys import KeyResolver
@@ -30,11 +31,13 @@ logger = logging.getLogger("dramatiq_guard.middleware")
 
 @dataclasses.dataclass(frozen=True)
 class ActorGuard(Generic[P]):
-    """A guarded actor's parsed policy and its key resolver."""
+    """A guarded actor's parsed policy, its key resolver, and its Dramatiq ``priority`` (its waiters'
+    place among a key's: clamped to :data:`~dramatiq_guard.bounds.MAX_PRIORITY` each way)."""
 
     actor_name: str
     policy: P
     resolve_key: KeyResolver
+    priority: int = 0
 
     def key_of(self, message: Message[Any] | MessageProxy) -> str:
         """The guard key of a message of this actor (before the capability prefix)."""
@@ -140,7 +143,8 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
             resolver = KeyResolver(actor.actor_name, actor.fn, policy.key, option=self.option)
         except ValueError as e:
             raise option_error(actor.actor_name, self.option, value, str(e)) from None
-        self.guarded[actor.actor_name] = ActorGuard(actor.actor_name, policy, resolver)
+        priority = max(-MAX_PRIORITY, min(int(actor.priority), MAX_PRIORITY))
+        self.guarded[actor.actor_name] = ActorGuard(actor.actor_name, policy, resolver, priority)
         self.attach(broker)
 
     def guards_actor(self, actor_name: str) -> bool:

@@ -346,7 +346,7 @@ class Dashboard:
                 if self.requeue is not None
                 else "left reserved until a worker's sweep re-enqueues them (no --broker given)"
             )
-            lines.append(f"The {handed} oldest waiter(s) get a slot at once, their messages {where}.")
+            lines.append(f"The first {handed} waiter(s) get a slot at once, their messages {where}.")
         elif limit < holders:
             lines.append("Nobody is evicted: new holders wait until the running ones drop below the limit.")
         return self.render(
@@ -374,7 +374,7 @@ class Dashboard:
             )
         lines = [
             f"Release {len(holders)} holder(s) of {key} by force: {', '.join(holders)}.",
-            f"Their slots go to the oldest of its {len(state.waiters)} waiter(s), within the limit recorded "
+            f"Their slots go to the first of its {len(state.waiters)} waiter(s), within the limit recorded "
             "with them; parked messages are "
             + (
                 "re-enqueued on the broker at once."

@@ -1,5 +1,6 @@
 -- Helpers of every script (redis_scripts.py puts this in front of each, after the binding if any).
--- A number a script cannot use is refused before its first write: Redis does not roll a script back.
+-- A number a script cannot use is refused before its first write (Redis does not roll a script
+-- back): each script's prologue checks those redis_layout.py marks with a Check.
 
 -- Integers up to 2^53 as decimal strings (tostring would use an exponent).
 local function fmt(n)
@@ -39,14 +40,6 @@ local function refusal(checks)
     end
   end
   return nil
-end
-
--- Whether a per-key call's leading numbers are ones validate_args accepts (a fast path that finds
--- them not falls through, and the full script refuses them). Per-key scripts only.
-local function leading_args_ok()
-  return whole_number(ARG_HANDOFF_TTL_MS, 1, MAX_DURATION_MS) and whole_number(ARG_WAKE_TTL_MS, 1, MAX_DURATION_MS)
-    and whole_number(ARG_STALE_TTL_MS, 1, MAX_DURATION_MS)
-    and (ARG_DEFAULT_LIMIT == '' or whole_number(ARG_DEFAULT_LIMIT, 0, MAX_COUNT))
 end
 
 -- The runner in a holder's I entry "<since_ms>@<runner>|<info>", or nil (no '@' before the first

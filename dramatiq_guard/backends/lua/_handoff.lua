@@ -112,14 +112,21 @@ local function confirm(w, ttl_ms, generation)
   return 0
 end
 
--- Queue w at the back, or keep its place if it is queued (a place only grows: max(last + 1, now in
--- us)). Returns whether it was not queued before.
-local function enqueue(w)
-  local place = NOW_US
+-- Queue w at the back of its priority's band in W, or keep its place if it is queued (a place only
+-- grows: max(last + 1, now)). Priority 0's band is [0, 2^52), places in us (as before priorities);
+-- another's is PLACE_BAND wide, places in ms since PLACE_EPOCH_MS: below 0 for p < 0, from 2^52 for
+-- p > 0 (redis_layout.since_ms). Returns whether it was not queued before.
+local function enqueue(w, priority)
+  local low, place = 0, NOW_US
+  if priority ~= 0 then
+    low = priority < 0 and priority * PLACE_BAND or 2 ^ 52 + (priority - 1) * PLACE_BAND
+    place = low + NOW - PLACE_EPOCH_MS
+  end
   if QUEUED then
-    local last = redis.call('ZRANGE', W, -1, -1, 'WITHSCORES')
+    local high = '(' .. fmt(priority == 0 and 2 ^ 52 or low + PLACE_BAND)
+    local last = redis.call('ZREVRANGEBYSCORE', W, high, fmt(low), 'WITHSCORES', 'LIMIT', 0, 1)
     if #last > 0 then
-      place = math.max(tonumber(last[2]) + 1, NOW_US)
+      place = math.max(tonumber(last[2]) + 1, place)
     end
   end
   local added = redis.call('ZADD', W, 'NX', fmt(place), w) == 1

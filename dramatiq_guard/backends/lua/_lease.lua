@@ -36,17 +36,6 @@ local function begin()
   META_AT, LIMIT, TOKEN, EARLIEST, SWEEPING = nil, nil, nil, nil, false
 end
 
--- Every per-key script's argument checks: the leading numbers, then its own {name, value, low, high}.
-local function validate_args(...)
-  return refusal({
-    { 'handoff_ttl_ms', HANDOFF_TTL, 1, MAX_DURATION_MS },
-    { 'wake_ttl_ms', WAKE_TTL, 1, MAX_DURATION_MS },
-    { 'stale_ttl_ms', STALE_TTL, 1, MAX_DURATION_MS },
-    { 'default_limit', KNOWN_DEFAULT and DEFAULT_LIMIT or 0, 0, MAX_COUNT },
-    ...,
-  })
-end
-
 -- A variadic command over a long list, in chunks (unpack has a stack limit; even-sized, so
 -- score-member pairs stay together): the items of its replies, and the sum of its integer replies.
 local function call_many(command, key, list)

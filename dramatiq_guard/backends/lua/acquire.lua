@@ -1,6 +1,7 @@
--- acquire(holder, ttl_ms, mode, payload, wait_ms, info, generation[, fenced[, runner]]) (base.py:
+-- acquire(holder, ttl_ms, mode, payload, wait_ms, info, generation[, fenced[, runner[, priority]]]) (base.py:
 -- GuardBackend.acquire). mode: '' (no wait), 'park', 'block'; fenced: '0' issues and keeps no token;
--- runner: the worker thread that runs the holder's job, or '' (an enqueue-time reservation).
+-- runner: the worker thread that runs the holder's job, or '' (an enqueue-time reservation);
+-- priority: the waiter's (lower is handed off first), from -MAX_PRIORITY to MAX_PRIORITY.
 -- Returns {acquired, token|false, limit, queued, holders, handoffs[, lapses_in_ms]}
 -- (RedisBackend._acquire_reply): queued is '', 'queued', 'standby' (a standby picked up blocks in
 -- its place), 'stale' (not the generation that may start) or 'running' (held or blocked on for
@@ -9,14 +10,13 @@
 -- With a push (QUEUE, QUEUE_MESSAGES: a RedisBroker queue's list and message hash; ARGV from
 -- PUSH_FROM: its message id), a send's reservation enqueues its message (the park payload) as
 -- Dramatiq's enqueue does, in the same step (GuardBackend.reserve_and_enqueue); nothing else does.
-local refused = validate_args(
-  { 'ttl_ms', ttl_ms, 1, MAX_DURATION_MS },
-  { 'wait_ms', wait_ms, 0, MAX_DURATION_MS },
-  { 'generation', generation == '' and 0 or generation, 0, MAX_GENERATION }
-)
-if refused then
-  return refused
+priority = priority or '0'
+local rank = whole_number(string.match(priority, '^%-?(%d*)$'), 0, MAX_PRIORITY)
+if not rank then
+  return redis.error_reply('priority must be an integer from -' .. MAX_PRIORITY .. ' to ' .. MAX_PRIORITY
+    .. ', got ' .. priority)
 end
+priority = string.sub(priority, 1, 1) == '-' and -rank or rank
 local fences = fenced ~= '0'
 runner = runner or ''
 if string.find(runner, '[|@]') then
@@ -91,7 +91,7 @@ if acquired then
     redis.call('RPUSH', QUEUE, ARGV[PUSH_FROM])
   end
 elseif mode ~= '' then
-  local added = enqueue(holder)
+  local added = enqueue(holder, priority)
   -- A standby that was picked up, or one blocking in its place that asks again, blocks, ready.
   local sent = not added and redis.call('ZREM', S, holder) == 1
   local standby = mode == 'park' and tonumber(wait_ms) > 0 and not added

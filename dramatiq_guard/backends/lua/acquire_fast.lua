@@ -3,8 +3,8 @@
 -- that takes a free slot or already holds one, for no runner or its own. It leaves the state, and
 -- returns the reply, acquire.lua would; anything else falls through to it.
 do
-  local ttl = whole_number(ttl_ms, 1, MAX_DURATION_MS)
-  if ttl and leading_args_ok() and whole_number(wait_ms, 0, MAX_DURATION_MS)
+  local ttl = tonumber(ttl_ms)
+  if whole_number(string.match(priority or '0', '^%-?(%d*)$'), 0, MAX_PRIORITY)
     and (generation == '' or generation == '0' and redis.call('EXISTS', G .. ':' .. holder) == 0)
     and not string.find(runner or '', '[|@]')
     and redis.call('EXISTS', W, P, R, D, S) == 0 then

@@ -1,10 +1,6 @@
 -- cancel_wait(waiter, generation) -> {released, handoffs}. generation: '' to withdraw whatever the
 -- waiter is doing; else only the hand-off or standby send of that generation, while it is
 -- unconfirmed (M's 'g:<w>') and current (the waiter in R or S).
-local refused = validate_args({ 'generation', (generation or '') == '' and 0 or generation, 0, MAX_GENERATION })
-if refused then
-  return refused
-end
 generation = generation or ''
 OWNED = true
 reclaim()

@@ -6,14 +6,6 @@
 -- op 'live': 0 if the copy of `waiter` carrying `generation` is stale; else 1, and the copy
 -- starts: its hand-off is confirmed if it was not yet (so it cannot lapse and be handed off again).
 local DUE = '~due'
-local refused = validate_args(
-  { 'wait_ms', op == 'live' and 0 or wait_ms, 0, MAX_DURATION_MS },
-  { 'max_wait_ms', op == 'live' and 0 or max_wait_ms, 0, MAX_DURATION_MS },
-  { 'generation', op == 'send' and 0 or generation, 0, MAX_GENERATION }
-)
-if refused then
-  return refused
-end
 OWNED = true
 reclaim()
 if op == 'live' then
@@ -33,7 +25,7 @@ for _, w in ipairs(pending) do
     superseded[#superseded + 1] = w
   end
 end
-enqueue(waiter)
+enqueue(waiter, 0)
 redis.call('HSET', P, waiter, payload)
 redis.call('HSET', M, 'r:' .. waiter, ARG_ROUTE, 'first', fmt(first))
 local due = math.max(NOW, math.min(NOW + tonumber(wait_ms), first + tonumber(max_wait_ms)))

@@ -1,9 +1,5 @@
 -- inspect(waiters) -> {holders+deadlines, waiters+places, parked flags, reserved, limit, token, info}.
 -- Read only. waiters: how many of the first waiters, '' for all (the one O(n) read of a queue).
-local refused = validate_args({ 'waiters', waiters == '' and 0 or waiters, 0, MAX_COUNT })
-if refused then
-  return refused
-end
 local last = waiters == '' and -1 or tonumber(waiters) - 1
 local queue = {}
 if last >= 0 or waiters == '' then

@@ -4,10 +4,6 @@
 -- (none of H W R L T I) is taken as acquire.lua would with a limit of 1, issuing no token. With
 -- a push (QUEUE, QUEUE_MESSAGES: a RedisBroker queue's list and message hash; ARGV from PUSH_FROM:
 -- its message id and data), the lock enqueues the message as Dramatiq's enqueue does: both or neither.
-local refused = refusal({ { 'ttl_ms', ttl_ms, 1, MAX_DURATION_MS } })
-if refused then
-  return refused
-end
 local present = redis.call('EXISTS', H, W, R, L, T, I)
 local _, now = server_time()
 if present == 0 then

@@ -1,9 +1,5 @@
 -- release(holder, standbys) -> {released, handoffs, standbys}: then sends the first `standbys`
 -- waiters ahead, as standby('send') would (the caller enqueues and confirms them).
-local refused = validate_args({ 'send_ahead', standbys or '0', 0, MAX_COUNT })
-if refused then
-  return refused
-end
 OWNED = true
 reclaim()
 local released = 0
@@ -21,6 +17,6 @@ if holds(holder) then
 end
 local handoffs, sent = {}, {}
 handoff(limit_in_force(), handoffs)
-send_ahead(tonumber(standbys or '0'), sent)
+send_ahead(tonumber(standbys), sent)
 finish()
 return { released, handoffs, sent }

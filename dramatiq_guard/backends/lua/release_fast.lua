@@ -3,8 +3,7 @@
 -- several leaves H and I when no holder lapsed. The same state and reply as release.lua; anything
 -- else falls through to it.
 do
-  if whole_number(standbys or '0', 0, MAX_COUNT) and leading_args_ok()
-    and redis.call('EXISTS', W, P, R, D, S) == 0 then
+  if redis.call('EXISTS', W, P, R, D, S) == 0 then
     local deadline = redis.call('ZSCORE', H, holder)
     local _, now = server_time()
     if deadline and tonumber(deadline) > now then

@@ -1,8 +1,4 @@
 -- set_limit(limit, '' to clear) -> {0, handoffs}; LIMITS (standalone Redis only) follows it.
-local refused = validate_args(limit ~= '' and { 'limit', limit, 0, MAX_COUNT } or nil)
-if refused then
-  return refused
-end
 OWNED = true
 reclaim()
 if limit == '' then

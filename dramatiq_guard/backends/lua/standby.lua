@@ -4,17 +4,8 @@
 --   holds: its copy is on the broker. If the stored payload is still the one sent, it is dropped: a
 --   standby still waiting stays in S until ttl_ms; one handed a slot keeps it for ttl_ms. A
 --   confirmation of an older generation changes nothing.
-local refused
-if op == 'send' then
-  refused = validate_args({ 'count', standbys, 0, MAX_COUNT })
-else
-  refused = validate_args(
-    { 'ttl_ms', ttl_ms, 1, MAX_DURATION_MS },
-    { 'generation', (generation or '') == '' and 0 or generation, 0, MAX_GENERATION }
-  )
-end
-if refused then
-  return refused
+if (op == 'send' and (standbys or '') or (ttl_ms or '')) == '' then
+  return redis.error_reply((op == 'send' and 'count' or 'ttl_ms') .. ' is missing')
 end
 OWNED = true
 reclaim()

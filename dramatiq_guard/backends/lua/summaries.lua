@@ -1,5 +1,5 @@
 -- summaries(first) -> per guard key {ZCARD H, ZCARD W, its first waiters with scores, HLEN R, L,
--- M's 'limit'}. Read only; standalone Redis only (a Redis Cluster pipelines the same reads).
+-- M's 'limit'}. Read only; on a Redis Cluster, one guard key per call.
 local last = tonumber(first) - 1
 local out = {}
 for n = 1, #KEYS / KEYS_PER_GUARD_KEY do

@@ -1,8 +1,4 @@
 -- sweep() -> {reclaimed_any, handoffs}
-local refused = validate_args()
-if refused then
-  return refused
-end
 OWNED = true
 SWEEPING = true
 local reclaimed = reclaim()

@@ -164,7 +164,8 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         key = self.guard_key_of(guard, message)
         claim = Claim(
             key, self.holder_of(message), self.default_limit(guard), self.pickup_ttl_ms,
-            info=message.actor_name, generation=generation_of(message, key), backend=self.backend(broker),
+            info=message.actor_name, generation=generation_of(message, key), priority=guard.priority,
+            backend=self.backend(broker),
         )  # fmt: skip
         deliver = functools.partial(self.deliver, broker)
         if holds is None and self._in_one_step(broker, claim, guard):

@@ -146,7 +146,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         """
         claim = Claim(
             key, self.holder_of(message), limit, self._lease_ttl(guard), backend=self.backend(broker),
-            info=message.actor_name, generation=copy_generation(message, key),
+            info=message.actor_name, generation=copy_generation(message, key), priority=guard.priority,
             runner=runner_id(),  # a second copy of the message, delivered while this one holds, is refused
         )  # fmt: skip
         wait = None
