@@ -28,9 +28,10 @@ from dramatiq_guard.ledger import IdempotencyConflict, Ledger, LedgerError, Unst
 from dramatiq_guard.lock import Lock, LockNotAcquired, LockRun
 from dramatiq_guard.middleware.dedup import Deduplication, DuplicateMessage, deduplicated_by
 from dramatiq_guard.middleware.idempotency import Idempotency
-from dramatiq_guard.middleware.slots import Concurrency, Mutex, MutexWaitTimeout, Throttle
+from dramatiq_guard.middleware.slots import Concurrency, Debounce, Mutex, MutexWaitTimeout, Throttle
 from dramatiq_guard.policies import (
     ConcurrencyPolicy,
+    DebouncePolicy,
     DedupPolicy,
     IdempotencyPolicy,
     MutexPolicy,
@@ -53,6 +54,8 @@ __all__ = [  # noqa: RUF022 - grouped by capability, not sorted
     "ConcurrencyPolicy",
     "Throttle",
     "ThrottlePolicy",
+    "Debounce",
+    "DebouncePolicy",
     # Leases, inside a guarded actor and outside (the standalone lock)
     "Lease",
     "LeaseLost",

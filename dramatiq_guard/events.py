@@ -60,6 +60,11 @@ def parked(actor: str) -> None:
     _count("parked", actor)
 
 
+def debounced(actor: str) -> None:
+    """A message of ``actor`` was superseded by a later send of its debounce key: it will not run."""
+    _count("debounced", actor)
+
+
 def handed_off(actor: str) -> None:
     """A waiting message of ``actor`` was given a freed slot."""
     _count("handed_off", actor)

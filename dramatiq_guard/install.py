@@ -25,6 +25,7 @@ MIDDLEWARE: tuple[str, ...] = (
     "dramatiq_guard.middleware.slots:Mutex",
     "dramatiq_guard.middleware.slots:Concurrency",
     "dramatiq_guard.middleware.slots:Throttle",
+    "dramatiq_guard.middleware.slots:Debounce",
     "dramatiq_guard.middleware.dedup:Deduplication",
     "dramatiq_guard.middleware.idempotency:Idempotency",
 )

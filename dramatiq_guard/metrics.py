@@ -22,6 +22,7 @@ BUCKETS = (5, 10, 25, 50, 75, 100, 250, 500, 750, 1000, 2500, 5000, 7500, 10000,
 _COUNTERS = {
     "deduplicated": ("dramatiq_guard_messages_deduplicated", "Messages not enqueued or not run: duplicates."),
     "parked": ("dramatiq_guard_messages_parked", "Messages sent to the lockwait area."),
+    "debounced": ("dramatiq_guard_messages_debounced", "Messages superseded by a later send of their key."),
     "handed_off": ("dramatiq_guard_messages_handed_off", "Waiting messages given a freed slot."),
     "lease_lost": ("dramatiq_guard_leases_lost", "Running messages that lost their lease."),
     "ledger_hit": ("dramatiq_guard_ledger_hits", "Completed idempotency keys that were not run again."),

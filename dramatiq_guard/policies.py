@@ -293,6 +293,56 @@ class ThrottlePolicy:
 
 
 @dataclasses.dataclass(frozen=True)
+class DebouncePolicy:
+    """One run per burst of sends of a key, with the last send's message (the ``debounce`` actor option).
+
+    Parameters:
+      wait: How long after a key's last send its run starts, in ms or a ``timedelta`` (at least 1 ms).
+      max_wait: The latest a run starts after its burst's first send (at least ``wait``). None
+        (the default): no bound, a burst that never pauses for ``wait`` defers its run as long.
+      key: Which sends make one burst (see :mod:`dramatiq_guard.keys`).
+      fail_open: Send undebounced (each send runs) when the backend is unreachable.
+    """
+
+    option: ClassVar[str] = "debounce"
+    shorthands: ClassVar[tuple[Any, ...]] = ()
+
+    wait: Duration
+    max_wait: Duration | None = None
+    key: KeySpec = None
+    fail_open: bool = False
+
+    def __post_init__(self) -> None:
+        wait = duration_ms(self.wait, what="wait")
+        if not wait:
+            raise ValueError(f"wait must be at least 1 ms, not {self.wait!r}")
+        max_wait = duration_ms(self.max_wait, what="max_wait", allow_none=True)
+        if max_wait is not None and max_wait < wait:
+            raise ValueError(f"max_wait must be None or at least wait ({wait} ms), not {self.max_wait!r}")
+        _set(self, "wait", wait)
+        _set(self, "max_wait", max_wait)
+        _set(self, "key", key_spec(self.key))
+        _flag(self.fail_open, what="fail_open")
+
+    @property
+    def wait_ms(self) -> int:
+        """``wait`` in milliseconds."""
+        return cast(int, self.wait)
+
+    @property
+    def max_wait_ms(self) -> int:
+        """``max_wait`` in milliseconds (no bound: the longest duration there is)."""
+        return MAX_DURATION_MS if self.max_wait is None else cast(int, self.max_wait)
+
+    ttl_ms = None  # a debounced message holds no slot while it runs
+
+    @classmethod
+    def from_shorthand(cls, value: object) -> DebouncePolicy:
+        """The wait: integer milliseconds or a ``timedelta``."""
+        return cls(wait=cast(Duration, value))
+
+
+@dataclasses.dataclass(frozen=True)
 class IdempotencyPolicy:
     """The idempotency ledger (the ``idempotency_key`` actor option).
 
@@ -326,7 +376,7 @@ class IdempotencyPolicy:
         return cls(key=None if value is True else cast(KeySpec, value))
 
 
-Policy = DedupPolicy | MutexPolicy | ConcurrencyPolicy | ThrottlePolicy | IdempotencyPolicy
+Policy = DedupPolicy | MutexPolicy | ConcurrencyPolicy | ThrottlePolicy | DebouncePolicy | IdempotencyPolicy
 P = TypeVar("P", bound=Policy)
 
 #: How each option's forms read in an error message.
@@ -339,6 +389,10 @@ _ALLOWED: Mapping[str, str] = {
     "concurrency": (
         "an int limit; a dict with keys limit, key, ttl, fail_open; or a dramatiq_guard.ConcurrencyPolicy"
     ),
+    "debounce": (
+        "integer milliseconds or a datetime.timedelta (the wait); a dict with keys wait, max_wait, "
+        "key, fail_open; or a dramatiq_guard.DebouncePolicy"
+    ),
     "idempotency_key": (
         "a callable of the actor's arguments returning a str; a list of argument names; "
         "True (each message is its own key: its idempotency_key option, else its message_id); "
@@ -350,6 +404,8 @@ _ALLOWED: Mapping[str, str] = {
 def _is_shorthand(cls: type[Any], value: object) -> bool:
     if cls is ConcurrencyPolicy:
         return isinstance(value, int) and not isinstance(value, bool)
+    if cls is DebouncePolicy:
+        return isinstance(value, (int, datetime.timedelta)) and not isinstance(value, bool)
     if cls is IdempotencyPolicy:
         return value is True or callable(value) or isinstance(value, (list, tuple))
     return any(value is s or (isinstance(s, str) and value == s) for s in cls.shorthands)

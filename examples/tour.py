@@ -15,6 +15,7 @@ capability at a time, sends them work and prints what the guard did:
 4. idempotency ledger: a funds transfer sent twice moves the money once;
 5. throttle: six calls to a partner API allowed two starts per half second start two by two,
    the rest parked until the window lets them in;
+6. debounce: twenty saves of one draft in a burst run once, with the last one;
 
 then prints the ``dramatiq-guard inspect`` view of what is left, and cleans up. Every promise
 is checked as it goes: the tour exits 1 if one did not hold, 0 otherwise.
@@ -39,7 +40,8 @@ timeout. Some jobs hold until the tour lets them go (:func:`declare`'s ``hold``)
 can be watched while they run.
 
 The actors mirror the examples: ``authorizations.py`` (dedup), ``report.py`` (mutex),
-``webhooks.py`` (concurrency), ``transfer.py`` (ledger) and ``partner_api.py`` (throttle).
+``webhooks.py`` (concurrency), ``transfer.py`` (ledger), ``partner_api.py`` (throttle) and
+``debounce.py`` (debounce).
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ CUSTOMER = 7
 DELIVERIES = 10
 #: The throttle's calls, and its window: 2 starts per THROTTLE_PERIOD_MS.
 CALLS, THROTTLE_PERIOD_MS = 6, 500
+#: The debounced saves of one draft, and the quiet time after the last one that runs it.
+SAVES, DEBOUNCE_WAIT_MS = 20, 300
 accounts = sa.Table(
     "tour_accounts",
     sa.MetaData(),
@@ -222,6 +226,7 @@ class Actors:
     deliver_webhook: dramatiq.Actor[Any, Any]
     transfer: dramatiq.Actor[Any, Any]
     call_partner: dramatiq.Actor[Any, Any]
+    save_draft: dramatiq.Actor[Any, Any]
 
 
 def declare(journal: Journal) -> Actors:
@@ -303,9 +308,21 @@ def declare(journal: Journal) -> Actors:
         [since] = [since for h, since, _ in state.holder_info if h == holder]
         journal.record("throttle", n=n, since=since)
 
-    return Actors(
-        refresh_authorizations, rebuild_report, nightly_report, deliver_webhook, transfer, call_partner
+    # examples/debounce.py: a burst of saves of one draft runs once, with the last save.
+    @dramatiq.actor(
+        queue_name=QUEUE,
+        max_retries=0,
+        debounce={"wait": DEBOUNCE_WAIT_MS, "max_wait": 10 * DEBOUNCE_WAIT_MS, "key": ["doc_id"]},
     )
+    def save_draft(doc_id: int, version: int) -> None:
+        message = CurrentMessage.get_current_message()
+        assert message is not None
+        journal.record("debounce", version=version, message_id=message.message_id)
+
+    return Actors(
+        refresh_authorizations, rebuild_report, nightly_report, deliver_webhook, transfer, call_partner,
+        save_draft,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -707,6 +724,22 @@ class Tour:
         say(f"   {CALLS} sends at once: 2 started, the rest parked until the window let them in;")
         say(f"   starts (on the guard's clock, from the first): {gaps}")
 
+    # -- 6 -----------------------------------------------------------------------------------
+
+    def debounce(self) -> None:
+        say(f"6. Debounce: save_draft, a wait of {DEBOUNCE_WAIT_MS} ms per draft (key: doc_id)")
+        sent = [self.actors.save_draft.send(1, version) for version in range(SAVES)]
+        last = sent[-1]
+        runs = [self.journal.take("debounce")[0]]
+        while runs[-1]["message_id"] != last.message_id:  # a producer paused over the wait: a run each
+            runs += self.journal.take("debounce")
+        superseded = len(self.journal.take("debounced:save_draft", SAVES - len(runs)))
+        expect(runs[-1]["version"] == SAVES - 1, f"the last run was not the last save's: {runs}")
+        say(f"   {SAVES} saves of draft 1 in a burst: {len(runs)} run, {superseded} superseded (each send")
+        say("   returned normally; a superseded one is logged and counted, messages_debounced_total)")
+        quiet = f"once the draft was quiet for {DEBOUNCE_WAIT_MS} ms"
+        say(f"   the last save ran, with version {SAVES - 1}, {quiet}")
+
 
 def balances(engine: sa.Engine) -> dict[int, int]:
     with engine.connect() as conn:
@@ -801,6 +834,7 @@ def run(args: argparse.Namespace) -> None:
                 tour.concurrency,
                 lambda: tour.ledger(engine),
                 tour.throttle,
+                tour.debounce,
             ]
             for step in steps:
                 step()

@@ -51,6 +51,8 @@ __all__ = ["OracleBackend"]
 #: carries it (generations are tokens, above ORIGINAL_GENERATION), so every copy of the waiter
 #: on the broker is stale; the next hand-off's generation replaces it.
 _REPARKED = -1
+#: A debounce key's timer holder: its deadline is when the pending run is due.
+_DUE = "~due"
 
 
 @dataclasses.dataclass
@@ -90,6 +92,7 @@ class _Guard:
     # waiter -> (the one generation of its message that may start, until when it is remembered,
     # whether it is kept only for the copy that parked: that copy's ack forgets it, forget_parked_copy)
     live: dict[str, tuple[int, int, bool]] = dataclasses.field(default_factory=dict)
+    first_send_ms: int = 0  # a debounce key's: when its burst's first send came
     clock: Callable[[], int] = time.time_ns  # the backend's clock, in ns since the epoch
 
     def next_token(self) -> int:
@@ -541,6 +544,38 @@ class OracleBackend(GuardBackend):
             handoffs = self._hand_off(key, guard, self._in_force(key, guard, limit), now)
             self._end(key, guard)
             return ReleaseResult(released, tuple(handoffs))
+
+    def debounce(
+        self, key: str, waiter_id: str, payload: bytes, *, wait_ms: int, max_wait_ms: int
+    ) -> tuple[tuple[str, ...], int]:
+        """Make ``waiter_id`` the key's pending run; see :meth:`GuardBackend.debounce`."""
+        check_ms(wait_ms, "wait_ms")
+        check_ms(max_wait_ms, "max_wait_ms")
+        with self._changed:
+            guard, now = self._begin(key)
+            first = guard.first_send_ms if guard.queue else now
+            superseded = tuple(
+                w for w, _ in sorted(guard.queue.items(), key=lambda i: i[1].place) if w != waiter_id
+            )
+            for waiter in superseded:
+                del guard.queue[waiter]
+            entry = guard.queue.setdefault(waiter_id, _Entry((0, next(self._places)), now))
+            entry.payload, entry.route = payload, self.route
+            guard.default_limit, guard.first_send_ms = 1, first
+            due = max(now, min(now + wait_ms, first + max_wait_ms))
+            guard.holders[_DUE] = due  # the timer holder: it keeps the key's one slot until then
+            self._end(key, guard)
+            return superseded, due - now
+
+    def copy_is_live(self, key: str, waiter_id: str, generation: int) -> bool:
+        """Whether the copy carrying ``generation`` may start; see :meth:`GuardBackend.copy_is_live`."""
+        with self._changed:
+            guard, _ = self._begin(key)
+            stale = guard.is_stale(waiter_id, generation)
+            self._end(key, guard)
+        if not stale:  # it starts: its hand-off is confirmed, if it was not yet
+            self.confirm_handoff(key, waiter_id, ttl_ms=1, generation=generation)
+        return not stale
 
     def sweep(self, key: str, *, limit: int | None) -> ReleaseResult:
         """Reclaim lapsed holders and hand free slots on; see :meth:`GuardBackend.sweep`.

@@ -24,6 +24,7 @@ GUARDS = [
     dramatiq_guard.Mutex,
     dramatiq_guard.Concurrency,
     dramatiq_guard.Throttle,
+    dramatiq_guard.Debounce,
     dramatiq_guard.Deduplication,
     dramatiq_guard.Idempotency,
 ]

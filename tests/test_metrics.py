@@ -50,6 +50,7 @@ def test_guard_metrics_count_events_by_actor(no_sink: None) -> None:
     events.deduplicated("b")
     events.parked("a")
     events.handed_off("a")
+    events.debounced("a")
     events.lease_lost("a")
     events.ledger_hit("a")
     events.acquired("a")
@@ -65,6 +66,7 @@ def test_guard_metrics_count_events_by_actor(no_sink: None) -> None:
     assert value("dramatiq_guard_messages_deduplicated_total", "b") == 1
     assert value("dramatiq_guard_messages_parked_total") == 1
     assert value("dramatiq_guard_messages_handed_off_total") == 1
+    assert value("dramatiq_guard_messages_debounced_total") == 1
     assert value("dramatiq_guard_leases_lost_total") == 1
     assert value("dramatiq_guard_ledger_hits_total") == 1
     assert value("dramatiq_guard_holders") == 1

@@ -33,6 +33,7 @@ KEY_LINES = [
     'transfer("t-1", 1 -> 2, 10) sent twice: it ran once; the other message found t-1',
     "balances moved once: account 1 100 -> 90, account 2 0 -> 10",
     "ledger row t-1: completed, attempts 1",
+    "the last save ran, with version 19, once the draft was quiet for 300 ms",
     "holders 0  limit 4  waiters 0",
 ]
 

@@ -264,6 +264,22 @@ class GuardBackend(abc.ABC):
           bool: Whether a record was forgotten.
         """
 
+    def debounce(
+        self, key: str, waiter_id: str, payload: bytes, *, wait_ms: int, max_wait_ms: int
+    ) -> tuple[tuple[str, ...], int]:
+        """Make ``waiter_id`` (message ``payload``) the pending run of ``key``, superseding any other
+        (*debounce*): due ``wait_ms`` from now, at most ``max_wait_ms`` after its burst's first send.
+
+        Returns:
+          tuple[tuple[str, ...], int]: The waiters superseded, and in how many ms the run is due.
+        """
+        raise NotImplementedError
+
+    def copy_is_live(self, key: str, waiter_id: str, generation: int) -> bool:
+        """Whether the copy of ``waiter_id`` carrying ``generation`` may start (*generations*); if it
+        may, it starts: its hand-off is confirmed (as :meth:`confirm_handoff`, for 1 ms) if it was not."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     def cancel_wait(
         self, key: str, waiter_id: str, *, limit: int | None, generation: int | None = None

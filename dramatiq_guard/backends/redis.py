@@ -280,6 +280,25 @@ class RedisBackend(RedisStore):
         self._check_waiter(waiter_id)
         return bool(self._run(key, None, layout.ForgetCopyArgs(waiter=waiter_id)))
 
+    def debounce(
+        self, key: str, waiter_id: str, payload: bytes, *, wait_ms: int, max_wait_ms: int
+    ) -> tuple[tuple[str, ...], int]:
+        self._check_waiter(waiter_id)
+        check_ms(wait_ms, "wait_ms")
+        check_ms(max_wait_ms, "max_wait_ms")
+        self.check_payload(key, waiter_id, Waiter(payload=payload))
+        own = layout.DebounceArgs("send", waiter_id, payload, wait_ms, max_wait_ms)
+        call = self._script_call(key, 1, own)
+        index = (self._index, key) if self._in_cluster() else None  # the index entry first, as a park's
+        [(superseded, due_in)] = run_scripts(
+            self.client, self.scripts, [call], zadd_first=index, replicas=self.replicas
+        )
+        return tuple(text(w) for w in superseded), int(due_in)
+
+    def copy_is_live(self, key: str, waiter_id: str, generation: int) -> bool:
+        self._check_waiter(waiter_id)
+        return bool(self._run(key, None, layout.DebounceArgs("live", waiter_id, generation=generation)))
+
     def cancel_wait(
         self, key: str, waiter_id: str, *, limit: int | None, generation: int | None = None
     ) -> ReleaseResult:

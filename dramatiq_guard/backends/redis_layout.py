@@ -156,6 +156,15 @@ class ForgetCopyArgs(NamedTuple):
     waiter: str
 
 
+class DebounceArgs(NamedTuple):
+    op: str
+    waiter: str
+    payload: bytes = b""
+    wait_ms: Annotated[int | str, WAIT_MS._replace(optional=True)] = ""
+    max_wait_ms: Annotated[int | str, WAIT_MS._replace(optional=True)] = ""
+    generation: Annotated[int | str, GENERATION] = ""
+
+
 class LockArgs(NamedTuple):
     holder: str
     ttl_ms: Annotated[int, MS]
@@ -206,6 +215,7 @@ SCRIPTS: dict[Any, str] = {
     InspectArgs: "inspect",
     StandbyArgs: "standby",
     ForgetCopyArgs: "forget_copy",
+    DebounceArgs: "debounce",
 }
 
 #: Every script's layout, by name.

@@ -90,6 +90,28 @@ local function dequeue(w)
   forget(w)
 end
 
+-- The copy of w's hand-off that carries `generation` ('' for any) is on the broker: its reservation
+-- becomes a hold until ttl_ms from now (its payload goes). Returns 1 if w holds (or held already).
+-- One that lapsed back into the queue is dropped from it (the copy wins), unless a newer hand-off
+-- was made or a copy picked up parked in its place (G: 'parked', acquire.lua). After reclaim().
+local function confirm(w, ttl_ms, generation)
+  local in_flight = QUEUED and redis.call('HGET', M, 'g:' .. w)
+  if QUEUED and (generation == '' or not in_flight or in_flight == generation)
+    and redis.call('HDEL', R, w) == 1 then
+    set_holders({ NOW + tonumber(ttl_ms), w })
+    forget(w)
+    return 1
+  elseif holds(w) and not (QUEUED and redis.call('HEXISTS', R, w) == 1) then
+    return 1 -- already started (its acquire turned the reservation into a lease)
+  elseif QUEUED and redis.call('ZSCORE', W, w) then
+    local live = live_generation(w)
+    if live ~= 'parked' and (generation == '' or live == generation) then
+      dequeue(w)
+    end
+  end
+  return 0
+end
+
 -- Queue w at the back of its priority's band in W, or keep its place if it is queued (a place only
 -- grows: max(last + 1, now)). Priority 0's band is [0, 2^52), places in us (as before priorities);
 -- another's is PLACE_BAND wide, places in ms since PLACE_EPOCH_MS: below 0 for p < 0, from 2^52 for

@@ -27,9 +27,16 @@ from dramatiq_guard.middleware.slots.releases import ContendedKeys, Releaser
 from dramatiq_guard.middleware.slots.reservation import OneStepReservation, ReservationTicket, reserve_or_park
 from dramatiq_guard.middleware.slots.standbys import Standbys
 from dramatiq_guard.middleware.sweep import Sweeper
-from dramatiq_guard.policies import ConcurrencyPolicy, MutexPolicy, OnBusy, ThrottlePolicy, duration_ms
+from dramatiq_guard.policies import (
+    ConcurrencyPolicy,
+    DebouncePolicy,
+    MutexPolicy,
+    OnBusy,
+    ThrottlePolicy,
+    duration_ms,
+)
 
-P = TypeVar("P", ConcurrencyPolicy, MutexPolicy, ThrottlePolicy)
+P = TypeVar("P", ConcurrencyPolicy, MutexPolicy, ThrottlePolicy, DebouncePolicy)
 
 
 class SlotsBase(GuardMiddleware[P], Generic[P]):
@@ -41,6 +48,8 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
     gate_priority = 20
     #: Whether a send may reserve (or park) and push in one step (:class:`.OneStepReservation`).
     one_step_sends: ClassVar[bool] = True
+    #: Whether a hand-off that another guard parks on its way is confirmed (else given back).
+    keeps_when_parked: ClassVar[bool] = False
 
     def __init__(  # `redis` goes on to GuardMiddleware in **kwargs
         self,
@@ -185,13 +194,18 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
             courier = self._couriers[id(broker)] = Courier(
                 broker,
                 self.backend(broker),
-                ttl_ms=lambda _message: self.pickup_ttl_ms,
+                ttl_ms=lambda _message: self.handoff_hold_ms,
                 default_limit=self.limit_for_key,
-                keep_when_parked=False,
+                keep_when_parked=self.keeps_when_parked,
                 counts_handoffs=True,
                 after_push=lambda message: keep_polling(self._worker, message.queue_name),
             )
         return courier
+
+    @property
+    def handoff_hold_ms(self) -> int:
+        """How long a confirmed hand-off holds its slot for its message to start: ``pickup_ttl``."""
+        return self.pickup_ttl_ms
 
     def deliver(self, broker: Broker, handoffs: Sequence[Handoff]) -> None:
         """Deliver the parked messages handed a slot, counting every hand-off (a woken blocking
