@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from dramatiq_guard.ledger import Ledger
 
 #: The kinds of guard keys, by the prefix the middlewares give them.
-KINDS = ("dedup", "mutex", "concurrency", "throttle")
+KINDS = ("dedup", "mutex", "concurrency", "throttle", "debounce")
 
 #: How many characters of a waiter's arguments a view shows.
 ARGS_CHARS = 120

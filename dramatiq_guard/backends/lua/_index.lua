@@ -31,7 +31,8 @@ local function index_due()
 end
 
 -- With no holder, waiter nor reservation left, drop all state but L, G and T (which expire by
--- themselves) and K's entry in X; else make H, T and I expire with the last holder.
+-- themselves) and K's entry in X; else make H, T and I expire with the last holder (H and I
+-- sooner too, when the latest deadline went down).
 local function finish()
   if not OWNED then
     HN = redis.call('ZCARD', H)
@@ -55,9 +56,11 @@ local function finish()
   if QUEUED and not queued then
     redis.call('DEL', M) -- the queue drained but holders remain: M goes with the queue it served
   end
-  if HN > 0 and (RAISED or META_AT) then
+  -- The latest deadline went down (a holder's own, or the latest holder gone): H and I follow it.
+  local lowered = HN > 0 and not RAISED and HMAX > 0 and latest() < HMAX
+  if HN > 0 and (RAISED or META_AT or lowered) then
     local at = latest()
-    if RAISED then
+    if RAISED or lowered then
       redis.call('PEXPIREAT', H, at)
     end
     if RAISED and not META_AT and redis.call('PTTL', T) < at - NOW then

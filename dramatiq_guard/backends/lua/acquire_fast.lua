@@ -37,13 +37,16 @@ do
           token = math.max(tonumber(values[2] or '0') + 1, now_us)
           redis.call('SET', T, fmt(token), 'PXAT', math.max(latest, now + tonumber(ARG_STALE_TTL_MS)))
         end
-        if raised then
+        -- Lowered (its own deadline was the latest: a throttle's start after its reservation), H
+        -- and I expire with the latest left, not with the reservation.
+        local lowered = not raised and own and latest < tonumber(top[2])
+        if raised or lowered then
           redis.call('PEXPIREAT', H, latest)
           if not fences and redis.call('PTTL', T) < latest - now then
             redis.call('PEXPIREAT', T, latest) -- later, never sooner: T may outlive the holders
           end
         end
-        if raised or fences then
+        if raised or fences or lowered then
           redis.call('PEXPIREAT', I, latest)
         end
         if QUEUE then -- a reservation at send, with its push (acquire.lua's header)

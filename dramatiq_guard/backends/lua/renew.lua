@@ -24,6 +24,14 @@ local function renew(H, T, I, holder, ttl)
   end
   local at = now + ttl
   redis.call('ZADD', H, at, holder)
+  if at < tonumber(deadline) then -- lowered (a throttle's start): H and I follow the latest left
+    local latest = redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')[2]
+    if tonumber(latest) < tonumber(deadline) then
+      redis.call('PEXPIREAT', H, latest)
+      redis.call('PEXPIREAT', I, latest)
+    end
+    return 1
+  end
   local reply = redis.pcall('PEXPIREAT', H, at, 'GT')
   if type(reply) == 'table' and reply.err then
     local last = redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')
