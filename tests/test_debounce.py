@@ -17,7 +17,15 @@ import dramatiq
 import pytest
 import redis
 from dramatiq.middleware import CurrentMessage
-from harness import FakeClock, RedisServer, fakeredis_clock, libfaketime, unavailable, wait_until
+from harness import (
+    FakeClock,
+    RedisServer,
+    SettableClock,
+    fakeredis_clock,
+    libfaketime,
+    unavailable,
+    wait_until,
+)
 
 import dramatiq_guard
 from dramatiq_guard import Debounce, GuardOptionError, events
@@ -27,16 +35,6 @@ from dramatiq_guard.testing import join
 START_MS = 1_900_000_000_000
 WAIT_MS, MAX_WAIT_MS = 1_000, 3_000
 TIMEOUT = 30.0
-
-
-class SettableClock:
-    """The clock of the in-memory backend alone, where libfaketime is not installed."""
-
-    def __init__(self, start_ms: int) -> None:
-        self.now_ms = start_ms
-
-    def advance(self, ms: int) -> None:
-        self.now_ms += ms
 
 
 Clock = FakeClock | SettableClock

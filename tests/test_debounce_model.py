@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import pytest
 import redis
-from harness import FakeClock, RedisServer, fakeredis_clock, libfaketime
+from harness import FakeClock, RedisServer, SettableClock, fakeredis_clock, libfaketime
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -63,19 +63,6 @@ class Copy:
 
     waiter: str
     generation: int
-
-
-class SettableClock:
-    """The test's clock where libfaketime is not installed (no redis-server then)."""
-
-    def __init__(self, start_ms: int) -> None:
-        self.now_ms = start_ms
-
-    def advance(self, ms: int) -> None:
-        self.now_ms += ms
-
-    def ns(self) -> int:
-        return self.now_ms * 1_000_000 + 500_500
 
 
 Clock = FakeClock | SettableClock

@@ -24,7 +24,7 @@ from .env import (
     redis_url_from_env,
     unavailable,
 )
-from .fake_clock import FakeClock, fakeredis_clock, libfaketime
+from .fake_clock import FakeClock, SettableClock, fakeredis_clock, libfaketime
 from .proxy import SilentProxy
 from .recorder import Gate, Recorder
 from .redis_server import REDIS_SERVER_ENV, RedisServer, free_port, redis_server_executable
@@ -51,6 +51,7 @@ __all__ = [
     "Gate",
     "Recorder",
     "RedisServer",
+    "SettableClock",
     "SilentProxy",
     "WaitTimeout",
     "WorkerFailed",

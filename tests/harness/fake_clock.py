@@ -121,6 +121,22 @@ def libfaketime() -> str | None:
     return _find(LIBFAKETIME_GLOBS)
 
 
+class SettableClock:
+    """A clock in whole milliseconds moved only by :meth:`advance`, for the in-memory backend alone
+    (through :func:`fakeredis_clock`) where libfaketime is not installed: no server reads it."""
+
+    def __init__(self, start_ms: int) -> None:
+        self.now_ms = start_ms
+
+    def advance(self, ms: int) -> None:
+        """Move the time forward by ``ms``."""
+        self.now_ms += ms
+
+    def ns(self) -> int:
+        """The time in ns since the epoch, as :meth:`FakeClock.ns` gives it."""
+        return self.now_ms * 1_000_000 + SUB_MS_NS
+
+
 class FakeClock:
     """A frozen wall clock in whole milliseconds, moved only by :meth:`advance`.
 
