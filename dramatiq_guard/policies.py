@@ -23,9 +23,10 @@ OnBusy = Literal["drop", "wait", "park"]
 
 
 def duration_ms(
-    value: object, *, what: str, allow_none: bool = False, maximum: int = MAX_DURATION_MS
+    value: object, *, what: str, allow_none: bool = False, minimum: int = 0, maximum: int = MAX_DURATION_MS
 ) -> int | None:
-    """``value`` (int ms, not a bool, or a timedelta; None if ``allow_none``) in ms, from 0 to ``maximum``.
+    """``value`` (int ms, not a bool, or a timedelta; None if ``allow_none``) in ms, from ``minimum``
+    to ``maximum``.
 
     Raises:
       ValueError: Naming ``what``, if ``value`` is not such a duration.
@@ -43,6 +44,8 @@ def duration_ms(
         )
     if ms < 0:
         raise ValueError(f"{what} must not be negative, not {value!r}")
+    if ms < minimum:
+        raise ValueError(f"{what} must be at least {minimum} ms, not {value!r}")
     if ms > maximum:
         raise ValueError(
             f"{what} must be at most {maximum // 86_400_000} days ({maximum} ms)"
@@ -269,10 +272,7 @@ class ThrottlePolicy:
 
     def __post_init__(self) -> None:
         _check_limit(self.limit)
-        period = duration_ms(self.period, what="period")
-        if not period:
-            raise ValueError(f"period must be at least 1 ms, not {self.period!r}")
-        _set(self, "period", period)
+        _set(self, "period", duration_ms(self.period, what="period", minimum=1))
         _set(self, "key", key_spec(self.key))
         _flag(self.fail_open, what="fail_open")
 
@@ -313,9 +313,7 @@ class DebouncePolicy:
     fail_open: bool = False
 
     def __post_init__(self) -> None:
-        wait = duration_ms(self.wait, what="wait")
-        if not wait:
-            raise ValueError(f"wait must be at least 1 ms, not {self.wait!r}")
+        wait = cast(int, duration_ms(self.wait, what="wait", minimum=1))
         max_wait = duration_ms(self.max_wait, what="max_wait", allow_none=True)
         if max_wait is not None and max_wait < wait:
             raise ValueError(f"max_wait must be None or at least wait ({wait} ms), not {self.max_wait!r}")
