@@ -194,6 +194,30 @@ class EnqueueGate:
         return held[1].enqueue(queue_name, message_id, data, self._push_original)
 
 
+class TicketGroup:
+    """Several tickets of one guard settled as one (an actor with a list of guards of one option)."""
+
+    def __init__(self) -> None:
+        self.tickets: list[PushTicket] = []
+
+    def add(self, ticket: PushTicket | None) -> None:
+        if ticket is not None:
+            self.tickets.append(ticket)
+
+    def settle(self, outcome: Outcome) -> None:
+        """Settle every ticket with ``outcome``, the last first."""
+        _settle(self.tickets, outcome)
+
+    def pushed(self) -> None:
+        self.settle(Outcome.PUSHED)
+
+    def parked(self) -> None:
+        self.settle(Outcome.PARKED)
+
+    def failed(self) -> None:
+        self.settle(Outcome.DROPPED)
+
+
 def _settle(tickets: list[PushTicket], outcome: Outcome) -> None:
     for ticket in reversed(tickets):
         try:

@@ -123,15 +123,24 @@ class KeyResolver:
       fn(Callable): The actor's function (its signature resolves names).
       spec(KeySpec): The key option: a callable, a tuple of argument names, or None.
       option(str): The actor option the key belongs to (errors name it).
+      scope(str|None): What scopes digested keys instead of ``actor_name`` (a later guard of an
+        option's list: ``<actor>#<index>``).
 
     Raises:
       ValueError: If ``spec`` names an argument the function does not take.
     """
 
     def __init__(
-        self, actor_name: str, fn: Callable[..., Any], spec: KeySpec, *, option: str = "guard"
+        self,
+        actor_name: str,
+        fn: Callable[..., Any],
+        spec: KeySpec,
+        *,
+        option: str = "guard",
+        scope: str | None = None,
     ) -> None:
         self.actor_name = actor_name
+        self.scope = scope or actor_name
         self.spec = spec
         self.option = option
         self.signature = inspect.signature(fn)
@@ -188,7 +197,7 @@ class KeyResolver:
             arguments = dict(bound.arguments)
         if self.spec is not None:
             arguments = {name: arguments[name] for name in self.spec}
-        return f"{self.actor_name}:{self._digest(arguments)}"
+        return f"{self.scope}:{self._digest(arguments)}"
 
     def _digest(self, arguments: dict[str, Any]) -> str:
         """:func:`digest` of ``arguments``, or the GuardKeyError that names what it cannot take."""

@@ -385,7 +385,12 @@ _ALLOWED: Mapping[str, str] = {
     ),
     "mutex": ("True; a dict with keys key, ttl, on_busy, wait, fail_open; or a dramatiq_guard.MutexPolicy"),
     "concurrency": (
-        "an int limit; a dict with keys limit, key, ttl, fail_open; or a dramatiq_guard.ConcurrencyPolicy"
+        "an int limit; a dict with keys limit, key, ttl, fail_open; a dramatiq_guard.ConcurrencyPolicy; "
+        "or a non-empty list of those (a message runs when every one admits it)"
+    ),
+    "throttle": (
+        "a dict with keys limit, period, key, fail_open; a dramatiq_guard.ThrottlePolicy; "
+        "or a non-empty list of those (a message starts when every one admits it)"
     ),
     "debounce": (
         "integer milliseconds or a datetime.timedelta (the wait); a dict with keys wait, max_wait, "
@@ -407,6 +412,23 @@ def _is_shorthand(cls: type[Any], value: object) -> bool:
     if cls is IdempotencyPolicy:
         return value is True or callable(value) or isinstance(value, (list, tuple))
     return any(value is s or (isinstance(s, str) and value == s) for s in cls.shorthands)
+
+
+#: The options that also take a list of policies: every one of them must admit a message.
+LIST_OPTIONS = frozenset({"concurrency", "throttle"})
+
+
+def parse_policies(cls: type[P], value: object, *, actor_name: str) -> tuple[P, ...]:
+    """Turn an actor option's value into its policies: one, or (for :data:`LIST_OPTIONS`) a list's.
+
+    Raises:
+      GuardOptionError: As :func:`parse_policy`; an empty list, or a list where the option takes none.
+    """
+    if not isinstance(value, (list, tuple)) or cls.option not in LIST_OPTIONS:
+        return (parse_policy(cls, value, actor_name=actor_name),)
+    if not value:
+        raise option_error(actor_name, cls.option, value, "an empty list")
+    return tuple(parse_policy(cls, item, actor_name=actor_name) for item in value)
 
 
 def parse_policy(cls: type[P], value: object, *, actor_name: str) -> P:

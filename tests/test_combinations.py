@@ -112,6 +112,15 @@ def paced(n):
     started = time.time()
     with rec.track("partner"):
         rec.record(n=n, started=started)
+
+
+@dramatiq.actor(
+    concurrency=[{"limit": 3, "key": lambda tenant, n: "tenants"}, {"limit": 1, "key": ["tenant"]}],
+    max_retries=0,
+)
+def per_tenant(tenant, n):
+    with rec.track("tenants"), rec.track(f"tenant:{tenant}"):
+        rec.record(tenant=tenant, n=n)
 """
 
 
@@ -230,6 +239,21 @@ def test_a_throttle_and_a_concurrency_limit_on_one_actor_hold_both(
     # Starts are stamped a moment after their acquire: windows are checked 0.5 s shorter.
     starts = sorted(r["started"] for r in records)
     assert all(later - earlier >= 1.0 for earlier, later in zip(starts[:-2], starts[2:], strict=True)), starts
+    drained(redisdb, recorder)
+
+
+def test_a_list_of_concurrency_limits_holds_each_one_on_worker_processes(
+    actors: ModuleType, dramatiq_worker: Start, recorder: Recorder, redisdb: redis.Redis
+) -> None:
+    """Invariant: one per tenant and three in all, across processes; every message runs once."""
+    sent = {(tenant, n) for tenant in ("t0", "t1", "t2", "t3") for n in range(3)}
+    for tenant, n in sorted(sent):
+        actors.per_tenant.send(tenant, n)
+    dramatiq_worker("actors", processes=2, threads=4)
+    records = recorder.take(len(sent), timeout=60)
+    assert sorted((r["tenant"], r["n"]) for r in records) == sorted(sent)
+    assert recorder.max_concurrency("tenants") <= 3
+    assert all(recorder.max_concurrency(f"tenant:{tenant}") == 1 for tenant in ("t0", "t1", "t2", "t3"))
     drained(redisdb, recorder)
 
 

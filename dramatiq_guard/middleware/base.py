@@ -21,7 +21,7 @@ from dramatiq_guard.bounds import MAX_PRIORITY
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.gate import gate_for
 from dramatiq_guard.keys import KeyResolver
-from dramatiq_guard.policies import Policy, option_error, parse_policy
+from dramatiq_guard.policies import Policy, option_error, parse_policies
 from dramatiq_guard.resolve import resolve_backend
 
 P = TypeVar("P", bound=Policy)
@@ -32,16 +32,29 @@ logger = logging.getLogger("dramatiq_guard.middleware")
 @dataclasses.dataclass(frozen=True)
 class ActorGuard(Generic[P]):
     """A guarded actor's parsed policy, its key resolver, and its Dramatiq ``priority`` (its waiters'
-    place among a key's: clamped to :data:`~dramatiq_guard.bounds.MAX_PRIORITY` each way)."""
+    place among a key's: clamped to :data:`~dramatiq_guard.bounds.MAX_PRIORITY` each way); ``index``:
+    its place in the actor's list of policies of the option (0: the first, or the only one)."""
 
     actor_name: str
     policy: P
     resolve_key: KeyResolver
     priority: int = 0
+    index: int = 0
+
+    @property
+    def scope(self) -> str:
+        """The actor's name, and ``#<index>`` for a later guard of a list: it scopes the guard's
+        digested keys, its run-time default limit and its state on a message."""
+        return guard_scope(self.actor_name, self.index)
 
     def key_of(self, message: Message[Any] | MessageProxy) -> str:
         """The guard key of a message of this actor (before the capability prefix)."""
         return self.resolve_key(message.args, message.kwargs)
+
+
+def guard_scope(actor_name: str, index: int) -> str:
+    """What scopes the ``index``-th guard of an actor's option (see :attr:`ActorGuard.scope`)."""
+    return f"{actor_name}#{index}" if index else actor_name
 
 
 @dataclasses.dataclass
@@ -100,7 +113,10 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
         self._redis = redis
         self._backend: GuardBackend | None = None
         self._backend_lock = threading.Lock()
+        #: Each guarded actor's first (or only) guard, by actor name.
         self.guarded: dict[str, ActorGuard[P]] = {}
+        #: Each guarded actor's guards, in the order of its option's list, by actor name.
+        self.guard_lists: dict[str, tuple[ActorGuard[P], ...]] = {}
 
     @property
     def option(self) -> str:
@@ -137,14 +153,22 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
         value = actor.options.get(self.option)
         if value is None or value is False:
             self.guarded.pop(actor.actor_name, None)
+            self.guard_lists.pop(actor.actor_name, None)
             return
-        policy = cast(P, parse_policy(self.policy_class, value, actor_name=actor.actor_name))
-        try:
-            resolver = KeyResolver(actor.actor_name, actor.fn, policy.key, option=self.option)
-        except ValueError as e:
-            raise option_error(actor.actor_name, self.option, value, str(e)) from None
+        policies = parse_policies(self.policy_class, value, actor_name=actor.actor_name)
         priority = max(-MAX_PRIORITY, min(int(actor.priority), MAX_PRIORITY))
-        self.guarded[actor.actor_name] = ActorGuard(actor.actor_name, policy, resolver, priority)
+        guards = []
+        for index, policy in enumerate(policies):
+            scope = guard_scope(actor.actor_name, index)
+            try:
+                resolver = KeyResolver(
+                    actor.actor_name, actor.fn, policy.key, option=self.option, scope=scope
+                )
+            except ValueError as e:
+                raise option_error(actor.actor_name, self.option, value, str(e)) from None
+            guards.append(ActorGuard(actor.actor_name, cast(P, policy), resolver, priority, index))
+        self.guarded[actor.actor_name] = guards[0]
+        self.guard_lists[actor.actor_name] = tuple(guards)
         self.attach(broker)
 
     def guards_actor(self, actor_name: str) -> bool:
@@ -154,3 +178,7 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
     def guard_of(self, message: Message[Any] | MessageProxy) -> ActorGuard[P] | None:
         """The guard of ``message``'s actor, or None if it is not guarded by this middleware."""
         return self.guarded.get(message.actor_name)
+
+    def guards_of(self, message: Message[Any] | MessageProxy) -> tuple[ActorGuard[P], ...]:
+        """Every guard of ``message``'s actor, in its option's order (empty if it is not guarded here)."""
+        return self.guard_lists.get(message.actor_name, ())

@@ -20,7 +20,8 @@ from dramatiq_guard import events
 from dramatiq_guard.backends.base import Handoff, ReleaseResult
 from dramatiq_guard.claim import Claim
 from dramatiq_guard.delivery import Courier, generation_of, keep_polling
-from dramatiq_guard.gate import gate_for
+from dramatiq_guard.errors import GuardKeyError
+from dramatiq_guard.gate import Diverted, PushTicket, TicketGroup, gate_for
 from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware
 from dramatiq_guard.middleware.slots.limits import KeyDirectory
 from dramatiq_guard.middleware.slots.releases import ContendedKeys, Releaser
@@ -73,7 +74,7 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         self.standby_threads = _count(standby_threads, "standby_threads")
         self.standbys = Standbys(self.lookahead, standby_threads or 0, self.standby_wait_ms)
         self.broker: Broker | None = None
-        self.keys: KeyDirectory[P] = KeyDirectory(self.prefix, self.guarded)
+        self.keys: KeyDirectory[P] = KeyDirectory(self.prefix, self.guard_lists)
         self._inflight: set[str] = set()  # messages holding a slot here (Retries' re-enqueue passes)
         self._inflight_lock = threading.Lock()
         self._couriers: dict[int, Courier] = {}
@@ -104,6 +105,29 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
 
     # -- keys -----------------------------------------------------------------
 
+    def slot_of(self, guard: ActorGuard[P]) -> str:
+        """Where the state of ``guard`` lives on a message (:class:`.ExecutionState`): the option's
+        name, ``#<index>`` added for a later guard of a list."""
+        return f"{self.option}#{guard.index}" if guard.index else self.option
+
+    def guard_keys_of(
+        self, guards: Sequence[ActorGuard[P]], message: Message[Any] | MessageProxy
+    ) -> list[tuple[ActorGuard[P], str]]:
+        """Each guard of ``message`` with its key.
+
+        Raises:
+          GuardKeyError: If a key cannot be computed, or two guards of the list give one key.
+        """
+        keyed = [(guard, self.guard_key_of(guard, message)) for guard in guards]
+        if len(keyed) > 1 and len({key for _, key in keyed}) < len(keyed):
+            raise GuardKeyError(
+                message.actor_name,
+                self.option,
+                f"two guards of its list give one key ({', '.join(repr(key) for _, key in keyed)})",
+                "Give each guard of a list a key of its own",
+            )
+        return keyed
+
     def claims(self, key: str) -> bool:
         """Whether ``key`` is a guard key of this capability."""
         return key.startswith(self.prefix + ":")
@@ -116,7 +140,7 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         """
         key = f"{self.prefix}:{guard.key_of(message)}"
         if callable(guard.resolve_key.spec):  # a digested key names its actor (KeyDirectory.guard_of)
-            self.keys.remember(key, guard.actor_name)
+            self.keys.remember(key, guard.scope)
         return key
 
     def key_for(self, actor: dramatiq.Actor[Any, Any] | str, *args: Any, **kwargs: Any) -> str:
@@ -146,29 +170,49 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
 
     def before_push(
         self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None = None
-    ) -> ReservationTicket | OneStepReservation | None:
-        """Reserve a slot for ``message``, or park it if its key is full (see :mod:`.reservation`).
+    ) -> PushTicket | None:
+        """Reserve a slot of each of ``message``'s guards, in its option's order, or park it on the
+        first whose key is full, giving back the slots reserved before it (see :mod:`.reservation`).
 
         A delayed message is decided when it comes due; a hand-off going back
         (``holds`` a key of this capability) and a message holding a slot here
         (its re-enqueue by Retries) pass.
         """
-        guard = self.guard_of(message)
-        if guard is None or delay is not None or self.on_busy(guard.policy) != "park":
+        guards = self.guards_of(message)
+        if not guards or delay is not None or self.on_busy(guards[0].policy) != "park":
             return None
         if holds is not None and self.claims(holds):
             return None
         with self._inflight_lock:
             if message.message_id in self._inflight:
                 return None
-        key = self.guard_key_of(guard, message)
+        keyed = self.guard_keys_of(guards, message)
+        if len(keyed) == 1:
+            return self._reserve(broker, message, *keyed[0], one_step=holds is None)
+        tickets = TicketGroup()
+        try:
+            for guard, key in keyed:
+                tickets.add(self._reserve(broker, message, guard, key, one_step=False))
+        except Diverted as diverted:
+            tickets.settle(diverted.outcome)
+            raise
+        except BaseException:
+            tickets.failed()
+            raise
+        return tickets
+
+    def _reserve(
+        self, broker: Broker, message: Message[Any], guard: ActorGuard[P], key: str, *, one_step: bool
+    ) -> ReservationTicket | OneStepReservation | None:
+        """Reserve a slot of one guard's ``key`` for ``message`` (with its push, if ``one_step`` and
+        it can), or park it there (raises :class:`Diverted`)."""
         claim = Claim(
             key, self.holder_of(message), self.default_limit(guard), self.pickup_ttl_ms,
             info=message.actor_name, generation=generation_of(message, key), priority=guard.priority,
             backend=self.backend(broker),
         )  # fmt: skip
         deliver = functools.partial(self.deliver, broker)
-        if holds is None and self._in_one_step(broker, claim, guard):
+        if one_step and self._in_one_step(broker, claim, guard):
             return OneStepReservation(broker, claim, message, deliver)
         return reserve_or_park(claim, message, deliver, fail_open_allowed=guard.policy.fail_open)
 

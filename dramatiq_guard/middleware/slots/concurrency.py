@@ -34,9 +34,9 @@ class Concurrency(SlotsMiddleware[ConcurrencyPolicy]):
         return "park"
 
     def default_limit(self, guard: ActorGuard[ConcurrencyPolicy]) -> int:
-        """The actor's run-time default (cached ``limit_cache``), else its option's ``limit``."""
+        """The guard's run-time default (cached ``limit_cache``), else its option's ``limit``."""
         backend = self._backend or self.backend(self._broker_or(None))
-        value = self._actor_limits.get(backend, guard.actor_name)
+        value = self._actor_limits.get(backend, guard.scope)
         return guard.policy.limit if value is None else value
 
     def set_actor_limit(
@@ -47,7 +47,8 @@ class Concurrency(SlotsMiddleware[ConcurrencyPolicy]):
         Processes see it within ``limit_cache``; this one sweeps the waiting
         keys of this middleware at once (a raised default hands their free
         slots on), the others' sweeps within 30 s. A per-key limit still
-        overrides it.
+        overrides it. With ``concurrency=[...]`` this sets the first guard's
+        default; ``"<actor>#<i>"`` names the guard at index ``i`` of the list.
 
         Raises:
           ValueError: If ``limit`` is negative.

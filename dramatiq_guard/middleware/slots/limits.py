@@ -52,32 +52,41 @@ class ActorLimits:
 
 
 class KeyDirectory(Generic[P]):
-    """Which of ``guarded``'s actors a guard key belongs to, as far as this process can tell: a key it
-    computed (the last ``size``), or a digested key (``<prefix>:<actor>:<sha256>``)."""
+    """Which guard of ``guard_lists``' actors a guard key belongs to, as far as this process can tell:
+    a key it computed (the last ``size``), or a digested key (``<prefix>:<scope>:<sha256>``, the
+    scope an actor's name, ``#<index>`` added for a later guard of a list)."""
 
-    def __init__(self, prefix: str, guarded: dict[str, ActorGuard[P]], size: int = 10_000) -> None:
+    def __init__(
+        self, prefix: str, guard_lists: dict[str, tuple[ActorGuard[P], ...]], size: int = 10_000
+    ) -> None:
         self.prefix = prefix
-        self.guarded = guarded
+        self.guard_lists = guard_lists
         self.size = size
         self._known: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def remember(self, key: str, actor_name: str) -> None:
-        """Record that ``key`` is a key of ``actor_name``."""
+    def remember(self, key: str, scope: str) -> None:
+        """Record that ``key`` is a key of the guard of ``scope`` (:attr:`ActorGuard.scope`)."""
         with self._lock:
-            self._known[key] = actor_name
+            self._known[key] = scope
             self._known.move_to_end(key)
             if len(self._known) > self.size:
                 self._known.popitem(last=False)
 
     def guard_of(self, key: str) -> ActorGuard[P] | None:
-        """The guard of the actor ``key`` belongs to, or None if this process cannot tell."""
+        """The guard ``key`` belongs to, or None if this process cannot tell."""
         with self._lock:
-            actor_name = self._known.get(key)
-        guard = self.guarded.get(actor_name) if actor_name is not None else None
+            scope = self._known.get(key)
+        guard = self._scoped(scope) if scope is not None else None
         if guard is None:
-            actor_name, _, digest = key[len(self.prefix) + 1 :].rpartition(":")
-            candidate = self.guarded.get(actor_name)
+            scope, _, digest = key[len(self.prefix) + 1 :].rpartition(":")
+            candidate = self._scoped(scope)
             if candidate is not None and not callable(candidate.resolve_key.spec) and len(digest) == 64:
                 guard = candidate
         return guard
+
+    def _scoped(self, scope: str) -> ActorGuard[P] | None:
+        actor_name, later, index = scope.partition("#")
+        guards = self.guard_lists.get(actor_name, ())
+        position = (int(index) if index.isdigit() else -1) if later else 0
+        return guards[position] if 0 <= position < len(guards) else None

@@ -9,16 +9,18 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any, Generic
 
 from dramatiq import Broker, Worker
 from dramatiq.broker import MessageProxy
 from dramatiq.brokers.stub import StubBroker
+from dramatiq.middleware import SkipMessage
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, ReleaseResult, Waiter
 from dramatiq_guard.claim import Claim, entry_ms
-from dramatiq_guard.delivery import acks_are_final, copy_generation
+from dramatiq_guard.delivery import acks_are_final, copy_generation, generation_of
 from dramatiq_guard.errors import BackendUnavailable, MutexWaitTimeout
 from dramatiq_guard.lease import Lease, runner_id
 from dramatiq_guard.middleware.base import ActorGuard, ExecutionState, execution_state, fail_open
@@ -96,7 +98,8 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
     # -- execution ------------------------------------------------------------
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
-        """Acquire the message's slot; park, drop or wait when the key is full.
+        """Acquire a slot of each of the message's guards, in its option's order; park, drop or wait
+        when a key is full (the slots taken before it are released by ``after_skip_message``).
 
         Raises:
           SkipMessage: The message was parked or dropped, or is a stale copy; or
@@ -105,31 +108,60 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
           BackendUnavailable: The backend could not be reached (unless ``fail_open``).
           GuardKeyError: The key could not be computed.
         """
-        guard = self.guard_of(message)
-        if guard is None or message.failed:
+        guards = self.guards_of(message)
+        if not guards or message.failed:
             return
-        key = self.guard_key_of(guard, message)
+        keyed = self.guard_keys_of(guards, message)
+        for position, (guard, key) in enumerate(keyed):
+            try:
+                self._take(broker, message, guard, key)
+            except SkipMessage:
+                not_run = execution_state(message).data.get(self.slot_of(guard))
+                if isinstance(not_run, NotRun) and not_run.reason == "parked":
+                    self._give_back_handoffs(broker, message, keyed[position + 1 :])
+                raise
+
+    def _take(self, broker: Broker, message: MessageProxy, guard: ActorGuard[P], key: str) -> None:
+        """Acquire the slot of one guard of the message (see :meth:`before_process_message`)."""
         limit = self.default_limit(guard)
         on_busy = self.on_busy(guard.policy)
         result = self._acquire(broker, message, guard, key, limit, on_busy)
         if result is None:
             return  # the backend is unavailable and the policy fails open
-        state = execution_state(message)
+        state, slot = execution_state(message), self.slot_of(guard)
         if result.running:
-            defer_second_copy(broker, message, state, self.option, key, self._deferral_ms(guard, result))
+            defer_second_copy(broker, message, state, slot, key, self._deferral_ms(guard, result))
         if not result.acquired or result.reserved_ms is not None or result.handoffs:
             self._contended.mark(key)  # the key has waiters: its release stays on the worker thread
         if result.stale:
-            skip_stale(message, state, self.option, key)
+            skip_stale(message, state, slot, key)
         if result.acquired:
             self._hold(message, state, guard, key, limit, result)
         elif on_busy == "drop":
             self.count_drop()
-            skip_dropped(message, state, self.option, key, result.holders)
+            skip_dropped(message, state, slot, key, result.holders)
         elif on_busy == "park":
-            skip_parked(message, state, self.option, key, result.limit)
+            skip_parked(message, state, slot, key, result.limit)
         else:
             raise MutexWaitTimeout(key, message.message_id, self.wait_ms(guard.policy), result.holders)
+
+    def _give_back_handoffs(
+        self, broker: Broker, message: MessageProxy, later: Sequence[tuple[ActorGuard[P], str]]
+    ) -> None:
+        """An earlier guard parked (or skipped) the message: the slots later guards' hand-offs reserved
+        for this copy go to their next waiters now, not after ``pickup_ttl`` (it parks on another key)."""
+        for guard, key in later:
+            if generation_of(message, key) is None:
+                continue  # no hand-off of that key brought it here: it holds nothing there
+            claim = Claim(
+                key, self.holder_of(message), self.default_limit(guard), 0, backend=self.backend(broker)
+            )
+            try:
+                self.deliver(broker, claim.release().handoffs)
+            except BackendUnavailable:
+                logger.debug(
+                    "Could not give back %s's reservation of %r; it lapses on its own.", message, key
+                )
 
     def _acquire(
         self,
@@ -151,8 +183,10 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         )  # fmt: skip
         wait = None
         if on_busy == "park":
-            # A standby (sent ahead) may block for a slot instead of parking, if this process lets it.
-            block_ms = entry_ms(self.standby_wait_ms) if self.standbys.seats.seats else 0
+            # A standby (sent ahead) may block for a slot instead of parking, if this process lets it
+            # and it holds no slot of an earlier guard of its list meanwhile.
+            blocks = self.standbys.seats.seats > 0 and guard.index == 0
+            block_ms = entry_ms(self.standby_wait_ms) if blocks else 0
             wait = Waiter(payload=message.encode(), wait_ms=block_ms)
         elif on_busy == "wait":
             wait = Waiter(wait_ms=entry_ms(self.wait_ms(guard.policy)))
@@ -190,7 +224,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
             self._backend, key, message.message_id, result, limit=limit, ttl_ms=self.lease_ttl_ms,
             cap_ms=guard.policy.ttl_ms,
         )  # fmt: skip
-        hold(message, state, self.option, lease)
+        hold(message, state, self.slot_of(guard), lease)
         with self._inflight_lock:
             self._inflight.add(message.message_id)
 
@@ -224,27 +258,31 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
     def after_ack(self, broker: Broker, message: MessageProxy) -> None:
         """A copy that parked after pickup was acked: its generation record goes (contract,
         *generations*), on a broker whose ack is final; elsewhere it lapses after ``stale_ttl_ms``."""
-        if self.guard_of(message) is None:
+        guards = self.guards_of(message)
+        if not guards or not acks_are_final(broker):
             return  # not this capability's: no state to make (every message is acked here)
-        not_run = execution_state(message).data.get(self.option)
-        if not (isinstance(not_run, NotRun) and not_run.reason == "parked" and acks_are_final(broker)):
-            return
-        try:
-            self.backend(broker).forget_parked_copy(not_run.key, self.holder_of(message))
-        except BackendUnavailable:
-            logger.debug("Could not forget the parked copy of %s; its record lapses on its own.", message)
+        data = execution_state(message).data
+        for guard in guards:
+            not_run = data.get(self.slot_of(guard))
+            if not (isinstance(not_run, NotRun) and not_run.reason == "parked"):
+                continue
+            try:
+                self.backend(broker).forget_parked_copy(not_run.key, self.holder_of(message))
+            except BackendUnavailable:
+                logger.debug("Could not forget the parked copy of %s; its record lapses on its own.", message)
 
     def _finish(self, broker: Broker, message: MessageProxy) -> None:
-        guard = self.guard_of(message)
-        if guard is None:
-            return
-        held = take_held(execution_state(message), self.option)
-        if held is None:
-            return
+        for guard in self.guards_of(message):
+            held = take_held(execution_state(message), self.slot_of(guard))
+            if held is not None:
+                self._let_go(broker, message, guard, held.lease)
+
+    def _let_go(self, broker: Broker, message: MessageProxy, guard: ActorGuard[P], lease: Lease) -> None:
+        """Release ``lease``, held by a message that ran (or was skipped after it acquired)."""
         with self._inflight_lock:
             self._inflight.discard(message.message_id)
         # The release sends the key's next waiters ahead as standbys (Standbys.count_after).
-        lease, actor = held.lease, message.actor_name
+        actor = message.actor_name
         send_ahead = 0
         if self.on_busy(guard.policy) == "park":
             held_ms = (time.time() - lease.acquired_at) * 1000

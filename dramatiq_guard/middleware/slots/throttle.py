@@ -11,6 +11,7 @@ key that is due each pass.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any
@@ -21,6 +22,7 @@ from dramatiq.middleware import SkipMessage
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult
+from dramatiq_guard.claim import Claim
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.gate import Diverted, Outcome
 from dramatiq_guard.middleware.base import ActorGuard, ExecutionState, execution_state
@@ -30,6 +32,13 @@ from dramatiq_guard.middleware.slots.reservation import OneStepReservation, Rese
 from dramatiq_guard.policies import OnBusy, ThrottlePolicy
 
 logger = logging.getLogger("dramatiq_guard.middleware.slots")
+
+
+@dataclasses.dataclass(frozen=True)
+class Started:
+    """A start this execution counted on ``key`` (given back if the message does not run)."""
+
+    key: str
 
 
 class Throttle(SlotsMiddleware[ThrottlePolicy]):
@@ -68,8 +77,10 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
         limit: int,
         result: AcquireResult,
     ) -> None:
-        # The start holds its place until it lapses: no lease to renew or release. The key's timer
-        # looks at it half a period on (sending the next waiters ahead), then when the start lapses.
+        # The start holds its place until it lapses: no lease to renew or release (but if the message
+        # does not run after all: after_skip_message). The key's timer looks at it half a period on
+        # (sending the next waiters ahead), then when the start lapses.
+        state.data[self.slot_of(guard)] = Started(key)
         with self._inflight_lock:
             self._inflight.add(message.message_id)
         broker = self._broker_or(None)
@@ -83,39 +94,67 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
         self._arm(broker, key, guard.policy.period_ms / 2000)  # early: standbys go ahead
 
     def _finish(self, broker: Broker, message: MessageProxy) -> None:
+        """The job ran (or was given up): its starts stay in their windows."""
         with self._inflight_lock:
             self._inflight.discard(message.message_id)
 
-    def before_push(
-        self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None = None
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        """The message did not run after all (a later guard parked it, or a later middleware skipped
+        it): the places it took leave their windows and go to the keys' next waiters."""
+        self._finish(broker, message)
+        state = execution_state(message)
+        for guard in self.guards_of(message):
+            started = state.data.pop(self.slot_of(guard), None)
+            if not isinstance(started, Started):
+                continue
+            claim = Claim(
+                started.key,
+                self.holder_of(message),
+                self.default_limit(guard),
+                0,
+                backend=self.backend(broker),
+            )
+            try:
+                self.deliver(broker, claim.release().handoffs)
+            except BackendUnavailable:
+                logger.warning(
+                    "Could not give back %s's place on %r; it counts as a start.", message, started.key
+                )
+
+    def _reserve(
+        self,
+        broker: Broker,
+        message: Message[Any],
+        guard: ActorGuard[ThrottlePolicy],
+        key: str,
+        *,
+        one_step: bool,
     ) -> ReservationTicket | OneStepReservation | None:
         """Reserve a place in the window for ``message``, or park it (in a worker process, arming the
         key's timer: a producer leaves the hand-offs to the workers, whose pickups are prompt)."""
         try:
-            return super().before_push(broker, message, delay, holds=holds)
+            return super()._reserve(broker, message, guard, key, one_step=one_step)
         except Diverted as diverted:
-            guard = self.guard_of(message)
-            if diverted.outcome is Outcome.PARKED and guard is not None and self._sweeper is not None:
-                self._arm(broker, self.guard_key_of(guard, message), self._opens_in(broker, guard, message))
+            if diverted.outcome is Outcome.PARKED and self._sweeper is not None:
+                self._arm(broker, key, self._opens_in(broker, guard, key))
             raise
 
-    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+    def _take(
+        self, broker: Broker, message: MessageProxy, guard: ActorGuard[ThrottlePolicy], key: str
+    ) -> None:
         """Take a place in the window, or park until one opens (and arm the key's timer)."""
         try:
-            super().before_process_message(broker, message)
+            super()._take(broker, message, guard, key)
         except SkipMessage:
-            not_run = execution_state(message).data.get(self.option)
-            guard = self.guard_of(message)
-            if isinstance(not_run, NotRun) and not_run.reason == "parked" and guard is not None:
-                self._arm(broker, not_run.key, self._opens_in(broker, guard, message))
+            not_run = execution_state(message).data.get(self.slot_of(guard))
+            if isinstance(not_run, NotRun) and not_run.reason == "parked":
+                self._arm(broker, key, self._opens_in(broker, guard, key))
             raise
 
-    def _opens_in(
-        self, broker: Broker, guard: ActorGuard[ThrottlePolicy], message: Message[Any] | MessageProxy
-    ) -> float | None:
-        """In how many seconds a place of the message's key opens (None: unknown, the sweep will see)."""
+    def _opens_in(self, broker: Broker, guard: ActorGuard[ThrottlePolicy], key: str) -> float | None:
+        """In how many seconds a place of ``key`` opens (None: unknown, the sweep will see)."""
         try:
-            return self._next_place(broker, self.guard_key_of(guard, message), guard)
+            return self._next_place(broker, key, guard)
         except BackendUnavailable:
             return None
 
