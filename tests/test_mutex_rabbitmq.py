@@ -1,4 +1,4 @@
-"""The mutex on RabbitMQ with a real ``dramatiq`` worker (2 processes x 4 threads).
+"""The mutex, and a list of concurrency limits, on RabbitMQ with a real ``dramatiq`` worker (2 x 4).
 
 The guard state lives in the harness's Redis (``DRAMATIQ_GUARD_REDIS_URL``,
 which ``install()`` uses for a broker that is not a RedisBroker). Parked
@@ -44,6 +44,16 @@ def parking(n):
 )
 def waiting(n):
     run(n)
+
+
+@dramatiq.actor(
+    queue_name={queue!r},
+    concurrency=[{{"limit": 3, "key": lambda tenant, n: "all"}}, {{"limit": 1, "key": ["tenant"]}}],
+    max_retries=0,
+)
+def per_tenant(tenant, n):
+    with rec.track("all"), rec.track(f"tenant:{{tenant}}"):
+        rec.record(tenant=tenant, n=n)
 """
 
 
@@ -72,6 +82,33 @@ def test_a_mutex_on_rabbitmq_never_runs_two_at_once_and_runs_every_message(
     assert tokens == sorted(tokens)  # each holder's fencing token is above the one before
     wait_until(lambda: not guard_leftovers(redisdb), what="no guard state left", redis=redisdb)
     assert worker.stop() == 0  # a graceful stop finishes whatever is in flight
+    assert recorder.pending() == 0, "a message ran more than once"
+
+
+def test_a_list_of_concurrency_limits_on_rabbitmq_holds_each_one(
+    actor_module: Callable[..., ModuleType],
+    dramatiq_worker: Callable[..., DramatiqWorker],
+    rabbitmq_url: str,
+    rabbitmq_broker: Any,
+    unique_name: str,
+    recorder: Recorder,
+    redisdb: redis.Redis,
+) -> None:
+    """Three in all and one per tenant; parked messages leave RabbitMQ and come back, once each."""
+    actors = actor_module(ACTORS.format(queue=f"{unique_name}_q"), broker_url=rabbitmq_url)
+    tenants = ("t0", "t1", "t2", "t3")
+    for n in range(3):  # before any worker: parked at enqueue on the first limit that refuses
+        for tenant in tenants:
+            actors.per_tenant.send(tenant, n)
+    worker = dramatiq_worker("actors", broker_url=rabbitmq_url, processes=2, threads=4)
+    for tenant in tenants:
+        actors.per_tenant.send(tenant, 3)
+    records = recorder.take(16, timeout=90)
+    assert sorted((r["tenant"], r["n"]) for r in records) == [(t, n) for t in tenants for n in range(4)]
+    assert recorder.max_concurrency("all") <= 3
+    assert all(recorder.max_concurrency(f"tenant:{tenant}") == 1 for tenant in tenants)
+    wait_until(lambda: not guard_leftovers(redisdb), what="no guard state left", redis=redisdb)
+    assert worker.stop() == 0
     assert recorder.pending() == 0, "a message ran more than once"
 
 
