@@ -89,9 +89,10 @@ BUDGETS: tuple[Budget, ...] = (
     Budget('mutex hand-off median <= 1.0 ms (on_busy="wait")', "slots/handoff_wait_ms", "<=", 1.0),
     Budget('mutex hand-off median <= 1.0 ms (on_busy="park")', "slots/handoff_park_ms", "<=", 1.0),
     # Issue #33: the ideal is (ceil(N / limit) - 1) x period + the last job (the first window admits at once).
-    Budget("throttle: backlog drains in <= 1.03x its ideal", "throttle/throttle_makespan_ratio", "<=", 1.03),
+    Budget("throttle: backlog drains in <= 1.03x its ideal", "throttle/throttle_makespan_ratio", "<=", 1.03,
+           floor="throttle/paced_makespan_ratio"),
     Budget("throttle: parked message starts <= 10 ms after its place opens (median)",
-           "throttle/throttle_start_delay_ms", "<=", 10),
+           "throttle/throttle_start_delay_ms", "<=", 10, floor="throttle/paced_start_delay_ms"),
 )  # fmt: skip
 
 

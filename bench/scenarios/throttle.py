@@ -88,6 +88,20 @@ def _drain_once(ctx: Context, actor: object, n: int, limit: int, period_s: float
     )
 
 
+def _paced_floor(ctx: Context, actor: object, windows: int, limit: int, period_s: float) -> float:
+    """The median start delay (ms) of unguarded messages sent ``limit`` at a time, one batch a period:
+    what Dramatiq alone takes to start a message from the instant it is available."""
+    run_id = ctx.new_run_id()
+    first = time.time() + period_s
+    for window in range(windows):
+        time.sleep(max(0.0, first + window * period_s - time.time()))
+        for _ in range(limit):
+            actor.send(run_id, windows * limit, time.time())  # type: ignore[attr-defined]
+    ctx.wait_finish(run_id)
+    delays = [float(d) for d in cast(list[bytes], ctx.client.lrange(f"bench:paced:{run_id}", 0, -1))]
+    return statistics.median(delays)
+
+
 @scenario("throttle", title="Throttle: a backlog drained at the limit", order=42)
 def throttle(ctx: Context) -> list[Figure]:
     """A backlog of N messages to one key throttled to L starts per period P, sent at once to a
@@ -110,6 +124,12 @@ def throttle(ctx: Context) -> list[Figure]:
       that none dies): its makespan over the same ideal, retries burned per message, the most
       retries one message burned (Dramatiq's default `max_retries` is 20), pickups per message.
       Its window is whole seconds: the quick run's throttle period of 250 ms is 1 s for it.
+    * The floor of the start delay: Dramatiq alone, no guard, the producer sending L messages at the
+      start of each period (20 periods) to the same idle-between-windows worker; the median of each
+      message's start minus its send. A throttled start cannot beat what the worker takes to start
+      a message that is there to take (the guard's standbys and its reset of the consumers' back-off
+      can). The makespan's floor follows from it: each window's places open a period after the
+      starts they follow, so a start delay d delays the last window by `(ceil(N / L) - 1) x d`.
 
     The two take turns, one drain each per repeat, on the same worker; each drain has a key of its own.
     """
@@ -134,6 +154,7 @@ def throttle(ctx: Context) -> list[Figure]:
     for actor, size, period, runs in in_turns(rows, ctx.repeats):
         runs.append(_drain_once(ctx, actor, size, limit, period))
     throttled, window = (median_run(runs) for *_, runs in rows)
+    floor_ms = _paced_floor(ctx, actors.paced_job, ctx.n(20, 3), limit, period_s)
     ctx.stop_workers()
     how = f"limit {limit} per {period_ms} ms, {PROCESSES}x{THREADS}, median of {ctx.repeats}"
     how_window = f"limit {limit} per {window_s} s, {PROCESSES}x{THREADS}, median of {ctx.repeats}"
@@ -144,6 +165,12 @@ def throttle(ctx: Context) -> list[Figure]:
                detail=f"N={n}, {how}; {throttled.makespan_s:.2f} s against {ideal:.2f} s"),
         Figure("throttle_start_delay_ms", "throttle: start after the place opened (median)",
                throttled.delay_ms, "ms", better="lower", detail=f"{n - limit} parked starts of that drain"),
+        Figure("paced_makespan_ratio", "floor: the ideal with Dramatiq's own start delay in each window, "
+               "/ ideal", (ideal + (math.ceil(n / limit) - 1) * floor_ms / 1000) / ideal, better="lower",
+               detail=f"{math.ceil(n / limit) - 1} windows after the first, each {floor_ms:.1f} ms late"),
+        Figure("paced_start_delay_ms", "floor: Dramatiq alone starts a message sent when its place opens "
+               "(median)", floor_ms, "ms", better="lower",
+               detail=f"no guard; {limit} sent at the start of each of {ctx.n(20, 3)} periods"),
         Figure("throttle_start_delay_p95_ms", "throttle: start after the place opened (p95)",
                throttled.delay_p95_ms, "ms", better="lower"),
         Figure("throttle_blocked_share", "throttle: parked starts taken before their place opened (standbys)",

@@ -5,7 +5,8 @@ module here). Each drain has a key of its own (its run id), so one drain's windo
 next one's places. A first middleware counts every message a worker takes off the broker, per actor,
 notes when its thread took it, and after a run pushes the retries it took to ``bench:retries:<run id>``
 and crosses the finish line. A job pushes ``"<start> <pickup>"`` (``time.time()`` on entry, and when
-its message was taken) to ``bench:starts:<run id>``.
+its message was taken) to ``bench:starts:<run id>``; the unguarded ``paced_job`` pushes how long after
+its send it started (ms) to ``bench:paced:<run id>``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ if os.environ.get("BENCH_THROTTLE"):
             self, broker: Any, message: Any, *, result: Any = None, exception: Any = None
         ) -> None:
             if exception is None:
-                run_id, total = message.args
+                run_id, total = message.args[:2]
                 broker.client.rpush(f"bench:retries:{run_id}", message.options.get("retries", 0))
                 cross_finish_line(broker.client, run_id, total)
 
@@ -63,6 +64,13 @@ if os.environ.get("BENCH_THROTTLE"):
     )
     def throttled_job(run_id: str, total: int) -> None:
         _job(run_id)
+
+    # The floor of a start delay: no guard, each message sent by the producer when its place opens
+    # (the producer paces them); it records how long after its send it started.
+    @dramatiq.actor(queue_name="bench_throttle", max_retries=0)
+    def paced_job(run_id: str, total: int, sent_at: float) -> None:
+        broker.client.rpush(f"bench:paced:{run_id}", repr((time.time() - sent_at) * 1000))
+        time.sleep(JOB_S)
 
     # The way users throttle with Dramatiq alone: WindowRateLimiter raises RateLimitExceeded, Retries
     # retries with backoff (tuned down from Dramatiq's 15 s minimum, as in the slots bench's crl_job;
