@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from dramatiq import Broker, Message
 
@@ -81,8 +81,8 @@ class DedupSender(GuardMiddleware[DedupPolicy]):
         sweep_interval: int | datetime.timedelta = 1_000,
     ) -> None:
         super().__init__(redis=redis)
-        self.pending_ttl_ms = _positive_ms(pending_ttl, "pending_ttl")
-        self.sweep_interval_ms = _positive_ms(sweep_interval, "sweep_interval")
+        self.pending_ttl_ms = cast(int, duration_ms(pending_ttl, what="pending_ttl", minimum=1))
+        self.sweep_interval_ms = cast(int, duration_ms(sweep_interval, what="sweep_interval", minimum=1))
         self._confirmer = Confirmer(linger=min(0.05, self.pending_ttl_ms / 10_000))
         self._local = threading.local()
         self._retries: dict[int, bool] = {}
@@ -318,10 +318,3 @@ class _OneStepTicket:
         self.message.options.pop(LOCK_OPTION, None)
         if self.two_steps is not None:
             self.two_steps.failed()
-
-
-def _positive_ms(value: int | datetime.timedelta, what: str) -> int:
-    ms = duration_ms(value, what=what)
-    if not ms:
-        raise GuardOptionError(f"Deduplication: {what} must be positive, not {value!r}")
-    return ms

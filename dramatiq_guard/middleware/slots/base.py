@@ -10,7 +10,7 @@ import abc
 import functools
 import threading
 from collections.abc import Sequence
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import dramatiq
 from dramatiq import Broker, Message, Worker
@@ -65,12 +65,12 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.lease_ttl_ms = _positive(lease_ttl, "lease_ttl")
-        self.pickup_ttl_ms = _positive(pickup_ttl, "pickup_ttl")
-        self.sweep_interval_ms = _positive(sweep_interval, "sweep_interval")
-        self.limit_cache_ms = _positive(limit_cache, "limit_cache", allow_zero=True)
+        self.lease_ttl_ms = _ms(lease_ttl, "lease_ttl")
+        self.pickup_ttl_ms = _ms(pickup_ttl, "pickup_ttl")
+        self.sweep_interval_ms = _ms(sweep_interval, "sweep_interval")
+        self.limit_cache_ms = _ms(limit_cache, "limit_cache", minimum=0)
         self.lookahead = _count(lookahead, "lookahead")
-        self.standby_wait_ms = _positive(standby_wait, "standby_wait")
+        self.standby_wait_ms = _ms(standby_wait, "standby_wait")
         self.standby_threads = _count(standby_threads, "standby_threads")
         self.standbys = Standbys(self.lookahead, standby_threads or 0, self.standby_wait_ms)
         self.broker: Broker | None = None
@@ -309,9 +309,5 @@ def _count(value: int | None, what: str) -> int | None:
     return value
 
 
-def _positive(value: Any, what: str, *, allow_zero: bool = False) -> int:
-    ms = duration_ms(value, what=what)
-    assert ms is not None
-    if ms == 0 and not allow_zero:
-        raise ValueError(f"{what} must be positive, not {value!r}")
-    return ms
+def _ms(value: Any, what: str, *, minimum: int = 1) -> int:
+    return cast(int, duration_ms(value, what=what, minimum=minimum))
