@@ -23,7 +23,7 @@ from dramatiq.brokers.redis import RedisBroker
 from harness import wait_until
 
 import dramatiq_guard
-from dramatiq_guard import Concurrency, GuardKeyError, GuardOptionError
+from dramatiq_guard import Concurrency, GuardKeyError, GuardOptionError, Throttle
 from dramatiq_guard.backends import GuardBackend, Stake
 from dramatiq_guard.backends.memory import MemoryBackend
 from dramatiq_guard.testing import join
@@ -144,6 +144,39 @@ def test_a_hand_off_parked_by_an_earlier_guard_gives_its_reservation_back_at_onc
     assert ran == []
     concurrency.deliver(guarded, backend.release("concurrency:a", "other-a", limit=1).handoffs)
     wait_until(lambda: ran == ["pair"], timeout=WAIT)
+
+
+def test_a_throttle_hand_off_parked_by_the_concurrency_guard_gives_its_place_back_at_once(
+    guarded: RedisBroker, worker: dramatiq.Worker
+) -> None:
+    """The same across options: a throttle hands a message a place, and at pickup the concurrency
+    guard (which decides first) parks it: the place goes back to the window's next waiter."""
+    ran: list[str] = []
+
+    @dramatiq.actor(
+        concurrency={"limit": 1, "key": lambda: "pool"},
+        throttle={"limit": 1, "period": 60_000, "key": lambda: "partner"},
+    )
+    def paced() -> None:
+        ran.append("paced")
+
+    backend = backend_of(guarded)
+    [throttle] = [m for m in guarded.middleware if isinstance(m, Throttle)]
+    assert backend.acquire(Stake("throttle:partner", "earlier", limit=1, ttl_ms=60_000)).acquired
+    message = paced.send()  # parks on the throttle at send
+    holder = f"{message.message_id}:0"
+    assert parked(backend, "throttle:partner") == [holder]
+    throttle.deliver(guarded, backend.release("throttle:partner", "earlier", limit=1).handoffs)
+    # Its way back to the broker reserved a place of each guard for its pickup; another message
+    # takes the pool's before the pickup (its reservation lapsed, say).
+    assert holders(backend, "throttle:partner") == [holder]
+    assert backend.release("concurrency:pool", message.message_id, limit=1).released
+    assert backend.acquire(Stake("concurrency:pool", "other", limit=1, ttl_ms=60_000)).acquired
+
+    worker.start()
+    wait_until(lambda: parked(backend, "concurrency:pool") == [message.message_id], timeout=WAIT)
+    wait_until(lambda: holders(backend, "throttle:partner") == [], timeout=WAIT)
+    assert ran == []
 
 
 def test_a_throttle_place_taken_before_a_later_throttle_parks_the_message_leaves_the_window(

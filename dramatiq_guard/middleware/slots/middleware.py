@@ -9,13 +9,11 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any, Generic
 
 from dramatiq import Broker, Worker
 from dramatiq.broker import MessageProxy
 from dramatiq.brokers.stub import StubBroker
-from dramatiq.middleware import SkipMessage
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, ReleaseResult, Waiter
@@ -111,15 +109,8 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         guards = self.guards_of(message)
         if not guards or message.failed:
             return
-        keyed = self.guard_keys_of(guards, message)
-        for position, (guard, key) in enumerate(keyed):
-            try:
-                self._take(broker, message, guard, key)
-            except SkipMessage:
-                not_run = execution_state(message).data.get(self.slot_of(guard))
-                if isinstance(not_run, NotRun) and not_run.reason == "parked":
-                    self._give_back_handoffs(broker, message, keyed[position + 1 :])
-                raise
+        for guard, key in self.guard_keys_of(guards, message):
+            self._take(broker, message, guard, key)
 
     def _take(self, broker: Broker, message: MessageProxy, guard: ActorGuard[P], key: str) -> None:
         """Acquire the slot of one guard of the message (see :meth:`before_process_message`)."""
@@ -145,23 +136,32 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         else:
             raise MutexWaitTimeout(key, message.message_id, self.wait_ms(guard.policy), result.holders)
 
-    def _give_back_handoffs(
-        self, broker: Broker, message: MessageProxy, later: Sequence[tuple[ActorGuard[P], str]]
-    ) -> None:
-        """An earlier guard parked (or skipped) the message: the slots later guards' hand-offs reserved
-        for this copy go to their next waiters now, not after ``pickup_ttl`` (it parks on another key)."""
-        for guard, key in later:
-            if generation_of(message, key) is None:
-                continue  # no hand-off of that key brought it here: it holds nothing there
-            claim = Claim(
-                key, self.holder_of(message), self.default_limit(guard), 0, backend=self.backend(broker)
-            )
-            try:
-                self.deliver(broker, claim.release().handoffs)
-            except BackendUnavailable:
-                logger.debug(
-                    "Could not give back %s's reservation of %r; it lapses on its own.", message, key
-                )
+    def _give_back_handoffs(self, broker: Broker, message: MessageProxy, reached: set[str]) -> None:
+        """A guard parked the message after pickup: the slots that hand-offs of this middleware's
+        keys reserved for this copy, on the guards it did not reach (``reached``: the slots that
+        held or refused it), go to their next waiters now, not after ``pickup_ttl`` (unless
+        ``keeps_when_parked``). Only a park: a copy refused as stale or running may share its
+        hand-off with a live copy."""
+        data = execution_state(message).data
+        if self.keeps_when_parked or not any(
+            isinstance(not_run, NotRun) and not_run.reason == "parked" for not_run in data.values()
+        ):
+            return
+        for guard in self.guards_of(message):
+            key = self.guard_key_of(guard, message)
+            if self.slot_of(guard) not in reached and generation_of(message, key) is not None:
+                self.give_back(broker, message, guard, key)
+
+    def give_back(self, broker: Broker, message: MessageProxy, guard: ActorGuard[P], key: str) -> None:
+        """Release what ``message`` holds of ``key`` and will not use (a reservation, a throttle's
+        place), and deliver what that hands on; if the backend is unreachable, it lapses on its own."""
+        claim = Claim(
+            key, self.holder_of(message), self.default_limit(guard), 0, backend=self.backend(broker)
+        )
+        try:
+            self.deliver(broker, claim.release().handoffs)
+        except BackendUnavailable:
+            logger.warning("Could not give back %s's place on %r; it lapses on its own.", message, key)
 
     def _acquire(
         self,
@@ -252,8 +252,11 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         self._finish(broker, message)
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
-        """Release the lease if a later middleware skipped the message after it acquired."""
+        """Release the leases this execution took if a guard (or another middleware) skipped the
+        message after they were acquired; give back what hand-offs reserved for it, if it parked."""
+        reached = set(execution_state(message).data)  # before _finish forgets the leases
         self._finish(broker, message)
+        self._give_back_handoffs(broker, message, reached)
 
     def after_ack(self, broker: Broker, message: MessageProxy) -> None:
         """A copy that parked after pickup was acked: its generation record goes (contract,

@@ -22,7 +22,6 @@ from dramatiq.middleware import SkipMessage
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult
-from dramatiq_guard.claim import Claim
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.gate import Diverted, Outcome
 from dramatiq_guard.middleware.base import ActorGuard, ExecutionState, execution_state
@@ -101,25 +100,13 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         """The message did not run after all (a later guard parked it, or a later middleware skipped
         it): the places it took leave their windows and go to the keys' next waiters."""
-        self._finish(broker, message)
+        super().after_skip_message(broker, message)
         state = execution_state(message)
         for guard in self.guards_of(message):
             started = state.data.pop(self.slot_of(guard), None)
             if not isinstance(started, Started):
                 continue
-            claim = Claim(
-                started.key,
-                self.holder_of(message),
-                self.default_limit(guard),
-                0,
-                backend=self.backend(broker),
-            )
-            try:
-                self.deliver(broker, claim.release().handoffs)
-            except BackendUnavailable:
-                logger.warning(
-                    "Could not give back %s's place on %r; it counts as a start.", message, started.key
-                )
+            self.give_back(broker, message, guard, started.key)
 
     def _reserve(
         self,
