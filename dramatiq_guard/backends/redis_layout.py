@@ -31,9 +31,10 @@ CONSTANTS: dict[str, int] = {
 
 class Check(NamedTuple):
     """An ARGV number a script refuses before its first write unless whole and in ``low..high`` (a
-    constant's name); ``name``: the one its error gives; ``optional``: ``''`` or none passes."""
+    number or a constant's name); ``name``: the one its error gives; ``optional``: ``''`` or none
+    passes."""
 
-    low: int
+    low: int | str
     high: str
     name: str = ""
     optional: bool = False
@@ -45,6 +46,7 @@ MS, COUNT, GENERATION = (
     Check(0, "MAX_GENERATION", optional=True),
 )
 WAIT_MS, LIMIT = Check(0, "MAX_DURATION_MS"), Check(0, "MAX_COUNT", optional=True)
+PRIORITY = Check("-MAX_PRIORITY", "MAX_PRIORITY", optional=True)
 
 
 def since_ms(place: float) -> int:
@@ -112,7 +114,7 @@ class AcquireArgs(NamedTuple):
     generation: Annotated[int | str, GENERATION]
     fenced: str
     runner: str
-    priority: int
+    priority: Annotated[int, PRIORITY]
 
 
 class ReleaseArgs(NamedTuple):

@@ -14,12 +14,12 @@ local function server_time()
   return us, math.floor(us / 1000)
 end
 
--- value as a whole number from low to high, else nil: decimal digits only (no sign, exponent,
--- fraction, hex, blank, inf or nan: a limit is stored as given), or a number already parsed.
+-- value as a whole number from low to high, else nil: decimal digits, after a '-' at most (no '+',
+-- exponent, fraction, hex, blank, inf or nan: a limit is stored as given), or a number already parsed.
 local function whole_number(value, low, high)
   local n = nil
   if type(value) == 'string' then
-    n = #value <= 16 and string.match(value, '^%d+$') and tonumber(value)
+    n = #value <= 17 and string.match(value, '^%-?%d+$') and tonumber(value)
   elseif type(value) == 'number' then
     n = value
   end

@@ -10,13 +10,7 @@
 -- With a push (QUEUE, QUEUE_MESSAGES: a RedisBroker queue's list and message hash; ARGV from
 -- PUSH_FROM: its message id), a send's reservation enqueues its message (the park payload) as
 -- Dramatiq's enqueue does, in the same step (GuardBackend.reserve_and_enqueue); nothing else does.
-priority = priority or '0'
-local rank = whole_number(string.match(priority, '^%-?(%d*)$'), 0, MAX_PRIORITY)
-if not rank then
-  return redis.error_reply('priority must be an integer from -' .. MAX_PRIORITY .. ' to ' .. MAX_PRIORITY
-    .. ', got ' .. priority)
-end
-priority = string.sub(priority, 1, 1) == '-' and -rank or rank
+priority = tonumber(priority) or 0 -- checked: '', or a whole number within the bounds
 local fences = fenced ~= '0'
 runner = runner or ''
 if string.find(runner, '[|@]') then

@@ -4,8 +4,7 @@
 -- returns the reply, acquire.lua would; anything else falls through to it.
 do
   local ttl = tonumber(ttl_ms)
-  if whole_number(string.match(priority or '0', '^%-?(%d*)$'), 0, MAX_PRIORITY)
-    and (generation == '' or generation == '0' and redis.call('EXISTS', G .. ':' .. holder) == 0)
+  if (generation == '' or generation == '0' and redis.call('EXISTS', G .. ':' .. holder) == 0)
     and not string.find(runner or '', '[|@]')
     and redis.call('EXISTS', W, P, R, D, S) == 0 then
     local runner = runner or ''
