@@ -65,6 +65,19 @@ def worker(guarded: RedisBroker) -> Iterator[dramatiq.Worker]:
     worker.stop()
 
 
+def per_tenant(running: Running, *, in_all: int) -> dramatiq.Actor[[str, int], None]:
+    """An actor of the global broker with ``in_all`` runs at once in all and one per tenant."""
+
+    @dramatiq.actor(
+        concurrency=[{"limit": in_all, "key": lambda tenant, n: "all"}, {"limit": 1, "key": ["tenant"]}],
+        max_retries=0,
+    )
+    def call(tenant: str, n: int) -> None:
+        running.run(["all", tenant], (tenant, n))
+
+    return call
+
+
 def backend_of(broker: dramatiq.Broker) -> GuardBackend:
     return next(m for m in broker.middleware if isinstance(m, Concurrency)).backend(broker)
 
@@ -82,13 +95,7 @@ def test_a_tenant_limit_inside_a_global_one_holds_both_and_parks_on_the_refusing
 ) -> None:
     """Three in all, one per tenant: a send parks on its tenant's key and gives its global slot back."""
     running = Running()
-
-    @dramatiq.actor(
-        concurrency=[{"limit": 3, "key": lambda tenant, n: "all"}, {"limit": 1, "key": ["tenant"]}],
-        max_retries=0,
-    )
-    def call(tenant: str, n: int) -> None:
-        running.run(["all", tenant], (tenant, n))
+    call = per_tenant(running, in_all=3)
 
     tenant_key = f"concurrency:{call.actor_name}#1:"  # a later guard's digested keys carry its index
     sent = [(tenant, n, call.send(tenant, n)) for tenant in ("t0", "t1", "t2", "t3") for n in range(3)]
@@ -216,13 +223,7 @@ def test_guards_of_a_list_on_a_stub_broker_with_the_memory_backend(stub_broker: 
     """The same composition as users' StubBroker tests run it: every message runs once, both held."""
     dramatiq_guard.install(stub_broker, redis=MemoryBackend())
     running = Running()
-
-    @dramatiq.actor(
-        concurrency=[{"limit": 2, "key": lambda tenant, n: "all"}, {"limit": 1, "key": ["tenant"]}],
-        max_retries=0,
-    )
-    def call(tenant: str, n: int) -> None:
-        running.run(["all", tenant], (tenant, n))
+    call = per_tenant(running, in_all=2)
 
     for n in range(4):
         for tenant in ("t0", "t1", "t2"):

@@ -57,18 +57,29 @@ def per_tenant(tenant, n):
 """
 
 
+@pytest.fixture
+def actors(
+    actor_module: Callable[..., ModuleType], rabbitmq_url: str, rabbitmq_broker: Any, unique_name: str
+) -> ModuleType:
+    return actor_module(ACTORS.format(queue=f"{unique_name}_q"), broker_url=rabbitmq_url)
+
+
+def drained(worker: DramatiqWorker, recorder: Recorder, redisdb: redis.Redis) -> None:
+    """Nothing of the guard is left; a graceful stop finishes what is in flight; nothing ran twice."""
+    wait_until(lambda: not guard_leftovers(redisdb), what="no guard state left", redis=redisdb)
+    assert worker.stop() == 0
+    assert recorder.pending() == 0, "a message ran more than once"
+
+
 @pytest.mark.parametrize("actor", ["parking", "waiting"])
 def test_a_mutex_on_rabbitmq_never_runs_two_at_once_and_runs_every_message(
     actor: str,
-    actor_module: Callable[..., ModuleType],
+    actors: ModuleType,
     dramatiq_worker: Callable[..., DramatiqWorker],
     rabbitmq_url: str,
-    rabbitmq_broker: Any,
-    unique_name: str,
     recorder: Recorder,
     redisdb: redis.Redis,
 ) -> None:
-    actors = actor_module(ACTORS.format(queue=f"{unique_name}_q"), broker_url=rabbitmq_url)
     send = getattr(actors, actor).send
     for n in range(10):  # before any worker: parked at enqueue (park), or queued (wait)
         send(n)
@@ -80,22 +91,17 @@ def test_a_mutex_on_rabbitmq_never_runs_two_at_once_and_runs_every_message(
     assert recorder.max_concurrency("one") == 1
     tokens = [r["token"] for r in records]
     assert tokens == sorted(tokens)  # each holder's fencing token is above the one before
-    wait_until(lambda: not guard_leftovers(redisdb), what="no guard state left", redis=redisdb)
-    assert worker.stop() == 0  # a graceful stop finishes whatever is in flight
-    assert recorder.pending() == 0, "a message ran more than once"
+    drained(worker, recorder, redisdb)
 
 
 def test_a_list_of_concurrency_limits_on_rabbitmq_holds_each_one(
-    actor_module: Callable[..., ModuleType],
+    actors: ModuleType,
     dramatiq_worker: Callable[..., DramatiqWorker],
     rabbitmq_url: str,
-    rabbitmq_broker: Any,
-    unique_name: str,
     recorder: Recorder,
     redisdb: redis.Redis,
 ) -> None:
     """Three in all and one per tenant; parked messages leave RabbitMQ and come back, once each."""
-    actors = actor_module(ACTORS.format(queue=f"{unique_name}_q"), broker_url=rabbitmq_url)
     tenants = ("t0", "t1", "t2", "t3")
     for n in range(3):  # before any worker: parked at enqueue on the first limit that refuses
         for tenant in tenants:
@@ -107,9 +113,7 @@ def test_a_list_of_concurrency_limits_on_rabbitmq_holds_each_one(
     assert sorted((r["tenant"], r["n"]) for r in records) == [(t, n) for t in tenants for n in range(4)]
     assert recorder.max_concurrency("all") <= 3
     assert all(recorder.max_concurrency(f"tenant:{tenant}") == 1 for tenant in tenants)
-    wait_until(lambda: not guard_leftovers(redisdb), what="no guard state left", redis=redisdb)
-    assert worker.stop() == 0
-    assert recorder.pending() == 0, "a message ran more than once"
+    drained(worker, recorder, redisdb)
 
 
 REDELIVERY_ACTORS = """
