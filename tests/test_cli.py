@@ -12,7 +12,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import cast
+from typing import Any, cast
 
 import dramatiq
 import pytest
@@ -217,7 +217,7 @@ def test_inspect_shows_a_throttle_keys_window(backend: RedisBackend, run: Run) -
 def test_inspect_shows_a_debounce_keys_pending_run(backend: RedisBackend, run: Run) -> None:
     """A debounce key's pending run: its message and actor, when it is due, the sends it superseded."""
     key = "debounce:doc-7"
-    sends = [
+    sends: list[dramatiq.Message[Any]] = [
         dramatiq.Message(queue_name="q", actor_name="reindex", args=(7, v), kwargs={}, options={})
         for v in range(3)
     ]

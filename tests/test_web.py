@@ -152,7 +152,7 @@ def test_the_key_page_and_the_overview_show_a_debounce_keys_pending_run(
         MemoryBackend() if kind == "memory" else RedisBackend.from_url(request.getfixturevalue("redis_url"))
     )
     key = "debounce:doc-7"
-    sends = [
+    sends: list[Message[Any]] = [
         Message(queue_name="q", actor_name="reindex", args=(7, v), kwargs={}, options={}) for v in range(4)
     ]
     for message in sends:
