@@ -125,8 +125,8 @@ def _waiter_view(peek: WaiterPeek, now: int) -> dict[str, Any]:
 def pending_view(summary: KeySummary, now: int) -> dict[str, Any] | None:
     """A debounce key's pending run (its first waiter, described if ``summary`` has it), or None if
     none waits (a run handed off is a holder): ``id``, ``actor``, ``args``, ``sent_ms`` (its send,
-    the burst's last), ``due_ms``, ``due_in_ms`` and ``superseded`` (the sends of this burst it
-    superseded, from the backend's clock ``now``)."""
+    the burst's last), ``due_ms``, ``due_in_ms`` (from ``now``, the backend's clock) and
+    ``superseded`` (the sends of its burst it superseded so far)."""
     if not summary.waiters:
         return None
     first = summary.first[0] if summary.first else None

@@ -242,6 +242,9 @@ def test_inspect_shows_a_debounce_keys_pending_run(backend: RedisBackend, run: R
     }
     assert 0 < pending["due_in_ms"] <= MINUTE and pending["sent_ms"] <= report["now_ms"]
 
+    [bare] = json.loads(run("inspect", "--json", "--waiters", "0", key)[1])["keys"]
+    assert (bare["pending"]["id"], bare["pending"]["actor"]) == (sends[-1].message_id, None)
+
     status, out, _ = run("inspect", key)
     assert status == 0
     assert f"  pending run {sends[-1].message_id} (reindex) due in " in out
