@@ -14,14 +14,23 @@ What it does:
 * two applications, each an actor module written to a temporary directory, each with its own
   broker and ``dramatiq_guard.install(broker, redis=<db 0>)``: app A on a RedisBroker (concurrency
   limit 2 on ``a-shared``, limit 1 per customer on 3 customers, an ``until_executed`` dedup actor,
-  limit 2 on ``both``, and a throttle of 3 starts a second with a concurrency limit of 2 on one
-  actor, ``a-throttle``), app B on RabbitMQ (limit 3 on ``b-own``, a parking mutex on ``b-mutex``,
-  limit 2 on ``both``: the key the two applications share);
+  limit 2 on ``both``, a throttle of 3 starts a second with a concurrency limit of 2 on one
+  actor, ``a-throttle``, and a debounced actor on 3 keys, ``deb-0..2``), app B on RabbitMQ
+  (limit 3 on ``b-own``, a parking mutex on ``b-mutex``, limit 2 on ``both``: the key the two
+  applications share);
 * two worker pools per application (``dramatiq <app> --processes 1 --threads 4``, each its own
   process group); messages are sent in bursts (``--burst`` per app at once, so keys fill up and
   messages park) over ``--send-for`` seconds, and every ``--interval`` seconds one worker process is
   SIGKILLed (round-robin over the pools) and its pool restarted in the background; after
   ``--kill-for`` seconds (and the last send) the kills stop and everything drains.
+
+The debounced actor gets bursts of its own, beside the bursts above: every ``DEBOUNCE_EVERY_S``
+during ``--send-for``, a burst of ``DEBOUNCE_SENDS`` sends per debounce key, each send numbered
+(its ``n``, in order of sending). A burst is *lost* if no run of its last send, nor of a later
+send of its key, ended; it *ran twice* if two runs started of its sends, *explained* if a kill
+explains it (the same message again, as for any message; two of its messages: a kill between its
+first send and the second run, a sweeper killed mid hand-off) or its sends were more than the
+debounce ``wait`` apart (two bursts for the guard).
 
 Every run of an actor pushes a start and an end record (with its pid and ``time.time()``). From
 the records, the kill times and the guard Redis it reports: messages lost (sent, never ended),
@@ -34,8 +43,8 @@ twice while a holder was outstanding, the time to drain, and the guard keys left
 figures are printed as Markdown and written, with the records, the kills and every worker's log,
 to ``--out`` (a temporary directory by default). The exit status is 1 if a message was lost, ran
 again without a kill to explain it, a limit or a window was exceeded, a dedup key admitted a
-second message, or a guard key other than a limit, a ``:gens:<waiter>`` record or a last fencing
-token (``:token``, with an expiry) was left.
+second message, a debounce burst was lost or ran twice unexplained, or a guard key other than a
+limit, a ``:gens:<waiter>`` record or a last fencing token (``:token``, with an expiry) was left.
 
 With ``--guard cluster`` the guard's Redis is a Redis Cluster of 3 primaries with 1 replica each
 (:class:`harness.topology.RedisCluster3x1`), both applications are on RabbitMQ (the RedisBroker is
@@ -103,6 +112,14 @@ LIMITS = {
 WINDOWS = {"a-throttle": (3, 1.0)}
 TOLERANCE_S = 0.1
 
+#: The debounced actor of app A: its keys, its wait and max_wait (ms), how long a run takes (s),
+#: how often each key gets a burst (s; a run may still execute when the next burst comes), and how
+#: many sends a burst has. Its sends are numbered from DEBOUNCE_N, apart from the other messages.
+DEBOUNCE_KEYS = ("deb-0", "deb-1", "deb-2")
+DEBOUNCE_WAIT_MS, DEBOUNCE_MAX_WAIT_MS = 300, 1_000
+DEBOUNCE_RUN_S, DEBOUNCE_EVERY_S, DEBOUNCE_SENDS = 0.5, 1.0, 4
+DEBOUNCE_N = 100_000
+
 APP_HEADER = """
 import json
 import os
@@ -167,6 +184,16 @@ def a_both(n, s):
 )
 def a_throttled(n, s):
     run("a-throttle", n, s)
+"""
+# Its key is its second argument: sends of one key make a burst (a send numbered n, with key k).
+APP_A += f"""
+
+@dramatiq.actor(
+    debounce={{"wait": {DEBOUNCE_WAIT_MS}, "max_wait": {DEBOUNCE_MAX_WAIT_MS}, "key": lambda n, k: k}},
+    **OPTS,
+)
+def a_debounced(n, k):
+    run(k, n, {DEBOUNCE_RUN_S})
 """
 
 APP_B = """
@@ -364,6 +391,7 @@ class Sent:
     called_at: float
     returned_at: float
     error: str | None = None
+    burst: int | None = None  # a debounced send's burst (its round; with its key, the burst)
 
 
 def plan(app: str, n: int, rng: random.Random) -> tuple[str, tuple[Any, ...], str]:
@@ -416,6 +444,54 @@ def send_all(args: argparse.Namespace, apps: Sequence[App], out: list[Sent]) -> 
             out.append(send_one(app, n, rngs[app.name]))
 
 
+def send_debounced(args: argparse.Namespace, app: App, out: list[Sent]) -> None:
+    """Every DEBOUNCE_EVERY_S over ``args.send_for`` seconds, a burst of DEBOUNCE_SENDS sends of the
+    debounced actor per debounce key, numbered from DEBOUNCE_N in order of sending."""
+    assert app.actors is not None
+    numbers = itertools.count(DEBOUNCE_N)
+    start = time.monotonic()
+    for burst in range(max(1, int(args.send_for / DEBOUNCE_EVERY_S))):
+        pause = start + burst * DEBOUNCE_EVERY_S - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        for key in DEBOUNCE_KEYS:
+            for n in itertools.islice(numbers, DEBOUNCE_SENDS):
+                called, error, mid = time.time(), None, ""
+                try:
+                    mid = app.actors.a_debounced.send(n, key).message_id
+                except Exception as exc:
+                    error = repr(exc)
+                out.append(
+                    Sent(app.name, n, "a_debounced", key, mid, None, called, time.time(), error, burst)
+                )
+
+
+def bursts_of(sent: Iterable[Sent]) -> dict[tuple[str, int], list[Sent]]:
+    """The debounced sends by burst, (key, round), each burst's sends accepted, in order."""
+    bursts: dict[tuple[str, int], list[Sent]] = defaultdict(list)
+    for s in sorted(sent, key=lambda s: s.n):
+        if s.burst is not None and s.error is None:
+            bursts[(s.key, s.burst)].append(s)
+    return bursts
+
+
+def burst_fates(bursts: dict[tuple[str, int], list[Sent]], ended: set[int]) -> dict[tuple[str, int], str]:
+    """Each burst's fate, from the sends numbered ``ended`` that ran to their end: ``"last"`` (its
+    last send ran), ``"later"`` (a later send of its key ran, superseding it), or ``"lost"``."""
+    ended_by_key: dict[str, int] = {}
+    for (key, _), sends in bursts.items():
+        for s in sends:
+            if s.n in ended:
+                ended_by_key[key] = max(ended_by_key.get(key, -1), s.n)
+    fates = {}
+    for (key, round_), sends in bursts.items():
+        last = sends[-1].n
+        fates[(key, round_)] = (
+            "last" if last in ended else "later" if ended_by_key.get(key, -1) > last else "lost"
+        )
+    return fates
+
+
 # --- the run --------------------------------------------------------------------------------
 
 
@@ -439,6 +515,7 @@ FAILOVER_KEY = "concurrency:both"
 GUARD_KEYS = {
     **{f"concurrency:{k}": k for k in LIMITS if k != "b-mutex"},
     "mutex:b-mutex": "b-mutex",
+    **{f"debounce:{k}": k for k in DEBOUNCE_KEYS},
     **{f"dedup:user-{u}": f"user-{u}" for u in range(4)},
 }
 
@@ -493,6 +570,7 @@ class Records:
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
         self.items: list[dict[str, Any]] = []
+        self.started: set[tuple[str, int]] = set()
         self.ended: set[tuple[str, int]] = set()
 
     def refresh(self) -> None:
@@ -500,8 +578,7 @@ class Records:
         for raw in new:
             record = json.loads(raw)
             self.items.append(record)
-            if record["phase"] == "end":
-                self.ended.add((record["app"], record["n"]))
+            (self.ended if record["phase"] == "end" else self.started).add((record["app"], record["n"]))
 
 
 def wait_for(predicate: Any, timeout: float, pause: float = 0.2) -> float | None:
@@ -639,24 +716,37 @@ def drive(
         pool.wait_ready(180)
     timeline = Timeline(first_send=time.time())
     sent: list[Sent] = []
+    debounced: list[Sent] = []
     sender = threading.Thread(target=send_all, args=(args, apps, sent))
     sender.start()
+    debouncer = threading.Thread(target=send_debounced, args=(args, apps[0], debounced))
+    debouncer.start()
     failover = None
     if cluster is not None:
         failover = threading.Thread(target=fail_over, args=(cluster, args, timeline), daemon=True)
         failover.start()
     kills, timeline.skipped_ticks = kill_phase(pools, args.interval, time.monotonic() + args.kill_for, sender)
     sender.join()
+    debouncer.join()
+    sent += debounced
     if failover is not None:
         failover.join()
     timeline.last_send = max(s.returned_at for s in sent)
     timeline.kills_stopped = time.time()
     print(f"chaos: kills stopped after {len(kills)} kills; draining", file=sys.stderr, flush=True)
-    expected = {(s.app, s.n) for s in sent if s.error is None and s.deduplicated_by is None}
+    expected = {
+        (s.app, s.n) for s in sent if s.error is None and s.deduplicated_by is None and s.burst is None
+    }
+    bursts = bursts_of(sent)
 
     def all_ended() -> bool:
         records.refresh()
-        return expected <= records.ended
+        ended = {n for app, n in records.ended if app == apps[0].name}
+        # Every debounced run that started ends too (one cut by a kill is delivered again).
+        debounced_runs = {(app, n) for app, n in records.started if n >= DEBOUNCE_N}
+        return (
+            expected | debounced_runs <= records.ended and "lost" not in burst_fates(bursts, ended).values()
+        )
 
     timeline.all_ended = wait_for(all_ended, args.drain_timeout)
 
@@ -800,7 +890,8 @@ def dedup_violations(sent: Sequence[Sent], runs: Sequence[Run]) -> list[dict[str
 def app_figures(
     app: str, outcome: Outcome, runs: Sequence[Run], kills_by_pid: dict[int, Kill]
 ) -> dict[str, Any]:
-    sent = [s for s in outcome.sent if s.app == app]
+    sent = [s for s in outcome.sent if s.app == app and s.burst is None]
+    runs = [run for run in runs if run.key not in DEBOUNCE_KEYS]
     accepted = {s.n for s in sent if s.error is None and s.deduplicated_by is None}
     ended = {run.n for run in runs if run.app == app and run.end is not None}
     started = Counter(run.n for run in runs if run.app == app)
@@ -817,6 +908,51 @@ def app_figures(
         "run_more_than_once": len({(r["n"]) for r in again}),
         "extra_runs": again,
         "unexplained_extra_runs": [r for r in again if r["explained_by"] is None],
+    }
+
+
+def debounce_figures(sent: Sequence[Sent], runs: Sequence[Run], kills: Sequence[Kill]) -> dict[str, Any]:
+    """The debounced actor's bursts: their fates (:func:`burst_fates`), the bursts that ran twice and
+    why, and how many came while a run of their key executed."""
+    kills_by_pid = {kill.pid: kill for kill in kills}
+    bursts = bursts_of(sent)
+    mine = [run for run in runs if run.key in DEBOUNCE_KEYS]
+    ended = {run.n for run in mine if run.end is not None}
+    fates = burst_fates(bursts, ended)
+    runs_of_n: dict[int, list[Run]] = defaultdict(list)
+    for run in mine:
+        runs_of_n[run.n].append(run)
+    twice, during_run = [], 0
+    for (key, round_), sends in sorted(bursts.items()):
+        first = sends[0].called_at
+        if any(r.key == key and r.start <= first <= (live_until(r, kills_by_pid) or 0.0) for r in mine):
+            during_run += 1
+        started = sorted((r for s in sends for r in runs_of_n[s.n]), key=lambda r: r.start)
+        gap = max((b.called_at - a.returned_at for a, b in itertools.pairwise(sends)), default=0.0)
+        for earlier, later in itertools.pairwise(started):
+            why = explain(earlier, later, kills_by_pid) if earlier.n == later.n else None
+            if earlier.n != later.n and gap * 1000 >= DEBOUNCE_WAIT_MS:
+                why = f"its sends were {gap:.3f} s apart: two bursts"
+            elif earlier.n != later.n and any(first <= k.sent_at <= later.start for k in kills):
+                why = "a kill between its first send and the second run (a sweeper's hand-off cut)"
+            twice.append({"key": key, "burst": round_, "n": [earlier.n, later.n], "explained_by": why})
+    accepted = [s for sends in bursts.values() for s in sends]
+    return {
+        "keys": len(DEBOUNCE_KEYS),
+        "bursts": len(bursts),
+        "sends": sum(1 for s in sent if s.burst is not None),
+        "send_errors": sum(1 for s in sent if s.burst is not None and s.error is not None),
+        "runs": len(mine),
+        "runs_without_end": sum(1 for run in mine if run.end is None),
+        # A run cut by a kill is delivered again (at least once): a message started never ended is lost.
+        "started_never_ended": sorted({run.n for run in mine} - ended),
+        "superseded": sum(1 for s in accepted if not runs_of_n.get(s.n)),
+        "last_send_ran": sum(1 for fate in fates.values() if fate == "last"),
+        "superseded_by_a_later_burst": sum(1 for fate in fates.values() if fate == "later"),
+        "lost": sorted(f"{key}#{round_}" for (key, round_), fate in fates.items() if fate == "lost"),
+        "sent_during_a_run": during_run,
+        "ran_twice": twice,
+        "ran_twice_unexplained": [t for t in twice if t["explained_by"] is None],
     }
 
 
@@ -882,6 +1018,7 @@ def analyse(outcome: Outcome, logs: Path) -> dict[str, Any]:
             "moved_again_s": moved_again(runs, t),
         },
         "apps": {app: app_figures(app, outcome, runs, kills_by_pid) for app in ("a", "b")},
+        "debounce": debounce_figures(outcome.sent, runs, outcome.kills),
         "max_concurrency": concurrency(runs, kills_by_pid),
         "limits": LIMITS,
         "window_peaks": window_peaks(runs),
@@ -954,6 +1091,28 @@ def key_table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def debounce_table(result: dict[str, Any]) -> list[str]:
+    d = result["debounce"]
+    return [
+        f"| debounced actor (app A): {d['keys']} keys, `wait` {DEBOUNCE_WAIT_MS} ms, `max_wait` "
+        f"{DEBOUNCE_MAX_WAIT_MS} ms, runs of {DEBOUNCE_RUN_S:g} s; a burst of {DEBOUNCE_SENDS} sends per "
+        f"key every {DEBOUNCE_EVERY_S:g} s | |",
+        "|---|---:|",
+        f"| bursts sent | {d['bursts']} |",
+        f"| sends (send errors) | {d['sends']} ({d['send_errors']}) |",
+        f"| sends superseded (never ran) | {d['superseded']} |",
+        f"| runs (starts) | {d['runs']} |",
+        f"| runs cut by a kill (no end) | {d['runs_without_end']} |",
+        f"| bursts whose last send ran | {d['last_send_ran']} |",
+        f"| bursts superseded by a later one of their key, which ran | {d['superseded_by_a_later_burst']} |",
+        f"| bursts that came while a run of their key executed | {d['sent_during_a_run']} |",
+        f"| **lost** bursts (neither ran) | {len(d['lost'])} |",
+        f"| runs started and **never** run to their end | {len(d['started_never_ended'])} |",
+        f"| bursts run twice (explained by a kill, or sends a `wait` apart) | {len(d['ran_twice'])} |",
+        f"| bursts run twice **not** explained | {len(d['ran_twice_unexplained'])} |",
+    ]
+
+
 def seconds(value: float | None, missing: str) -> str:
     return missing if value is None else f"{value:.1f} s"
 
@@ -987,6 +1146,8 @@ def render(result: dict[str, Any], command: str, b_broker: str) -> str:
         *app_table(result),
         "",
         *key_table(result),
+        "",
+        *debounce_table(result),
         "",
         "Dedup messages admitted while an earlier one of their key was outstanding: "
         f"{len(result['dedup_admitted_while_held'])}.",
@@ -1048,6 +1209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         or any(result["max_concurrency"][k] > v for k, v in LIMITS.items())
         or any(result["window_peaks"][k] > limit for k, (limit, _) in WINDOWS.items())
         or result["dedup_admitted_while_held"]
+        or result["debounce"]["lost"]
+        or result["debounce"]["started_never_ended"]
+        or result["debounce"]["ran_twice_unexplained"]
         or result["leftovers"]["other"]
     )
     return 1 if failed else 0

@@ -8,6 +8,7 @@ arguments are data, never markup) and write through :func:`set_limit` and
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import fnmatch
 import importlib
 import json
@@ -48,6 +49,25 @@ def format_ms(ms: int | None) -> str:
     return f"{seconds // 86_400}d{(seconds % 86_400) // 3600:02d}h"
 
 
+def format_time(ms: int | None) -> str:
+    """A time on the backend's clock (ms since the epoch) for people: ``2026-11-27 12:00:01.250 UTC``."""
+    if ms is None:
+        return "-"
+    moment = datetime.datetime.fromtimestamp(ms / 1000, datetime.timezone.utc)
+    return moment.strftime("%Y-%m-%d %H:%M:%S.") + f"{moment.microsecond // 1000:03d} UTC"
+
+
+def describe_pending(pending: dict[str, Any] | None) -> str:
+    """A :func:`pending_view` in one line (the command's)."""
+    if pending is None:
+        return "no pending run (the last one was handed to the broker; a send starts the next)"
+    actor = f" ({pending['actor']})" if pending["actor"] else ""
+    return (
+        f"pending run {pending['id'] or '?'}{actor} due in {format_ms(pending['due_in_ms'])}"
+        f" (at {format_time(pending['due_ms'])}), {pending['superseded']} send(s) superseded in this burst"
+    )
+
+
 def parse_limit(text: str) -> int | None:
     """``text`` as a limit (an integer from 0 to :data:`~dramatiq_guard.bounds.MAX_COUNT`), else None."""
     try:
@@ -65,7 +85,7 @@ def indexed_keys(backend: GuardBackend, pattern: str = "*") -> list[str]:
 
 
 def kind_of(key: str) -> str:
-    """``dedup``, ``mutex``, ``concurrency`` or ``throttle`` (by the key's prefix), else ``other``."""
+    """One of :data:`KINDS` (by the key's prefix), else ``other``."""
     prefix = key.partition(":")[0]
     if prefix == "concurrency-default":
         return "concurrency"
@@ -99,6 +119,27 @@ def _waiter_view(peek: WaiterPeek, now: int) -> dict[str, Any]:
         "parked": peek.payload is not None,
         "actor": actor or peek.info,
         "args": args,
+    }
+
+
+def pending_view(summary: KeySummary, now: int) -> dict[str, Any] | None:
+    """A debounce key's pending run (its first waiter, described if ``summary`` has it), or None if
+    none waits (a run handed off is a holder): ``id``, ``actor``, ``args``, ``sent_ms`` (its send,
+    the burst's last), ``due_ms``, ``due_in_ms`` (from ``now``, the backend's clock) and
+    ``superseded`` (the sends of its burst it superseded so far)."""
+    if not summary.waiters:
+        return None
+    first = summary.first[0] if summary.first else None
+    actor, args = describe_payload(None if first is None else first.payload)
+    due = summary.due_ms
+    return {
+        "id": None if first is None else first.waiter_id,
+        "actor": actor,
+        "args": args,
+        "sent_ms": None if first is None else first.since_ms,
+        "due_ms": due,
+        "due_in_ms": None if due is None else due - now,
+        "superseded": summary.superseded or 0,
     }
 
 
@@ -142,6 +183,10 @@ def key_view(key: str, state: KeyState, now: int, summary: KeySummary) -> dict[s
     if view["kind"] == "throttle":  # its holders are the starts in the window
         starts, opens_at = state.window()
         view["window"] = {"starts": starts, "opens_in_ms": None if opens_at is None else opens_at - now}
+    if view["kind"] == "debounce":
+        pending = view["pending"] = pending_view(summary, now)
+        if pending is not None and pending["id"] is None and state.waiters:  # none described (--waiters 0)
+            pending["id"], pending["sent_ms"] = state.waiters[0][:2]
     return view
 
 
@@ -216,7 +261,8 @@ def overview(
     """Every indexed key matching ``pattern`` (and ``kind``) with holders, waiters or a run-time limit.
 
     Most in need of a look first, page ``page`` of ``per_page`` rows (None: all): ``now_ms``,
-    ``total``, ``counts`` (per kind: keys, holders, waiters), ``page``, ``pages`` and ``keys``.
+    ``total``, ``counts`` (per kind: keys, holders, waiters), ``page``, ``pages`` and ``keys``
+    (:func:`summary_view`; a debounce key's shown also with its ``pending`` run, :func:`pending_view`).
     """
     keys = indexed_keys(backend, pattern)
     if kind is not None:
@@ -234,6 +280,12 @@ def overview(
     pages = 1 if per_page is None else max(1, -(-len(rows) // per_page))
     page = min(max(1, page), pages)
     shown = rows if per_page is None else rows[(page - 1) * per_page : page * per_page]
+    debounced = [row for row in shown if row["kind"] == "debounce"]
+    # Their first waiter's message too (the other rows' are not read: a payload may be large).
+    for row, summary in zip(
+        debounced, backend.summaries([r["key"] for r in debounced], waiters=1), strict=True
+    ):
+        row["pending"] = pending_view(summary, now)
     return {"now_ms": now, "total": len(rows), "counts": counts, "page": page, "pages": pages, "keys": shown}
 
 

@@ -43,7 +43,7 @@ from dramatiq_guard.backends.base import (
     check_key,
     check_ms,
 )
-from dramatiq_guard.backends.values import AcquireOutcome, standby_window
+from dramatiq_guard.backends.values import DEBOUNCE_TIMER, AcquireOutcome, standby_window
 
 __all__ = ["OracleBackend"]
 
@@ -51,8 +51,6 @@ __all__ = ["OracleBackend"]
 #: carries it (generations are tokens, above ORIGINAL_GENERATION), so every copy of the waiter
 #: on the broker is stale; the next hand-off's generation replaces it.
 _REPARKED = -1
-#: A debounce key's timer holder: its deadline is when the pending run is due.
-_DUE = "~due"
 
 
 @dataclasses.dataclass
@@ -563,7 +561,7 @@ class OracleBackend(GuardBackend):
             entry.payload, entry.route = payload, self.route
             guard.default_limit, guard.first_send_ms = 1, first
             due = max(now, min(now + wait_ms, first + max_wait_ms))
-            guard.holders[_DUE] = due  # the timer holder: it keeps the key's one slot until then
+            guard.holders[DEBOUNCE_TIMER] = due  # the timer holder: it keeps the key's one slot until then
             self._end(key, guard)
             return superseded, due - now
 

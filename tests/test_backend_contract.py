@@ -44,6 +44,7 @@ from dramatiq_guard.backends import (
 )
 from dramatiq_guard.backends.base import HOLDERS_SHOWN, MIN_STANDBY_WINDOW, ORIGINAL_GENERATION
 from dramatiq_guard.backends.redis_client import RedisClient
+from dramatiq_guard.backends.values import DEBOUNCE_TIMER
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.renewer import LeaseHandle, LeaseRenewer, get_renewer
@@ -2344,6 +2345,27 @@ def test_summaries_of_many_keys_come_back_in_order(env: Env) -> None:
     assert [s.waiters for s in got] == [i % 2 for i in range(25)]
     assert [[w.waiter_id for w in s.first] for s in got] == [[f"w{i}"] if i % 2 else [] for i in range(25)]
     assert backend.summaries([]) == []
+
+
+def test_summaries_show_a_debounce_keys_pending_run_due_time_and_superseded_sends(env: Env) -> None:
+    """A debounce key's summary: its pending run (the first waiter), when it is due (its timer
+    holder's deadline), and how many sends of the burst it superseded (kept by the send's own
+    script; a message sent again is not one); a burst after the queue emptied counts from 0."""
+    backend = env.backend()
+    key = "debounce:doc"
+    for waiter in ("m1", "m2", "m2", "m3"):
+        backend.debounce(key, waiter, f"msg:{waiter}".encode(), wait_ms=60_000, max_wait_ms=120_000)
+
+    [summary, plain] = backend.summaries([key, KEY], waiters=1)
+
+    assert (summary.waiters, [(w.waiter_id, w.payload) for w in summary.first]) == (1, [("m3", b"msg:m3")])
+    assert summary.due_ms == dict(backend.inspect(key).holders)[DEBOUNCE_TIMER]
+    assert summary.superseded == 2
+    assert (plain.due_ms, plain.superseded) == (None, None)
+    backend.cancel_wait(key, "m3", limit=1)  # the queue empties: the burst is over
+    backend.debounce(key, "m4", b"msg:m4", wait_ms=60_000, max_wait_ms=120_000)
+    [summary] = backend.summaries([key])
+    assert (summary.waiters, summary.superseded) == (1, 0)
 
 
 def test_summaries_check_their_keys_and_count(env: Env) -> None:

@@ -12,13 +12,15 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import cast
+from typing import Any, cast
 
 import dramatiq
 import pytest
 import redis
+from harness import wait_until
 
 from dramatiq_guard.backends import RedisBackend, Stake, Waiter
+from dramatiq_guard.backends.values import DEBOUNCE_TIMER
 from dramatiq_guard.cli import main, parse_duration
 
 MINUTE = 60_000
@@ -210,6 +212,58 @@ def test_inspect_shows_a_throttle_keys_window(backend: RedisBackend, run: Run) -
     status, out, _ = run("inspect", "--summary")
     assert status == 0
     assert [line.split()[:2] for line in out.splitlines()[1:]] == [[key, "throttle"]]
+
+
+def test_inspect_shows_a_debounce_keys_pending_run(backend: RedisBackend, run: Run) -> None:
+    """A debounce key's pending run: its message and actor, when it is due, the sends it superseded."""
+    key = "debounce:doc-7"
+    sends: list[dramatiq.Message[Any]] = [
+        dramatiq.Message(queue_name="q", actor_name="reindex", args=(7, v), kwargs={}, options={})
+        for v in range(3)
+    ]
+    for message in sends:
+        backend.debounce(key, message.message_id, message.encode(), wait_ms=MINUTE, max_wait_ms=2 * MINUTE)
+    due = dict(backend.inspect(key).holders)[DEBOUNCE_TIMER]
+
+    status, out, err = run("inspect", "--json", key)
+    assert (status, err) == (0, "")
+    report = json.loads(out)
+    [view] = report["keys"]
+    assert view["kind"] == "debounce"
+    pending = view["pending"]
+    assert pending == {
+        "id": sends[-1].message_id,
+        "actor": "reindex",
+        "args": "7, 2",
+        "sent_ms": pending["sent_ms"],
+        "due_ms": due,
+        "due_in_ms": due - report["now_ms"],
+        "superseded": 2,
+    }
+    assert 0 < pending["due_in_ms"] <= MINUTE and pending["sent_ms"] <= report["now_ms"]
+
+    [bare] = json.loads(run("inspect", "--json", "--waiters", "0", key)[1])["keys"]
+    assert (bare["pending"]["id"], bare["pending"]["actor"]) == (sends[-1].message_id, None)
+
+    status, out, _ = run("inspect", key)
+    assert status == 0
+    assert f"  pending run {sends[-1].message_id} (reindex) due in " in out
+    assert "2 send(s) superseded in this burst" in out
+
+    status, out, _ = run("inspect", "--summary")
+    assert status == 0
+    header, line = out.splitlines()
+    assert header.split()[-2:] == ["PENDING", "RUN"] and line.split()[:2] == [key, "debounce"]
+    assert f"pending run {sends[-1].message_id} (reindex)" in line
+    summary = json.loads(run("inspect", "--summary", "--json")[1])
+    assert summary["keys"][0]["pending"]["id"] == sends[-1].message_id
+
+    # Handed off when due: a holder now (its hand-off unconfirmed), nothing pending.
+    backend.debounce(key, "m-last", sends[0].encode(), wait_ms=1, max_wait_ms=1)
+    wait_until(lambda: backend.sweep(key, limit=1).handoffs)
+    [view] = json.loads(run("inspect", "--json", key)[1])["keys"]
+    assert view["pending"] is None and [h["holder"] for h in view["holders"]] == ["m-last"]
+    assert "  no pending run (the last one was handed to the broker" in run("inspect", key)[1]
 
 
 def test_inspect_shows_a_key_named_exactly_without_holders_or_waiters(run: Run) -> None:

@@ -19,6 +19,7 @@ from dramatiq_guard.backends.redis_layout import (
     CONSTANTS,
     LAYOUTS,
     LETTERS,
+    NAMES,
     CallArgs,
     KeyNames,
     lua_binding,
@@ -26,7 +27,7 @@ from dramatiq_guard.backends.redis_layout import (
     lua_prologue,
 )
 from dramatiq_guard.backends.redis_scripts import LEAN_SCRIPTS, PRELUDE, PRELUDE_SCRIPTS, load_lua, prelude
-from dramatiq_guard.backends.values import HOLDERS_SHOWN, MIN_STANDBY_WINDOW
+from dramatiq_guard.backends.values import DEBOUNCE_TIMER, HOLDERS_SHOWN, MIN_STANDBY_WINDOW
 
 
 def _text(value: Any) -> Any:
@@ -36,9 +37,10 @@ def _text(value: Any) -> Any:
 
 
 def test_the_scripts_get_the_python_constants(redisdb: redis.Redis) -> None:
-    names = list(CONSTANTS)
+    names = [*CONSTANTS, *NAMES]
     got = redisdb.eval(lua_constants() + f"return {{{', '.join(names)}}}", 0)
-    assert dict(zip(names, got, strict=True)) == CONSTANTS
+    assert dict(zip(names, _text(got), strict=True)) == CONSTANTS | NAMES
+    assert NAMES["DEBOUNCE_TIMER"] == DEBOUNCE_TIMER
     assert (
         CONSTANTS["MAX_DURATION_MS"] == bounds.MAX_DURATION_MS and CONSTANTS["MAX_COUNT"] == bounds.MAX_COUNT
     )

@@ -18,6 +18,7 @@ from werkzeug.test import Client, TestResponse
 
 from dramatiq_guard import admin
 from dramatiq_guard.backends import Handoff, MemoryBackend, RedisBackend, Stake, Waiter
+from dramatiq_guard.backends.values import DEBOUNCE_TIMER
 from dramatiq_guard.cli import main
 from dramatiq_guard.ledger import Ledger
 from dramatiq_guard.web import Access, Dashboard, History, Page, make_app
@@ -139,6 +140,49 @@ def test_the_key_page_shows_a_throttle_keys_window(redis_url: str) -> None:
     oldest = min(deadline for _, deadline in backend.inspect(key).holders)
     assert view["window"] == {"starts": 2, "opens_in_ms": oldest - view["now_ms"]}
     assert 'id="window"' not in client.get("/key", query_string={"k": KEY}).get_data(as_text=True)
+    backend.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_the_key_page_and_the_overview_show_a_debounce_keys_pending_run(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    """The pending run of a debounce key: its message and actor, when it is due, the sends it superseded."""
+    backend = (
+        MemoryBackend() if kind == "memory" else RedisBackend.from_url(request.getfixturevalue("redis_url"))
+    )
+    key = "debounce:doc-7"
+    sends: list[Message[Any]] = [
+        Message(queue_name="q", actor_name="reindex", args=(7, v), kwargs={}, options={}) for v in range(4)
+    ]
+    for message in sends:
+        backend.debounce(key, message.message_id, message.encode(), wait_ms=60_000, max_wait_ms=120_000)
+    due = dict(backend.inspect(key).holders)[DEBOUNCE_TIMER]
+    client, last = Client(make_app(backend)), sends[-1].message_id
+
+    text = client.get("/key", query_string={"k": key}).get_data(as_text=True)
+    assert f'id="pending-id">{last}<' in text and " of reindex, due in " in text
+    assert 'id="pending-superseded">3<' in text
+    view = json.loads(client.get("/api/key", query_string={"k": key}).get_data())
+    assert view["pending"] == {
+        "id": last,
+        "actor": "reindex",
+        "args": "7, 3",
+        "sent_ms": view["pending"]["sent_ms"],
+        "due_ms": due,
+        "due_in_ms": due - view["now_ms"],
+        "superseded": 3,
+    }
+    assert 'id="pending"' not in client.get("/key", query_string={"k": KEY}).get_data(as_text=True)
+
+    overview = json.loads(client.get("/api/overview").get_data())
+    [row] = overview["keys"]
+    assert row["kind"] == "debounce" and row["pending"] == view["pending"] | {
+        "due_in_ms": due - overview["now_ms"]
+    }
+    assert overview["counts"] == {"debounce": {"keys": 1, "holders": 1, "waiters": 1}}
+    text = client.get("/").get_data(as_text=True)
+    assert f"run {last} of reindex, due in " in text and ", 3 superseded" in text
     backend.close()
 
 

@@ -6,11 +6,12 @@ them through text generated from them (docs/redis.md, "The scripts").
 
 from __future__ import annotations
 
+import json
 from operator import attrgetter
 from typing import Annotated, Any, NamedTuple, get_type_hints
 
 from dramatiq_guard import bounds
-from dramatiq_guard.backends.values import HOLDERS_SHOWN, MIN_STANDBY_WINDOW
+from dramatiq_guard.backends.values import DEBOUNCE_TIMER, HOLDERS_SHOWN, MIN_STANDBY_WINDOW
 
 #: The latest a key with waiters is due for a sweep, whatever its deadlines say (ms).
 DUE_BACKSTOP_MS = 30_000
@@ -27,6 +28,9 @@ CONSTANTS: dict[str, int] = {
     "PLACE_BAND": 2**41,  # ms: MAX_PRIORITY bands each side of priority 0's [0, 2^52) fill +-2^53
     "PLACE_EPOCH_MS": 1_767_225_600_000,  # 2026-01-01
 }
+
+#: The names the scripts use (of members), by their Lua name.
+NAMES: dict[str, str] = {"DEBOUNCE_TIMER": DEBOUNCE_TIMER}
 
 
 class Check(NamedTuple):
@@ -75,7 +79,12 @@ class KeyNames(NamedTuple):
     standbys: Annotated[
         str, "S", "zset standby -> deadline (ms): sent ahead to the broker, not picked up yet"
     ]
-    meta: Annotated[str, "M", "hash while queued: 'limit', 'r:<w>' route, 'g:<w>' generation, 'u:<w>' runner"]
+    meta: Annotated[
+        str,
+        "M",
+        "hash while queued: 'limit', 'r:<w>' route, 'g:<w>' generation, 'u:<w>' runner; a debounce key's"
+        " 'first' (its burst's first send, ms) and 'superseded' (the sends its pending run superseded)",
+    ]
     gens: Annotated[str, "G", "prefix of the strings G:<w>: the generation of w that may start"]
     ready: Annotated[str, "Q", "zset ready waiter -> its place in W (D's members by place, for choose)"]
 
@@ -270,9 +279,10 @@ LETTERS = {name: meta[0] for name, meta in _annotations(KeyNames).items()} | {"i
 
 
 def lua_constants() -> str:
-    """The constants, in front of every script (and at the top of the library)."""
+    """The constants and names, in front of every script (and at the top of the library)."""
     lines = ["-- Generated from dramatiq_guard/backends/redis_layout.py (the layout, defined once).\n"]
     lines += [f"local {name} = {value}\n" for name, value in CONSTANTS.items()]
+    lines += [f"local {name} = {json.dumps(value)}\n" for name, value in NAMES.items()]
     return "".join(lines)
 
 

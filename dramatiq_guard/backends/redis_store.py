@@ -294,7 +294,7 @@ class RedisStore(GuardBackend):
                     pipe.hmget(p + "info", [w for w, _ in first])
             details: Iterator[Any] = iter(pipe.execute() if any(firsts) else ())
         summaries = []
-        for key, (holders, count, oldest, reserved, limit, recorded), first in zip(
+        for key, (holders, count, oldest, reserved, limit, recorded, due, superseded), first in zip(
             chunk, rows, firsts, strict=True
         ):
             payloads, infos = (next(details), next(details)) if first else ((), ())
@@ -317,6 +317,8 @@ class RedisStore(GuardBackend):
                     limit=None if limit is None else int(limit),
                     recorded_limit=None if recorded is None else int(recorded),
                     first=peeks,
+                    due_ms=None if due is None else int(float(due)),
+                    superseded=None if superseded is None else int(superseded),
                 )
             )
         return summaries

@@ -14,6 +14,10 @@ HOLDERS_SHOWN = 10
 #: acquires with it, never None, so a redelivery of a copy that parked is stale (*generations*).
 ORIGINAL_GENERATION = 0
 
+#: The holder that keeps a debounce key's one slot until its pending run is due: its deadline is the
+#: run's due time (*debounce*).
+DEBOUNCE_TIMER = "~due"
+
 #: The standby window when the limit in force is smaller (not 0): one standby per slot is too
 #: few for short jobs, as a standby must be picked up before the next job ends.
 MIN_STANDBY_WINDOW = 4
@@ -280,6 +284,10 @@ class KeySummary:
       recorded_limit(int|None): The default limit recorded with the key's waiters
         (*limits known from the backend*), or None.
       first(tuple[WaiterPeek, ...]): The first waiters in FIFO order, as many as asked for.
+      due_ms(int|None): A debounce key's: when its pending run is due (the deadline of its
+        :data:`DEBOUNCE_TIMER` holder), or None.
+      superseded(int|None): A debounce key's: how many sends its pending run superseded in this
+        burst (a waiter that came back from a lapsed hand-off included), or None.
     """
 
     key: str
@@ -290,6 +298,8 @@ class KeySummary:
     limit: int | None
     recorded_limit: int | None
     first: tuple[WaiterPeek, ...] = ()
+    due_ms: int | None = None
+    superseded: int | None = None
 
     @property
     def limit_in_force(self) -> int | None:

@@ -66,7 +66,7 @@ def _inspect_summary(ctx: Context) -> int:
     if not report["keys"]:
         ctx.print(f"No guard key matching {ctx.args.pattern!r} has waiters or a run-time limit.")
         return 0
-    rows = [
+    rows: list[tuple[str, ...]] = [
         (
             row["key"],
             row["kind"],
@@ -79,7 +79,12 @@ def _inspect_summary(ctx: Context) -> int:
         )
         for row in report["keys"]
     ]
-    _print_table(ctx, ("KEY", "KIND", "HOLDERS", "LIMIT", "WAITERS", "OLDEST"), rows, indent="")
+    header: tuple[str, ...] = ("KEY", "KIND", "HOLDERS", "LIMIT", "WAITERS", "OLDEST")
+    if any("pending" in row for row in report["keys"]):  # a debounce key's pending run, in a last column
+        header += ("PENDING RUN",)
+        pending = [admin.describe_pending(r["pending"]) if "pending" in r else "-" for r in report["keys"]]
+        rows = [(*row, text) for row, text in zip(rows, pending, strict=True)]
+    _print_table(ctx, header, rows, indent="")
     return 0
 
 
@@ -105,6 +110,8 @@ def _print_key(ctx: Context, view: dict[str, Any], now: int) -> None:
         opens = view["window"]["opens_in_ms"]
         when = "" if opens is None else f"; the oldest leaves it (a place opens) in {_format_ms(opens)}"
         ctx.print(f"  window: {view['window']['starts']} start(s){when}")
+    if "pending" in view:
+        ctx.print(f"  {admin.describe_pending(view['pending'])}")
     holders = [
         (
             h["holder"] + (" (hand-off, unconfirmed)" if h["reserved"] else ""),

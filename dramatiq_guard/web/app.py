@@ -101,6 +101,7 @@ class Dashboard:
             undefined=jinja2.StrictUndefined,
         )
         self.jinja.filters["ms"] = admin.format_ms
+        self.jinja.filters["time"] = admin.format_time
         self.jinja.globals["sparkline"] = lambda key: sparkline(self.history.of(key))
         self.jinja.globals["args_query"] = _args_query
         methods = {path: ["POST" if path in WRITES else "GET"] for path in PAGES + WRITES}

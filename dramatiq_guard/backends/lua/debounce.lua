@@ -1,11 +1,11 @@
 -- debounce(op, waiter, payload, wait_ms, max_wait_ms, generation) (GuardBackend.debounce, copy_is_live).
 -- op 'send': `waiter` becomes K's pending run (its payload in P, queued in W), replacing every
 -- pending one; its due time min(last send + wait_ms, first send + max_wait_ms) is the deadline of
--- the timer holder DUE, which keeps K's one slot until then: then the sweep hands the run off as a
--- parked waiter's (docs/flow-control-design.md, "Debounce"). Returns {superseded waiters, due in ms}.
+-- the timer holder DEBOUNCE_TIMER, which keeps K's one slot until then: then the sweep hands the run
+-- off as a parked waiter's (docs/flow-control-design.md, "Debounce"). M keeps the burst's first send
+-- and how many sends it superseded (summaries.lua shows them). Returns {superseded waiters, due in ms}.
 -- op 'live': 0 if the copy of `waiter` carrying `generation` is stale; else 1, and the copy
 -- starts: its hand-off is confirmed if it was not yet (so it cannot lapse and be handed off again).
-local DUE = '~due'
 OWNED = true
 reclaim()
 if op == 'live' then
@@ -18,7 +18,11 @@ if op == 'live' then
   return started and 1 or 0
 end
 local pending, superseded = QUEUED and redis.call('ZRANGE', W, 0, -1) or {}, {}
-local first = #pending > 0 and tonumber(redis.call('HGET', M, 'first') or NOW) or NOW
+local first, count = NOW, 0
+if #pending > 0 then
+  local burst = redis.call('HMGET', M, 'first', 'superseded')
+  first, count = tonumber(burst[1] or NOW), tonumber(burst[2] or 0)
+end
 for _, w in ipairs(pending) do
   if w ~= waiter then
     dequeue(w)
@@ -27,8 +31,8 @@ for _, w in ipairs(pending) do
 end
 enqueue(waiter, 0)
 redis.call('HSET', P, waiter, payload)
-redis.call('HSET', M, 'r:' .. waiter, ARG_ROUTE, 'first', fmt(first))
+redis.call('HSET', M, 'r:' .. waiter, ARG_ROUTE, 'first', fmt(first), 'superseded', count + #superseded)
 local due = math.max(NOW, math.min(NOW + tonumber(wait_ms), first + tonumber(max_wait_ms)))
-set_holders({ due, DUE })
+set_holders({ due, DEBOUNCE_TIMER })
 finish()
 return { superseded, due - NOW }

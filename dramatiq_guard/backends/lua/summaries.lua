@@ -1,5 +1,6 @@
 -- summaries(first) -> per guard key {ZCARD H, ZCARD W, its first waiters with scores, HLEN R, L,
--- M's 'limit'}. Read only; on a Redis Cluster, one guard key per call.
+-- M's 'limit', a debounce key's due time (DEBOUNCE_TIMER's deadline) and M's 'superseded'}.
+-- Read only; on a Redis Cluster, one guard key per call.
 local last = tonumber(first) - 1
 local out = {}
 for n = 1, #KEYS / KEYS_PER_GUARD_KEY do
@@ -11,6 +12,8 @@ for n = 1, #KEYS / KEYS_PER_GUARD_KEY do
     redis.call('HLEN', R),
     redis.call('GET', L) or false,
     redis.call('HGET', M, 'limit') or false,
+    redis.call('ZSCORE', H, DEBOUNCE_TIMER) or false,
+    redis.call('HGET', M, 'superseded') or false,
   }
 end
 return out

@@ -18,6 +18,7 @@ from dramatiq import Broker, Message
 from dramatiq.broker import MessageProxy
 
 from dramatiq_guard import events
+from dramatiq_guard.backends.values import DEBOUNCE_TIMER
 from dramatiq_guard.delivery import generation_of
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.gate import Diverted, Outcome
@@ -27,9 +28,6 @@ from dramatiq_guard.middleware.slots.middleware import SlotsMiddleware
 from dramatiq_guard.policies import DebouncePolicy, OnBusy
 
 logger = logging.getLogger("dramatiq_guard.middleware.slots")
-
-#: The timer holder of a debounce key (debounce.lua): the pending run is due when it lapses.
-DUE = "~due"
 
 
 class Debounce(SlotsMiddleware[DebouncePolicy]):
@@ -116,7 +114,7 @@ class Debounce(SlotsMiddleware[DebouncePolicy]):
         try:
             backend = self.backend(broker)
             self.swept(broker, key, backend.sweep(key, limit=1))
-            due = dict(backend.inspect(key, waiters=0).holders).get(DUE)
+            due = dict(backend.inspect(key, waiters=0).holders).get(DEBOUNCE_TIMER)
             return None if due is None else max(0.001, (due - backend.now_ms()) / 1000)
         except BackendUnavailable:
             return None
