@@ -114,6 +114,7 @@ BUDGETS: tuple[Budget, ...] = (
     # Issue #33: two guards on one actor cost at most one round trip per message more than one guard.
     *_composed("throttle", "concurrency + throttle"),
     *_composed("mutex", "mutex + concurrency"),
+    *_composed("list", "concurrency=[two limits]"),
 )  # fmt: skip
 
 

@@ -27,17 +27,17 @@ def _per_message(run_id: str, total: int, i: int) -> str:
     return f"compose:{run_id}:{i}"
 
 
-#: The rows: each actor's label and guards (the actor ``compose_<row>``). A row is one line here; the
-#: list forms of issue #33 (``concurrency=[...]``, ``throttle=[...]``) go in as rows too.
+#: A limit on one key for every message, and one on a key of each message's own.
 ONE_KEY: dict[str, Any] = {"limit": NEVER, "key": _one_key}
+PER_MESSAGE: dict[str, Any] = {"limit": NEVER, "key": _per_message}
+
+#: The rows: each actor's label and guards (the actor ``compose_<row>``); a row is one line.
 GUARDS: dict[str, tuple[str, dict[str, Any]]] = {
     "none": ("no guard (installed)", {}),
     "one": ("concurrency (one guard)", {"concurrency": ONE_KEY}),
     "throttle": ("concurrency + throttle", {"concurrency": ONE_KEY, "throttle": {**ONE_KEY, "period": 1000}}),
-    "mutex": (
-        "mutex (a key per message) + concurrency",
-        {"mutex": {"key": _per_message}, "concurrency": ONE_KEY},
-    ),
+    "mutex": ("mutex + concurrency", {"mutex": {"key": _per_message}, "concurrency": ONE_KEY}),
+    "list": ("concurrency=[two limits]", {"concurrency": [ONE_KEY, PER_MESSAGE]}),
 }
 
 
