@@ -87,7 +87,8 @@ def compose(ctx: Context) -> list[Figure]:
     """The same backlog drained through actors with no guard, one guard, and two guards whose limits
     never bind (`bench/scenarios/compose_actors.py`): `concurrency` on one key (limit 1,000,000), then
     `concurrency` + `throttle` (1,000,000 per second, the same key), `mutex` (a key per message) +
-    `concurrency`, and a list of two limits, `concurrency=[...]` (the one key, and a key per message). The guard has a Redis client of its own, whose every request each worker process
+    `concurrency`, and a list of two limits, `concurrency=[...]` (the one key, and a key per
+    message). The guard has a Redis client of its own, whose every request each worker process
     counts (by thread: the worker threads, which acquire before the actor; the release thread, which
     releases finished messages in batches; the sweep) and by command.
 
