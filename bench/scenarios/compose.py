@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -19,6 +20,8 @@ ROUNDS = 5
 #: The longest wait for a worker's guard threads to go quiet after a drain.
 SETTLE_TIMEOUT_S = 10.0
 SWEEP = "requests dramatiq-guard-sweep"
+#: The guard's function library prefix, left out of the functions' names in the report.
+_LIBRARY = re.compile(r"dramatiq_guard_[0-9a-f]+_")
 
 
 def _busy(counts: Counter[str]) -> dict[str, int]:
@@ -76,7 +79,7 @@ def _requests(counts: PerMessage) -> float:
 
 def _breakdown(counts: PerMessage, prefix: str) -> str:
     parts = sorted(
-        ((k.removeprefix(prefix), v) for k, v in counts.items() if k.startswith(prefix)),
+        ((_LIBRARY.sub("", k.removeprefix(prefix)), v) for k, v in counts.items() if k.startswith(prefix)),
         key=lambda kv: -kv[1],
     )
     return ", ".join(f"{name} {value:.3g}" for name, value in parts if abs(value) >= 0.005) or "none"
