@@ -122,7 +122,9 @@ def debounce(ctx: Context) -> list[Figure]:
       one key, 10 keys) take turns, 5 rounds, medians. The worker runs meanwhile.
     * runs: after each debounced burst, the runs the worker made, counted until no key of the
       burst has a parked run left and the actor's queue is empty: one per key is the promise,
-      each with its key's last send (its arguments carry the send's index).
+      each with its key's last send (its arguments carry the send's index). (A producer stalled
+      for longer than the wait in the middle of a burst would make two bursts of it, and two
+      runs, rightly: the sends go on at thousands a second, a stall of 500 ms is the machine's.)
     * last send to the run's start: the run's `time.time()` on entry minus the producer's right
       after its key's last send returned, against the wait. A send from a producer leaves the run to
       the workers' sweep, which looks at the due keys every `sweep_interval` (1 s): the run starts
