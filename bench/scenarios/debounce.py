@@ -141,6 +141,7 @@ def debounce(ctx: Context) -> list[Figure]:
         processes=PROCESSES,
         threads=THREADS,
         env={"BENCH_DEBOUNCE": os.environ["BENCH_DEBOUNCE"]},
+        queues=[QUEUE],  # not the plain actor's: its sends are only sent
     )
     backend = RedisBackend.from_url(ctx.redis_url)
     rows: list[tuple[str, Any, int, bool]] = [
