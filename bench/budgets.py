@@ -25,7 +25,7 @@ class Budget:
     Parameters:
       what: The budget, as DESIGN.md or the issue words it.
       figure: ``"<scenario>/<key>"`` of the figure judged.
-      op: ``">="`` or ``"<="``.
+      op: ``">="``, ``"<="`` or ``"=="``.
       limit: The bound.
       base: The figure ``figure`` is divided by (a ratio budget), or None (the figure as it is).
       floor: The floor's figure, divided by ``base`` as well, or None if none is measured.
@@ -33,12 +33,14 @@ class Budget:
 
     what: str
     figure: str
-    op: Literal[">=", "<="]
+    op: Literal[">=", "<=", "=="]
     limit: float
     base: str | None = None
     floor: str | None = None
 
     def meets(self, value: float) -> bool:
+        if self.op == "==":
+            return value == self.limit
         return value >= self.limit if self.op == ">=" else value <= self.limit
 
 
@@ -49,6 +51,16 @@ def _drain(guard: str, label: str, floor: str = "floor") -> list[Budget]:
                "cost/plain_drain_rate", f"cost/{floor}_drain_rate"),
         Budget(f"{label}: worker CPU per message <= 1.5x unguarded", f"cost/{guard}_cpu_ms", "<=", 1.5,
                "cost/plain_cpu_ms", f"cost/{floor}_cpu_ms"),
+    ]  # fmt: skip
+
+
+def _composed(row: str, label: str) -> list[Budget]:
+    """The budgets of a two-guard row of the compose scenario: on the worker side, and with the send."""
+    return [
+        Budget(f"{label}: <= 1 extra round trip per message over one guard (worker side)",
+               f"compose/{row}_extra_round_trips", "<=", 1),
+        Budget(f"{label}: <= 1 extra round trip per message over one guard (send + worker)",
+               f"compose/{row}_extra_round_trips_with_send", "<=", 1),
     ]  # fmt: skip
 
 
@@ -93,6 +105,16 @@ BUDGETS: tuple[Budget, ...] = (
            floor="throttle/paced_makespan_ratio"),
     Budget("throttle: parked message starts <= 10 ms after its place opens (median)",
            "throttle/throttle_start_delay_ms", "<=", 10, floor="throttle/paced_start_delay_ms"),
+    # Issue #33: a debounced burst of 10,000 sends from one producer.
+    Budget("debounce: at most one round trip per send (a burst of one key)",
+           "debounce/one_key_round_trips_per_send", "<=", 1),
+    Budget("debounce: at most one round trip per send (a burst of 10 keys)",
+           "debounce/10_keys_round_trips_per_send", "<=", 1),
+    Budget("debounce: one run per key of a burst", "debounce/runs_per_key", "==", 1),
+    # Issue #33: two guards on one actor cost at most one round trip per message more than one guard.
+    *_composed("throttle", "concurrency + throttle"),
+    *_composed("mutex", "mutex + concurrency"),
+    *_composed("list", "concurrency=[two limits]"),
 )  # fmt: skip
 
 

@@ -87,3 +87,21 @@ def test_the_throttle_row_is_judged_on_its_makespan_and_its_start_delay() -> Non
     assert _row(lines, "throttle: backlog drains in <= 1.03x its ideal").endswith("| 1.02 | - | - | met |")
     delay = "throttle: parked message starts <= 10 ms after its place opens (median)"
     assert _row(lines, delay).endswith("| 12.50 | - | - | **missed** |")
+
+
+def test_one_run_per_key_is_missed_by_a_run_too_many_and_by_one_too_few() -> None:
+    what = "debounce: one run per key of a burst"
+    assert _row(render_budgets(_figures(debounce__runs_per_key=1.0)), what).endswith("| 1.00 | - | - | met |")
+    for runs in (1.1, 0.9):
+        lines = render_budgets(_figures(debounce__runs_per_key=runs))
+        assert _row(lines, what).endswith("| **missed** |")
+
+
+def test_a_two_guard_row_is_judged_on_its_extra_round_trips_on_the_worker_and_with_the_send() -> None:
+    lines = render_budgets(
+        _figures(compose__mutex_extra_round_trips=0.9, compose__mutex_extra_round_trips_with_send=1.9)
+    )
+    worker = "mutex + concurrency: <= 1 extra round trip per message over one guard (worker side)"
+    assert _row(lines, worker).endswith("| 0.90 | - | - | met |")
+    with_send = "mutex + concurrency: <= 1 extra round trip per message over one guard (send + worker)"
+    assert _row(lines, with_send).endswith("| 1.90 | - | - | **missed** |")
