@@ -204,6 +204,11 @@ class GuardBackend(abc.ABC):
             ``count`` (0: none); they are the result's ``standbys``.
         """
 
+    def acquire_many(self, stakes: Sequence[Stake]) -> list[AcquireResult]:
+        """:meth:`acquire` each stake without a wait (a refusal queues nothing), in as few round trips;
+        each acquire is atomic on its own, not the whole (the caller gives back what it does not use)."""
+        return [self.acquire(stake) for stake in stakes]
+
     def release_many(self, releases: Sequence[tuple[str, str, int | None, int]]) -> list[ReleaseResult]:
         """:meth:`release` each ``(key, holder, limit, send_ahead)``, in order, in as few round trips."""
         return [

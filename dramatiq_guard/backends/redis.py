@@ -96,6 +96,17 @@ class RedisBackend(RedisStore):
             reply = self._run(key, stake.limit, own)
         return self._acquire_reply(key, reply, sent)
 
+    def acquire_many(self, stakes: Sequence[Stake]) -> list[AcquireResult]:
+        """The acquires in one pipeline (one per node on a Redis Cluster)."""
+        calls = [
+            self._script_call(stake.key, stake.limit, self._acquire_args(stake, None)) for stake in stakes
+        ]
+        sent = time.monotonic()
+        replies = run_scripts(self.client, self.scripts, calls, replicas=self.replicas)
+        return [
+            self._acquire_reply(stake.key, reply, sent) for stake, reply in zip(stakes, replies, strict=True)
+        ]
+
     def reserve_and_enqueue(self, stake: Stake, push: Enqueue) -> AcquireResult | None:
         """``lua/acquire.lua`` with the push (on a standalone Redis only: the queue is in another slot)."""
         own = self._acquire_args(stake, Waiter(payload=push.data))

@@ -6,9 +6,11 @@ by ``on_busy``); after it, the lease is released and what the release hands on i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any, Generic
 
 from dramatiq import Broker, Worker
@@ -109,8 +111,54 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         guards = self.guards_of(message)
         if not guards or message.failed:
             return
-        for guard, key in self.guard_keys_of(guards, message):
+        keyed = self.guard_keys_of(guards, message)
+        if len(keyed) > 1 and self._take_all_at_once(broker, message, keyed):
+            return
+        for guard, key in keyed:
             self._take(broker, message, guard, key)
+
+    def _take_all_at_once(
+        self, broker: Broker, message: MessageProxy, keyed: Sequence[tuple[ActorGuard[P], str]]
+    ) -> bool:
+        """Acquire the slots of every guard of a list in one round trip, if no key of them had waiters
+        lately: True if all were acquired (held now). Else the ones acquired go back, and the guards
+        decide in turn (:meth:`_take`: the first that refuses parks it)."""
+        if any(key in self._contended for _, key in keyed):
+            return False
+        claims = [self._claim(broker, message, guard, key, self.default_limit(guard)) for guard, key in keyed]
+        backend = self.backend(broker)
+        try:
+            results = backend.acquire_many(claims)
+        except BackendUnavailable:
+            return False  # in turn, each acquire of what this copy may hold already is its own again
+        self.deliver(broker, [handoff for result in results for handoff in result.handoffs])
+        if all(result.acquired for result in results):
+            state = execution_state(message)
+            for (guard, key), claim, result in zip(keyed, claims, results, strict=True):
+                if result.reserved_ms is not None or result.handoffs:
+                    self._contended.mark(key)
+                self._hold(message, state, guard, key, claim.limit, result)
+            return True
+        for claim, result in zip(claims, results, strict=True):
+            if not result.acquired:
+                self._contended.mark(claim.key)
+        taken = [(c.key, c.holder, c.limit, 0) for c, r in zip(claims, results, strict=True) if r.acquired]
+        with contextlib.suppress(
+            BackendUnavailable
+        ):  # if not: in turn, this copy's acquires find them its own
+            self.deliver(broker, [h for result in backend.release_many(taken) for h in result.handoffs])
+        return False
+
+    def _claim(
+        self, broker: Broker, message: MessageProxy, guard: ActorGuard[P], key: str, limit: int
+    ) -> Claim:
+        """The claim of this copy of ``message`` on ``key``: a second copy, delivered while this one
+        holds, is refused (its runner differs); a stale copy of a hand-off never starts."""
+        return Claim(
+            key, self.holder_of(message), limit, self._lease_ttl(guard), backend=self.backend(broker),
+            info=message.actor_name, generation=copy_generation(message, key), priority=guard.priority,
+            runner=runner_id(),
+        )  # fmt: skip
 
     def _take(self, broker: Broker, message: MessageProxy, guard: ActorGuard[P], key: str) -> None:
         """Acquire the slot of one guard of the message (see :meth:`before_process_message`)."""
@@ -176,11 +224,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
 
         Returns None if the backend is unavailable and the policy says ``fail_open``.
         """
-        claim = Claim(
-            key, self.holder_of(message), limit, self._lease_ttl(guard), backend=self.backend(broker),
-            info=message.actor_name, generation=copy_generation(message, key), priority=guard.priority,
-            runner=runner_id(),  # a second copy of the message, delivered while this one holds, is refused
-        )  # fmt: skip
+        claim = self._claim(broker, message, guard, key, limit)
         wait = None
         if on_busy == "park":
             # A standby (sent ahead) may block for a slot instead of parking, if this process lets it
