@@ -77,7 +77,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         if self.standby_threads is None:
             self.standbys.seats.seats = int(getattr(worker, "worker_threads", 0)) // 2
         if not isinstance(broker, StubBroker) and self._releaser is None:
-            self._releaser = Releaser()
+            self._releaser = Releaser.shared()
         self._sweeper = join_sweep(self, broker, self.sweep_interval_ms)
 
     def before_worker_shutdown(self, broker: Broker, worker: Worker) -> None:

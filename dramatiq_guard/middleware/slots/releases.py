@@ -9,7 +9,9 @@ every release on a StubBroker stay on the worker thread.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
+from typing import ClassVar
 
 from dramatiq import Message
 from dramatiq.broker import MessageProxy
@@ -40,6 +42,17 @@ class Releaser(Batcher[Release]):
     """Releases leases in batches, one call per backend (:func:`~dramatiq_guard.lease.release_leases`)."""
 
     thread_name = "dramatiq-guard-releases"
+    _shared: ClassVar[Releaser | None] = None
+    _shared_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> Releaser:
+        """This process's release thread, one for every slots middleware: the releases of a message's
+        guards (a mutex and a concurrency limit, say) go in one batch."""
+        with cls._shared_lock:
+            if cls._shared is None:
+                cls._shared = cls()
+            return cls._shared
 
     def send(self, items: list[Release]) -> bool:
         """Release ``items`` and hand each result on; a release is never retried (it lapses instead)."""
