@@ -197,8 +197,8 @@ class EnqueueGate:
 class TicketGroup:
     """Several tickets of one guard settled as one (an actor with a list of guards of one option)."""
 
-    def __init__(self) -> None:
-        self.tickets: list[PushTicket] = []
+    def __init__(self, tickets: list[PushTicket] | None = None) -> None:
+        self.tickets: list[PushTicket] = tickets or []
 
     def add(self, ticket: PushTicket | None) -> None:
         if ticket is not None:

@@ -7,6 +7,7 @@ delivery of what its key operations hand on; the worker hooks are in :mod:`.midd
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import threading
 from collections.abc import Sequence
@@ -17,10 +18,10 @@ from dramatiq import Broker, Message, Worker
 from dramatiq.broker import MessageProxy
 
 from dramatiq_guard import events
-from dramatiq_guard.backends.base import Handoff, ReleaseResult
+from dramatiq_guard.backends.base import AcquireResult, Handoff, ReleaseResult
 from dramatiq_guard.claim import Claim
 from dramatiq_guard.delivery import Courier, generation_of, keep_polling
-from dramatiq_guard.errors import GuardKeyError
+from dramatiq_guard.errors import BackendUnavailable, GuardKeyError
 from dramatiq_guard.gate import Diverted, PushTicket, TicketGroup, gate_for
 from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware
 from dramatiq_guard.middleware.slots.limits import KeyDirectory
@@ -189,6 +190,10 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         keyed = self.guard_keys_of(guards, message)
         if len(keyed) == 1:
             return self._reserve(broker, message, *keyed[0], one_step=holds is None)
+        claims = [self._send_claim(broker, message, guard, key) for guard, key in keyed]
+        deliver = functools.partial(self.deliver, broker)
+        if self.acquire_all(broker, claims) is not None:  # every slot reserved, in one round trip
+            return TicketGroup([ReservationTicket(claim, deliver) for claim in claims])
         tickets = TicketGroup()
         try:
             for guard, key in keyed:
@@ -206,15 +211,42 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
     ) -> ReservationTicket | OneStepReservation | None:
         """Reserve a slot of one guard's ``key`` for ``message`` (with its push, if ``one_step`` and
         it can), or park it there (raises :class:`Diverted`)."""
-        claim = Claim(
-            key, self.holder_of(message), self.default_limit(guard), self.pickup_ttl_ms,
-            info=message.actor_name, generation=generation_of(message, key), priority=guard.priority,
-            backend=self.backend(broker),
-        )  # fmt: skip
+        claim = self._send_claim(broker, message, guard, key)
         deliver = functools.partial(self.deliver, broker)
         if one_step and self._in_one_step(broker, claim, guard):
             return OneStepReservation(broker, claim, message, deliver)
         return reserve_or_park(claim, message, deliver, fail_open_allowed=guard.policy.fail_open)
+
+    def _send_claim(self, broker: Broker, message: Message[Any], guard: ActorGuard[P], key: str) -> Claim:
+        """The claim of a send (or of a hand-off's copy going back) on ``key``: a reservation for
+        ``pickup_ttl``, by no runner."""
+        return Claim(
+            key, self.holder_of(message), self.default_limit(guard), self.pickup_ttl_ms,
+            info=message.actor_name, generation=generation_of(message, key), priority=guard.priority,
+            backend=self.backend(broker),
+        )  # fmt: skip
+
+    def acquire_all(self, broker: Broker, claims: Sequence[Claim]) -> list[AcquireResult] | None:
+        """Acquire every claim in one round trip (:meth:`GuardBackend.acquire_many`), if none of their
+        keys refused or had waiters lately: the results if all were acquired; else None, what was
+        acquired given back (the guards then decide in turn, and the first that refuses parks)."""
+        if any(claim.key in self._contended for claim in claims):
+            return None
+        backend = claims[0].backend
+        try:
+            results = backend.acquire_many(claims)
+        except BackendUnavailable:
+            return None  # in turn, each acquire of what this holder may hold already is its own again
+        self.deliver(broker, [handoff for result in results for handoff in result.handoffs])
+        if all(result.acquired for result in results):
+            return results
+        for claim, result in zip(claims, results, strict=True):
+            if not result.acquired:
+                self._contended.mark(claim.key)
+        taken = [(c.key, c.holder, c.limit, 0) for c, r in zip(claims, results, strict=True) if r.acquired]
+        with contextlib.suppress(BackendUnavailable):  # if not: in turn, its acquires find them its own
+            self.deliver(broker, [h for result in backend.release_many(taken) for h in result.handoffs])
+        return None
 
     def _in_one_step(self, broker: Broker, claim: Claim, guard: ActorGuard[P]) -> bool:
         """Whether the reservation (or park) of a new message and its push go in one step: this kind of

@@ -6,7 +6,6 @@ by ``on_busy``); after it, the lease is released and what the release hands on i
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
@@ -120,34 +119,18 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
     def _take_all_at_once(
         self, broker: Broker, message: MessageProxy, keyed: Sequence[tuple[ActorGuard[P], str]]
     ) -> bool:
-        """Acquire the slots of every guard of a list in one round trip, if no key of them had waiters
-        lately: True if all were acquired (held now). Else the ones acquired go back, and the guards
-        decide in turn (:meth:`_take`: the first that refuses parks it)."""
-        if any(key in self._contended for _, key in keyed):
-            return False
+        """Acquire the slots of every guard of a list in one round trip (:meth:`acquire_all`): True if
+        all were acquired (held now); else the guards decide in turn (:meth:`_take`)."""
         claims = [self._claim(broker, message, guard, key, self.default_limit(guard)) for guard, key in keyed]
-        backend = self.backend(broker)
-        try:
-            results = backend.acquire_many(claims)
-        except BackendUnavailable:
-            return False  # in turn, each acquire of what this copy may hold already is its own again
-        self.deliver(broker, [handoff for result in results for handoff in result.handoffs])
-        if all(result.acquired for result in results):
-            state = execution_state(message)
-            for (guard, key), claim, result in zip(keyed, claims, results, strict=True):
-                if result.reserved_ms is not None or result.handoffs:
-                    self._contended.mark(key)
-                self._hold(message, state, guard, key, claim.limit, result)
-            return True
-        for claim, result in zip(claims, results, strict=True):
-            if not result.acquired:
-                self._contended.mark(claim.key)
-        taken = [(c.key, c.holder, c.limit, 0) for c, r in zip(claims, results, strict=True) if r.acquired]
-        with contextlib.suppress(
-            BackendUnavailable
-        ):  # if not: in turn, this copy's acquires find them its own
-            self.deliver(broker, [h for result in backend.release_many(taken) for h in result.handoffs])
-        return False
+        results = self.acquire_all(broker, claims)
+        if results is None:
+            return False
+        state = execution_state(message)
+        for (guard, key), claim, result in zip(keyed, claims, results, strict=True):
+            if result.reserved_ms is not None or result.handoffs:
+                self._contended.mark(key)
+            self._hold(message, state, guard, key, claim.limit, result)
+        return True
 
     def _claim(
         self, broker: Broker, message: MessageProxy, guard: ActorGuard[P], key: str, limit: int
