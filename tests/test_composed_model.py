@@ -85,7 +85,7 @@ from hypothesis.stateful import (
 )
 
 import dramatiq_guard
-from dramatiq_guard.backends import GuardBackend, MemoryBackend, RedisBackend
+from dramatiq_guard.backends import GuardBackend, KeyState, MemoryBackend, RedisBackend
 from dramatiq_guard.middleware.base import execution_state
 from dramatiq_guard.middleware.slots import SlotsMiddleware
 from dramatiq_guard.middleware.slots.execution import Held
@@ -175,6 +175,7 @@ class ComposedModel(RuleBasedStateMachine):
         self.started: Counter[str] = Counter()
         self.starts: dict[str, list[int]] = {key: [] for key in LIMITS if key.startswith("throttle:")}
         self.failed = False
+        self.snapshot: dict[str, KeyState] | None = None  # each key's state, until the next step
 
     def declare_actors(self) -> dict[str, dramatiq.Actor[Any, Any]]:
         def call(tenant: str, doc: str) -> None: ...
@@ -209,8 +210,16 @@ class ComposedModel(RuleBasedStateMachine):
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        """One tick; marks the run failed if the body raises, so :meth:`teardown` does not drain over it."""
+        """One tick, then the body: a step of a rule."""
         self.clock.advance(TICK_MS)
+        self.snapshot = None
+        with self.checking():
+            yield
+        self.snapshot = None
+
+    @contextlib.contextmanager
+    def checking(self) -> Iterator[None]:
+        """Marks the run failed if the body raises, so :meth:`teardown` does not drain over it."""
         try:
             yield
         except BaseException:
@@ -350,15 +359,22 @@ class ComposedModel(RuleBasedStateMachine):
 
     # --- invariants ----------------------------------------------------------------------------
 
+    def states(self) -> dict[str, KeyState]:
+        """The state of every guard key of the model and every waiting key (read once a step)."""
+        if self.snapshot is None:
+            keys = sorted(set(LIMITS) | set(self.backend.waiting_keys()))
+            self.snapshot = {key: self.backend.inspect(key) for key in keys}
+        return self.snapshot
+
     def live_holders(self, key: str) -> list[str]:
         now = self.clock.now_ms
-        return [holder for holder, deadline in self.backend.inspect(key).holders if deadline > now]
+        return [holder for holder, deadline in self.states()[key].holders if deadline > now]
 
     def parked(self) -> dict[str, list[str]]:
         """Each parked message's keys (a throttle's waiter is ``<message id>:<retries>``)."""
         keys: dict[str, list[str]] = {}
-        for key in sorted(set(LIMITS) | set(self.backend.waiting_keys())):
-            for waiter, _, is_parked in self.backend.inspect(key).waiters:
+        for key, state in self.states().items():
+            for waiter, _, is_parked in state.waiters:
                 assert is_parked, f"{waiter} blocks on {key}: nothing here blocks"
                 mid = waiter.rpartition(":")[0] if key.startswith("throttle:") else waiter
                 keys.setdefault(mid, []).append(key)
@@ -366,7 +382,7 @@ class ComposedModel(RuleBasedStateMachine):
 
     @invariant()
     def no_limit_is_exceeded(self) -> None:
-        with self.step():
+        with self.checking():
             running = Counter(key for mid in self.running for key in self.sent[mid].keys)
             for key, limit in LIMITS.items():
                 if not key.startswith("throttle:"):
@@ -379,7 +395,7 @@ class ComposedModel(RuleBasedStateMachine):
 
     @invariant()
     def nothing_is_lost_parked_twice_or_started_twice(self) -> None:
-        with self.step():
+        with self.checking():
             parked, on_broker = self.parked(), Counter(self.on_broker())
             for mid, keys in parked.items():
                 assert mid in self.sent, f"{mid} parked on {keys} was never sent"
@@ -396,7 +412,7 @@ class ComposedModel(RuleBasedStateMachine):
 
     @invariant()
     def a_parked_message_holds_nothing(self) -> None:
-        with self.step():
+        with self.checking():
             on_broker = set(self.on_broker())
             parked = {mid: keys for mid, keys in self.parked().items() if mid not in on_broker}
             for key in LIMITS:
@@ -423,15 +439,18 @@ class ComposedModel(RuleBasedStateMachine):
                     self.finish(mid)
                 while self.queue.queue:
                     self.pick_up(0)
+                    self.snapshot = None
                     self.no_limit_is_exceeded()
             if all(self.started[mid] for mid in self.sent):
                 break
             self.advance(max(PICKUP_MS, PERIOD_MS, LEASE_MS) + 1)
             self.sweep()
+            self.snapshot = None
             self.nothing_is_lost_parked_twice_or_started_twice()
         never = sorted(mid for mid in self.sent if not self.started[mid])
         assert not never, f"never started: {never}; parked: {self.parked()}"
         assert all(n == 1 for n in self.started.values()), self.started
+        self.snapshot = None
         self.no_limit_is_exceeded()
         assert self.backend.waiting_keys() == [], self.backend.waiting_keys()
         self.advance(max(PICKUP_MS, PERIOD_MS, LEASE_MS) + 1)  # the last starts and leases lapse
