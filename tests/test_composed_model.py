@@ -7,9 +7,9 @@ A Hypothesis :class:`~hypothesis.stateful.RuleBasedStateMachine` drives, in this
 guards share keys (docs/flow-control-design.md, "Composed guards"):
 
 * ``call(tenant, doc)``: ``mutex`` per document (``on_busy="park"``), ``concurrency=[2 in all,
-  1 per tenant]``, ``throttle=[3 per period to the partner]``;
-* ``ping(tenant)``: ``concurrency`` 2 in all (the same key as ``call``'s), ``throttle=[3 per period
-  to the partner (the same key), 1 per period per tenant]``.
+  1 per tenant]``, ``throttle=[2 per period to the partner]``;
+* ``ping(tenant)``: ``concurrency`` 2 in all (the same key as ``call``'s), ``throttle=[1 per period
+  per tenant, 2 per period to the partner (the same key as ``call``'s)]``.
 
 Rules play a producer and a worker thread the way Dramatiq's worker runs the hooks
 (``dramatiq/worker.py``: ``before_process_message``; on ``SkipMessage`` ``after_skip_message``;
@@ -28,6 +28,8 @@ After every step (:func:`~hypothesis.stateful.invariant`):
   no key's backend holds more live holders than its limit; no throttle key counts more starts
   than its limit in any window of its period (its limit never changes here, so that is the
   sliding-window check itself);
+* **a start holds its place a period exactly**: while a throttle key lists a message that started,
+  its deadline is its start plus the period (a hand-off's reservation is renewed from the start);
 * **nothing lost, nothing started twice**: every message sent is on the broker, parked, running,
   or done; it is parked on at most one key, and not while running or done; it starts at most once;
   and while no reservation can have lapsed (less than ``pickup_ttl`` into the run), it is in
@@ -40,8 +42,8 @@ on the broker is picked up, time moves on and the sweep runs until nothing is le
 message sent has started exactly once, no key has a waiter, and nothing of the guard is left in
 Redis but what :func:`harness.guard_leftovers` allows.
 
-Budget: ``DRAMATIQ_GUARD_COMPOSED_MODEL_EXAMPLES`` runs (default 25) of up to
-``DRAMATIQ_GUARD_COMPOSED_MODEL_STEPS`` steps (default 30) per backend, derandomized unless
+Budget: ``DRAMATIQ_GUARD_COMPOSED_MODEL_EXAMPLES`` runs (default 30) of up to
+``DRAMATIQ_GUARD_COMPOSED_MODEL_STEPS`` steps (default 50) per backend, derandomized unless
 ``DRAMATIQ_GUARD_COMPOSED_MODEL_RANDOM=1``.
 """
 
@@ -92,8 +94,8 @@ from dramatiq_guard.middleware.slots.execution import Held
 from dramatiq_guard.middleware.slots.throttle import Started
 from dramatiq_guard.middleware.sweep import sweep_all
 
-EXAMPLES = int(os.environ.get("DRAMATIQ_GUARD_COMPOSED_MODEL_EXAMPLES", "25"))
-STEPS = int(os.environ.get("DRAMATIQ_GUARD_COMPOSED_MODEL_STEPS", "30"))
+EXAMPLES = int(os.environ.get("DRAMATIQ_GUARD_COMPOSED_MODEL_EXAMPLES", "30"))
+STEPS = int(os.environ.get("DRAMATIQ_GUARD_COMPOSED_MODEL_STEPS", "50"))
 RANDOM = os.environ.get("DRAMATIQ_GUARD_COMPOSED_MODEL_RANDOM", "") not in ("", "0")
 
 LEASE_MS = 3_000  # lease_ttl: a killed run's slots are free this long after its last renewal
@@ -115,7 +117,7 @@ LIMITS = {
     **{f"mutex:doc-{doc}": 1 for doc in DOCS},
     "concurrency:all": 2,
     **{f"concurrency:tenant-{tenant}": 1 for tenant in TENANTS},
-    "throttle:partner": 3,
+    "throttle:partner": 2,
     **{f"throttle:ping-{tenant}": 1 for tenant in TENANTS},
 }
 
@@ -138,7 +140,7 @@ def keys_of(actor_name: str, args: tuple[Any, ...]) -> tuple[str, ...]:
         tenant, doc = args
         return (f"mutex:doc-{doc}", "concurrency:all", f"concurrency:tenant-{tenant}", "throttle:partner")
     (tenant,) = args
-    return ("concurrency:all", "throttle:partner", f"throttle:ping-{tenant}")
+    return ("concurrency:all", f"throttle:ping-{tenant}", "throttle:partner")
 
 
 def window_overflows(starts: list[int], limit: int, period_ms: int) -> list[list[int]]:
@@ -174,6 +176,7 @@ class ComposedModel(RuleBasedStateMachine):
         self.killed: set[str] = set()
         self.started: Counter[str] = Counter()
         self.starts: dict[str, list[int]] = {key: [] for key in LIMITS if key.startswith("throttle:")}
+        self.started_on: dict[tuple[str, str], int] = {}  # (throttle key, holder) -> when it started
         self.failed = False
         self.snapshot: dict[str, KeyState] | None = None  # each key's state, until the next step
 
@@ -192,7 +195,7 @@ class ComposedModel(RuleBasedStateMachine):
                     {"limit": 2, "key": lambda tenant, doc: "all"},
                     {"limit": 1, "key": lambda tenant, doc: f"tenant-{tenant}"},
                 ],
-                throttle=[{"limit": 3, "period": PERIOD_MS, "key": lambda tenant, doc: "partner"}],
+                throttle=[{"limit": 2, "period": PERIOD_MS, "key": lambda tenant, doc: "partner"}],
             ),
             "ping": dramatiq.actor(
                 ping,
@@ -200,8 +203,8 @@ class ComposedModel(RuleBasedStateMachine):
                 max_retries=0,
                 concurrency={"limit": 2, "key": lambda tenant: "all"},
                 throttle=[
-                    {"limit": 3, "period": PERIOD_MS, "key": lambda tenant: "partner"},
                     {"limit": 1, "period": PERIOD_MS, "key": lambda tenant: f"ping-{tenant}"},
+                    {"limit": 2, "period": PERIOD_MS, "key": lambda tenant: "partner"},
                 ],
             ),
         }
@@ -265,6 +268,7 @@ class ComposedModel(RuleBasedStateMachine):
         for started in state.values():
             if isinstance(started, Started):
                 self.starts[started.key].append(self.clock.now_ms)
+                self.started_on[started.key, f"{mid}:0"] = self.clock.now_ms
         held = {h.lease.key for h in state.values() if isinstance(h, Held)}
         throttled = {s.key for s in state.values() if isinstance(s, Started)}
         assert held | throttled == set(self.sent[mid].keys), f"{mid} started holding {held | throttled}"
@@ -392,6 +396,16 @@ class ComposedModel(RuleBasedStateMachine):
             for key, starts in self.starts.items():
                 bad = window_overflows(starts, LIMITS[key], PERIOD_MS)
                 assert not bad, f"{key}: {len(bad[0])} starts in a period (limit {LIMITS[key]}): {bad[0]}"
+
+    @invariant()
+    def a_start_holds_its_place_for_a_period_exactly(self) -> None:
+        """A throttle's start counts from when it started (a hand-off's reservation renewed to a
+        period from then), never renewed nor released: while listed, its deadline is start + period."""
+        with self.checking():
+            for key in self.starts:
+                for holder, deadline in self.states()[key].holders:
+                    at = self.started_on.get((key, holder))
+                    assert at is None or deadline == at + PERIOD_MS, f"{holder} started at {at}: {deadline}"
 
     @invariant()
     def nothing_is_lost_parked_twice_or_started_twice(self) -> None:
