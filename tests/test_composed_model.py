@@ -53,7 +53,6 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import os
 import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -68,22 +67,22 @@ from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import SkipMessage
 from harness import (
     FakeClock,
+    MarksFailure,
+    ModelBudget,
     RedisServer,
     SettableClock,
     fakeredis_clock,
     guard_leftovers,
-    libfaketime,
+    model_clock,
     redis_server_executable,
     unavailable,
 )
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 
 import dramatiq_guard
@@ -94,9 +93,7 @@ from dramatiq_guard.middleware.slots.execution import Held
 from dramatiq_guard.middleware.slots.throttle import Started
 from dramatiq_guard.middleware.sweep import sweep_all
 
-EXAMPLES = int(os.environ.get("DRAMATIQ_GUARD_COMPOSED_MODEL_EXAMPLES", "30"))
-STEPS = int(os.environ.get("DRAMATIQ_GUARD_COMPOSED_MODEL_STEPS", "50"))
-RANDOM = os.environ.get("DRAMATIQ_GUARD_COMPOSED_MODEL_RANDOM", "") not in ("", "0")
+BUDGET = ModelBudget.from_env("COMPOSED", examples=30, steps=50)
 
 LEASE_MS = 3_000  # lease_ttl: a killed run's slots are free this long after its last renewal
 RENEW_MS = LEASE_MS // 3  # how often the renewer renews a live lease
@@ -155,7 +152,7 @@ def test_window_overflows_counts_a_sliding_window() -> None:
     assert window_overflows([0, 6_000], 1, 6_000) == []
 
 
-class ComposedModel(RuleBasedStateMachine):
+class ComposedModel(MarksFailure, RuleBasedStateMachine):
     """A StubBroker with the guards installed on ``backend``, its producer, worker and sweep."""
 
     def __init__(self, clock: Clock, make_backend: Callable[[], GuardBackend]) -> None:
@@ -177,7 +174,6 @@ class ComposedModel(RuleBasedStateMachine):
         self.started: Counter[str] = Counter()
         self.starts: dict[str, list[int]] = {key: [] for key in LIMITS if key.startswith("throttle:")}
         self.started_on: dict[tuple[str, str], int] = {}  # (throttle key, holder) -> when it started
-        self.failed = False
         self.snapshot: dict[str, KeyState] | None = None  # each key's state, until the next step
 
     def declare_actors(self) -> dict[str, dramatiq.Actor[Any, Any]]:
@@ -216,18 +212,9 @@ class ComposedModel(RuleBasedStateMachine):
         """One tick, then the body: a step of a rule."""
         self.clock.advance(TICK_MS)
         self.snapshot = None
-        with self.checking():
+        with self.marking_failure():
             yield
         self.snapshot = None
-
-    @contextlib.contextmanager
-    def checking(self) -> Iterator[None]:
-        """Marks the run failed if the body raises, so :meth:`teardown` does not drain over it."""
-        try:
-            yield
-        except BaseException:
-            self.failed = True
-            raise
 
     @property
     def queue(self) -> Any:
@@ -386,7 +373,7 @@ class ComposedModel(RuleBasedStateMachine):
 
     @invariant()
     def no_limit_is_exceeded(self) -> None:
-        with self.checking():
+        with self.marking_failure():
             running = Counter(key for mid in self.running for key in self.sent[mid].keys)
             for key, limit in LIMITS.items():
                 if not key.startswith("throttle:"):
@@ -401,7 +388,7 @@ class ComposedModel(RuleBasedStateMachine):
     def a_start_holds_its_place_for_a_period_exactly(self) -> None:
         """A throttle's start counts from when it started (a hand-off's reservation renewed to a
         period from then), never renewed nor released: while listed, its deadline is start + period."""
-        with self.checking():
+        with self.marking_failure():
             for key in self.starts:
                 for holder, deadline in self.states()[key].holders:
                     at = self.started_on.get((key, holder))
@@ -409,7 +396,7 @@ class ComposedModel(RuleBasedStateMachine):
 
     @invariant()
     def nothing_is_lost_parked_twice_or_started_twice(self) -> None:
-        with self.checking():
+        with self.marking_failure():
             parked, on_broker = self.parked(), Counter(self.on_broker())
             for mid, keys in parked.items():
                 assert mid in self.sent, f"{mid} parked on {keys} was never sent"
@@ -426,7 +413,7 @@ class ComposedModel(RuleBasedStateMachine):
 
     @invariant()
     def a_parked_message_holds_nothing(self) -> None:
-        with self.checking():
+        with self.marking_failure():
             on_broker = set(self.on_broker())
             parked = {mid: keys for mid, keys in self.parked().items() if mid not in on_broker}
             for key in LIMITS:
@@ -490,12 +477,8 @@ def quiet_install() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def clock() -> Iterator[Clock]:
-    if libfaketime() is None:
-        yield SettableClock(START_MS)
-        return
-    clock = FakeClock(START_MS)
-    yield clock
-    clock.close()
+    with model_clock(START_MS) as clock:
+        yield clock
 
 
 @pytest.fixture(params=["redis", "memory"])
@@ -524,19 +507,4 @@ def make_backend(request: pytest.FixtureRequest, clock: Clock) -> Iterator[Calla
 def test_composed_guards_keep_every_limit(clock: Clock, make_backend: Callable[[], GuardBackend]) -> None:
     """Random sends, pickups, finishes, kills, sweeps and time (module docstring)."""
 
-    class OnThisBackend(ComposedModel):
-        def __init__(self) -> None:
-            super().__init__(clock, make_backend)
-
-    run_state_machine_as_test(
-        OnThisBackend,
-        settings=settings(
-            max_examples=EXAMPLES,
-            stateful_step_count=STEPS,
-            deadline=None,
-            derandomize=not RANDOM,
-            database=None,
-            print_blob=True,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-        ),
-    )
+    BUDGET.run(ComposedModel, clock, make_backend)
