@@ -9,17 +9,19 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any, Generic
 
 from dramatiq import Broker, Worker
 from dramatiq.broker import MessageProxy
 from dramatiq.brokers.stub import StubBroker
+from dramatiq.middleware import SkipMessage
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, ReleaseResult, Waiter
 from dramatiq_guard.claim import Claim, entry_ms
-from dramatiq_guard.delivery import acks_are_final, copy_generation
-from dramatiq_guard.errors import BackendUnavailable, GuardKeyError, MutexWaitTimeout
+from dramatiq_guard.delivery import acks_are_final, copy_generation, generation_of
+from dramatiq_guard.errors import BackendUnavailable, MutexWaitTimeout
 from dramatiq_guard.lease import Lease, runner_id
 from dramatiq_guard.middleware.base import ActorGuard, ExecutionState, execution_state, fail_open
 from dramatiq_guard.middleware.slots.base import P, SlotsBase
@@ -97,8 +99,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         """Acquire a slot of each of the message's guards, in its option's order; park, drop or wait
-        when a key is full (the slots taken before it are released, and those reserved for it of the
-        guards after it given back, by ``after_skip_message``).
+        when a key is full (the slots taken before it are released by ``after_skip_message``).
 
         Raises:
           SkipMessage: The message was parked or dropped, or is a stale copy; or
@@ -110,8 +111,15 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         guards = self.guards_of(message)
         if not guards or message.failed:
             return
-        for guard, key in self.guard_keys_of(guards, message):
-            self._take(broker, message, guard, key)
+        keyed = self.guard_keys_of(guards, message)
+        for position, (guard, key) in enumerate(keyed):
+            try:
+                self._take(broker, message, guard, key)
+            except SkipMessage:
+                not_run = execution_state(message).data.get(self.slot_of(guard))
+                if isinstance(not_run, NotRun) and not_run.reason == "parked":
+                    self._give_back_handoffs(broker, message, keyed[position + 1 :])
+                raise
 
     def _take(self, broker: Broker, message: MessageProxy, guard: ActorGuard[P], key: str) -> None:
         """Acquire the slot of one guard of the message (see :meth:`before_process_message`)."""
@@ -137,21 +145,14 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         else:
             raise MutexWaitTimeout(key, message.message_id, self.wait_ms(guard.policy), result.holders)
 
-    def _give_back_unreached(self, broker: Broker, message: MessageProxy) -> None:
-        """A guard (of this option's list, or of a middleware before this one) parked the message after
-        pickup: what it holds of the guards it did not reach (a slot reserved at its send or when a
-        hand-off brought it back, a hand-off's slot) goes to their next waiters now, not after
-        ``pickup_ttl``: a parked message holds nothing (docs/flow-control-design.md)."""
-        state = execution_state(message)
-        parked = any(isinstance(v, NotRun) and v.reason == "parked" for v in state.data.values())
-        if not parked:
-            return  # run, dropped, or a stale or deferred copy (another copy may hold those slots)
-        unreached = [guard for guard in self.guards_of(message) if self.slot_of(guard) not in state.data]
-        try:
-            keyed = [(guard, self.guard_key_of(guard, message)) for guard in unreached]
-        except GuardKeyError:
-            return  # no key, so nothing reserved there
-        for guard, key in keyed:
+    def _give_back_handoffs(
+        self, broker: Broker, message: MessageProxy, later: Sequence[tuple[ActorGuard[P], str]]
+    ) -> None:
+        """An earlier guard parked (or skipped) the message: the slots later guards' hand-offs reserved
+        for this copy go to their next waiters now, not after ``pickup_ttl`` (it parks on another key)."""
+        for guard, key in later:
+            if generation_of(message, key) is None:
+                continue  # no hand-off of that key brought it here: it holds nothing there
             claim = Claim(
                 key, self.holder_of(message), self.default_limit(guard), 0, backend=self.backend(broker)
             )
@@ -251,9 +252,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         self._finish(broker, message)
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
-        """Release the leases taken if a guard (or a later middleware) skipped the message after they
-        were acquired; if a guard parked it, give back what it holds of the guards it did not reach."""
-        self._give_back_unreached(broker, message)  # first: _finish forgets which guards it reached
+        """Release the lease if a later middleware skipped the message after it acquired."""
         self._finish(broker, message)
 
     def after_ack(self, broker: Broker, message: MessageProxy) -> None:

@@ -100,9 +100,7 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         """The message did not run after all (a later guard parked it, or a later middleware skipped
-        it): the places it took leave their windows and go to the keys' next waiters, and so do
-        those reserved for it of the guards it did not reach."""
-        self._give_back_unreached(broker, message)
+        it): the places it took leave their windows and go to the keys' next waiters."""
         self._finish(broker, message)
         state = execution_state(message)
         for guard in self.guards_of(message):
