@@ -84,12 +84,27 @@ class EnqueueGuard(Protocol):
 
 class Diverted(Exception):
     """Raised by a guard's ``before_push``: do not push, return ``message`` to the caller; ``outcome``
-    is ``PARKED`` (earlier tickets are told so) or ``DROPPED`` (earlier tickets are undone)."""
+    is ``PARKED`` (earlier tickets are told so) or ``DROPPED`` (earlier tickets are undone).
 
-    def __init__(self, message: Message[Any], outcome: Outcome) -> None:
+    ``then``: what to do once every ticket is settled (a parking acquire's hand-offs are delivered
+    only after the message gave back what it reserved of the other guards: before, a message handed
+    a place could find one of them held by it, park there, and hand its place on to this message,
+    whose give-back would then take the reservations of its own copy on the broker).
+    """
+
+    def __init__(
+        self, message: Message[Any], outcome: Outcome, then: Callable[[], None] | None = None
+    ) -> None:
         super().__init__(message.message_id)
         self.message = message
         self.outcome = outcome
+        self.then = then
+
+    def settled(self) -> None:
+        """Every ticket is settled: do what was left for then."""
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
 
 
 EnqueueFn = Callable[..., Message[Any]]
@@ -153,6 +168,7 @@ class EnqueueGate:
                     tickets.append(ticket)
         except Diverted as diverted:
             _settle(tickets, diverted.outcome)
+            diverted.settled()
             return Admission(diverted.message, diverted.outcome)
         except BaseException:
             _settle(tickets, Outcome.DROPPED)
@@ -167,6 +183,7 @@ class EnqueueGate:
             enqueued = self.original(message, delay=delay)
         except Diverted as diverted:  # raised by a one-step ticket's push
             _settle(tickets, diverted.outcome)
+            diverted.settled()
             return Admission(diverted.message, diverted.outcome)
         except BaseException:
             _settle(tickets, Outcome.DROPPED)

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import pytest
 import redis
-from harness import FakeClock, RedisServer, SettableClock, fakeredis_clock, libfaketime
+from harness import FakeClock, MarksFailure, RedisServer, SettableClock, fakeredis_clock, model_clock
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -68,7 +68,7 @@ class Copy:
 Clock = FakeClock | SettableClock
 
 
-class DebounceModel(RuleBasedStateMachine):
+class DebounceModel(MarksFailure, RuleBasedStateMachine):
     def __init__(self, clock: Clock, backends: list[GuardBackend]) -> None:
         super().__init__()
         self.clock, self.backends = clock, backends
@@ -80,15 +80,6 @@ class DebounceModel(RuleBasedStateMachine):
         self.couriers: list[Copy] = []
         self.broker: list[Copy] = []
         self.first = self.due = 0
-        self.failed = False
-
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        try:
-            yield
-        except BaseException:
-            self.failed = True
-            raise
 
     def all(self, operation: Callable[[GuardBackend], T]) -> T:
         """One tick, then ``operation`` on every backend: they must agree."""
@@ -102,7 +93,7 @@ class DebounceModel(RuleBasedStateMachine):
 
     @rule()
     def send(self) -> None:
-        with self.step():
+        with self.marking_failure():
             waiter = next(self.messages)
             state, now = self.backends[0].inspect(KEY), self.clock.now_ms + 1  # after all()'s tick
             lapsed = {h for h, deadline in state.holders if deadline <= now and h in state.reserved}
@@ -123,7 +114,7 @@ class DebounceModel(RuleBasedStateMachine):
 
     @rule(fate=COURIER)
     def sweep(self, fate: str) -> None:
-        with self.step():
+        with self.marking_failure():
             # (Its ``released`` may differ: on Redis, holders that lapsed a while ago expired with H.)
             for handoff in self.all(lambda b: b.sweep(KEY, limit=1).handoffs):
                 assert self.clock.now_ms >= self.due, f"handed off before its due time {self.due}"
@@ -143,13 +134,13 @@ class DebounceModel(RuleBasedStateMachine):
     @precondition(lambda self: self.couriers)
     @rule()
     def courier_delivers_late(self) -> None:
-        with self.step():
+        with self.marking_failure():
             self.deliver(self.couriers.pop(0))
 
     @precondition(lambda self: self.broker)
     @rule()
     def worker_starts_a_copy(self) -> None:
-        with self.step():
+        with self.marking_failure():
             copy = self.broker.pop(0)
             if self.all(lambda b: b.copy_is_live(KEY, copy.waiter, copy.generation)):
                 self.started[copy.waiter] += 1
@@ -182,12 +173,8 @@ class DebounceModel(RuleBasedStateMachine):
 
 @pytest.fixture(scope="module")
 def clock() -> Iterator[Clock]:
-    if libfaketime() is None:
-        yield SettableClock(START_MS)
-        return
-    clock = FakeClock(START_MS)
-    yield clock
-    clock.close()
+    with model_clock(START_MS) as clock:
+        yield clock
 
 
 @pytest.fixture

@@ -56,10 +56,8 @@ Budget: ``DRAMATIQ_GUARD_THROTTLE_MODEL_EXAMPLES`` runs (default 40) of up to
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
-import os
 import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -67,15 +65,22 @@ from typing import Any, TypeVar
 
 import pytest
 import redis
-from harness import FakeClock, RedisServer, fakeredis_clock, libfaketime, redis_server_executable, unavailable
-from hypothesis import HealthCheck, settings
+from harness import (
+    FakeClock,
+    MarksFailure,
+    ModelBudget,
+    RedisServer,
+    fakeredis_clock,
+    libfaketime,
+    redis_server_executable,
+    unavailable,
+)
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 
 from dramatiq_guard.backends import (
@@ -90,9 +95,7 @@ from dramatiq_guard.backends import (
 from dramatiq_guard.backends.base import ORIGINAL_GENERATION
 from dramatiq_guard.claim import entry_ms
 
-EXAMPLES = int(os.environ.get("DRAMATIQ_GUARD_THROTTLE_MODEL_EXAMPLES", "40"))
-STEPS = int(os.environ.get("DRAMATIQ_GUARD_THROTTLE_MODEL_STEPS", "40"))
-RANDOM = os.environ.get("DRAMATIQ_GUARD_THROTTLE_MODEL_RANDOM", "") not in ("", "0")
+BUDGET = ModelBudget.from_env("THROTTLE", examples=40, steps=40)
 
 KEY = "throttle:partner"
 DEFAULT = 2  # the limit the actor declares
@@ -184,7 +187,7 @@ def test_window_overflows_counts_a_lowered_limit_from_when_places_were_taken() -
     assert window_overflows([Start("a", 0, 0), Start("b", 1_000, 1_000)], lambda t: 1, 1_000) == []
 
 
-class ThrottleModel(RuleBasedStateMachine):
+class ThrottleModel(MarksFailure, RuleBasedStateMachine):
     """The throttle's operations on one key of ``backend``, the processes around it, and the window."""
 
     def __init__(self, clock: FakeClock, make_backend: Callable[[], GuardBackend]) -> None:
@@ -203,18 +206,8 @@ class ThrottleModel(RuleBasedStateMachine):
         self.broker: list[Copy] = []
         self.threads: dict[str, Thread] = {}  # holder -> its standby thread
         self.courier = "now"  # what the courier of this step's hand-offs does (COURIER)
-        self.failed = False
 
     # --- operations ----------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """Marks the run failed if the body raises, so :meth:`teardown` does not drain over it."""
-        try:
-            yield
-        except BaseException:
-            self.failed = True
-            raise
 
     @property
     def now(self) -> int:
@@ -350,7 +343,7 @@ class ThrottleModel(RuleBasedStateMachine):
     @precondition(lambda self: self.backlog() < BACKLOG)
     @rule(courier=COURIER)
     def a_message_is_sent(self, courier: str) -> None:
-        with self.step():
+        with self.marking_failure():
             self.courier = courier
             self.send(f"{next(self.messages)}:0")
 
@@ -358,7 +351,7 @@ class ThrottleModel(RuleBasedStateMachine):
     @rule(data=st.data(), courier=COURIER)
     def a_start_fails_and_is_retried(self, data: st.DataObject, courier: str) -> None:
         """A started attempt fails; Retries sends it again, a new start (decided when it is due)."""
-        with self.step():
+        with self.marking_failure():
             self.courier = courier
             holder = data.draw(st.sampled_from(sorted(self.retriable())))
             self.retried.add(holder)
@@ -374,7 +367,7 @@ class ThrottleModel(RuleBasedStateMachine):
     @rule(data=st.data(), block=st.sampled_from([True, True, False]), courier=COURIER)
     def a_worker_picks_up_a_copy(self, data: st.DataObject, block: bool, courier: str) -> None:
         """``block``: the worker has a standby seat free (a standby picked up blocks for its place)."""
-        with self.step():
+        with self.marking_failure():
             self.courier = courier
             copy = data.draw(st.sampled_from(self.broker))
             self.broker.remove(copy)
@@ -387,7 +380,7 @@ class ThrottleModel(RuleBasedStateMachine):
     def a_standby_thread_acts(self, data: st.DataObject, action: str, courier: str) -> None:
         """A blocked standby takes its wake, checks the key again (``Claim.block``'s backstop),
         gives up at the end of its wait (parking again), or dies (the broker delivers its copy again)."""
-        with self.step():
+        with self.marking_failure():
             self.courier = courier
             thread = self.threads[data.draw(st.sampled_from(sorted(self.threads)))]
             if action == "wake":
@@ -407,7 +400,7 @@ class ThrottleModel(RuleBasedStateMachine):
         """A courier that got a copy earlier pushes and confirms it now; or dies before the push, or
         after it (the reservation lapses: the waiter waits again; the pushed copy may be stale when
         picked up). ``courier``: what the courier of the hand-offs the confirmation makes does."""
-        with self.step():
+        with self.marking_failure():
             self.courier = courier
             copy = data.draw(st.sampled_from(self.pending))
             self.pending.remove(copy)
@@ -419,20 +412,20 @@ class ThrottleModel(RuleBasedStateMachine):
 
     @rule(courier=COURIER)
     def the_sweep_runs(self, courier: str) -> None:
-        with self.step():
+        with self.marking_failure():
             self.courier = courier
             self.sweep()
 
     @rule(count=st.sampled_from([1, 2, 4]), courier=COURIER)
     def the_key_timer_fires(self, count: int, courier: str) -> None:
         """``count``: the standbys it sends ahead (``min(limit, standby seats)``)."""
-        with self.step():
+        with self.marking_failure():
             self.courier = courier
             self.timer_fires(count)
 
     @rule(limit=st.sampled_from(LIMITS), courier=COURIER)
     def the_limit_changes(self, limit: int | None, courier: str) -> None:
-        with self.step():
+        with self.marking_failure():
             self.courier = courier
             self.set_limit(limit)
 
@@ -446,14 +439,14 @@ class ThrottleModel(RuleBasedStateMachine):
 
     @invariant()
     def no_window_holds_more_starts_than_its_limit(self) -> None:
-        with self.step():
+        with self.marking_failure():
             bad = window_overflows(self.starts, self.limit_at, PERIOD_MS)
             assert not bad, f"over the limit (limits {self.limits}): {bad[0]}"
 
     @invariant()
     def a_start_holds_its_place_for_a_period_exactly(self) -> None:
         """Nothing renews or releases a start: while it is listed, its deadline is its start + period."""
-        with self.step():
+        with self.marking_failure():
             started_at = {start.holder: start.at for start in self.starts}
             for holder, deadline in self.backend.inspect(KEY).holders:
                 if holder in started_at:
@@ -461,7 +454,7 @@ class ThrottleModel(RuleBasedStateMachine):
 
     @invariant()
     def every_attempt_is_somewhere_and_started_at_most_once(self) -> None:
-        with self.step():
+        with self.marking_failure():
             twice = {holder: n for holder, n in self.started.items() if n > 1}
             assert not twice, f"started more than once: {twice}"
             state = self.backend.inspect(KEY)
@@ -541,19 +534,4 @@ def make_backend(request: pytest.FixtureRequest, clock: FakeClock) -> Iterator[C
 def test_the_throttle_keeps_its_window(clock: FakeClock, make_backend: Callable[[], GuardBackend]) -> None:
     """Random sends, pickups, standbys, hand-offs, sweeps, limits and time (module docstring)."""
 
-    class OnThisBackend(ThrottleModel):
-        def __init__(self) -> None:
-            super().__init__(clock, make_backend)
-
-    run_state_machine_as_test(
-        OnThisBackend,
-        settings=settings(
-            max_examples=EXAMPLES,
-            stateful_step_count=STEPS,
-            deadline=None,
-            derandomize=not RANDOM,
-            database=None,
-            print_blob=True,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-        ),
-    )
+    BUDGET.run(ThrottleModel, clock, make_backend)

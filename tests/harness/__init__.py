@@ -24,7 +24,8 @@ from .env import (
     redis_url_from_env,
     unavailable,
 )
-from .fake_clock import FakeClock, SettableClock, fakeredis_clock, libfaketime
+from .fake_clock import FakeClock, SettableClock, fakeredis_clock, libfaketime, model_clock
+from .models import MarksFailure, ModelBudget
 from .proxy import SilentProxy
 from .recorder import Gate, Recorder
 from .redis_server import REDIS_SERVER_ENV, RedisServer, free_port, redis_server_executable
@@ -49,6 +50,8 @@ __all__ = [
     "DramatiqWorker",
     "FakeClock",
     "Gate",
+    "MarksFailure",
+    "ModelBudget",
     "Recorder",
     "RedisServer",
     "SettableClock",
@@ -62,6 +65,7 @@ __all__ = [
     "guard_leftovers",
     "in_ci",
     "libfaketime",
+    "model_clock",
     "pid_alive",
     "redis_broker_dead",
     "redis_broker_pending",

@@ -201,3 +201,17 @@ class FakeClock:
         for name in ("faketime", "faketime.new"):
             (self._dir / name).unlink(missing_ok=True)
         self._dir.rmdir()
+
+
+@contextlib.contextmanager
+def model_clock(start_ms: int) -> Iterator[FakeClock | SettableClock]:
+    """A model test's clock from ``start_ms``: a :class:`FakeClock` where libfaketime is installed
+    (servers can read it), else a :class:`SettableClock` (the in-memory backend alone)."""
+    if libfaketime() is None:
+        yield SettableClock(start_ms)
+        return
+    clock = FakeClock(start_ms)
+    try:
+        yield clock
+    finally:
+        clock.close()

@@ -90,15 +90,16 @@ def _reserved(claim: Claim, message: Message[Any], result: AcquireResult, delive
     Raises:
       Diverted: Parked, or a stale copy (see :func:`reserve_or_park`).
     """
+    if result.outcome in (AcquireOutcome.QUEUED, AcquireOutcome.STANDBY):
+        logger.debug("Parked %s at enqueue: %r is full (limit %d).", message, claim.key, result.limit)
+        events.parked(message.actor_name)
+        events.lockwait_changed()
+        # Its hand-offs go once it gave back what it reserved of its other guards (Diverted.then).
+        raise Diverted(message, Outcome.PARKED, then=lambda: deliver(result.handoffs))
     deliver(result.handoffs)
     match result.outcome:
         case AcquireOutcome.ACQUIRED:
             return True
-        case AcquireOutcome.QUEUED | AcquireOutcome.STANDBY:
-            logger.debug("Parked %s at enqueue: %r is full (limit %d).", message, claim.key, result.limit)
-            events.parked(message.actor_name)
-            events.lockwait_changed()
-            raise Diverted(message, Outcome.PARKED)
         case AcquireOutcome.STALE:
             logger.info(
                 "Dropped %s at enqueue: a stale copy (a newer hand-off of %r runs instead).",
