@@ -411,6 +411,15 @@ class OracleBackend(GuardBackend):
             guard.holders[holder] = now + ttl_ms
             return True
 
+    def give_back(self, key: str, holder: str, *, limit: int | None) -> ReleaseResult:
+        """:meth:`release`, unless a runner took ``holder``'s slot; see :meth:`GuardBackend.give_back`."""
+        with self._changed:
+            first = self._guards.get(key)
+            entry = first.info.get(holder) if first is not None else None
+            if entry is not None and entry[2]:
+                return ReleaseResult(False, (), ())
+        return self.release(key, holder, limit=limit)
+
     def release(self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0) -> ReleaseResult:
         """Give up ``holder``'s slot; see :meth:`GuardBackend.release`."""
         check_count(limit, "limit")

@@ -863,6 +863,19 @@ def test_waiters_are_handed_off_by_priority_then_in_order(env: Env) -> None:
     assert_drained(env, backend)
 
 
+def test_give_back_releases_a_reservation_and_never_a_slot_a_runner_took(env: Env) -> None:
+    """A copy parked on another key gives back what it holds reserved here, never a runner's lease."""
+    backend = env.backend()
+    assert backend.acquire(Stake(KEY, "reserved", limit=2, ttl_ms=60_000)).acquired  # at send: no runner
+    assert backend.acquire(Stake(KEY, "running", limit=2, ttl_ms=60_000, runner="w1")).acquired
+    assert not backend.give_back(KEY, "running", limit=2).released
+    assert not backend.give_back(KEY, "nobody", limit=2).released
+    assert backend.give_back(KEY, "reserved", limit=2).released
+    assert [holder for holder, _ in backend.inspect(KEY).holders] == ["running"]
+    assert backend.release(KEY, "running", limit=2).released
+    assert_drained(env, backend)
+
+
 def test_a_priority_out_of_range_is_refused(env: Env) -> None:
     backend = env.backend()
     for priority in (2049, -2049, 1.5, True):

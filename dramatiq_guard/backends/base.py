@@ -209,6 +209,12 @@ class GuardBackend(abc.ABC):
         each acquire is atomic on its own, not the whole (the caller gives back what it does not use)."""
         return [self.acquire(stake) for stake in stakes]
 
+    @abc.abstractmethod
+    def give_back(self, key: str, holder: str, *, limit: int | None) -> ReleaseResult:
+        """:meth:`release` ``holder``'s slot only if it is reserved for a message not started (taken
+        by no runner): a copy parked on another key gives back what it will not use, and never the
+        lease of another copy of its message that runs."""
+
     def release_many(self, releases: Sequence[tuple[str, str, int | None, int]]) -> list[ReleaseResult]:
         """:meth:`release` each ``(key, holder, limit, send_ahead)``, in order, in as few round trips."""
         return [

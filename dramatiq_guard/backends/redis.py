@@ -237,6 +237,10 @@ class RedisBackend(RedisStore):
         replies = run_scripts(self.client, self.scripts, calls, replicas=self.replicas)
         return [release_of(key, reply) for (key, *_), reply in zip(releases, replies, strict=True)]
 
+    def give_back(self, key: str, holder: str, *, limit: int | None) -> ReleaseResult:
+        own = layout.ReleaseArgs(holder=holder, standbys=0, reserved_only="1")
+        return release_of(key, self._call(*self._script_call(key, limit, own)))
+
     def _release_call(self, key: str, holder: str, limit: int | None, send_ahead: int) -> ScriptCall:
         check_count(send_ahead, "send_ahead")
         return self._script_call(key, limit, layout.ReleaseArgs(holder=holder, standbys=send_ahead))

@@ -129,6 +129,7 @@ class AcquireArgs(NamedTuple):
 class ReleaseArgs(NamedTuple):
     holder: str
     standbys: Annotated[int, COUNT._replace(name="send_ahead")]
+    reserved_only: str = ""
 
 
 class ConfirmHandoffArgs(NamedTuple):

@@ -19,7 +19,7 @@ from dramatiq.brokers.stub import StubBroker
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, ReleaseResult, Waiter
 from dramatiq_guard.claim import Claim, entry_ms
-from dramatiq_guard.delivery import acks_are_final, copy_generation, generation_of
+from dramatiq_guard.delivery import acks_are_final, copy_generation
 from dramatiq_guard.errors import BackendUnavailable, MutexWaitTimeout
 from dramatiq_guard.lease import Lease, runner_id
 from dramatiq_guard.middleware.base import ActorGuard, ExecutionState, execution_state, fail_open
@@ -167,30 +167,35 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         else:
             raise MutexWaitTimeout(key, message.message_id, self.wait_ms(guard.policy), result.holders)
 
-    def _give_back_handoffs(self, broker: Broker, message: MessageProxy, reached: set[str]) -> None:
-        """A guard parked the message after pickup: the slots that hand-offs of this middleware's
-        keys reserved for this copy, on the guards it did not reach (``reached``: the slots that
-        held or refused it), go to their next waiters now, not after ``pickup_ttl`` (unless
-        ``keeps_when_parked``). Only a park: a copy refused as stale or running may share its
-        hand-off with a live copy."""
+    def _give_back_unreached(self, broker: Broker, message: MessageProxy, reached: set[str]) -> None:
+        """A guard parked the message after pickup: what this copy holds reserved on this middleware's
+        guards it did not reach (``reached``: the slots that held or refused it), from its send or a
+        hand-off's way back, goes to the keys' next waiters now, not after ``pickup_ttl`` (unless
+        ``keeps_when_parked``). Only a reservation (:meth:`GuardBackend.give_back`): never the lease
+        of another copy of the message that runs. Only after a park: a copy refused as stale or
+        running may share its reservations with a live copy."""
         data = execution_state(message).data
         if self.keeps_when_parked or not any(
             isinstance(not_run, NotRun) and not_run.reason == "parked" for not_run in data.values()
         ):
             return
         for guard in self.guards_of(message):
-            key = self.guard_key_of(guard, message)
-            if self.slot_of(guard) not in reached and generation_of(message, key) is not None:
-                self.give_back(broker, message, guard, key)
+            if self.slot_of(guard) not in reached:
+                self.give_back(broker, message, guard, self.guard_key_of(guard, message), started=False)
 
-    def give_back(self, broker: Broker, message: MessageProxy, guard: ActorGuard[P], key: str) -> None:
-        """Release what ``message`` holds of ``key`` and will not use (a reservation, a throttle's
-        place), and deliver what that hands on; if the backend is unreachable, it lapses on its own."""
-        claim = Claim(
-            key, self.holder_of(message), self.default_limit(guard), 0, backend=self.backend(broker)
-        )
+    def give_back(
+        self, broker: Broker, message: MessageProxy, guard: ActorGuard[P], key: str, *, started: bool
+    ) -> None:
+        """Release what ``message`` holds of ``key`` and will not use: a reservation, or (``started``)
+        a slot this copy took, such as a throttle's place; deliver what that hands on. If the backend
+        is unreachable, it lapses on its own."""
+        holder, limit, backend = self.holder_of(message), self.default_limit(guard), self.backend(broker)
         try:
-            self.deliver(broker, claim.release().handoffs)
+            if started:
+                result = backend.release(key, holder, limit=limit)
+            else:
+                result = backend.give_back(key, holder, limit=limit)
+            self.deliver(broker, result.handoffs)
         except BackendUnavailable:
             logger.warning("Could not give back %s's place on %r; it lapses on its own.", message, key)
 
@@ -283,7 +288,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         message after they were acquired; give back what hand-offs reserved for it, if it parked."""
         reached = set(execution_state(message).data)  # before _finish forgets the leases
         self._finish(broker, message)
-        self._give_back_handoffs(broker, message, reached)
+        self._give_back_unreached(broker, message, reached)
 
     def after_ack(self, broker: Broker, message: MessageProxy) -> None:
         """A copy that parked after pickup was acked: its generation record goes (contract,

@@ -106,7 +106,7 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
             started = state.data.pop(self.slot_of(guard), None)
             if not isinstance(started, Started):
                 continue
-            self.give_back(broker, message, guard, started.key)
+            self.give_back(broker, message, guard, started.key, started=True)
 
     def _reserve(
         self,
