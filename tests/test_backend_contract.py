@@ -863,6 +863,23 @@ def test_waiters_are_handed_off_by_priority_then_in_order(env: Env) -> None:
     assert_drained(env, backend)
 
 
+def test_acquire_many_acquires_each_key_on_its_own_and_queues_nothing(env: Env) -> None:
+    """One round trip for several keys (a list's guards): each acquire as alone, a refusal parks nothing."""
+    backend = env.backend()
+    other = KEY + "-other"
+    assert backend.acquire(Stake(other, "holder", limit=1, ttl_ms=60_000)).acquired
+    results = backend.acquire_many(
+        [Stake(KEY, "m", limit=1, ttl_ms=60_000, runner="w1"), Stake(other, "m", limit=1, ttl_ms=60_000)]
+    )
+    assert [r.acquired for r in results] == [True, False]
+    assert results[0].token is not None and results[1].holders == ("holder",)
+    assert backend.inspect(other).waiters == ()  # refused without a wait: not queued
+    assert backend.acquire_many([]) == []
+    for key, holder in ((KEY, "m"), (other, "holder")):
+        assert backend.release(key, holder, limit=1).released
+    assert_drained(env, backend)
+
+
 def test_give_back_releases_a_reservation_and_never_a_slot_a_runner_took(env: Env) -> None:
     """A copy parked on another key gives back what it holds reserved here, never a runner's lease."""
     backend = env.backend()

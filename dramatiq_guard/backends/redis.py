@@ -98,6 +98,8 @@ class RedisBackend(RedisStore):
 
     def acquire_many(self, stakes: Sequence[Stake]) -> list[AcquireResult]:
         """The acquires in one pipeline (one per node on a Redis Cluster)."""
+        if not stakes:
+            return []
         calls = [
             self._script_call(stake.key, stake.limit, self._acquire_args(stake, None)) for stake in stakes
         ]
