@@ -157,24 +157,22 @@ class EnqueueGate:
           GuardError: A guard refused the message.
           Exception: Whatever the broker's push raised.
         """
-        tickets: list[PushTicket] = []
+        tickets = TicketGroup()
         actor_name = message.actor_name
         try:
             for guard in self.guards:
                 if not guard.guards_actor(actor_name):
                     continue  # an actor that opts into nothing costs a dict lookup per guard
-                ticket = guard.before_push(self.broker, message, delay, holds=holds)
-                if ticket is not None:
-                    tickets.append(ticket)
+                tickets.add(guard.before_push(self.broker, message, delay, holds=holds))
         except Diverted as diverted:
-            _settle(tickets, diverted.outcome)
+            tickets.settle(diverted.outcome)
             diverted.settled()
             return Admission(diverted.message, diverted.outcome)
         except BaseException:
-            _settle(tickets, Outcome.DROPPED)
+            tickets.failed()
             raise
 
-        one_step = [cast(OneStepTicket, t) for t in tickets if hasattr(t, "enqueue")]
+        one_step = [cast(OneStepTicket, t) for t in tickets.tickets if hasattr(t, "enqueue")]
         outer = getattr(self._local, "ticket", None)  # an enqueue this one runs inside of
         if one_step:
             self._take_pushes()
@@ -182,15 +180,15 @@ class EnqueueGate:
         try:
             enqueued = self.original(message, delay=delay)
         except Diverted as diverted:  # raised by a one-step ticket's push
-            _settle(tickets, diverted.outcome)
+            tickets.settle(diverted.outcome)
             diverted.settled()
             return Admission(diverted.message, diverted.outcome)
         except BaseException:
-            _settle(tickets, Outcome.DROPPED)
+            tickets.failed()
             raise
         finally:
             self._local.ticket = outer
-        _settle(tickets, Outcome.PUSHED)
+        tickets.pushed()
         return Admission(enqueued, Outcome.PUSHED)
 
     def _take_pushes(self) -> None:
@@ -212,7 +210,8 @@ class EnqueueGate:
 
 
 class TicketGroup:
-    """Several tickets of one guard settled as one (an actor with a list of guards of one option)."""
+    """Several tickets settled as one: the gate's for one enqueue, or one guard's for an actor with a
+    list of guards of one option."""
 
     def __init__(self, tickets: list[PushTicket] | None = None) -> None:
         self.tickets: list[PushTicket] = tickets or []
@@ -222,8 +221,17 @@ class TicketGroup:
             self.tickets.append(ticket)
 
     def settle(self, outcome: Outcome) -> None:
-        """Settle every ticket with ``outcome``, the last first."""
-        _settle(self.tickets, outcome)
+        """Settle every ticket with ``outcome``, the last first (a ticket that raises is logged)."""
+        for ticket in reversed(self.tickets):
+            try:
+                if outcome is Outcome.PUSHED:
+                    ticket.pushed()
+                elif outcome is Outcome.PARKED:
+                    ticket.parked()
+                else:
+                    ticket.failed()
+            except Exception:
+                logger.exception("Failed to settle an enqueue ticket (%s).", outcome.value)
 
     def pushed(self) -> None:
         self.settle(Outcome.PUSHED)
@@ -233,19 +241,6 @@ class TicketGroup:
 
     def failed(self) -> None:
         self.settle(Outcome.DROPPED)
-
-
-def _settle(tickets: list[PushTicket], outcome: Outcome) -> None:
-    for ticket in reversed(tickets):
-        try:
-            if outcome is Outcome.PUSHED:
-                ticket.pushed()
-            elif outcome is Outcome.PARKED:
-                ticket.parked()
-            else:
-                ticket.failed()
-        except Exception:
-            logger.exception("Failed to settle an enqueue ticket (%s).", outcome.value)
 
 
 _lock = threading.Lock()
