@@ -113,8 +113,6 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
         self._redis = redis
         self._backend: GuardBackend | None = None
         self._backend_lock = threading.Lock()
-        #: Each guarded actor's first (or only) guard, by actor name.
-        self.guarded: dict[str, ActorGuard[P]] = {}
         #: Each guarded actor's guards, in the order of its option's list, by actor name.
         self.guard_lists: dict[str, tuple[ActorGuard[P], ...]] = {}
 
@@ -152,7 +150,6 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
         value = actor.options.get(self.option)
         if value is None or value is False:
-            self.guarded.pop(actor.actor_name, None)
             self.guard_lists.pop(actor.actor_name, None)
             return
         policies = parse_policies(self.policy_class, value, actor_name=actor.actor_name)
@@ -167,17 +164,22 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
             except ValueError as e:
                 raise option_error(actor.actor_name, self.option, value, str(e)) from None
             guards.append(ActorGuard(actor.actor_name, cast(P, policy), resolver, priority, index))
-        self.guarded[actor.actor_name] = guards[0]
         self.guard_lists[actor.actor_name] = tuple(guards)
         self.attach(broker)
 
     def guards_actor(self, actor_name: str) -> bool:
         """Whether ``actor_name`` declared this middleware's option (the enqueue gate skips the rest)."""
-        return actor_name in self.guarded
+        return actor_name in self.guard_lists
 
     def guard_of(self, message: Message[Any] | MessageProxy) -> ActorGuard[P] | None:
-        """The guard of ``message``'s actor, or None if it is not guarded by this middleware."""
-        return self.guarded.get(message.actor_name)
+        """The (first) guard of ``message``'s actor, or None if it is not guarded by this middleware."""
+        guards = self.guard_lists.get(message.actor_name)
+        return guards[0] if guards else None
+
+    @property
+    def guarded(self) -> dict[str, ActorGuard[P]]:
+        """Each guarded actor's first (or only) guard, by actor name."""
+        return {name: guards[0] for name, guards in self.guard_lists.items()}
 
     def guards_of(self, message: Message[Any] | MessageProxy) -> tuple[ActorGuard[P], ...]:
         """Every guard of ``message``'s actor, in its option's order (empty if it is not guarded here)."""

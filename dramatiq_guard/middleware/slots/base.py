@@ -151,10 +151,10 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
           ValueError: If ``actor`` is not guarded by this middleware.
         """
         name = actor if isinstance(actor, str) else actor.actor_name
-        guard = self.guarded.get(name)
-        if guard is None:
+        guards = self.guard_lists.get(name)
+        if not guards:
             raise ValueError(f"actor {name!r} has no {self.option}= option")
-        return guard.resolve_key(args, kwargs)
+        return guards[0].resolve_key(args, kwargs)
 
     def limit_for_key(self, key: str) -> int | None:
         """The default limit of ``key``'s actor, or None if this process cannot tell which it is
