@@ -7,10 +7,11 @@ Each function costs a call and does nothing until a sink is set
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class EventSink(Protocol):
@@ -50,53 +51,28 @@ def _count(event: str, actor: str) -> None:
         sink.count(event, actor)
 
 
-def deduplicated(actor: str) -> None:
-    """A message of ``actor`` was not enqueued, or not run, because an identical one held the lock."""
-    _count("deduplicated", actor)
+# Counted events (``sink.count(name, actor)``): for ``redis_state_lost`` the actor is the reason
+# (``"restart"``, ``"flush"`` or ``"vanished"``); docs/metrics.md says what each one counts.
+deduplicated = functools.partial(_count, "deduplicated")
+parked = functools.partial(_count, "parked")
+debounced = functools.partial(_count, "debounced")
+handed_off = functools.partial(_count, "handed_off")
+lease_lost = functools.partial(_count, "lease_lost")
+ledger_hit = functools.partial(_count, "ledger_hit")
+redis_state_lost = functools.partial(_count, "redis_state_lost")
 
 
-def parked(actor: str) -> None:
-    """A message of ``actor`` went to the lockwait area."""
-    _count("parked", actor)
-
-
-def debounced(actor: str) -> None:
-    """A message of ``actor`` was superseded by a later send of its debounce key: it will not run."""
-    _count("debounced", actor)
-
-
-def handed_off(actor: str) -> None:
-    """A waiting message of ``actor`` was given a freed slot."""
-    _count("handed_off", actor)
-
-
-def lease_lost(actor: str) -> None:
-    """A running message of ``actor`` lost its lease."""
-    _count("lease_lost", actor)
-
-
-def ledger_hit(actor: str) -> None:
-    """A message of ``actor`` found its idempotency key completed and did not run."""
-    _count("ledger_hit", actor)
-
-
-def redis_state_lost(reason: str) -> None:
-    """The guard's Redis lost state: ``reason`` is ``"restart"``, ``"flush"`` or ``"vanished"``."""
-    _count("redis_state_lost", reason)
-
-
-def redis_settings(evicting: bool | None, persistent: bool | None) -> None:
-    """The guard's Redis was checked: whether it evicts and persists keys (None: unknown)."""
-    report = getattr(_sink, "redis_settings", None)
+def _report(event: str, *args: Any) -> None:
+    """Pass ``event`` to the sink's method of that name, if it has one."""
+    report = getattr(_sink, event, None)
     if report is not None:
-        report(evicting, persistent)
+        report(*args)
 
 
-def throttle_window(actor: str, starts: int, opens_at_ms: int | None) -> None:
-    """A throttle key of ``actor`` was read: its starts in the window, when its next place opens."""
-    report = getattr(_sink, "throttle_window", None)
-    if report is not None:
-        report(actor, starts, opens_at_ms)
+#: ``(evicting, persistent)``: the guard's Redis evicts, persists keys (each None: unknown).
+redis_settings = functools.partial(_report, "redis_settings")
+#: ``(actor, starts, opens_at_ms)``: a throttle key was read, its starts in the window, when a place opens.
+throttle_window = functools.partial(_report, "throttle_window")
 
 
 def acquired(actor: str, key: str | None = None) -> None:

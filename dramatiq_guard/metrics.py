@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import HTTPServer
 from typing import Any
 
 import dramatiq
 
 from dramatiq_guard import events
-
-logger = logging.getLogger(__name__)
 
 #: The duration buckets of the lock-wait histogram, in milliseconds (Dramatiq's).
 BUCKETS = (5, 10, 25, 50, 75, 100, 250, 500, 750, 1000, 2500, 5000, 7500, 10000, 30000, 60000, 600000)
@@ -63,10 +60,13 @@ _GAUGES: dict[str, tuple[str, str, bool, Any]] = {
 }
 
 
-def multiproc_dir() -> str:
-    """``PROMETHEUS_MULTIPROC_DIR``, else Dramatiq's ``dramatiq_prom_db`` (``<tmp>/dramatiq-prometheus``)."""
+def use_multiproc_dir() -> None:
+    """Make ``PROMETHEUS_MULTIPROC_DIR`` (default: Dramatiq's ``dramatiq_prom_db``, else
+    ``<tmp>/dramatiq-prometheus``) and set it, before prometheus-client is first imported."""
     default = os.path.join(tempfile.gettempdir(), "dramatiq-prometheus")
-    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("dramatiq_prom_db") or default  # noqa: SIM112 (Dramatiq's name)
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("dramatiq_prom_db") or default  # noqa: SIM112 (Dramatiq's name)
+    os.makedirs(path, exist_ok=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
 
 
 class GuardMetrics(dramatiq.Middleware):
@@ -86,10 +86,7 @@ class GuardMetrics(dramatiq.Middleware):
         return [_run_exposition_server] if self.serve else []
 
     def after_process_boot(self, broker: dramatiq.Broker) -> None:
-        # Before prometheus-client is first imported here: it chooses its value storage at import time.
-        path = multiproc_dir()
-        os.makedirs(path, exist_ok=True)
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+        use_multiproc_dir()  # prometheus-client chooses its value storage at import time
         self.setup()
 
     def after_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
@@ -160,33 +157,24 @@ class GuardMetrics(dramatiq.Middleware):
         self.lock_wait_durations.labels(actor).observe(duration_ms)
 
 
-class _MetricsHandler(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        import prometheus_client as prom
-        from prometheus_client import multiprocess
+def exposition_handler() -> Any:
+    """The request handler of the exposition server: the metrics of every process of the directory."""
+    import prometheus_client as prom
+    from prometheus_client import multiprocess
 
-        registry = prom.CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-        output = prom.generate_latest(registry)
-        self.send_response(200)
-        self.send_header("content-type", prom.CONTENT_TYPE_LATEST)
-        self.end_headers()
-        self.wfile.write(output)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        logger.debug(format, *args)
+    registry = prom.CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+    return prom.MetricsHandler.factory(registry)
 
 
 def _run_exposition_server() -> int:
     """The exposition server's fork process (``GuardMetrics(serve=True)``)."""
-    path = multiproc_dir()
-    os.makedirs(path, exist_ok=True)
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    use_multiproc_dir()
     address = (
         os.environ.get("DRAMATIQ_GUARD_PROM_HOST", "0.0.0.0"),
         int(os.environ.get("DRAMATIQ_GUARD_PROM_PORT", "9192")),
     )
-    httpd = HTTPServer(address, _MetricsHandler)
+    httpd = HTTPServer(address, exposition_handler())
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:

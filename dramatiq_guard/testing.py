@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -182,35 +183,21 @@ class GuardLimits:
                 f"GuardMetrics.setup()): holders after that were not seen, so peaks may be too low"
             )
 
-    # The event sink (dramatiq_guard.events.EventSink): holders per key, everything passed on.
+    # The event sink (dramatiq_guard.events.EventSink): holders per key, every event passed on.
 
     def key_holders(self, key: str, delta: int) -> None:
         with self._lock:
             holding = self._holding[key] = self._holding.get(key, 0) + delta
             if holding > self._peaks.get(key, 0):
                 self._peaks[key] = holding
-        self._forward("key_holders", key, delta)
+        self.__getattr__("key_holders")(key, delta)
 
-    def count(self, event: str, actor: str) -> None:
-        self._forward("count", event, actor)
-
-    def holders(self, actor: str, delta: int) -> None:
-        self._forward("holders", actor, delta)
-
-    def waiters(self, actor: str, delta: int) -> None:
-        self._forward("waiters", actor, delta)
-
-    def lock_waited(self, actor: str, duration_ms: float) -> None:
-        self._forward("lock_waited", actor, duration_ms)
-
-    def redis_settings(self, evicting: bool | None, persistent: bool | None) -> None:
-        self._forward("redis_settings", evicting, persistent)
-
-    def _forward(self, event: str, *args: Any) -> None:
-        """Pass an event on to the sink this one replaced, if it takes it."""
-        method = getattr(self._previous, event, None)
-        if method is not None:
-            method(*args)
+    def __getattr__(self, event: str) -> Callable[..., None]:
+        """An event: passed on to the sink this one replaced, if it takes it."""
+        if event.startswith("_"):
+            raise AttributeError(event)
+        forward: Callable[..., None] | None = getattr(self._previous, event, None)
+        return forward or (lambda *args: None)
 
 
 def _names_of(key: str) -> list[str]:

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from dramatiq_guard import events
-from dramatiq_guard.metrics import GuardMetrics, _MetricsHandler
+from dramatiq_guard.metrics import GuardMetrics, exposition_handler
 
 
 @pytest.fixture
@@ -173,7 +173,7 @@ def pay(key):
 def _scrape(multiproc_dir: Path, monkeypatch: pytest.MonkeyPatch) -> dict[tuple[str, str], float]:
     """Scrape the exposition handler the way Prometheus does: ``{(sample name, actor): value}``."""
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(multiproc_dir))
-    server = HTTPServer(("127.0.0.1", 0), _MetricsHandler)
+    server = HTTPServer(("127.0.0.1", 0), exposition_handler())
     thread = threading.Thread(target=server.handle_request, daemon=True)
     thread.start()
     try:
