@@ -1,9 +1,4 @@
-"""What the ``dramatiq-guard`` command and the web dashboard show and do.
-
-Both read through the view functions here (plain dicts of JSON values; keys and
-arguments are data, never markup) and write through :func:`set_limit` and
-:func:`release_holders`, so the dashboard shows and does nothing the command does not.
-"""
+"""What the ``dramatiq-guard`` command and the web dashboard show (views: dicts of JSON values) and do."""
 
 from __future__ import annotations
 
@@ -123,10 +118,7 @@ def _waiter_view(peek: WaiterPeek, now: int) -> dict[str, Any]:
 
 
 def pending_view(summary: KeySummary, now: int) -> dict[str, Any] | None:
-    """A debounce key's pending run (its first waiter, described if ``summary`` has it), or None if
-    none waits (a run handed off is a holder): ``id``, ``actor``, ``args``, ``sent_ms`` (its send,
-    the burst's last), ``due_ms``, ``due_in_ms`` (from ``now``, the backend's clock) and
-    ``superseded`` (the sends of its burst it superseded so far)."""
+    """A debounce key's pending run (its first waiter), or None if none waits (docs/command.md)."""
     if not summary.waiters:
         return None
     first = summary.first[0] if summary.first else None
@@ -144,10 +136,7 @@ def pending_view(summary: KeySummary, now: int) -> dict[str, Any] | None:
 
 
 def key_view(key: str, state: KeyState, now: int, summary: KeySummary) -> dict[str, Any]:
-    """One key as ``inspect --json`` and the dashboard's key page show it (``now``: the backend's clock).
-
-    ``summary`` gives the count of all waiters, the first ones' actors and arguments and the recorded limit.
-    """
+    """One key as ``inspect --json`` and the dashboard's key page show it (``now``: the backend's clock)."""
     reserved = set(state.reserved)
     info = {holder: (since, actor) for holder, since, actor in state.holder_info}
     holders = [
@@ -210,16 +199,6 @@ def key_views(
     ]
 
 
-def key_detail(backend: GuardBackend, key: str) -> dict[str, Any]:
-    """:func:`key_view` of ``key`` read now, with ``now_ms`` (the dashboard's key page).
-
-    Raises:
-      ValueError: If ``key`` is not a valid guard key.
-    """
-    now, [view] = key_views(backend, [key])
-    return {**view, "now_ms": now}
-
-
 def summary_view(summary: KeySummary, now: int) -> dict[str, Any]:
     """One row of the overview (``inspect --summary --json``, the dashboard's overview)."""
     in_force = summary.limit_in_force
@@ -258,12 +237,8 @@ def overview(
     page: int = 1,
     per_page: int | None = None,
 ) -> dict[str, Any]:
-    """Every indexed key matching ``pattern`` (and ``kind``) with holders, waiters or a run-time limit.
-
-    Most in need of a look first, page ``page`` of ``per_page`` rows (None: all): ``now_ms``,
-    ``total``, ``counts`` (per kind: keys, holders, waiters), ``page``, ``pages`` and ``keys``
-    (:func:`summary_view`; a debounce key's shown also with its ``pending`` run, :func:`pending_view`).
-    """
+    """Every indexed key matching ``pattern`` (and ``kind``) with holders, waiters or a run-time limit,
+    most in need of a look first: page ``page`` of ``per_page`` rows (None: all)."""
     keys = indexed_keys(backend, pattern)
     if kind is not None:
         keys = [k for k in keys if kind_of(k) == kind]
@@ -344,8 +319,7 @@ def load_broker(spec: str) -> Broker:
 
 
 def broker_requeue(broker: Broker | str | None, backend: GuardBackend) -> Requeue | None:
-    """How to re-enqueue hand-offs on ``broker`` (or ``MODULE:ATTR``), exactly as a worker would (None
-    without a broker); the backend takes its route.
+    """How to re-enqueue hand-offs on ``broker`` (or ``MODULE:ATTR``) as a worker would (None: no broker).
 
     Raises:
       ValueError: As :func:`load_broker`.
@@ -411,11 +385,7 @@ def releasable(state: KeyState) -> list[str]:
 def release_holders(
     backend: GuardBackend, key: str, holders: Sequence[str], requeue: Requeue | None
 ) -> list[str]:
-    """Release ``holders`` of ``key`` by force and hand their slots on; returns what was done.
-
-    Each is released by its id (one that started since is not touched); the freed
-    slots go to the oldest waiters within the limit recorded with them.
-    """
+    """Release ``holders`` of ``key`` by force (by id) and hand their slots on; returns what was done."""
     released = 0
     handoffs: list[Handoff] = []
     for holder in holders:

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dramatiq_guard import admin
 from dramatiq_guard.admin import format_ms as _format_ms
 from dramatiq_guard.backends.base import GuardBackend, KeyState
 from dramatiq_guard.cli.common import Context, OperationalError, UsageError
-
-if TYPE_CHECKING:
-    from dramatiq_guard.backends.redis_client import RedisClient
-    from dramatiq_guard.backends.redis_scripts import ScriptLibrary
 
 
 def _check_key(backend: GuardBackend, key: str) -> KeyState:
@@ -90,14 +85,9 @@ def _inspect_summary(ctx: Context) -> int:
 
 def _print_key(ctx: Context, view: dict[str, Any], now: int) -> None:
     waiters, limit, in_force = view["waiters"], view["limit"], view["limit_in_force"]
-    if limit is not None:
-        text = str(limit)  # a run-time limit
-    else:
-        text = (
-            "actor default"
-            if in_force is None
-            else f"{in_force} (actor default, as recorded with its waiters)"
-        )
+    text = "actor default" if limit is None else str(limit)  # a run-time limit
+    if limit is None and in_force is not None:
+        text = f"{in_force} (actor default, as recorded with its waiters)"
     summary = f"holders {len(view['holders'])}  limit {text}{' (halted)' if in_force == 0 else ''}"
     summary += f"  waiters {waiters['count']}"
     if waiters["count"]:
@@ -261,11 +251,9 @@ def _cmd_ledger_prune(ctx: Context) -> int:
 
 
 def _cmd_ledger_show(ctx: Context) -> int:
-    ledger = _ledger(ctx)
-    record = ledger.get(ctx.args.key)
-    if record is None:
+    fields = admin.ledger_row(_ledger(ctx), ctx.args.key)
+    if fields is None:
         raise OperationalError(f"no ledger row for idempotency key {ctx.args.key!r}")
-    fields = dataclasses.asdict(record)
     if ctx.args.json:
         ctx.print(json.dumps(fields, indent=2, default=str))
         return 0
@@ -294,11 +282,6 @@ def _cmd_ledger_list(ctx: Context) -> int:
     return 0
 
 
-def _scripts(ctx: Context) -> tuple[RedisClient, ScriptLibrary, str]:
-    """The Redis client, the script library and the namespace of the command's backend."""
-    return ctx.backend.client, ctx.backend.scripts, ctx.backend.namespace
-
-
 def _processes(processes: list[str], most: int = 5) -> str:
     """``host:pid, ...`` (the first ``most``)."""
     more = f" and {len(processes) - most} more" if len(processes) > most else ""
@@ -306,7 +289,7 @@ def _processes(processes: list[str], most: int = 5) -> str:
 
 
 def _cmd_functions_list(ctx: Context) -> int:
-    client, scripts, namespace = _scripts(ctx)
+    client, scripts, namespace = ctx.backend.client, ctx.backend.scripts, ctx.backend.namespace
     found = scripts.libraries(client)
     running = scripts.running(client, namespace)
     if ctx.args.json:
@@ -323,14 +306,13 @@ def _cmd_functions_list(ctx: Context) -> int:
 
 
 def _cmd_functions_load(ctx: Context) -> int:
-    client, scripts, _ = _scripts(ctx)
-    scripts.load_functions(client)
-    ctx.print(f"{scripts.library}: loaded")
+    ctx.backend.scripts.load_functions(ctx.backend.client)
+    ctx.print(f"{ctx.backend.scripts.library}: loaded")
     return 0
 
 
 def _cmd_functions_prune(ctx: Context) -> int:
-    client, scripts, namespace = _scripts(ctx)
+    client, scripts, namespace = ctx.backend.client, ctx.backend.scripts, ctx.backend.namespace
     others = set(scripts.libraries(client)) - {scripts.library}
     running = {name: found for name, found in scripts.running(client, namespace).items() if name in others}
     if running and not ctx.args.force:

@@ -241,7 +241,8 @@ class Dashboard:
         """The view ``overview`` or ``key`` (the ``k`` field's) asked for, its rows sampled for the charts."""
         if name == "key":
             key = self._key_arg(request)
-            view = admin.key_detail(self.backend, key)
+            now, [view] = admin.key_views(self.backend, [key])
+            view["now_ms"] = now
             self.history.record([(key, len(view["holders"]), view["waiters"]["count"])])
             return view
         kind = request.args.get("kind") or None
@@ -329,7 +330,7 @@ class Dashboard:
             lines.append(f"The first {handed} waiter(s) get a slot at once, their messages {where}.")
         elif limit < holders:
             lines.append("Nobody is evicted: new holders wait until the running ones drop below the limit.")
-        return self._confirm(request, view["key"], "limit", lines, {"limit": limit})
+        return self._confirm(request, view["key"], "limit", lines, fields={"limit": limit})
 
     def on_confirm_release(self, request: Request) -> Response:
         self.require_write(request)
@@ -348,18 +349,11 @@ class Dashboard:
         return self._confirm(request, key, "release", lines, holders=holders)
 
     def _confirm(
-        self,
-        request: Request,
-        key: str,
-        action: str | None,
-        lines: list[str],
-        fields: Any = (),
-        holders: Any = (),
+        self, request: Request, key: str, action: str | None, lines: list[str], **form: Any
     ) -> Response:
         """The page that says what a write will do, with its form (``action`` None: nothing to do)."""
-        return self.render(
-            request, "confirm.html", key=key, action=action, lines=lines, fields=dict(fields), holders=holders
-        )
+        form = {"fields": {}, "holders": (), **form}
+        return self.render(request, "confirm.html", key=key, action=action, lines=lines, **form)
 
     def on_limit(self, request: Request) -> Response:
         self.require_write(request)
