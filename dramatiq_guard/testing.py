@@ -1,18 +1,4 @@
-"""Test helpers for users of dramatiq-guard with Dramatiq's StubBroker (docs/testing.md).
-
-:func:`join` waits for the queue *and* for messages parked by a ``concurrency``
-limit or a ``mutex(on_busy="park")``, which ``StubBroker.join`` does not see::
-
-    for n in range(10):
-        deliver_webhook.send(customer_id, n)
-    join(stub_broker, deliver_webhook.queue_name)
-
-:class:`GuardLimits` records the most messages that held each guard key at once::
-
-    with GuardLimits() as limits:
-        ...  # send, run a worker, join
-    limits.assert_held("webhooks:42", limit=2)
-"""
+"""Test helpers for users of dramatiq-guard with Dramatiq's StubBroker (docs/testing.md)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
-"""A pytest helper: assert that an actor's effects happen once when it runs twice (docs/testing.md).
-
-It runs the actor twice with the same arguments, for real (a real broker and
-worker, your real database, no mocks), and compares its effects after each run::
-
-    from dramatiq_guard.testing_ledger import assert_idempotent
-
-    def test_transfer_is_idempotent(broker, db):
-        assert_idempotent(transfer, "t-1", 1, 2, 10, effects=lambda: db.execute(select(accounts)).all())
-"""
+"""A pytest helper: assert that an actor's effects happen once when it runs twice (docs/testing.md)."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import dramatiq
@@ -25,24 +17,15 @@ __all__ = ["assert_idempotent"]
 
 
 class _Outcomes(dramatiq.Middleware):
-    """Tells the helper when a message it enqueued has run, and how."""
+    """Tells the helper how a message it enqueued ended: ``(kind, result or exception)``."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._waiting: dict[str, tuple[threading.Event, list[Any]]] = {}
+        self.waiting: dict[str, Future[tuple[str, Any]]] = {}
 
-    def expect(self, message_id: str) -> tuple[threading.Event, list[Any]]:
-        entry: tuple[threading.Event, list[Any]] = (threading.Event(), [])
-        with self._lock:
-            self._waiting[message_id] = entry
-        return entry
-
-    def _done(self, message: MessageProxy, outcome: Any) -> None:
-        with self._lock:
-            entry = self._waiting.pop(message.message_id, None)
-        if entry is not None:
-            entry[1].append(outcome)
-            entry[0].set()
+    def _done(self, message: MessageProxy, kind: str, value: Any) -> None:
+        future = self.waiting.pop(message.message_id, None)
+        if future is not None:
+            future.set_result((kind, value))
 
     def after_process_message(
         self,
@@ -52,31 +35,31 @@ class _Outcomes(dramatiq.Middleware):
         result: Any = None,
         exception: BaseException | None = None,
     ) -> None:
-        self._done(message, ("raised", exception) if exception is not None else ("returned", result))
+        self._done(message, *(("raised", exception) if exception is not None else ("returned", result)))
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
-        self._done(message, ("skipped", None))
+        self._done(message, "skipped", None)
 
 
-_outcomes: weakref.WeakKeyDictionary[Broker, _Outcomes] = weakref.WeakKeyDictionary()
 _outcomes_lock = threading.Lock()
 
 
 def _outcomes_of(broker: Broker) -> _Outcomes:
     with _outcomes_lock:
-        middleware = _outcomes.get(broker)
-        if middleware is None:
-            middleware = _outcomes[broker] = _Outcomes()
-            broker.add_middleware(middleware)
-        return middleware
+        found = next((m for m in broker.middleware if isinstance(m, _Outcomes)), None)
+        if found is None:
+            found = _Outcomes()
+            broker.add_middleware(found)
+        return found
 
 
 def _run(broker: Broker, message: Message[Any], timeout: float, which: str) -> Any:
-    event, outcome = _outcomes_of(broker).expect(message.message_id)
+    future = _outcomes_of(broker).waiting[message.message_id] = Future()
     broker.enqueue(message)
-    if not event.wait(timeout):
-        raise AssertionError(f"the {which} run of {message} did not finish within {timeout:g}s")
-    kind, value = outcome[0]
+    try:
+        kind, value = future.result(timeout)
+    except FutureTimeout:
+        raise AssertionError(f"the {which} run of {message} did not finish within {timeout:g}s") from None
     if kind == "raised":
         raise AssertionError(f"the {which} run of {message} raised {value!r}") from value
     return value

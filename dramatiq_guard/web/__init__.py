@@ -1,16 +1,8 @@
 """The web dashboard: keys, holders, waiters, limits and the ledger, in a browser (docs/dashboard.md).
 
-Needs the ``web`` extra. :func:`make_app` makes the WSGI application, to mount
-in an existing site (as Dramatiq's own dashboard is mounted)::
-
-    from werkzeug.middleware.dispatcher import DispatcherMiddleware
-    from dramatiq_guard.web import Access, make_app
-
-    guard = make_app(redis="redis://...", broker=broker, access=Access(allowed_hosts=["guard.example.com"]))
-    application = DispatcherMiddleware(site, {"/guard": guard})
-
-It answers only to its own Host names and is read-only unless given a write
-secret or an ``authorize`` callable; reads are not protected.
+Needs the ``web`` extra. :func:`make_app` makes the WSGI application, to serve
+or to mount in an existing site; it answers only to its own Host names and is
+read-only unless given a write secret or an ``authorize`` callable.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """The Host names the dashboard answers to (``allowed_hosts``): its defence against DNS rebinding.
 
-A rebinding page can make its name point at 127.0.0.1, but its requests still
-carry its own ``Host``: so every request's Host is checked before anything is
-read, and a write's ``Origin`` is compared with that checked Host. Entries are
-written as Django's ``ALLOWED_HOSTS``; a port is not part of an entry. The match
-is made here, not by Werkzeug's ``trusted_hosts``, which cuts each name at its
-first colon (so no IPv6 address could be allowed).
+Entries are written as Django's ``ALLOWED_HOSTS`` (no port). Not Werkzeug's
+``trusted_hosts``, which cuts each name at its first colon (no IPv6 address).
 """
 
 from __future__ import annotations
