@@ -112,10 +112,8 @@ class Dashboard:
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         request = Request(environ)
-        if self.allowed_hosts.allows(request.host):
-            response = self.respond(request)
-        else:
-            response = self.wrong_host(request)
+        allowed = self.allowed_hosts.allows(request.host)
+        response = self.respond(request) if allowed else self.wrong_host(request)
         response.headers.update(HEADERS)
         response.headers.setdefault("Cache-Control", "no-store")
         return response(environ, start_response)

@@ -142,9 +142,8 @@ def sparkline(samples: list[Sample], *, width: int = 120, height: int = 24) -> d
 
     def points(index: int) -> str:
         return " ".join(
-            f"{(t - start) / span * width:.1f},{height - 1 - s[index] / top * (height - 2):.1f}"
+            f"{(s[0] - start) / span * width:.1f},{height - 1 - s[index] / top * (height - 2):.1f}"
             for s in samples
-            for t in (s[0],)
         )
 
     return {"holders": points(1), "waiters": points(2), "max": str(top)}
