@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 from dramatiq_guard.cli import commands as c
 from dramatiq_guard.cli.common import (
+    BROKER,
     DEFAULT_NAMESPACE,
     LEDGER_URL_ENV,
     PROG,
@@ -36,10 +37,6 @@ __all__ = ["REDIS_URL_ENV", "Context", "build_parser", "main", "parse_duration"]
 # -- the parser ---------------------------------------------------------------
 
 JSON = _switch("--json", "print JSON")
-BROKER = _arg(
-    "--broker MODULE:ATTR",
-    "your app's broker (e.g. myapp.tasks:broker), to re-enqueue parked messages that get a slot",
-)
 KEY = _arg("target KEY", "the guard key (omit with --actor)", nargs="?")
 CONNECTION = [
     _arg("--redis URL", f"the guard's Redis (default: ${REDIS_URL_ENV}, else {DEFAULT_REDIS_URL})"),

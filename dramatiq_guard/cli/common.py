@@ -88,6 +88,12 @@ def _verb(name: str, help: str, run: Any, *arguments: Arg, **kw: Any) -> Verb:
     return name, help, run, list(arguments), kw
 
 
+BROKER = _arg(
+    "--broker MODULE:ATTR",
+    "your app's broker (e.g. myapp.tasks:broker), to re-enqueue parked messages that get a slot",
+)
+
+
 class Context:
     """What a command runs with: the parsed arguments, the streams, the backend (made on first use)."""
 

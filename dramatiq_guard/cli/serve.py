@@ -11,7 +11,7 @@ import ipaddress
 import os
 from pathlib import Path
 
-from dramatiq_guard.cli.common import LEDGER_URL_ENV, Context, UsageError, _arg, _verb
+from dramatiq_guard.cli.common import BROKER, LEDGER_URL_ENV, Context, UsageError, _arg, _verb
 
 #: Where ``serve`` reads the write secret when ``--write-secret-file`` is not given.
 WRITE_SECRET_ENV = "DRAMATIQ_GUARD_WRITE_SECRET"
@@ -24,10 +24,7 @@ SERVE = _verb(
     lambda ctx: _cmd_serve(ctx),
     _arg("--host", "the address to bind (default: %(default)s)", default="127.0.0.1"),
     _arg("--port", "the port to bind (default: the dashboard's, 8470)", type=int, default=None),
-    _arg(
-        "--broker MODULE:ATTR",
-        "your app's broker, to re-enqueue parked messages that get a slot from the page",
-    ),
+    BROKER,
     _arg(
         "--write-secret-file PATH",
         f"allow changes to a browser that gives the secret in this file (default: ${WRITE_SECRET_ENV})",

@@ -63,9 +63,7 @@ def settings_of(access: Access | None, page: Page | None, keywords: dict[str, An
     page = Page() if page is None else page
     if not keywords:
         return access, page
-    fields = {f.name: Access for f in dataclasses.fields(Access)} | {
-        f.name: Page for f in dataclasses.fields(Page)
-    }
+    fields = {f.name: cls for cls in (Access, Page) for f in dataclasses.fields(cls)}
     unknown = sorted(set(keywords) - set(fields))
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(unknown)}")
