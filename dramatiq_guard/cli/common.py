@@ -8,7 +8,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Any, TextIO
 
-from dramatiq_guard.admin import parse_limit
+from dramatiq_guard.admin import open_backend, parse_limit
 from dramatiq_guard.bounds import MAX_COUNT, MAX_RETENTION_MS
 from dramatiq_guard.resolve import DEFAULT_REDIS_URL, REDIS_URL_ENV
 
@@ -113,11 +113,9 @@ class Context:
     @property
     def backend(self) -> RedisBackend:
         if self._backend is None:
-            from dramatiq_guard.backends.redis import RedisBackend
-
             namespace = getattr(self.args, "namespace", None) or DEFAULT_NAMESPACE
             try:
-                backend = RedisBackend.from_url(self.redis_url, namespace=namespace)
+                backend = open_backend(self.redis_url, namespace)
             except ValueError as e:
                 raise UsageError(f"bad Redis URL or namespace: {e}") from None
             from dramatiq_guard.backends.redis_health import check_layout

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dramatiq_guard import admin
 from dramatiq_guard.web.app import MAX_KEY_CHARS, Dashboard
 from dramatiq_guard.web.history import History, UnlockLimit
 from dramatiq_guard.web.hosts import LOCAL_HOSTS, AllowedHosts
@@ -75,27 +76,13 @@ def make_app(
     """
     access, page = settings_of(access, page, deprecated)
     if backend is None:
-        backend = _backend(redis, namespace)
-    from dramatiq_guard import admin
-
+        backend = admin.open_backend(redis, namespace)
     requeue = admin.broker_requeue(broker, backend)
     if isinstance(ledger, str):
         from dramatiq_guard.ledger import Ledger
 
         ledger = Ledger(ledger, create_tables=False)
     return Dashboard(backend, requeue=requeue, ledger=ledger, access=access, page=page)
-
-
-def _backend(redis: Any, namespace: str) -> GuardBackend:
-    import os
-
-    from dramatiq_guard.backends.redis import RedisBackend
-    from dramatiq_guard.resolve import DEFAULT_REDIS_URL, REDIS_URL_ENV
-
-    if redis is None or isinstance(redis, str):
-        url = redis or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
-        return RedisBackend.from_url(url, namespace=namespace)
-    return RedisBackend(redis, namespace=namespace)
 
 
 def serve(app: Dashboard, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, threads: int = 4) -> None:
