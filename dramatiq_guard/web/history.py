@@ -87,9 +87,7 @@ class History(Rings[Sample]):
 class UnlockLimit(Rings[float]):
     """How often a client may guess the write secret: failed unlocks per client address (``REMOTE_ADDR``).
 
-    A client that gave ``failures`` wrong secrets within ``window_s`` is refused
-    (429) until the oldest leaves the window, without its secret being compared;
-    a right secret clears its record.
+    Past ``failures`` within ``window_s``, its unlocks get a 429 (the secret not compared).
 
     Parameters:
       failures(int): Wrong secrets a client may give within ``window_s``.
