@@ -79,6 +79,10 @@ def _queue_empty(broker: Broker, queue_name: str) -> bool:
     return True
 
 
+#: The events a sink may take (:mod:`dramatiq_guard.events`), which GuardLimits passes on.
+_EVENTS = ("count", "holders", "key_holders", "waiters", "lock_waited", "redis_settings", "throttle_window")
+
+
 class GuardLimits:
     """The most messages that held each guard key at once, recorded from the guard's events.
 
@@ -173,9 +177,9 @@ class GuardLimits:
         self.__getattr__("key_holders")(key, delta)
 
     def __getattr__(self, event: str) -> Callable[..., None]:
-        """An event: passed on to the sink this one replaced, if it takes it."""
-        if event.startswith("_"):
-            raise AttributeError(event)
+        """An event: passed on to the sink this one replaced, if it takes it (a typo is no event)."""
+        if event not in _EVENTS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {event!r}")
         forward: Callable[..., None] | None = getattr(self._previous, event, None)
         return forward or (lambda *args: None)
 
