@@ -252,7 +252,8 @@ def overview(
     per_page: int | None = None,
 ) -> dict[str, Any]:
     """Every indexed key matching ``pattern`` (and ``kind``) with holders, waiters or a run-time limit,
-    most in need of a look first: page ``page`` of ``per_page`` rows (None: all)."""
+    most in need of a look first: page ``page`` of ``per_page`` rows (None: all), as ``now_ms``, ``total``,
+    ``counts`` (per kind), ``page``, ``pages`` and ``keys`` (a debounce key's with its ``pending`` run)."""
     keys = indexed_keys(backend, pattern)
     if kind is not None:
         keys = [k for k in keys if kind_of(k) == kind]
