@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import re
 from typing import TYPE_CHECKING, Any, TextIO
@@ -18,8 +17,6 @@ if TYPE_CHECKING:
 PROG = "dramatiq-guard"
 DEFAULT_NAMESPACE = "dramatiq-guard"
 LEDGER_URL_ENV = "DRAMATIQ_GUARD_LEDGER_URL"
-
-logger = logging.getLogger("dramatiq_guard.cli")
 
 _DURATION_RE = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d|w)?\s*$")
 _UNITS_MS = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
