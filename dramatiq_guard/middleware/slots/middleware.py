@@ -227,8 +227,8 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         wait = None
         if on_busy == "park":
             # A standby (sent ahead) may block for a slot instead of parking, if this process lets it
-            # and it holds no slot of an earlier guard of its list meanwhile.
-            blocks = self.standbys.seats.seats > 0 and guard.index == 0
+            # and this execution holds nothing meanwhile (a slot of an earlier guard of its actor).
+            blocks = self.standbys.seats.seats > 0 and not execution_state(message).data
             block_ms = entry_ms(self.standby_wait_ms) if blocks else 0
             wait = Waiter(payload=message.encode(), wait_ms=block_ms)
         elif on_busy == "wait":
