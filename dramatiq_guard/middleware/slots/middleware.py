@@ -97,7 +97,8 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
     # -- execution ------------------------------------------------------------
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
-        """Acquire a slot of each of the message's guards, in its option's order; park, drop or wait
+        """Acquire a slot of each of the message's guards, in its option's order (the actor's first
+        slots middleware tries those of all of them in one round trip first); park, drop or wait
         when a key is full (the slots taken before it are released by ``after_skip_message``).
 
         Raises:
