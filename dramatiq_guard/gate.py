@@ -210,8 +210,7 @@ class EnqueueGate:
 
 
 class TicketGroup:
-    """Several tickets settled as one: the gate's for one enqueue, or one guard's for an actor with a
-    list of guards of one option."""
+    """Several tickets settled as one: the gate's for one enqueue, or the slots guards' of one actor."""
 
     def __init__(self, tickets: list[PushTicket] | None = None) -> None:
         self.tickets: list[PushTicket] = tickets or []

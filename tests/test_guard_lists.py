@@ -1,4 +1,5 @@
-"""``concurrency=`` and ``throttle=`` given a list: a message starts only when every guard admits it.
+"""``concurrency=`` and ``throttle=`` given a list, or guards of several options on one actor: a
+message starts only when every guard admits it.
 
 A RedisBroker on a private Redis with in-process worker threads (the guard state in the same
 Redis), and a StubBroker on the in-memory backend (as users' tests run it). The invariants
@@ -19,13 +20,16 @@ from typing import Any
 import dramatiq
 import pytest
 import redis
+from dramatiq.broker import MessageProxy
 from dramatiq.brokers.redis import RedisBroker
 from harness import wait_until
 
 import dramatiq_guard
+from bench.actors.traffic import WORKER_THREADS, counted_client, traffic
 from dramatiq_guard import Concurrency, GuardKeyError, GuardOptionError, Throttle
 from dramatiq_guard.backends import GuardBackend, Stake
 from dramatiq_guard.backends.memory import MemoryBackend
+from dramatiq_guard.middleware.base import execution_state
 from dramatiq_guard.testing import join
 
 WAIT = 30.0
@@ -253,3 +257,39 @@ def test_two_guards_of_a_list_with_one_key_are_refused_at_send(guarded: RedisBro
 
     with pytest.raises(GuardKeyError, match="two guards of its list give one key"):
         twice.send()
+
+
+def test_the_slots_of_every_option_of_an_actor_are_taken_in_one_round_trip(
+    redis_broker: RedisBroker, redis_url: str
+) -> None:
+    """A mutex, a concurrency limit and a throttle on one actor (issue #33): its send reserves the
+    three slots in one request to the guard's Redis (the broker's push is the broker's own), and
+    its pickup takes them in one."""
+    dramatiq_guard.install(redis_broker, redis=counted_client(redis_url), limit_cache=600_000)
+
+    @dramatiq.actor(
+        mutex={"key": ["n"], "on_busy": "park"},
+        concurrency=10,
+        throttle={"limit": 10, "period": 60_000},
+        max_retries=0,
+    )
+    def call(n: int) -> None:
+        """Not run: the test takes its slots as a worker's pickup does."""
+
+    def requests() -> int:
+        return traffic.snapshot().get(f"requests {WORKER_THREADS}", 0)
+
+    call.send(0)  # the backend's first use: its health check and functions
+    before = requests()
+    message = call.send(1)
+    assert requests() - before == 1
+    proxy = MessageProxy(message)
+    before = requests()
+    redis_broker.emit_before("process_message", proxy)
+    assert requests() - before == 1
+    assert sorted(execution_state(proxy).data) == ["concurrency", "mutex", "throttle"]
+    data, backend = execution_state(proxy).data, backend_of(redis_broker)
+    assert holders(backend, data["mutex"].lease.key) == [message.message_id]
+    assert holders(backend, data["concurrency"].lease.key) == [message.message_id]
+    assert holders(backend, data["throttle"].key) == [f"{message.message_id}:0"]  # a start counts its retry
+    redis_broker.emit_after("process_message", proxy, result=None)

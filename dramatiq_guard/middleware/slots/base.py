@@ -52,6 +52,8 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
     one_step_sends: ClassVar[bool] = True
     #: Whether a hand-off that another guard parks on its way is confirmed (else given back).
     keeps_when_parked: ClassVar[bool] = False
+    #: Whether its guards decide with the actor's other slots guards (:func:`composed`).
+    composes: ClassVar[bool] = True
 
     def __init__(  # `redis` goes on to GuardMiddleware in **kwargs
         self,
@@ -172,32 +174,34 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
     def before_push(
         self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None = None
     ) -> PushTicket | None:
-        """Reserve a slot of each of ``message``'s guards, in its option's order, or park it on the
-        first whose key is full, giving back the slots reserved before it (see :mod:`.reservation`).
+        """Reserve a slot of each guard of ``message`` of every slots middleware that guards its actor,
+        in the broker's order (the first of them does it for all), or park it on the first whose key
+        is full, giving back the slots reserved before it (see :mod:`.reservation`).
 
-        A delayed message is decided when it comes due; a hand-off going back
-        (``holds`` a key of this capability) and a message holding a slot here
-        (its re-enqueue by Retries) pass.
+        They try all their slots in one round trip first (:func:`acquire_all`), then in turn.
         """
-        guards = self.guards_of(message)
-        if not guards or delay is not None or self.on_busy(guards[0].policy) != "park":
+        group = composed(broker, message.actor_name, self)
+        if group[0] is not self:
+            return None  # the first slots middleware of the actor decided for this one
+        keyed = [
+            (member, guard, key)
+            for member in group
+            for guard, key in member._to_reserve(message, delay, holds)
+        ]
+        if not keyed:
             return None
-        if holds is not None and self.claims(holds):
-            return None
-        with self._inflight_lock:
-            if message.message_id in self._inflight:
-                return None
-        keyed = self.guard_keys_of(guards, message)
         if len(keyed) == 1:
-            return self._reserve(broker, message, *keyed[0], one_step=holds is None)
-        claims = [self._send_claim(broker, message, guard, key) for guard, key in keyed]
-        deliver = functools.partial(self.deliver, broker)
-        if self.acquire_all(broker, claims) is not None:  # every slot reserved, in one round trip
-            return TicketGroup([ReservationTicket(claim, deliver) for claim in claims])
+            member, guard, key = keyed[0]
+            return member._reserve(broker, message, guard, key, one_step=holds is None)
+        claims = [(member, member._send_claim(broker, message, guard, key)) for member, guard, key in keyed]
+        if acquire_all(broker, claims) is not None:  # every slot reserved, in one round trip
+            return TicketGroup(
+                [ReservationTicket(claim, functools.partial(m.deliver, broker)) for m, claim in claims]
+            )
         tickets = TicketGroup()
         try:
-            for guard, key in keyed:
-                tickets.add(self._reserve(broker, message, guard, key, one_step=False))
+            for member, guard, key in keyed:
+                tickets.add(member._reserve(broker, message, guard, key, one_step=False))
         except Diverted as diverted:
             tickets.settle(diverted.outcome)
             raise
@@ -205,6 +209,23 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
             tickets.failed()
             raise
         return tickets
+
+    def _to_reserve(
+        self, message: Message[Any], delay: int | None, holds: str | None
+    ) -> list[tuple[ActorGuard[P], str]]:
+        """The guards of ``message`` that reserve a slot at its send, with their keys: none for a
+        delayed message (decided when it comes due), a hand-off going back (``holds`` a key of this
+        capability), a message holding a slot here (its re-enqueue by Retries), or a guard that does
+        not park (raises :class:`GuardKeyError` as :meth:`guard_keys_of`)."""
+        guards = self.guards_of(message)
+        if not guards or delay is not None or self.on_busy(guards[0].policy) != "park":
+            return []
+        if holds is not None and self.claims(holds):
+            return []
+        with self._inflight_lock:
+            if message.message_id in self._inflight:
+                return []
+        return self.guard_keys_of(guards, message)
 
     def _reserve(
         self, broker: Broker, message: Message[Any], guard: ActorGuard[P], key: str, *, one_step: bool
@@ -225,28 +246,6 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
             info=message.actor_name, generation=generation_of(message, key), priority=guard.priority,
             backend=self.backend(broker),
         )  # fmt: skip
-
-    def acquire_all(self, broker: Broker, claims: Sequence[Claim]) -> list[AcquireResult] | None:
-        """Acquire every claim in one round trip (:meth:`GuardBackend.acquire_many`), if none of their
-        keys refused or had waiters lately: the results if all were acquired; else None, what was
-        acquired given back (the guards then decide in turn, and the first that refuses parks)."""
-        if any(claim.key in self._contended for claim in claims):
-            return None
-        backend = claims[0].backend
-        try:
-            results = backend.acquire_many(claims)
-        except BackendUnavailable:
-            return None  # in turn, each acquire of what this holder may hold already is its own again
-        self.deliver(broker, [handoff for result in results for handoff in result.handoffs])
-        if all(result.acquired for result in results):
-            return results
-        for claim, result in zip(claims, results, strict=True):
-            if not result.acquired:
-                self._contended.mark(claim.key)
-        taken = [(c.key, c.holder, c.limit, 0) for c, r in zip(claims, results, strict=True) if r.acquired]
-        with contextlib.suppress(BackendUnavailable):  # if not: in turn, its acquires find them its own
-            self.deliver(broker, [h for result in backend.release_many(taken) for h in result.handoffs])
-        return None
 
     def _in_one_step(self, broker: Broker, claim: Claim, guard: ActorGuard[P]) -> bool:
         """Whether the reservation (or park) of a new message and its push go in one step: this kind of
@@ -333,6 +332,43 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
 
     def _broker_or(self, broker: Broker | None) -> Broker:
         return broker or self.broker or dramatiq.get_broker()
+
+
+def composed(broker: Broker, actor_name: str, member: SlotsBase[Any]) -> list[SlotsBase[Any]]:
+    """The slots middlewares of ``broker`` that guard ``actor_name`` and decide together, in the broker's
+    order (``member`` alone if it is not on the broker): the first tries the slots of all of them in one
+    round trip, at send and at pickup (docs/flow-control-design.md, "Composed guards")."""
+    group = [
+        m for m in broker.middleware if isinstance(m, SlotsBase) and m.composes and m.guards_actor(actor_name)
+    ]
+    return group if member in group else [member]
+
+
+def acquire_all(broker: Broker, claims: Sequence[tuple[SlotsBase[Any], Claim]]) -> list[AcquireResult] | None:
+    """Acquire every claim (each of the middleware beside it) in one round trip
+    (:meth:`GuardBackend.acquire_many`), if they share a backend and none of their keys refused or had
+    waiters lately: the results if all were acquired; else None, what was acquired given back (the
+    guards then decide in turn, and the first that refuses parks)."""
+    backend = claims[0][1].backend
+    if any(claim.backend is not backend or claim.key in m._contended for m, claim in claims):
+        return None
+    try:
+        results = backend.acquire_many([claim for _, claim in claims])
+    except BackendUnavailable:
+        return None  # in turn, each acquire of what this holder may hold already is its own again
+    for (member, _), result in zip(claims, results, strict=True):
+        member.deliver(broker, result.handoffs)
+    if all(result.acquired for result in results):
+        return results
+    for (member, claim), result in zip(claims, results, strict=True):
+        if not result.acquired:
+            member._contended.mark(claim.key)
+    taken = [(m, c) for (m, c), r in zip(claims, results, strict=True) if r.acquired]
+    with contextlib.suppress(BackendUnavailable):  # if not: in turn, its acquires find them its own
+        released = backend.release_many([(c.key, c.holder, c.limit, 0) for _, c in taken])
+        for (member, _), done in zip(taken, released, strict=True):
+            member.deliver(broker, done.handoffs)
+    return None
 
 
 def _count(value: int | None, what: str) -> int | None:

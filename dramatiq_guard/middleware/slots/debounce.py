@@ -46,6 +46,8 @@ class Debounce(SlotsMiddleware[DebouncePolicy]):
     one_step_sends = False
     #: A run that another guard parks on its way is on its way: the pending record is taken.
     keeps_when_parked = True
+    #: Its sends and pickups are its own (a pending run, a stale copy): it takes no slot with the others.
+    composes = False
 
     def on_busy(self, policy: DebouncePolicy) -> OnBusy:
         return "park"

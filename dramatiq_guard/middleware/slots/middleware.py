@@ -10,7 +10,7 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, Generic
+from typing import Any, Generic, cast
 
 from dramatiq import Broker, Worker
 from dramatiq.broker import MessageProxy
@@ -23,7 +23,7 @@ from dramatiq_guard.delivery import acks_are_final, copy_generation
 from dramatiq_guard.errors import BackendUnavailable, MutexWaitTimeout
 from dramatiq_guard.lease import Lease, runner_id
 from dramatiq_guard.middleware.base import ActorGuard, ExecutionState, execution_state, fail_open
-from dramatiq_guard.middleware.slots.base import P, SlotsBase
+from dramatiq_guard.middleware.slots.base import P, SlotsBase, acquire_all, composed
 from dramatiq_guard.middleware.slots.execution import (
     NotRun,
     defer_second_copy,
@@ -97,7 +97,8 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
     # -- execution ------------------------------------------------------------
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
-        """Acquire a slot of each of the message's guards, in its option's order; park, drop or wait
+        """Acquire a slot of each of the message's guards, in its option's order (the actor's first
+        slots middleware tries those of all of them in one round trip first); park, drop or wait
         when a key is full (the slots taken before it are released by ``after_skip_message``).
 
         Raises:
@@ -110,26 +111,37 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         guards = self.guards_of(message)
         if not guards or message.failed:
             return
-        keyed = self.guard_keys_of(guards, message)
-        if len(keyed) > 1 and self._take_all_at_once(broker, message, keyed):
+        group = composed(broker, message.actor_name, self)
+        if group[0] is not self:
+            state = execution_state(message)
+            if all(self.slot_of(guard) in state.data for guard in guards):
+                return  # the first slots middleware of the actor took this one's slots with its own
+        elif (len(group) > 1 or len(guards) > 1) and self._take_all_at_once(broker, message, group):
             return
-        for guard, key in keyed:
+        for guard, key in self.guard_keys_of(guards, message):
             self._take(broker, message, guard, key)
 
     def _take_all_at_once(
-        self, broker: Broker, message: MessageProxy, keyed: Sequence[tuple[ActorGuard[P], str]]
+        self, broker: Broker, message: MessageProxy, group: Sequence[SlotsBase[Any]]
     ) -> bool:
-        """Acquire the slots of every guard of a list in one round trip (:meth:`acquire_all`): True if
-        all were acquired (held now); else the guards decide in turn (:meth:`_take`)."""
-        claims = [self._claim(broker, message, guard, key, self.default_limit(guard)) for guard, key in keyed]
-        results = self.acquire_all(broker, claims)
+        """Acquire the slots of every guard of the actor's slots middlewares (``group``, this one first)
+        in one round trip (:func:`acquire_all`): True if all were acquired (held now); else each
+        middleware's guards decide in turn (:meth:`_take`)."""
+        members = cast(Sequence[SlotsMiddleware[Any]], group)  # every slots middleware is one
+        keyed = [
+            (m, guard, key) for m in members for guard, key in m.guard_keys_of(m.guards_of(message), message)
+        ]
+        claims = [
+            (m, m._claim(broker, message, guard, key, m.default_limit(guard))) for m, guard, key in keyed
+        ]
+        results = acquire_all(broker, claims)
         if results is None:
             return False
         state = execution_state(message)
-        for (guard, key), claim, result in zip(keyed, claims, results, strict=True):
+        for (m, guard, key), (_, claim), result in zip(keyed, claims, results, strict=True):
             if result.reserved_ms is not None or result.handoffs:
-                self._contended.mark(key)
-            self._hold(message, state, guard, key, claim.limit, result)
+                m._contended.mark(key)
+            m._hold(message, state, guard, key, claim.limit, result)
         return True
 
     def _claim(
@@ -216,8 +228,8 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         wait = None
         if on_busy == "park":
             # A standby (sent ahead) may block for a slot instead of parking, if this process lets it
-            # and it holds no slot of an earlier guard of its list meanwhile.
-            blocks = self.standbys.seats.seats > 0 and guard.index == 0
+            # and this execution holds nothing meanwhile (a slot of an earlier guard of its actor).
+            blocks = self.standbys.seats.seats > 0 and not execution_state(message).data
             block_ms = entry_ms(self.standby_wait_ms) if blocks else 0
             wait = Waiter(payload=message.encode(), wait_ms=block_ms)
         elif on_busy == "wait":
