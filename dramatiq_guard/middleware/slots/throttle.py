@@ -167,6 +167,8 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
         if guard is None:
             return None
         try:
+            if self._next_place(broker, key, guard) is None:  # one read: nobody waits, nothing to do
+                return None
             backend, limit = self.backend(broker), self.default_limit(guard)
             self.swept(broker, key, backend.sweep(key, limit=limit))
             # The next waiters go to the broker ahead, as standbys: a worker thread that picks one
