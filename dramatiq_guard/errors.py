@@ -259,6 +259,3 @@ class IdempotencyConflict(LedgerError):
 
 class UnstorableResult(LedgerError, TypeError):
     """The actor returned a value the ledger cannot store as JSON (nothing is committed; not retried)."""
-
-
-__all__ = ["IdempotencyConflict", "LedgerError", "UnstorableResult"]

@@ -10,7 +10,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
-from dramatiq_guard.ledger.errors import UnstorableResult
+from dramatiq_guard.errors import UnstorableResult
 from dramatiq_guard.ledger.records import LedgerRecord
 
 

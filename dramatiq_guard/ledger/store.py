@@ -18,9 +18,8 @@ from sqlalchemy.orm import Session
 from dramatiq_guard import events
 from dramatiq_guard.bounds import MAX_RETENTION_MS
 from dramatiq_guard.context import ledger_session_var
-from dramatiq_guard.errors import LeaseLost
+from dramatiq_guard.errors import IdempotencyConflict, LeaseLost, LedgerError, UnstorableResult
 from dramatiq_guard.ledger.engine import resolve_engine
-from dramatiq_guard.ledger.errors import IdempotencyConflict, LedgerError, UnstorableResult
 from dramatiq_guard.ledger.records import Claim, LedgerRecord, _claim_var, current_claim
 from dramatiq_guard.ledger.rows import (
     Plan,
