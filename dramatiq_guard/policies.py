@@ -377,29 +377,15 @@ class IdempotencyPolicy:
 Policy = DedupPolicy | MutexPolicy | ConcurrencyPolicy | ThrottlePolicy | DebouncePolicy | IdempotencyPolicy
 P = TypeVar("P", bound=Policy)
 
-#: How each option's forms read in an error message.
-_ALLOWED: Mapping[str, str] = {
-    "dedup": (
-        '"until_executing", "until_executed" or "until_expired"; a dict with keys strategy, key, ttl, '
-        "on_duplicate, including_scheduled, fail_open; or a dramatiq_guard.DedupPolicy"
-    ),
-    "mutex": ("True; a dict with keys key, ttl, on_busy, wait, fail_open; or a dramatiq_guard.MutexPolicy"),
-    "concurrency": (
-        "an int limit; a dict with keys limit, key, ttl, fail_open; a dramatiq_guard.ConcurrencyPolicy; "
-        "or a non-empty list of those (a message runs when every one admits it)"
-    ),
-    "throttle": (
-        "a dict with keys limit, period, key, fail_open; a dramatiq_guard.ThrottlePolicy; "
-        "or a non-empty list of those (a message starts when every one admits it)"
-    ),
-    "debounce": (
-        "integer milliseconds or a datetime.timedelta (the wait); a dict with keys wait, max_wait, "
-        "key, fail_open; or a dramatiq_guard.DebouncePolicy"
-    ),
+#: Each option's shorthands, as an error message names them (before its dict and policy forms).
+_SHORTHANDS: Mapping[str, str] = {
+    "dedup": '"until_executing", "until_executed" or "until_expired"; ',
+    "mutex": "True; ",
+    "concurrency": "an int limit; ",
+    "debounce": "integer milliseconds or a datetime.timedelta (the wait); ",
     "idempotency_key": (
         "a callable of the actor's arguments returning a str; a list of argument names; "
         "True (each message is its own key: its idempotency_key option, else its message_id); "
-        "a dict with keys key, retention; or a dramatiq_guard.IdempotencyPolicy"
     ),
 }
 
@@ -455,9 +441,13 @@ def parse_policy(cls: type[P], value: object, *, actor_name: str) -> P:
 
 def option_error(actor_name: str, option: str, value: object, reason: str) -> GuardOptionError:
     """The error for a bad option value: names actor, option, value, reason and allowed forms."""
+    cls = next(cls for cls in get_args(Policy) if cls.option == option)
+    policy, keys = f"dramatiq_guard.{cls.__name__}", ", ".join(f.name for f in dataclasses.fields(cls))
+    many = f"a {policy}; or a non-empty list of those (every one must admit a message)"
+    forms = f"a dict with keys {keys}; " + (many if option in LIST_OPTIONS else f"or a {policy}")
     return GuardOptionError(
         f"actor {actor_name!r}: {option}={value!r} is not valid: {reason}. "
-        f"{option} takes {_ALLOWED.get(option, 'see the documentation')}."
+        f"{option} takes {_SHORTHANDS.get(option, '')}{forms}."
     )
 
 
