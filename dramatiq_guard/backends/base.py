@@ -162,32 +162,20 @@ class GuardBackend(abc.ABC):
         self, key: str, holder: str, *, ttl_ms: int, info: str, push: Enqueue
     ) -> AcquireResult | None:
         """:meth:`try_lock`, and if it is acquired, the broker's push of ``push`` in the same atomic step
-        (only where :meth:`enqueues_on` said yes; the lock gets its whole ``ttl_ms``).
-
-        Returns:
-          AcquireResult|None: As :meth:`try_lock`, or None when the backend could not decide in
-          one step: nothing was written, take the lock with :meth:`try_lock` and push as usual.
-        """
+        (only where :meth:`enqueues_on` said yes; the lock gets its whole ``ttl_ms``). None when the
+        backend could not decide in one step: nothing was written, lock and push as usual."""
         return None
 
     def reserve_and_enqueue(self, stake: Stake, push: Enqueue) -> AcquireResult | None:
         """:meth:`acquire` of a new message at send, parked with ``push.data`` if refused; if it acquires,
         the broker's push of ``push`` in the same atomic step (only where :meth:`enqueues_on` said yes).
-
-        Returns:
-          AcquireResult|None: As :meth:`acquire`, or None when the backend could not decide in
-          one step: nothing was written, acquire and push as usual.
-        """
+        None as :meth:`lock_and_enqueue`: acquire and push as usual."""
         return None
 
     @abc.abstractmethod
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:
-        """Extend ``holder``'s deadline to ``now + ttl_ms``.
-
-        Returns:
-          bool: False if ``holder`` no longer holds ``key`` (its lease lapsed and was reclaimed,
-          or was released by force); a lost lease is never re-created.
-        """
+        """Extend ``holder``'s deadline to ``now + ttl_ms``; False if it no longer holds ``key`` (its
+        lease lapsed and was reclaimed, or was released by force): a lost lease is never re-created."""
 
     def renew_many(self, leases: Sequence[tuple[str, str, int]]) -> list[bool]:
         """:meth:`renew` each ``(key, holder, ttl_ms)``, in as few round trips as possible."""
@@ -227,23 +215,17 @@ class GuardBackend(abc.ABC):
         self, key: str, waiter_id: str, *, ttl_ms: int, generation: int | None = None
     ) -> bool:
         """Confirm that a handed-off parked message was re-enqueued (*Hand-off*): its payload is
-        dropped and its reservation set to ``now + ttl_ms``. One put back in the queue meanwhile is
-        taken out again: a message is never both on the broker and parked.
-
-        Returns:
-          bool: Whether the waiter still holds its reservation.
+        dropped and its reservation set to ``now + ttl_ms``; one put back in the queue meanwhile is
+        taken out again (never both on the broker and parked). Whether it still holds its reservation.
         """
 
     @abc.abstractmethod
     def send_standbys(
         self, key: str, *, limit: int | None, count: int
     ) -> tuple[tuple[Handoff, ...], tuple[Handoff, ...]]:
-        """Send up to ``count`` of the oldest parked waiters ahead (*Standbys*), with their payloads:
-        the caller enqueues each and confirms it with :meth:`confirm_standby`.
-
-        Returns:
-          tuple: The hand-offs of this operation, and the standbys sent.
-        """
+        """Send up to ``count`` of the oldest parked waiters ahead (*Standbys*), with their payloads
+        (the caller enqueues each and confirms it with :meth:`confirm_standby`); returns the hand-offs
+        of this operation and the standbys sent."""
 
     @abc.abstractmethod
     def confirm_standby(
@@ -251,39 +233,25 @@ class GuardBackend(abc.ABC):
     ) -> bool:
         """Confirm that a standby sent by :meth:`send_standbys` was enqueued (*Standbys*): if its stored
         payload is still ``payload`` it is dropped, and it (or a slot handed to it) lasts ``ttl_ms``.
-
-        Returns:
-          bool: Whether the standby (or its reserved slot) is in place.
-        """
+        Whether the standby (or its reserved slot) is in place."""
 
     @abc.abstractmethod
     def wait_for_handoff(self, key: str, waiter_id: str, *, timeout_ms: int) -> Woken | None:
         """Block until a blocking waiter is handed a slot (it holds it, and must renew it within
-        :attr:`Woken.reserved_ms`), or ``timeout_ms`` passes.
-
-        Returns:
-          Woken|None: The token and the reservation left, or None if nothing was handed in time.
-        """
+        :attr:`Woken.reserved_ms`): its :class:`Woken`; None once ``timeout_ms`` passed."""
 
     @abc.abstractmethod
     def forget_parked_copy(self, key: str, waiter_id: str) -> bool:
         """The broker acked the copy of ``waiter_id`` that parked after pickup (*Generations*): a record
-        kept for it only is forgotten. Only for a broker whose ack is known to have landed
-        (:func:`~dramatiq_guard.delivery.acks_are_final`).
-
-        Returns:
-          bool: Whether a record was forgotten.
-        """
+        kept for it only is forgotten (whether one was). Only for a broker whose ack is known to have
+        landed (:func:`~dramatiq_guard.delivery.acks_are_final`)."""
 
     def debounce(
         self, key: str, waiter_id: str, payload: bytes, *, wait_ms: int, max_wait_ms: int
     ) -> tuple[tuple[str, ...], int]:
         """Make ``waiter_id`` (message ``payload``) the pending run of ``key``, superseding any other
         (*debounce*): due ``wait_ms`` from now, at most ``max_wait_ms`` after its burst's first send.
-
-        Returns:
-          tuple[tuple[str, ...], int]: The waiters superseded, and in how many ms the run is due.
-        """
+        Returns the waiters superseded, and in how many ms the run is due."""
         raise NotImplementedError
 
     def copy_is_live(self, key: str, waiter_id: str, generation: int) -> bool:
@@ -301,12 +269,9 @@ class GuardBackend(abc.ABC):
 
     def take_back(self, key: str, holder: str, *, limit: int | None) -> ReleaseResult | None:
         """Undo an acquire of a new ``holder`` that raised (it may have been done: ``ReplicasBehind``,
-        a reply lost), so a retry does not trip on it: :meth:`cancel_wait` without a generation.
-
-        Returns:
-          ReleaseResult|None: The result (its hand-offs are the caller's to deliver), or None if
-          this failed too (logged; what was left lapses, or starts once).
-        """
+        a reply lost), so a retry does not trip on it: :meth:`cancel_wait` without a generation. Its
+        result (the hand-offs are the caller's to deliver), or None if this failed too (logged; what
+        was left lapses, or starts once)."""
         try:
             return self.cancel_wait(key, holder, limit=limit)
         except BackendUnavailable:
@@ -361,20 +326,10 @@ class GuardBackend(abc.ABC):
 
     @abc.abstractmethod
     def summaries(self, keys: Sequence[str], *, waiters: int = 0) -> list[KeySummary]:
-        """A few numbers about each of ``keys``, cheap to read for many keys (O(log n + ``waiters``)
-        each): a snapshot per key, not of one instant; for display, never for decisions.
-
-        Parameters:
-          keys(Sequence[str]): The guard keys, e.g. from :meth:`waiting_keys`.
-          waiters(int): How many of each key's first waiters to return in
-            :attr:`KeySummary.first` (with their payloads), 0 for none.
-
-        Returns:
-          list[KeySummary]: One per key, in the order of ``keys`` (zero counts for no state).
-
-        Raises:
-          ValueError: If a key is invalid (:func:`check_key`) or ``waiters`` out of range.
-        """
+        """One :class:`KeySummary` per key of ``keys``, in order (zero counts for no state), with
+        ``waiters`` of its first waiters (with their payloads); O(log n + ``waiters``) each, a
+        snapshot per key, not of one instant: for display, never for decisions. :class:`ValueError`
+        if a key is invalid (:func:`check_key`) or ``waiters`` out of range."""
 
     # -- what a process asks of the store beyond the operations (neutral defaults) ----------
 
