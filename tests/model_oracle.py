@@ -26,8 +26,6 @@ import time
 from collections.abc import Callable, Sequence
 
 from dramatiq_guard.backends.base import (
-    DEFAULT_MAX_PAYLOAD_BYTES,
-    HOLDERS_SHOWN,
     AcquireResult,
     GuardBackend,
     Handoff,
@@ -38,12 +36,15 @@ from dramatiq_guard.backends.base import (
     Waiter,
     WaiterPeek,
     Woken,
+)
+from dramatiq_guard.backends.checks import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
     check_acquire,
     check_count,
     check_key,
     check_ms,
 )
-from dramatiq_guard.backends.values import DEBOUNCE_TIMER, AcquireOutcome, standby_window
+from dramatiq_guard.backends.values import DEBOUNCE_TIMER, HOLDERS_SHOWN, AcquireOutcome, standby_window
 
 __all__ = ["OracleBackend"]
 

@@ -16,17 +16,12 @@ from typing import Any, TypedDict
 
 from dramatiq_guard.backends.checks import (
     DEFAULT_MAX_PAYLOAD_BYTES,
-    check_acquire,
-    check_count,
     check_key,
     check_max_payload_bytes,
     check_ms,
     check_replica_waits,
 )
 from dramatiq_guard.backends.values import (
-    HOLDERS_SHOWN,
-    MIN_STANDBY_WINDOW,
-    ORIGINAL_GENERATION,
     AcquireResult,
     Enqueue,
     Handoff,
@@ -41,10 +36,6 @@ from dramatiq_guard.backends.values import (
 from dramatiq_guard.errors import BackendUnavailable, ConfigurationError, PayloadTooLarge
 
 __all__ = [
-    "DEFAULT_MAX_PAYLOAD_BYTES",
-    "HOLDERS_SHOWN",
-    "MIN_STANDBY_WINDOW",
-    "ORIGINAL_GENERATION",
     "AcquireResult",
     "BackendSettings",
     "GuardBackend",
@@ -56,11 +47,8 @@ __all__ = [
     "Waiter",
     "WaiterPeek",
     "Woken",
-    "check_acquire",
-    "check_count",
     "check_key",
     "check_max_payload_bytes",
-    "check_ms",
 ]
 
 logger = logging.getLogger("dramatiq_guard.backends")
