@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal, TypeVar, cast, get_args
+from typing import ClassVar, Literal, TypeVar, cast, get_args
 
 from dramatiq_guard.bounds import MAX_COUNT, MAX_DURATION_MS, MAX_RETENTION_MS
 from dramatiq_guard.errors import GuardOptionError
@@ -130,7 +130,6 @@ class DedupPolicy:
     """
 
     option: ClassVar[str] = "dedup"
-    shorthands: ClassVar[tuple[str, ...]] = get_args(DedupStrategy)
 
     strategy: DedupStrategy
     key: KeySpec = None
@@ -160,9 +159,10 @@ class DedupPolicy:
         return cast(int, self.ttl)
 
     @classmethod
-    def from_shorthand(cls, value: object) -> DedupPolicy:
-        """``"until_executed"`` and the like."""
-        return cls(strategy=cast(DedupStrategy, value))
+    def from_shorthand(cls, value: object) -> DedupPolicy | None:
+        """``"until_executed"`` and the like (None: ``value`` is no shorthand)."""
+        is_strategy = isinstance(value, str) and value in get_args(DedupStrategy)
+        return cls(strategy=cast(DedupStrategy, value)) if is_strategy else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +181,6 @@ class MutexPolicy:
     """
 
     option: ClassVar[str] = "mutex"
-    shorthands: ClassVar[tuple[Any, ...]] = (True,)
 
     key: KeySpec = None
     ttl: Duration | None = None
@@ -207,9 +206,9 @@ class MutexPolicy:
         return cast(int, self.wait)
 
     @classmethod
-    def from_shorthand(cls, value: object) -> MutexPolicy:
+    def from_shorthand(cls, value: object) -> MutexPolicy | None:
         """``True``."""
-        return cls()
+        return cls() if value is True else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +225,6 @@ class ConcurrencyPolicy:
     """
 
     option: ClassVar[str] = "concurrency"
-    shorthands: ClassVar[tuple[Any, ...]] = ()
 
     limit: int
     key: KeySpec = None
@@ -245,9 +243,9 @@ class ConcurrencyPolicy:
         return cast("int | None", self.ttl)
 
     @classmethod
-    def from_shorthand(cls, value: object) -> ConcurrencyPolicy:
+    def from_shorthand(cls, value: object) -> ConcurrencyPolicy | None:
         """An int limit."""
-        return cls(limit=cast(int, value))
+        return cls(limit=value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,7 +261,6 @@ class ThrottlePolicy:
     """
 
     option: ClassVar[str] = "throttle"
-    shorthands: ClassVar[tuple[Any, ...]] = ()
 
     limit: int
     period: Duration
@@ -287,9 +284,9 @@ class ThrottlePolicy:
         return self.period_ms
 
     @classmethod
-    def from_shorthand(cls, value: object) -> ThrottlePolicy:
+    def from_shorthand(cls, value: object) -> None:
         """None: a throttle is a dict or a :class:`ThrottlePolicy`."""
-        raise ValueError("not one of the allowed forms (a dict with limit and period)")
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,7 +302,6 @@ class DebouncePolicy:
     """
 
     option: ClassVar[str] = "debounce"
-    shorthands: ClassVar[tuple[Any, ...]] = ()
 
     wait: Duration
     max_wait: Duration | None = None
@@ -335,9 +331,10 @@ class DebouncePolicy:
     ttl_ms = None  # a debounced message holds no slot while it runs
 
     @classmethod
-    def from_shorthand(cls, value: object) -> DebouncePolicy:
+    def from_shorthand(cls, value: object) -> DebouncePolicy | None:
         """The wait: integer milliseconds or a ``timedelta``."""
-        return cls(wait=cast(Duration, value))
+        is_wait = isinstance(value, (int, datetime.timedelta)) and not isinstance(value, bool)
+        return cls(wait=cast(Duration, value)) if is_wait else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,7 +350,6 @@ class IdempotencyPolicy:
     """
 
     option: ClassVar[str] = "idempotency_key"
-    shorthands: ClassVar[tuple[Any, ...]] = (True,)
 
     key: KeySpec
     retention: Duration | None = None
@@ -369,9 +365,11 @@ class IdempotencyPolicy:
         return cast("int | None", self.retention)
 
     @classmethod
-    def from_shorthand(cls, value: object) -> IdempotencyPolicy:
+    def from_shorthand(cls, value: object) -> IdempotencyPolicy | None:
         """A callable, a list of argument names, or ``True``."""
-        return cls(key=None if value is True else cast(KeySpec, value))
+        if value is True or callable(value) or isinstance(value, (list, tuple)):
+            return cls(key=None if value is True else cast(KeySpec, value))
+        return None
 
 
 Policy = DedupPolicy | MutexPolicy | ConcurrencyPolicy | ThrottlePolicy | DebouncePolicy | IdempotencyPolicy
@@ -388,16 +386,6 @@ _SHORTHANDS: Mapping[str, str] = {
         "True (each message is its own key: its idempotency_key option, else its message_id); "
     ),
 }
-
-
-def _is_shorthand(cls: type[Any], value: object) -> bool:
-    if cls is ConcurrencyPolicy:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if cls is DebouncePolicy:
-        return isinstance(value, (int, datetime.timedelta)) and not isinstance(value, bool)
-    if cls is IdempotencyPolicy:
-        return value is True or callable(value) or isinstance(value, (list, tuple))
-    return any(value is s or (isinstance(s, str) and value == s) for s in cls.shorthands)
 
 
 #: The options that also take a list of policies: every one of them must admit a message.
@@ -432,9 +420,10 @@ def parse_policy(cls: type[P], value: object, *, actor_name: str) -> P:
             if unknown:
                 raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))}")
             return cls(**value)
-        if _is_shorthand(cls, value):
-            return cast(P, cls.from_shorthand(value))
-        raise ValueError("not one of the allowed forms")
+        policy = cls.from_shorthand(value)
+        if policy is None:
+            raise ValueError("not one of the allowed forms")
+        return cast(P, policy)
     except (TypeError, ValueError) as e:
         raise option_error(actor_name, cls.option, value, str(e)) from None
 
