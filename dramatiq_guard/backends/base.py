@@ -290,10 +290,7 @@ class GuardBackend(abc.ABC):
     def set_limit(self, key: str, limit: int | None, *, default: int | None = 1) -> ReleaseResult:
         """Set (or with None, clear) the run-time limit of ``key`` and hand on the slots it frees; nobody
         is evicted. ``default``: the limit in force after clearing. ``released`` is False.
-
-        Raises:
-          ValueError: If ``limit`` or ``default`` is out of range (:func:`check_count`).
-        """
+        :class:`ValueError` if ``limit`` or ``default`` is out of range (:func:`check_count`)."""
 
     @abc.abstractmethod
     def get_limit(self, key: str) -> int | None:
@@ -328,17 +325,10 @@ class GuardBackend(abc.ABC):
 
     def check_health(self, *, allow_evicting: bool | None = None) -> None:
         """Refuse a store that would lose the guard's state silently (at install, or when a middleware
-        first resolves it); the default checks nothing.
-
-        Parameters:
-          allow_evicting(bool|None): True: run on a store that may evict keys, with a warning.
-            None: as decided before for this backend, else as
-            ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` says.
-
-        Raises:
-          EvictingRedis: If the store may evict keys and that was not allowed.
-          LayoutTooNew: If its state is in a layout this version cannot read.
-        """
+        first resolves it): :class:`EvictingRedis` if it may evict keys, unless ``allow_evicting``
+        (True: with a warning; None: as decided before for this backend, else as
+        ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` says); :class:`LayoutTooNew` if its state is in a
+        layout this version cannot read. The default checks nothing."""
         return
 
     def watch(self, interval_s: float) -> None:
@@ -352,12 +342,9 @@ class GuardBackend(abc.ABC):
 
     def wait_for_replicas(self, count: int, timeout_ms: int) -> None:
         """Make every decision from now on wait until ``count`` replicas acknowledge it (0: no change);
-        fewer within ``timeout_ms`` fail it closed (``ReplicasBehind``). The default has no replicas.
-
-        Raises:
-          ValueError: If ``count`` or ``timeout_ms`` is out of range (:func:`check_replica_waits`).
-          ConfigurationError: If ``count`` is not 0 and the store has no replicas.
-        """
+        fewer within ``timeout_ms`` fail it closed (``ReplicasBehind``). :class:`ValueError` if either
+        is out of range; :class:`ConfigurationError` for a ``count`` on a store without replicas (the
+        default)."""
         check_replica_waits(count, timeout_ms)
         if count:
             raise ConfigurationError(
