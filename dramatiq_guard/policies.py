@@ -12,7 +12,8 @@ import datetime
 from collections.abc import Mapping
 from typing import ClassVar, Literal, TypeVar, cast, get_args
 
-from dramatiq_guard.bounds import MAX_COUNT, MAX_DURATION_MS, MAX_RETENTION_MS
+from dramatiq_guard.backends.checks import check_count
+from dramatiq_guard.bounds import MAX_DURATION_MS, MAX_RETENTION_MS
 from dramatiq_guard.errors import GuardOptionError
 from dramatiq_guard.keys import KeySpec
 
@@ -97,13 +98,6 @@ def _choice(value: object, choices: tuple[str, ...], *, what: str) -> str:
     if value not in choices:
         raise ValueError(f"{what} must be one of {', '.join(map(repr, choices))}, not {value!r}")
     return str(value)
-
-
-def _check_limit(limit: object) -> None:
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-        raise ValueError(f"limit must be a non-negative int, not {limit!r}")
-    if limit > MAX_COUNT:
-        raise ValueError(f"limit must be at most {MAX_COUNT}, not {limit!r}")
 
 
 def _flag(value: object, *, what: str) -> bool:
@@ -232,7 +226,7 @@ class ConcurrencyPolicy:
     fail_open: bool = False
 
     def __post_init__(self) -> None:
-        _check_limit(self.limit)
+        check_count(self.limit, "limit", optional=False)
         _set(self, "key", key_spec(self.key))
         _set(self, "ttl", duration_ms(self.ttl, what="ttl", allow_none=True))
         _flag(self.fail_open, what="fail_open")
@@ -268,7 +262,7 @@ class ThrottlePolicy:
     fail_open: bool = False
 
     def __post_init__(self) -> None:
-        _check_limit(self.limit)
+        check_count(self.limit, "limit", optional=False)
         _set(self, "period", duration_ms(self.period, what="period", minimum=1))
         _set(self, "key", key_spec(self.key))
         _flag(self.fail_open, what="fail_open")
