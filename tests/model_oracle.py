@@ -44,7 +44,7 @@ from dramatiq_guard.backends.checks import (
     check_key,
     check_ms,
 )
-from dramatiq_guard.backends.values import DEBOUNCE_TIMER, HOLDERS_SHOWN, AcquireOutcome, standby_window
+from dramatiq_guard.backends.values import DEBOUNCE_TIMER, HOLDERS_SHOWN, MIN_STANDBY_WINDOW, AcquireOutcome
 
 __all__ = ["OracleBackend"]
 
@@ -276,10 +276,10 @@ class OracleBackend(GuardBackend):
     def _send_ahead(self, key: str, guard: _Guard, count: int, limit: int, now: int) -> tuple[Handoff, ...]:
         """Mark the parked waiters of this route among the first ``count`` as standbys being sent.
 
-        At most the standby window of ``limit``, the limit in force (:func:`standby_window`).
+        At most the standby window of ``limit``, the limit in force (at least MIN_STANDBY_WINDOW).
         """
         sent = []
-        window = standby_window(count, limit)
+        window = 0 if limit <= 0 else min(count, max(limit, MIN_STANDBY_WINDOW))
         for waiter, entry in sorted(guard.queue.items(), key=lambda item: item[1].place)[: max(0, window)]:
             if entry.payload is not None and not entry.on_broker and guard.deliverable(entry, self.route):
                 entry.drop_at_ms = now + self.handoff_ttl_ms

@@ -22,11 +22,6 @@ DEBOUNCE_TIMER = "~due"
 MIN_STANDBY_WINDOW = 4
 
 
-def standby_window(count: int, limit: int) -> int:
-    """How many of a key's first waiters a send ahead of ``count`` covers, with ``limit`` in force."""
-    return 0 if limit <= 0 else min(count, max(limit, MIN_STANDBY_WINDOW))
-
-
 @dataclasses.dataclass(frozen=True)
 class Stake:
     """What one holder claims of one guard key: what :meth:`GuardBackend.acquire` takes.
