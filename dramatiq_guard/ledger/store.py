@@ -20,7 +20,7 @@ from dramatiq_guard.bounds import MAX_RETENTION_MS
 from dramatiq_guard.context import ledger_session_var
 from dramatiq_guard.errors import IdempotencyConflict, LeaseLost, LedgerError, UnstorableResult
 from dramatiq_guard.ledger.engine import resolve_engine
-from dramatiq_guard.ledger.records import Claim, LedgerRecord, _claim_var, current_claim
+from dramatiq_guard.ledger.records import Claim, LedgerRecord, _claim_var
 from dramatiq_guard.ledger.rows import (
     Plan,
     Run,
@@ -40,8 +40,6 @@ from dramatiq_guard.ledger.schema import (
     storage_key,
 )
 from dramatiq_guard.policies import Duration, duration_ms
-
-__all__ = ["DEFAULT_RETENTION", "Claim", "Ledger", "LedgerRecord", "current_claim"]
 
 #: Completed and failed rows protect their key for this long by default: 7 days.
 DEFAULT_RETENTION = datetime.timedelta(days=7)
