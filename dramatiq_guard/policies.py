@@ -27,11 +27,7 @@ def duration_ms(
     value: object, *, what: str, allow_none: bool = False, minimum: int = 0, maximum: int = MAX_DURATION_MS
 ) -> int | None:
     """``value`` (int ms, not a bool, or a timedelta; None if ``allow_none``) in ms, from ``minimum``
-    to ``maximum``.
-
-    Raises:
-      ValueError: Naming ``what``, if ``value`` is not such a duration.
-    """
+    to ``maximum``; else a :class:`ValueError` naming ``what``."""
     if value is None and allow_none:
         return None
     if isinstance(value, datetime.timedelta):
@@ -56,11 +52,8 @@ def duration_ms(
 
 
 def timeout_s(value: object, *, what: str) -> float | None:
-    """``value`` (seconds, not a bool, or a timedelta; None: no timeout) as float seconds, up to 366 days.
-
-    Raises:
-      ValueError: Naming ``what``, if ``value`` is not such a timeout.
-    """
+    """``value`` (seconds, not a bool, or a timedelta; None: no timeout) as float seconds, up to 366 days;
+    else a :class:`ValueError` naming ``what``."""
     if value is None:
         return None
     if isinstance(value, datetime.timedelta):
@@ -79,11 +72,7 @@ def timeout_s(value: object, *, what: str) -> float | None:
 
 
 def key_spec(value: object) -> KeySpec:
-    """Validate a ``key`` field: a callable, a list of argument names, or None.
-
-    Raises:
-      ValueError: If ``value`` is none of those.
-    """
+    """Validate a ``key`` field: a callable, a list of argument names, or None (else :class:`ValueError`)."""
     if value is None or callable(value):
         return cast(KeySpec, value)
     if isinstance(value, (list, tuple)) and value and all(isinstance(name, str) for name in value):
@@ -387,11 +376,8 @@ LIST_OPTIONS = frozenset({"concurrency", "throttle"})
 
 
 def parse_policies(cls: type[P], value: object, *, actor_name: str) -> tuple[P, ...]:
-    """Turn an actor option's value into its policies: one, or (for :data:`LIST_OPTIONS`) a list's.
-
-    Raises:
-      GuardOptionError: As :func:`parse_policy`; an empty list, or a list where the option takes none.
-    """
+    """Turn an actor option's value into its policies: one, or (for :data:`LIST_OPTIONS`) a list's;
+    :class:`GuardOptionError` as :func:`parse_policy`, and for an empty list."""
     if not isinstance(value, (list, tuple)) or cls.option not in LIST_OPTIONS:
         return (parse_policy(cls, value, actor_name=actor_name),)
     if not value:
@@ -400,11 +386,8 @@ def parse_policies(cls: type[P], value: object, *, actor_name: str) -> tuple[P, 
 
 
 def parse_policy(cls: type[P], value: object, *, actor_name: str) -> P:
-    """Turn an actor option's value (a shorthand, a dict, or a ``cls``) into a frozen ``cls``.
-
-    Raises:
-      GuardOptionError: Naming the actor, the option, the value and the allowed forms.
-    """
+    """Turn an actor option's value (a shorthand, a dict, or a ``cls``) into a frozen ``cls``; else a
+    :class:`GuardOptionError` naming the actor, the option, the value and the allowed forms."""
     try:
         if isinstance(value, cls):
             return value

@@ -37,11 +37,8 @@ def default_ledger_url() -> str:
 
 
 def resolve_engine(ledger: Any) -> sa.Engine:
-    """An Engine for ``ledger``: an Engine, a URL, or None (the environment, else a SQLite file).
-
-    Raises:
-      ConfigurationError: If ``ledger`` is not an Engine, a URL or None.
-    """
+    """An Engine for ``ledger``: an Engine, a URL, or None (the environment, else a SQLite file); else
+    a :class:`ConfigurationError`."""
     if isinstance(ledger, sa.Engine):
         return ledger
     if ledger is None and not os.environ.get(LEDGER_URL_ENV):
