@@ -121,13 +121,6 @@ class GuardBackend(abc.ABC):
         Re-entrant: a holder that holds the key already (a reservation handed to it included) gets
         ``now + ttl_ms`` and a new fencing token, and leaves the waiters (its payload dropped).
 
-        Parameters:
-          stake(Stake): The key, the holder and what identifies the copy that acquires.
-          wait(Waiter|None): Queue the holder as a waiter if refused.
-
-        Returns:
-          AcquireResult: Its :class:`~dramatiq_guard.backends.AcquireOutcome` and token.
-
         Raises:
           ValueError: If the key, a number or the runner is not allowed (:func:`check_acquire`).
           PayloadTooLarge: If ``wait.payload`` is over :attr:`max_payload_bytes` (nothing written).
