@@ -80,20 +80,12 @@ class Claim(Stake):
     def block(
         self, deadline: float | None, deliver: Deliver, *, payload: bytes | None = None
     ) -> AcquireResult:
-        """Block as the ready waiter of the key (already queued) until it holds a slot.
-
-        Woken by the push of the hand-off; re-checks the key every :data:`BACKSTOP_MS` (an
-        acquire that keeps its place). At ``deadline`` a blocking waiter leaves the queue
-        (:meth:`withdraw`), and a standby parks again in its place (at once if its entry lapsed).
-
-        Parameters:
-          deadline(float|None): When to give up, on ``time.monotonic()``; None: never.
-          deliver: Called with the hand-offs each re-check made to other waiters.
-          payload(bytes|None): A standby's encoded message; None for a blocking waiter.
-
-        Returns:
-          AcquireResult: Acquired (from a wake: ``reserved_ms`` is set), or the last refusal.
-        """
+        """Block as the ready waiter of the key (already queued: a standby with its ``payload``, or a
+        blocking waiter) until it holds a slot: acquired (from a wake: ``reserved_ms`` is set), or the
+        last refusal. Woken by the push of the hand-off; re-checks the key every :data:`BACKSTOP_MS`
+        (an acquire that keeps its place; its hand-offs to others go to ``deliver``). At ``deadline``
+        (``time.monotonic()``; None: never) a blocking waiter leaves the queue (:meth:`withdraw`), and
+        a standby parks again in its place (at once if its entry lapsed)."""
         done = False  # acquired, or refused as running (the entry is another copy's: not ours to cancel)
         try:
             while True:

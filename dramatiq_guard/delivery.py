@@ -16,7 +16,8 @@ from dramatiq.brokers.redis import RedisBroker
 from dramatiq.brokers.stub import StubBroker
 
 from dramatiq_guard import events
-from dramatiq_guard.backends.base import ORIGINAL_GENERATION, GuardBackend, Handoff
+from dramatiq_guard.backends.base import GuardBackend, Handoff
+from dramatiq_guard.backends.values import ORIGINAL_GENERATION
 from dramatiq_guard.gate import Outcome, gate_for
 
 logger = logging.getLogger(__name__)

@@ -19,18 +19,10 @@ class GuardOptionError(GuardError, ValueError):
 
 
 class GuardKeyError(GuardOptionError):
-    """A message's guard key cannot be derived from its arguments.
-
-    Raised where the key is derived (``send()``, before anything is pushed
-    or written; a worker; ``key_for``).
-
-    Parameters:
-      actor_name(str): The message's actor.
-      option(str): The actor option whose key could not be derived
-        (``dedup``, ``mutex``, ``concurrency``, ``idempotency_key``).
-      reason(str): What is wrong.
-      allowed(str): What the key's form allows.
-    """
+    """The key of actor option ``option`` (``dedup``, ``mutex``...) of a message of ``actor_name``
+    cannot be derived from its arguments: ``reason``; ``allowed`` says what the key's form allows.
+    Raised where the key is derived (``send()``, before anything is pushed or written; a worker;
+    ``key_for``)."""
 
     def __init__(self, actor_name: str, option: str, reason: str, allowed: str) -> None:
         super().__init__(
@@ -45,15 +37,9 @@ class BackendUnavailable(GuardError):
 
 
 class BackendRefused(BackendUnavailable):
-    """The guard's Redis refused a call: its ACL user lacks a permission (``NOPERM``).
-
-    It fails closed like an unreachable Redis; once the permission is
-    granted, the next call succeeds (docs/redis.md, "A restricted ACL user").
-
-    Parameters:
-      refusal(str): What was refused (the command or the keys).
-      cure(str): What an operator should do.
-    """
+    """The guard's Redis refused a call (``refusal``: the command or the keys): its ACL user lacks a
+    permission (``NOPERM``). It fails closed like an unreachable Redis; once the permission is granted
+    (``cure``), the next call succeeds (docs/redis.md, "A restricted ACL user")."""
 
     def __init__(self, refusal: str, cure: str = "grant the guard's ACL user that permission") -> None:
         super().__init__(
@@ -63,17 +49,10 @@ class BackendRefused(BackendUnavailable):
 
 
 class ReplicasBehind(BackendUnavailable):
-    """Fewer replicas than asked acknowledged a decision in time (``replica_waits``, Redis ``WAIT``).
-
-    The operation ran on the primary but may not survive a failover, so it
-    fails closed. What a caller may rely on afterwards (``send()`` took back
-    what it stored, a worker's acquire is retried...): docs/failure-model.md.
-
-    Attributes:
-      acknowledged(int): How many replicas acknowledged.
-      wanted(int): How many were asked for.
-      timeout_ms(int): How long the primary waited for them.
-    """
+    """Only ``acknowledged`` of the ``wanted`` replicas acknowledged a decision within ``timeout_ms``
+    (``replica_waits``, Redis ``WAIT``). The operation ran on the primary but may not survive a
+    failover, so it fails closed. What a caller may rely on afterwards (``send()`` took back what it
+    stored, a worker's acquire is retried...): docs/failure-model.md."""
 
     def __init__(self, acknowledged: int, wanted: int, timeout_ms: int) -> None:
         super().__init__(
@@ -88,12 +67,7 @@ class ConfigurationError(GuardError, ValueError):
 
 
 class LeaseLost(GuardError):
-    """A holder's lease lapsed or was taken over while it was still running.
-
-    Parameters:
-      key(str): The guard key.
-      holder(str): The holder that lost it.
-    """
+    """The lease of ``holder`` on guard key ``key`` lapsed or was taken over while it still ran."""
 
     def __init__(self, key: str, holder: str) -> None:
         super().__init__(f"the lease of {holder!r} on guard key {key!r} was lost before it was released")
@@ -101,13 +75,8 @@ class LeaseLost(GuardError):
 
 
 class DuplicateMessage(GuardError):
-    """Raised by ``send()`` for a duplicate of an actor with ``on_duplicate="raise"``.
-
-    Parameters:
-      message_id(str): The refused message's id.
-      holder(str): The message id of the message holding the lock.
-      key(str): The guard key.
-    """
+    """Raised by ``send()`` for a duplicate of an actor with ``on_duplicate="raise"``: message
+    ``message_id`` was refused, as message ``holder`` holds dedup key ``key``."""
 
     def __init__(self, message_id: str, holder: str, key: str) -> None:
         super().__init__(
@@ -117,14 +86,8 @@ class DuplicateMessage(GuardError):
 
 
 class MutexWaitTimeout(GuardError):
-    """A ``mutex`` with ``on_busy="wait"`` was still held when ``wait`` ran out (Retries retries it).
-
-    Parameters:
-      key(str): The guard key.
-      message_id(str): The message that waited.
-      wait_ms(int): How long it waited.
-      holders(tuple[str, ...]): Who held the key when it gave up.
-    """
+    """A ``mutex`` with ``on_busy="wait"`` was still held (by ``holders``) when message ``message_id``
+    had waited ``wait_ms`` for guard key ``key`` (Retries retries it)."""
 
     def __init__(self, key: str, message_id: str, wait_ms: int, holders: tuple[str, ...] = ()) -> None:
         super().__init__(
@@ -134,12 +97,8 @@ class MutexWaitTimeout(GuardError):
 
 
 class LockNotAcquired(GuardError):
-    """``with lock:`` could not acquire the lock (non-blocking, or ``blocking_timeout`` ran out).
-
-    Parameters:
-      key(str): The guard key.
-      holders(tuple[str, ...]): Who held it.
-    """
+    """``with lock:`` could not acquire the lock ``key``, held by ``holders`` (non-blocking, or
+    ``blocking_timeout`` ran out)."""
 
     def __init__(self, key: str, holders: tuple[str, ...] = ()) -> None:
         super().__init__(f"could not acquire the lock {key!r}{_held_by(holders)}")
@@ -151,15 +110,9 @@ def _held_by(holders: tuple[str, ...]) -> str:
 
 
 class EvictingRedis(ConfigurationError):
-    """The guard's Redis may evict keys (its ``maxmemory-policy`` is not ``noeviction``).
-
-    Refused unless ``install(broker, allow_evicting_redis=True)`` or
-    ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` says otherwise.
-
-    Parameters:
-      policy(str): The ``maxmemory-policy`` the server reported.
-      where(str): Which server (for the message).
-    """
+    """The guard's Redis (``where``) may evict keys: its ``maxmemory-policy`` (``policy``) is not
+    ``noeviction``. Refused unless ``install(broker, allow_evicting_redis=True)`` or
+    ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` says otherwise."""
 
     def __init__(self, policy: str, where: str) -> None:
         super().__init__(
@@ -173,14 +126,8 @@ class EvictingRedis(ConfigurationError):
 
 
 class LayoutTooNew(ConfigurationError):
-    """The guard's Redis holds state in a layout newer than this version reads (a downgrade).
-
-    Parameters:
-      stored(int): The layout recorded in Redis.
-      known(int): The newest layout this version reads.
-      where(str): Which server and namespace (for the message).
-      key(str): The Redis key of the record.
-    """
+    """The guard's Redis (``where``: server and namespace) holds state in layout ``stored``, newer
+    than the ``known`` one this version reads (a downgrade); ``key`` is the record's Redis key."""
 
     def __init__(self, stored: int, known: int, where: str, key: str) -> None:
         super().__init__(
@@ -193,14 +140,8 @@ class LayoutTooNew(ConfigurationError):
 
 
 class PayloadTooLarge(GuardError, ValueError):
-    """A message that would park is larger than the backend's ``max_payload_bytes`` (nothing is stored).
-
-    Parameters:
-      key(str): The guard key.
-      waiter_id(str): The message id.
-      size(int): The encoded message's size in bytes.
-      limit(int): The bound in force.
-    """
+    """Message ``waiter_id``, which would park on guard key ``key``, is ``size`` bytes encoded: over
+    the ``limit`` in force (the backend's ``max_payload_bytes``). Nothing is stored."""
 
     def __init__(self, key: str, waiter_id: str, size: int, limit: int) -> None:
         super().__init__(
@@ -225,16 +166,9 @@ class LedgerError(GuardError):
 
 
 class IdempotencyConflict(LedgerError):
-    """An idempotency key already in the ledger was used with a different payload (not retried).
-
-    Parameters:
-      key(str): The idempotency key.
-      stored_fingerprint(str): The fingerprint the key is bound to.
-      fingerprint(str): The fingerprint of the message that was refused.
-      stored_payload: The payload the key is bound to (``{"actor", "arguments"}``).
-      payload: The refused message's payload.
-      holder(str): The message that first used the key (its ``message_id``).
-    """
+    """Idempotency key ``key``, bound in the ledger to ``stored_fingerprint`` (of ``stored_payload``:
+    ``{"actor", "arguments"}``, first used by message ``holder``), was used with another payload
+    (``payload``, of ``fingerprint``). Not retried."""
 
     def __init__(
         self,
@@ -259,6 +193,3 @@ class IdempotencyConflict(LedgerError):
 
 class UnstorableResult(LedgerError, TypeError):
     """The actor returned a value the ledger cannot store as JSON (nothing is committed; not retried)."""
-
-
-__all__ = ["IdempotencyConflict", "LedgerError", "UnstorableResult"]

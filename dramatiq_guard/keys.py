@@ -116,18 +116,10 @@ def _plain_signature(signature: inspect.Signature) -> str:
 
 
 class KeyResolver:
-    """Turns a message's arguments into a guard key, for one actor and one key spec.
-
-    Parameters:
-      actor_name(str): The actor's name (scopes digested keys).
-      fn(Callable): The actor's function (its signature resolves names).
-      spec(KeySpec): The key option: a callable, a tuple of argument names, or None.
-      option(str): The actor option the key belongs to (errors name it).
-      scope(str|None): What scopes digested keys instead of ``actor_name`` (a later guard of an
-        option's list: ``<actor>#<index>``).
-
-    Raises:
-      ValueError: If ``spec`` names an argument the function does not take.
+    """Turns the arguments of a call of ``fn`` (actor ``actor_name``) into a guard key by ``spec`` (a
+    callable, a tuple of argument names, or None), for the actor option ``option`` (errors name it);
+    digested keys are scoped by ``scope`` (a later guard of an option's list: ``<actor>#<index>``),
+    else by the actor's name. :class:`ValueError` if ``spec`` names an argument ``fn`` does not take.
     """
 
     def __init__(
@@ -161,13 +153,9 @@ class KeyResolver:
                 )
 
     def __call__(self, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
-        """The guard key of a call with ``args`` and ``kwargs``.
-
-        Raises:
-          GuardKeyError: If the arguments do not fit the actor's signature, a
-            digested argument cannot be encoded, or a key callable raised or
-            returned something other than a str of valid Unicode.
-        """
+        """The guard key of a call with ``args`` and ``kwargs``; :class:`GuardKeyError` if they do not fit
+        the actor's signature, a digested argument cannot be encoded, or a key callable raised or
+        returned something other than a str of valid Unicode."""
         if callable(self.spec):
             try:
                 key = self.spec(*args, **kwargs)

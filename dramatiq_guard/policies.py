@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal, TypeVar, cast, get_args
+from typing import ClassVar, Literal, TypeVar, cast, get_args
 
-from dramatiq_guard.bounds import MAX_COUNT, MAX_DURATION_MS, MAX_RETENTION_MS
+from dramatiq_guard.backends.checks import check_count
+from dramatiq_guard.bounds import MAX_DURATION_MS, MAX_RETENTION_MS
 from dramatiq_guard.errors import GuardOptionError
 from dramatiq_guard.keys import KeySpec
 
@@ -26,11 +27,7 @@ def duration_ms(
     value: object, *, what: str, allow_none: bool = False, minimum: int = 0, maximum: int = MAX_DURATION_MS
 ) -> int | None:
     """``value`` (int ms, not a bool, or a timedelta; None if ``allow_none``) in ms, from ``minimum``
-    to ``maximum``.
-
-    Raises:
-      ValueError: Naming ``what``, if ``value`` is not such a duration.
-    """
+    to ``maximum``; else a :class:`ValueError` naming ``what``."""
     if value is None and allow_none:
         return None
     if isinstance(value, datetime.timedelta):
@@ -55,11 +52,8 @@ def duration_ms(
 
 
 def timeout_s(value: object, *, what: str) -> float | None:
-    """``value`` (seconds, not a bool, or a timedelta; None: no timeout) as float seconds, up to 366 days.
-
-    Raises:
-      ValueError: Naming ``what``, if ``value`` is not such a timeout.
-    """
+    """``value`` (seconds, not a bool, or a timedelta; None: no timeout) as float seconds, up to 366 days;
+    else a :class:`ValueError` naming ``what``."""
     if value is None:
         return None
     if isinstance(value, datetime.timedelta):
@@ -78,11 +72,7 @@ def timeout_s(value: object, *, what: str) -> float | None:
 
 
 def key_spec(value: object) -> KeySpec:
-    """Validate a ``key`` field: a callable, a list of argument names, or None.
-
-    Raises:
-      ValueError: If ``value`` is none of those.
-    """
+    """Validate a ``key`` field: a callable, a list of argument names, or None (else :class:`ValueError`)."""
     if value is None or callable(value):
         return cast(KeySpec, value)
     if isinstance(value, (list, tuple)) and value and all(isinstance(name, str) for name in value):
@@ -97,13 +87,6 @@ def _choice(value: object, choices: tuple[str, ...], *, what: str) -> str:
     if value not in choices:
         raise ValueError(f"{what} must be one of {', '.join(map(repr, choices))}, not {value!r}")
     return str(value)
-
-
-def _check_limit(limit: object) -> None:
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-        raise ValueError(f"limit must be a non-negative int, not {limit!r}")
-    if limit > MAX_COUNT:
-        raise ValueError(f"limit must be at most {MAX_COUNT}, not {limit!r}")
 
 
 def _flag(value: object, *, what: str) -> bool:
@@ -130,7 +113,6 @@ class DedupPolicy:
     """
 
     option: ClassVar[str] = "dedup"
-    shorthands: ClassVar[tuple[str, ...]] = get_args(DedupStrategy)
 
     strategy: DedupStrategy
     key: KeySpec = None
@@ -160,9 +142,10 @@ class DedupPolicy:
         return cast(int, self.ttl)
 
     @classmethod
-    def from_shorthand(cls, value: object) -> DedupPolicy:
-        """``"until_executed"`` and the like."""
-        return cls(strategy=cast(DedupStrategy, value))
+    def from_shorthand(cls, value: object) -> DedupPolicy | None:
+        """``"until_executed"`` and the like (None: ``value`` is no shorthand)."""
+        is_strategy = isinstance(value, str) and value in get_args(DedupStrategy)
+        return cls(strategy=cast(DedupStrategy, value)) if is_strategy else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +164,6 @@ class MutexPolicy:
     """
 
     option: ClassVar[str] = "mutex"
-    shorthands: ClassVar[tuple[Any, ...]] = (True,)
 
     key: KeySpec = None
     ttl: Duration | None = None
@@ -207,9 +189,9 @@ class MutexPolicy:
         return cast(int, self.wait)
 
     @classmethod
-    def from_shorthand(cls, value: object) -> MutexPolicy:
+    def from_shorthand(cls, value: object) -> MutexPolicy | None:
         """``True``."""
-        return cls()
+        return cls() if value is True else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +208,6 @@ class ConcurrencyPolicy:
     """
 
     option: ClassVar[str] = "concurrency"
-    shorthands: ClassVar[tuple[Any, ...]] = ()
 
     limit: int
     key: KeySpec = None
@@ -234,7 +215,7 @@ class ConcurrencyPolicy:
     fail_open: bool = False
 
     def __post_init__(self) -> None:
-        _check_limit(self.limit)
+        check_count(self.limit, "limit", optional=False)
         _set(self, "key", key_spec(self.key))
         _set(self, "ttl", duration_ms(self.ttl, what="ttl", allow_none=True))
         _flag(self.fail_open, what="fail_open")
@@ -245,9 +226,9 @@ class ConcurrencyPolicy:
         return cast("int | None", self.ttl)
 
     @classmethod
-    def from_shorthand(cls, value: object) -> ConcurrencyPolicy:
+    def from_shorthand(cls, value: object) -> ConcurrencyPolicy | None:
         """An int limit."""
-        return cls(limit=cast(int, value))
+        return cls(limit=value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,7 +244,6 @@ class ThrottlePolicy:
     """
 
     option: ClassVar[str] = "throttle"
-    shorthands: ClassVar[tuple[Any, ...]] = ()
 
     limit: int
     period: Duration
@@ -271,7 +251,7 @@ class ThrottlePolicy:
     fail_open: bool = False
 
     def __post_init__(self) -> None:
-        _check_limit(self.limit)
+        check_count(self.limit, "limit", optional=False)
         _set(self, "period", duration_ms(self.period, what="period", minimum=1))
         _set(self, "key", key_spec(self.key))
         _flag(self.fail_open, what="fail_open")
@@ -287,9 +267,9 @@ class ThrottlePolicy:
         return self.period_ms
 
     @classmethod
-    def from_shorthand(cls, value: object) -> ThrottlePolicy:
+    def from_shorthand(cls, value: object) -> None:
         """None: a throttle is a dict or a :class:`ThrottlePolicy`."""
-        raise ValueError("not one of the allowed forms (a dict with limit and period)")
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,7 +285,6 @@ class DebouncePolicy:
     """
 
     option: ClassVar[str] = "debounce"
-    shorthands: ClassVar[tuple[Any, ...]] = ()
 
     wait: Duration
     max_wait: Duration | None = None
@@ -335,9 +314,10 @@ class DebouncePolicy:
     ttl_ms = None  # a debounced message holds no slot while it runs
 
     @classmethod
-    def from_shorthand(cls, value: object) -> DebouncePolicy:
+    def from_shorthand(cls, value: object) -> DebouncePolicy | None:
         """The wait: integer milliseconds or a ``timedelta``."""
-        return cls(wait=cast(Duration, value))
+        is_wait = isinstance(value, (int, datetime.timedelta)) and not isinstance(value, bool)
+        return cls(wait=cast(Duration, value)) if is_wait else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,7 +333,6 @@ class IdempotencyPolicy:
     """
 
     option: ClassVar[str] = "idempotency_key"
-    shorthands: ClassVar[tuple[Any, ...]] = (True,)
 
     key: KeySpec
     retention: Duration | None = None
@@ -369,49 +348,27 @@ class IdempotencyPolicy:
         return cast("int | None", self.retention)
 
     @classmethod
-    def from_shorthand(cls, value: object) -> IdempotencyPolicy:
+    def from_shorthand(cls, value: object) -> IdempotencyPolicy | None:
         """A callable, a list of argument names, or ``True``."""
-        return cls(key=None if value is True else cast(KeySpec, value))
+        if value is True or callable(value) or isinstance(value, (list, tuple)):
+            return cls(key=None if value is True else cast(KeySpec, value))
+        return None
 
 
 Policy = DedupPolicy | MutexPolicy | ConcurrencyPolicy | ThrottlePolicy | DebouncePolicy | IdempotencyPolicy
 P = TypeVar("P", bound=Policy)
 
-#: How each option's forms read in an error message.
-_ALLOWED: Mapping[str, str] = {
-    "dedup": (
-        '"until_executing", "until_executed" or "until_expired"; a dict with keys strategy, key, ttl, '
-        "on_duplicate, including_scheduled, fail_open; or a dramatiq_guard.DedupPolicy"
-    ),
-    "mutex": ("True; a dict with keys key, ttl, on_busy, wait, fail_open; or a dramatiq_guard.MutexPolicy"),
-    "concurrency": (
-        "an int limit; a dict with keys limit, key, ttl, fail_open; a dramatiq_guard.ConcurrencyPolicy; "
-        "or a non-empty list of those (a message runs when every one admits it)"
-    ),
-    "throttle": (
-        "a dict with keys limit, period, key, fail_open; a dramatiq_guard.ThrottlePolicy; "
-        "or a non-empty list of those (a message starts when every one admits it)"
-    ),
-    "debounce": (
-        "integer milliseconds or a datetime.timedelta (the wait); a dict with keys wait, max_wait, "
-        "key, fail_open; or a dramatiq_guard.DebouncePolicy"
-    ),
+#: Each option's shorthands, as an error message names them (before its dict and policy forms).
+_SHORTHANDS: Mapping[str, str] = {
+    "dedup": '"until_executing", "until_executed" or "until_expired"; ',
+    "mutex": "True; ",
+    "concurrency": "an int limit; ",
+    "debounce": "integer milliseconds or a datetime.timedelta (the wait); ",
     "idempotency_key": (
         "a callable of the actor's arguments returning a str; a list of argument names; "
         "True (each message is its own key: its idempotency_key option, else its message_id); "
-        "a dict with keys key, retention; or a dramatiq_guard.IdempotencyPolicy"
     ),
 }
-
-
-def _is_shorthand(cls: type[Any], value: object) -> bool:
-    if cls is ConcurrencyPolicy:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if cls is DebouncePolicy:
-        return isinstance(value, (int, datetime.timedelta)) and not isinstance(value, bool)
-    if cls is IdempotencyPolicy:
-        return value is True or callable(value) or isinstance(value, (list, tuple))
-    return any(value is s or (isinstance(s, str) and value == s) for s in cls.shorthands)
 
 
 #: The options that also take a list of policies: every one of them must admit a message.
@@ -419,11 +376,8 @@ LIST_OPTIONS = frozenset({"concurrency", "throttle"})
 
 
 def parse_policies(cls: type[P], value: object, *, actor_name: str) -> tuple[P, ...]:
-    """Turn an actor option's value into its policies: one, or (for :data:`LIST_OPTIONS`) a list's.
-
-    Raises:
-      GuardOptionError: As :func:`parse_policy`; an empty list, or a list where the option takes none.
-    """
+    """Turn an actor option's value into its policies: one, or (for :data:`LIST_OPTIONS`) a list's;
+    :class:`GuardOptionError` as :func:`parse_policy`, and for an empty list."""
     if not isinstance(value, (list, tuple)) or cls.option not in LIST_OPTIONS:
         return (parse_policy(cls, value, actor_name=actor_name),)
     if not value:
@@ -432,11 +386,8 @@ def parse_policies(cls: type[P], value: object, *, actor_name: str) -> tuple[P, 
 
 
 def parse_policy(cls: type[P], value: object, *, actor_name: str) -> P:
-    """Turn an actor option's value (a shorthand, a dict, or a ``cls``) into a frozen ``cls``.
-
-    Raises:
-      GuardOptionError: Naming the actor, the option, the value and the allowed forms.
-    """
+    """Turn an actor option's value (a shorthand, a dict, or a ``cls``) into a frozen ``cls``; else a
+    :class:`GuardOptionError` naming the actor, the option, the value and the allowed forms."""
     try:
         if isinstance(value, cls):
             return value
@@ -446,18 +397,23 @@ def parse_policy(cls: type[P], value: object, *, actor_name: str) -> P:
             if unknown:
                 raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))}")
             return cls(**value)
-        if _is_shorthand(cls, value):
-            return cast(P, cls.from_shorthand(value))
-        raise ValueError("not one of the allowed forms")
+        policy = cls.from_shorthand(value)
+        if policy is None:
+            raise ValueError("not one of the allowed forms")
+        return cast(P, policy)
     except (TypeError, ValueError) as e:
         raise option_error(actor_name, cls.option, value, str(e)) from None
 
 
 def option_error(actor_name: str, option: str, value: object, reason: str) -> GuardOptionError:
     """The error for a bad option value: names actor, option, value, reason and allowed forms."""
+    cls = next(cls for cls in get_args(Policy) if cls.option == option)
+    policy, keys = f"dramatiq_guard.{cls.__name__}", ", ".join(f.name for f in dataclasses.fields(cls))
+    many = f"a {policy}; or a non-empty list of those (every one must admit a message)"
+    forms = f"a dict with keys {keys}; " + (many if option in LIST_OPTIONS else f"or a {policy}")
     return GuardOptionError(
         f"actor {actor_name!r}: {option}={value!r} is not valid: {reason}. "
-        f"{option} takes {_ALLOWED.get(option, 'see the documentation')}."
+        f"{option} takes {_SHORTHANDS.get(option, '')}{forms}."
     )
 
 

@@ -31,11 +31,7 @@ _lock = threading.Lock()
 
 
 def backend_from(redis: Any) -> GuardBackend:
-    """A backend from an explicit ``redis`` argument (a backend, a client or a URL).
-
-    Raises:
-      ConfigurationError: If ``redis`` is none of those.
-    """
+    """A backend from an explicit ``redis``: a backend, a client or a URL (else ConfigurationError)."""
     if isinstance(redis, GuardBackend):
         return redis
     from redis import Redis
@@ -54,11 +50,7 @@ def backend_from(redis: Any) -> GuardBackend:
 
 
 def resolve_backend(broker: Broker, redis: Any = None) -> GuardBackend:
-    """The backend for ``broker``, with the broker's route.
-
-    Raises:
-      ConfigurationError: If no backend can be found for the broker.
-    """
+    """The backend for ``broker``, with the broker's route (ConfigurationError if none can be found)."""
     if redis is not None:
         backend = backend_from(redis)
     else:
@@ -73,11 +65,7 @@ def resolve_backend(broker: Broker, redis: Any = None) -> GuardBackend:
 
 
 def name_route(broker: Broker, route: str) -> None:
-    """Make ``route`` the route of ``broker`` in this process (``install(broker, route=...)``).
-
-    Raises:
-      ConfigurationError: If ``route`` is not a non-empty str.
-    """
+    """Make ``route`` (a non-empty str) the route of ``broker`` here (``install(broker, route=...)``)."""
     if not isinstance(route, str) or not route:
         raise ConfigurationError(f"dramatiq_guard.install(): route must be a non-empty str, not {route!r}")
     with _lock:
@@ -87,13 +75,9 @@ def name_route(broker: Broker, route: str) -> None:
 def route_of(broker: Broker) -> str:
     """Which broker (and queues) a process delivers parked messages to (docs/failure-model.md).
 
-    The route named by ``install(broker, route=...)``, else ``DRAMATIQ_GUARD_ROUTE``,
-    else the broker as configured, as written (never a resolved address; a
-    StubBroker: that very object).
-
-    Raises:
-      ConfigurationError: If no route is named and the guard cannot describe
-        the broker (another kind, or a RedisBroker whose pool names no server).
+    The route named by ``install(broker, route=...)``, else ``DRAMATIQ_GUARD_ROUTE``, else the broker
+    as configured, as written (never a resolved address; a StubBroker: that very object), else a
+    :class:`ConfigurationError` (another kind of broker, or a RedisBroker whose pool names no server).
     """
     named = _named.get(broker) or os.environ.get(ROUTE_ENV)
     if named:

@@ -26,8 +26,6 @@ import time
 from collections.abc import Callable, Sequence
 
 from dramatiq_guard.backends.base import (
-    DEFAULT_MAX_PAYLOAD_BYTES,
-    HOLDERS_SHOWN,
     AcquireResult,
     GuardBackend,
     Handoff,
@@ -38,12 +36,15 @@ from dramatiq_guard.backends.base import (
     Waiter,
     WaiterPeek,
     Woken,
+)
+from dramatiq_guard.backends.checks import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
     check_acquire,
     check_count,
     check_key,
     check_ms,
 )
-from dramatiq_guard.backends.values import DEBOUNCE_TIMER, AcquireOutcome, standby_window
+from dramatiq_guard.backends.values import DEBOUNCE_TIMER, HOLDERS_SHOWN, MIN_STANDBY_WINDOW, AcquireOutcome
 
 __all__ = ["OracleBackend"]
 
@@ -275,10 +276,10 @@ class OracleBackend(GuardBackend):
     def _send_ahead(self, key: str, guard: _Guard, count: int, limit: int, now: int) -> tuple[Handoff, ...]:
         """Mark the parked waiters of this route among the first ``count`` as standbys being sent.
 
-        At most the standby window of ``limit``, the limit in force (:func:`standby_window`).
+        At most the standby window of ``limit``, the limit in force (at least MIN_STANDBY_WINDOW).
         """
         sent = []
-        window = standby_window(count, limit)
+        window = 0 if limit <= 0 else min(count, max(limit, MIN_STANDBY_WINDOW))
         for waiter, entry in sorted(guard.queue.items(), key=lambda item: item[1].place)[: max(0, window)]:
             if entry.payload is not None and not entry.on_broker and guard.deliverable(entry, self.route):
                 entry.drop_at_ms = now + self.handoff_ttl_ms

@@ -42,9 +42,13 @@ from dramatiq_guard.backends import (
     Waiter,
     Woken,
 )
-from dramatiq_guard.backends.base import HOLDERS_SHOWN, MIN_STANDBY_WINDOW, ORIGINAL_GENERATION
 from dramatiq_guard.backends.redis_client import RedisClient
-from dramatiq_guard.backends.values import DEBOUNCE_TIMER
+from dramatiq_guard.backends.values import (
+    DEBOUNCE_TIMER,
+    HOLDERS_SHOWN,
+    MIN_STANDBY_WINDOW,
+    ORIGINAL_GENERATION,
+)
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.renewer import LeaseHandle, LeaseRenewer, get_renewer

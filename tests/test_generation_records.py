@@ -22,9 +22,10 @@ from dramatiq.middleware import Retries
 from harness import wait_until
 
 from dramatiq_guard.backends import Stake
-from dramatiq_guard.backends.base import ORIGINAL_GENERATION, GuardBackend, Waiter
+from dramatiq_guard.backends.base import GuardBackend, Waiter
 from dramatiq_guard.backends.memory import MemoryBackend
 from dramatiq_guard.backends.redis import RedisBackend
+from dramatiq_guard.backends.values import ORIGINAL_GENERATION
 from dramatiq_guard.gate import gate_for
 from dramatiq_guard.middleware.slots import Concurrency
 

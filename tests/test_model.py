@@ -84,7 +84,7 @@ from dramatiq_guard.backends import (
     Waiter,
     Woken,
 )
-from dramatiq_guard.backends.base import ORIGINAL_GENERATION
+from dramatiq_guard.backends.values import ORIGINAL_GENERATION
 from dramatiq_guard.bounds import MAX_PRIORITY
 from dramatiq_guard.errors import BackendUnavailable
 

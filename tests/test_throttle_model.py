@@ -92,7 +92,7 @@ from dramatiq_guard.backends import (
     Stake,
     Waiter,
 )
-from dramatiq_guard.backends.base import ORIGINAL_GENERATION
+from dramatiq_guard.backends.values import ORIGINAL_GENERATION
 from dramatiq_guard.claim import entry_ms
 
 BUDGET = ModelBudget.from_env("THROTTLE", examples=40, steps=40)

@@ -16,17 +16,12 @@ from typing import Any, TypedDict
 
 from dramatiq_guard.backends.checks import (
     DEFAULT_MAX_PAYLOAD_BYTES,
-    check_acquire,
-    check_count,
     check_key,
     check_max_payload_bytes,
     check_ms,
     check_replica_waits,
 )
 from dramatiq_guard.backends.values import (
-    HOLDERS_SHOWN,
-    MIN_STANDBY_WINDOW,
-    ORIGINAL_GENERATION,
     AcquireResult,
     Enqueue,
     Handoff,
@@ -41,10 +36,6 @@ from dramatiq_guard.backends.values import (
 from dramatiq_guard.errors import BackendUnavailable, ConfigurationError, PayloadTooLarge
 
 __all__ = [
-    "DEFAULT_MAX_PAYLOAD_BYTES",
-    "HOLDERS_SHOWN",
-    "MIN_STANDBY_WINDOW",
-    "ORIGINAL_GENERATION",
     "AcquireResult",
     "BackendSettings",
     "GuardBackend",
@@ -56,11 +47,8 @@ __all__ = [
     "Waiter",
     "WaiterPeek",
     "Woken",
-    "check_acquire",
-    "check_count",
     "check_key",
     "check_max_payload_bytes",
-    "check_ms",
 ]
 
 logger = logging.getLogger("dramatiq_guard.backends")
@@ -133,13 +121,6 @@ class GuardBackend(abc.ABC):
         Re-entrant: a holder that holds the key already (a reservation handed to it included) gets
         ``now + ttl_ms`` and a new fencing token, and leaves the waiters (its payload dropped).
 
-        Parameters:
-          stake(Stake): The key, the holder and what identifies the copy that acquires.
-          wait(Waiter|None): Queue the holder as a waiter if refused.
-
-        Returns:
-          AcquireResult: Its :class:`~dramatiq_guard.backends.AcquireOutcome` and token.
-
         Raises:
           ValueError: If the key, a number or the runner is not allowed (:func:`check_acquire`).
           PayloadTooLarge: If ``wait.payload`` is over :attr:`max_payload_bytes` (nothing written).
@@ -162,32 +143,20 @@ class GuardBackend(abc.ABC):
         self, key: str, holder: str, *, ttl_ms: int, info: str, push: Enqueue
     ) -> AcquireResult | None:
         """:meth:`try_lock`, and if it is acquired, the broker's push of ``push`` in the same atomic step
-        (only where :meth:`enqueues_on` said yes; the lock gets its whole ``ttl_ms``).
-
-        Returns:
-          AcquireResult|None: As :meth:`try_lock`, or None when the backend could not decide in
-          one step: nothing was written, take the lock with :meth:`try_lock` and push as usual.
-        """
+        (only where :meth:`enqueues_on` said yes; the lock gets its whole ``ttl_ms``). None when the
+        backend could not decide in one step: nothing was written, lock and push as usual."""
         return None
 
     def reserve_and_enqueue(self, stake: Stake, push: Enqueue) -> AcquireResult | None:
         """:meth:`acquire` of a new message at send, parked with ``push.data`` if refused; if it acquires,
         the broker's push of ``push`` in the same atomic step (only where :meth:`enqueues_on` said yes).
-
-        Returns:
-          AcquireResult|None: As :meth:`acquire`, or None when the backend could not decide in
-          one step: nothing was written, acquire and push as usual.
-        """
+        None as :meth:`lock_and_enqueue`: acquire and push as usual."""
         return None
 
     @abc.abstractmethod
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:
-        """Extend ``holder``'s deadline to ``now + ttl_ms``.
-
-        Returns:
-          bool: False if ``holder`` no longer holds ``key`` (its lease lapsed and was reclaimed,
-          or was released by force); a lost lease is never re-created.
-        """
+        """Extend ``holder``'s deadline to ``now + ttl_ms``; False if it no longer holds ``key`` (its
+        lease lapsed and was reclaimed, or was released by force): a lost lease is never re-created."""
 
     def renew_many(self, leases: Sequence[tuple[str, str, int]]) -> list[bool]:
         """:meth:`renew` each ``(key, holder, ttl_ms)``, in as few round trips as possible."""
@@ -227,23 +196,17 @@ class GuardBackend(abc.ABC):
         self, key: str, waiter_id: str, *, ttl_ms: int, generation: int | None = None
     ) -> bool:
         """Confirm that a handed-off parked message was re-enqueued (*Hand-off*): its payload is
-        dropped and its reservation set to ``now + ttl_ms``. One put back in the queue meanwhile is
-        taken out again: a message is never both on the broker and parked.
-
-        Returns:
-          bool: Whether the waiter still holds its reservation.
+        dropped and its reservation set to ``now + ttl_ms``; one put back in the queue meanwhile is
+        taken out again (never both on the broker and parked). Whether it still holds its reservation.
         """
 
     @abc.abstractmethod
     def send_standbys(
         self, key: str, *, limit: int | None, count: int
     ) -> tuple[tuple[Handoff, ...], tuple[Handoff, ...]]:
-        """Send up to ``count`` of the oldest parked waiters ahead (*Standbys*), with their payloads:
-        the caller enqueues each and confirms it with :meth:`confirm_standby`.
-
-        Returns:
-          tuple: The hand-offs of this operation, and the standbys sent.
-        """
+        """Send up to ``count`` of the oldest parked waiters ahead (*Standbys*), with their payloads
+        (the caller enqueues each and confirms it with :meth:`confirm_standby`); returns the hand-offs
+        of this operation and the standbys sent."""
 
     @abc.abstractmethod
     def confirm_standby(
@@ -251,39 +214,25 @@ class GuardBackend(abc.ABC):
     ) -> bool:
         """Confirm that a standby sent by :meth:`send_standbys` was enqueued (*Standbys*): if its stored
         payload is still ``payload`` it is dropped, and it (or a slot handed to it) lasts ``ttl_ms``.
-
-        Returns:
-          bool: Whether the standby (or its reserved slot) is in place.
-        """
+        Whether the standby (or its reserved slot) is in place."""
 
     @abc.abstractmethod
     def wait_for_handoff(self, key: str, waiter_id: str, *, timeout_ms: int) -> Woken | None:
         """Block until a blocking waiter is handed a slot (it holds it, and must renew it within
-        :attr:`Woken.reserved_ms`), or ``timeout_ms`` passes.
-
-        Returns:
-          Woken|None: The token and the reservation left, or None if nothing was handed in time.
-        """
+        :attr:`Woken.reserved_ms`): its :class:`Woken`; None once ``timeout_ms`` passed."""
 
     @abc.abstractmethod
     def forget_parked_copy(self, key: str, waiter_id: str) -> bool:
         """The broker acked the copy of ``waiter_id`` that parked after pickup (*Generations*): a record
-        kept for it only is forgotten. Only for a broker whose ack is known to have landed
-        (:func:`~dramatiq_guard.delivery.acks_are_final`).
-
-        Returns:
-          bool: Whether a record was forgotten.
-        """
+        kept for it only is forgotten (whether one was). Only for a broker whose ack is known to have
+        landed (:func:`~dramatiq_guard.delivery.acks_are_final`)."""
 
     def debounce(
         self, key: str, waiter_id: str, payload: bytes, *, wait_ms: int, max_wait_ms: int
     ) -> tuple[tuple[str, ...], int]:
         """Make ``waiter_id`` (message ``payload``) the pending run of ``key``, superseding any other
         (*debounce*): due ``wait_ms`` from now, at most ``max_wait_ms`` after its burst's first send.
-
-        Returns:
-          tuple[tuple[str, ...], int]: The waiters superseded, and in how many ms the run is due.
-        """
+        Returns the waiters superseded, and in how many ms the run is due."""
         raise NotImplementedError
 
     def copy_is_live(self, key: str, waiter_id: str, generation: int) -> bool:
@@ -301,12 +250,9 @@ class GuardBackend(abc.ABC):
 
     def take_back(self, key: str, holder: str, *, limit: int | None) -> ReleaseResult | None:
         """Undo an acquire of a new ``holder`` that raised (it may have been done: ``ReplicasBehind``,
-        a reply lost), so a retry does not trip on it: :meth:`cancel_wait` without a generation.
-
-        Returns:
-          ReleaseResult|None: The result (its hand-offs are the caller's to deliver), or None if
-          this failed too (logged; what was left lapses, or starts once).
-        """
+        a reply lost), so a retry does not trip on it: :meth:`cancel_wait` without a generation. Its
+        result (the hand-offs are the caller's to deliver), or None if this failed too (logged; what
+        was left lapses, or starts once)."""
         try:
             return self.cancel_wait(key, holder, limit=limit)
         except BackendUnavailable:
@@ -337,10 +283,7 @@ class GuardBackend(abc.ABC):
     def set_limit(self, key: str, limit: int | None, *, default: int | None = 1) -> ReleaseResult:
         """Set (or with None, clear) the run-time limit of ``key`` and hand on the slots it frees; nobody
         is evicted. ``default``: the limit in force after clearing. ``released`` is False.
-
-        Raises:
-          ValueError: If ``limit`` or ``default`` is out of range (:func:`check_count`).
-        """
+        :class:`ValueError` if ``limit`` or ``default`` is out of range (:func:`check_count`)."""
 
     @abc.abstractmethod
     def get_limit(self, key: str) -> int | None:
@@ -361,20 +304,10 @@ class GuardBackend(abc.ABC):
 
     @abc.abstractmethod
     def summaries(self, keys: Sequence[str], *, waiters: int = 0) -> list[KeySummary]:
-        """A few numbers about each of ``keys``, cheap to read for many keys (O(log n + ``waiters``)
-        each): a snapshot per key, not of one instant; for display, never for decisions.
-
-        Parameters:
-          keys(Sequence[str]): The guard keys, e.g. from :meth:`waiting_keys`.
-          waiters(int): How many of each key's first waiters to return in
-            :attr:`KeySummary.first` (with their payloads), 0 for none.
-
-        Returns:
-          list[KeySummary]: One per key, in the order of ``keys`` (zero counts for no state).
-
-        Raises:
-          ValueError: If a key is invalid (:func:`check_key`) or ``waiters`` out of range.
-        """
+        """One :class:`KeySummary` per key of ``keys``, in order (zero counts for no state), with
+        ``waiters`` of its first waiters (with their payloads); O(log n + ``waiters``) each, a
+        snapshot per key, not of one instant: for display, never for decisions. :class:`ValueError`
+        if a key is invalid (:func:`check_key`) or ``waiters`` out of range."""
 
     # -- what a process asks of the store beyond the operations (neutral defaults) ----------
 
@@ -385,17 +318,10 @@ class GuardBackend(abc.ABC):
 
     def check_health(self, *, allow_evicting: bool | None = None) -> None:
         """Refuse a store that would lose the guard's state silently (at install, or when a middleware
-        first resolves it); the default checks nothing.
-
-        Parameters:
-          allow_evicting(bool|None): True: run on a store that may evict keys, with a warning.
-            None: as decided before for this backend, else as
-            ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` says.
-
-        Raises:
-          EvictingRedis: If the store may evict keys and that was not allowed.
-          LayoutTooNew: If its state is in a layout this version cannot read.
-        """
+        first resolves it): :class:`EvictingRedis` if it may evict keys, unless ``allow_evicting``
+        (True: with a warning; None: as decided before for this backend, else as
+        ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` says); :class:`LayoutTooNew` if its state is in a
+        layout this version cannot read. The default checks nothing."""
         return
 
     def watch(self, interval_s: float) -> None:
@@ -409,12 +335,9 @@ class GuardBackend(abc.ABC):
 
     def wait_for_replicas(self, count: int, timeout_ms: int) -> None:
         """Make every decision from now on wait until ``count`` replicas acknowledge it (0: no change);
-        fewer within ``timeout_ms`` fail it closed (``ReplicasBehind``). The default has no replicas.
-
-        Raises:
-          ValueError: If ``count`` or ``timeout_ms`` is out of range (:func:`check_replica_waits`).
-          ConfigurationError: If ``count`` is not 0 and the store has no replicas.
-        """
+        fewer within ``timeout_ms`` fail it closed (``ReplicasBehind``). :class:`ValueError` if either
+        is out of range; :class:`ConfigurationError` for a ``count`` on a store without replicas (the
+        default)."""
         check_replica_waits(count, timeout_ms)
         if count:
             raise ConfigurationError(

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 from dramatiq_guard.bounds import MAX_COUNT, MAX_DURATION_MS, MAX_PRIORITY
 
@@ -17,7 +17,7 @@ DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
 MAX_RUNNER_CHARS = 200
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -30,10 +30,10 @@ def check_ms(value: int, what: str, *, minimum: int = 1) -> None:
         )
 
 
-def check_count(value: int | None, what: str) -> None:
-    """Reject a limit or count that is not None (a limit the caller does not know) or an int from 0
-    to 2**31 - 1."""
-    if value is not None and (not _is_int(value) or not 0 <= value <= MAX_COUNT):
+def check_count(value: object, what: str, *, optional: bool = True) -> None:
+    """Reject a limit or count that is not an int from 0 to 2**31 - 1, or (if ``optional``) None: a
+    limit the caller does not know."""
+    if (value is not None or not optional) and (not _is_int(value) or not 0 <= value <= MAX_COUNT):
         raise ValueError(f"{what} must be an integer from 0 to {MAX_COUNT}, got {value!r}")
 
 

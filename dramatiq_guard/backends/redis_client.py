@@ -176,7 +176,7 @@ def run_scripts(
     failover moved its slot) runs once more on the new owner.
     """
     if replicas is None or replicas.replicas <= 0:
-        if len(calls) == 1 and zadd_first is None:  # a pipeline of one costs ~20 us more CPU than a call
+        if len(calls) == 1 and zadd_first is None:  # a call costs less CPU than a pipeline of one
             return [run_script(client, library, *calls[0])]
         return _run_pipelined(client, library, client, calls, zadd_first, None)
     if not isinstance(client, redis.cluster.RedisCluster):

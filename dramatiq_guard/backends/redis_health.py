@@ -56,16 +56,10 @@ class RedisBackendLike(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class RedisSettings:
-    """What a Redis server was found to do with the guard's keys.
-
-    Parameters:
-      where(str): The server (``host:port``; several for a cluster).
-      maxmemory_policy(str|None): Its ``maxmemory-policy`` (on a cluster, an evicting one if
-        any primary has one), or None if it could not be read.
-      appendonly(bool|None): Whether AOF is on (on a cluster: on every primary).
-      save(str|None): The RDB snapshot schedule (``""``: none).
-      notes(tuple[str, ...]): What could not be read, and why.
-    """
+    """What a Redis server (``where``: ``host:port``, several for a cluster) does with the guard's keys:
+    its ``maxmemory_policy`` (a cluster's: an evicting one if any primary has one), ``appendonly``
+    (a cluster's: on every primary) and RDB ``save`` schedule (``""``: none), each None if it could
+    not be read; ``notes``: what could not be read, and why."""
 
     where: str
     maxmemory_policy: str | None
@@ -259,16 +253,11 @@ def _keys(keys: list[str], most: int = 20) -> str:
 
 
 class StateWatch:
-    """Detects state the guard's Redis lost since the previous check; one per backend and process.
-
-    :meth:`check` is not thread-safe (the sweep thread calls it).
-
-    Parameters:
-      backend(RedisBackendLike): The backend to watch.
-      keys_every_s(float): How often the waiters check (it reads every waiting key) runs, or
-        every ``keys / KEYS_PER_S`` seconds if longer; at once after a restart or a flush. The
-        server checks (run id, flushes, evictions) run at every :meth:`check`. 0: every check.
-    """
+    """Detects state the guard's Redis lost since the previous check; one per backend and process
+    (:meth:`check` is not thread-safe: the sweep thread calls it). The server checks (run id,
+    flushes, evictions) run at every :meth:`check`; the waiters check (it reads every waiting key)
+    every ``keys_every_s`` (0: every check), or ``keys / KEYS_PER_S`` s if longer, and at once after
+    a restart or a flush."""
 
     def __init__(self, backend: RedisBackendLike, *, keys_every_s: float = KEYS_EVERY_S) -> None:
         self._backend = weakref.ref(backend)  # weak: the watches are kept per backend, weakly

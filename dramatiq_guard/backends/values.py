@@ -18,14 +18,8 @@ ORIGINAL_GENERATION = 0
 #: run's due time (*debounce*).
 DEBOUNCE_TIMER = "~due"
 
-#: The standby window when the limit in force is smaller (not 0): one standby per slot is too
-#: few for short jobs, as a standby must be picked up before the next job ends.
+#: The standby window when the limit in force is smaller (not 0): one per slot is too few for short jobs.
 MIN_STANDBY_WINDOW = 4
-
-
-def standby_window(count: int, limit: int) -> int:
-    """How many of a key's first waiters a send ahead of ``count`` covers, with ``limit`` in force."""
-    return 0 if limit <= 0 else min(count, max(limit, MIN_STANDBY_WINDOW))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,16 +58,10 @@ class Stake:
 
 @dataclasses.dataclass(frozen=True)
 class Handoff:
-    """A waiter that was just given a slot.
-
-    Parameters:
-      key(str): The guard key.
-      waiter_id(str): The waiter's id (a message id); now a holder with a reservation.
-      payload(bytes|None): The parked message to re-enqueue, or None for a blocking waiter
-        (already woken by the backend).
-      generation(int|None): The generation of this hand-off or standby send (*Generations*),
-        which the re-enqueued copy carries. Not compared.
-    """
+    """A waiter (``waiter_id``, a message id) just given a slot of ``key``: now a holder with a
+    reservation. ``payload``: the parked message to re-enqueue, or None for a blocking waiter (woken
+    by the backend). ``generation``: this hand-off's or standby send's (*Generations*), which the
+    re-enqueued copy carries; not compared."""
 
     key: str
     waiter_id: str
@@ -165,14 +153,9 @@ class AcquireResult:
 
 @dataclasses.dataclass(frozen=True)
 class Woken:
-    """A blocking waiter woken by a hand-off: it holds the slot now (:meth:`GuardBackend.wait_for_handoff`).
-
-    Parameters:
-      token(int): The fencing token the hand-off issued to it.
-      reserved_ms(int): How long its reservation lasts at least from the wake: the time it has
-        to renew it.
-      taken_at(float): When the wake was taken (``time.monotonic()``; default: now).
-    """
+    """A blocking waiter woken by a hand-off: it holds the slot now (:meth:`GuardBackend.wait_for_handoff`),
+    with the fencing ``token`` the hand-off issued, and ``reserved_ms`` from ``taken_at`` (the wake,
+    on ``time.monotonic()``) to renew it."""
 
     token: int
     reserved_ms: int
@@ -239,14 +222,9 @@ class KeyState:
 
 @dataclasses.dataclass(frozen=True)
 class Waiter:
-    """How a refused acquirer asks to wait.
-
-    Parameters:
-      payload(bytes|None): The encoded message to park; None for a blocking waiter (a thread
-        that will call ``wait_for_handoff``).
-      wait_ms(int): A blocking waiter's: how long its entry lives. A parked waiter's: if its
-        entry is a standby, it blocks instead of parking, for this long; 0 always parks.
-    """
+    """How a refused acquirer asks to wait: ``payload``, the encoded message to park, or None for a
+    blocking waiter (a thread that will call ``wait_for_handoff``, its entry living ``wait_ms``); a
+    parked waiter whose entry is a standby blocks instead, for ``wait_ms`` (0: it always parks)."""
 
     payload: bytes | None = None
     wait_ms: int = 0
@@ -254,15 +232,9 @@ class Waiter:
 
 @dataclasses.dataclass(frozen=True)
 class WaiterPeek:
-    """One of the first waiters of a key, as :meth:`GuardBackend.summaries` shows it.
-
-    Parameters:
-      waiter_id(str): The waiter's id (a message id).
-      since_ms(int): When it queued, on the backend's clock.
-      payload(bytes|None): The parked message, or None (a blocking waiter, a confirmed
-        standby, or one handed a slot between two reads).
-      info(str|None): What a ready waiter's thread said of it (its actor's name), if anything.
-    """
+    """One of the first waiters of a key (:meth:`GuardBackend.summaries`): its id, when it queued
+    (the backend's clock), its parked message (None: a blocking waiter, a confirmed standby, or one
+    handed a slot between two reads), and what a ready waiter's thread said of it (its actor)."""
 
     waiter_id: str
     since_ms: int
@@ -308,14 +280,9 @@ class KeySummary:
 
 
 class Enqueue(NamedTuple):
-    """A message to push to a broker's queue as its own enqueue would (``lock_and_enqueue``).
-
-    Parameters:
-      broker(Broker): The broker.
-      queue_name(str): The queue (a delay queue's name for a delayed message).
-      message_id(str): The broker's id of this push (a RedisBroker's ``redis_message_id``).
-      data(bytes): The encoded message.
-    """
+    """A message (``data``, encoded) to push to a broker's queue (a delay queue's for a delayed one)
+    as its own enqueue would (``lock_and_enqueue``); ``message_id``: the broker's id of this push (a
+    RedisBroker's ``redis_message_id``)."""
 
     broker: Any
     queue_name: str

@@ -37,27 +37,21 @@ def default_ledger_url() -> str:
 
 
 def resolve_engine(ledger: Any) -> sa.Engine:
-    """An Engine for ``ledger``: an Engine, a URL, or None (the environment, else a SQLite file).
-
-    Raises:
-      ConfigurationError: If ``ledger`` is not an Engine, a URL or None.
-    """
+    """An Engine for ``ledger``: an Engine, a URL, or None (the environment, else a SQLite file); else
+    a :class:`ConfigurationError`."""
     if isinstance(ledger, sa.Engine):
         return ledger
-    if ledger is None:
-        url = default_ledger_url()
-        if LEDGER_URL_ENV not in os.environ or not os.environ[LEDGER_URL_ENV]:
-            path = default_sqlite_path()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            logger.warning(
-                "dramatiq-guard's idempotency ledger uses the SQLite file %s: only workers on this "
-                "machine share it. Pass ledger=<an Engine or a URL> or set %s for a shared database.",
-                path,
-                LEDGER_URL_ENV,
-            )
-        return create_engine(url)
-    if isinstance(ledger, (str, sa.URL)):
-        return create_engine(ledger)
+    if ledger is None and not os.environ.get(LEDGER_URL_ENV):
+        path = default_sqlite_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        logger.warning(
+            "dramatiq-guard's idempotency ledger uses the SQLite file %s: only workers on this "
+            "machine share it. Pass ledger=<an Engine or a URL> or set %s for a shared database.",
+            path,
+            LEDGER_URL_ENV,
+        )
+    if ledger is None or isinstance(ledger, (str, sa.URL)):
+        return create_engine(default_ledger_url() if ledger is None else ledger)
     raise ConfigurationError(
         f"ledger={ledger!r} is not usable: pass an SQLAlchemy Engine, a database URL, "
         f"or None ({LEDGER_URL_ENV}, else a SQLite file)"

@@ -7,10 +7,7 @@ import datetime
 import json
 from typing import Any
 
-import sqlalchemy as sa
-from sqlalchemy.dialects import mysql, postgresql, sqlite
-
-from dramatiq_guard.ledger.errors import UnstorableResult
+from dramatiq_guard.errors import UnstorableResult
 from dramatiq_guard.ledger.records import LedgerRecord
 
 
@@ -71,23 +68,6 @@ def record_of(row: Any) -> LedgerRecord:
     """A row of the table as a :class:`LedgerRecord` (its fields are the columns, ``key`` first)."""
     columns = [field.name for field in dataclasses.fields(LedgerRecord)][1:]
     return LedgerRecord(row.idempotency_key, *(getattr(row, name) for name in columns))
-
-
-def insert_ignore(conn: sa.Connection, table: sa.Table, values: dict[str, Any]) -> None:
-    """Insert a row unless its key exists."""
-    dialect = conn.dialect.name
-    if dialect == "postgresql":
-        conn.execute(postgresql.insert(table).values(values).on_conflict_do_nothing())
-    elif dialect == "sqlite":
-        conn.execute(sqlite.insert(table).values(values).on_conflict_do_nothing())
-    elif dialect in ("mysql", "mariadb"):
-        conn.execute(mysql.insert(table).values(values).prefix_with("IGNORE"))
-    else:
-        try:
-            with conn.begin_nested():
-                conn.execute(sa.insert(table).values(values))
-        except sa.exc.IntegrityError:
-            pass
 
 
 def expiry(now: datetime.datetime, retention_ms: int | None) -> datetime.datetime | None:

@@ -18,17 +18,15 @@ from sqlalchemy.orm import Session
 from dramatiq_guard import events
 from dramatiq_guard.bounds import MAX_RETENTION_MS
 from dramatiq_guard.context import ledger_session_var
-from dramatiq_guard.errors import LeaseLost
+from dramatiq_guard.errors import IdempotencyConflict, LeaseLost, LedgerError, UnstorableResult
 from dramatiq_guard.ledger.engine import resolve_engine
-from dramatiq_guard.ledger.errors import IdempotencyConflict, LedgerError, UnstorableResult
-from dramatiq_guard.ledger.records import Claim, LedgerRecord, _claim_var, current_claim
+from dramatiq_guard.ledger.records import Claim, LedgerRecord, _claim_var
 from dramatiq_guard.ledger.rows import (
     Plan,
     Run,
     Stored,
     check_storable,
     expiry,
-    insert_ignore,
     record_of,
     utcnow,
 )
@@ -42,8 +40,6 @@ from dramatiq_guard.ledger.schema import (
     storage_key,
 )
 from dramatiq_guard.policies import Duration, duration_ms
-
-__all__ = ["DEFAULT_RETENTION", "Claim", "Ledger", "LedgerRecord", "current_claim"]
 
 #: Completed and failed rows protect their key for this long by default: 7 days.
 DEFAULT_RETENTION = datetime.timedelta(days=7)
@@ -97,20 +93,27 @@ class Ledger:
         )
         self._claims: dict[str, sa.Executable] = {}
 
-    def _stmt_claim(self, dialect: str) -> sa.Executable:
-        """The dialect's insert-if-absent of a claim."""
+    def _insert_new(self, conn: sa.Connection, values: dict[str, Any]) -> bool:
+        """Insert a row unless its key has one (locking it on MySQL); whether it surely was inserted
+        (never said on MySQL, whose rowcount counts a row found as one changed)."""
+        dialect, t = conn.dialect.name, self.table
         stmt = self._claims.get(dialect)
-        if stmt is None:
-            t = self.table
-            if dialect == "postgresql":
-                stmt = postgresql.insert(t).on_conflict_do_nothing(index_elements=[t.c.idempotency_key])
-            elif dialect == "sqlite":
-                stmt = sqlite.insert(t).on_conflict_do_nothing(index_elements=[t.c.idempotency_key])
-            else:
-                upsert = mysql.insert(t)
-                stmt = upsert.on_duplicate_key_update(idempotency_key=upsert.inserted.idempotency_key)
-            self._claims[dialect] = stmt
-        return stmt
+        if stmt is None and dialect in ("postgresql", "sqlite"):
+            insert = postgresql.insert(t) if dialect == "postgresql" else sqlite.insert(t)
+            stmt = insert.on_conflict_do_nothing(index_elements=[t.c.idempotency_key])
+        elif stmt is None and dialect in ("mysql", "mariadb"):
+            upsert = mysql.insert(t)
+            stmt = upsert.on_duplicate_key_update(idempotency_key=upsert.inserted.idempotency_key)
+        elif stmt is None:  # generic SQL: in a savepoint
+            try:
+                with conn.begin_nested():
+                    conn.execute(sa.insert(t), values)
+                return True
+            except sa.exc.IntegrityError:
+                return False  # inserted meanwhile by another transaction, now committed
+        self._claims[dialect] = stmt
+        inserted = conn.execute(stmt, values, execution_options={"preserve_rowcount": True})
+        return dialect in ("postgresql", "sqlite") and inserted.rowcount == 1
 
     # --- setup ----------------------------------------------------------------------------
 
@@ -259,27 +262,13 @@ class Ledger:
 
     def _claim(self, conn: sa.Connection, run: Run) -> Plan | Stored:
         """Insert the key's row, or lock the existing one, and decide what this run does."""
-        t = self.table
         now = utcnow()
-        values = run.row(IN_PROGRESS, now)
         row_key = run.row_key
-        dialect = conn.dialect.name
-        if dialect in ("postgresql", "sqlite"):
-            inserted = conn.execute(
-                self._stmt_claim(dialect), values, execution_options={"preserve_rowcount": True}
-            )
-            if inserted.rowcount == 1:
-                return Plan(expected_token=1, new_token=1, attempts=1, reset=False)
-        elif dialect in ("mysql", "mariadb"):
-            conn.execute(self._stmt_claim(dialect), values)
-        else:  # generic SQL: lock an existing row, else insert in a savepoint
-            if conn.execute(self._select_for_update, {"row_key": row_key}).first() is None:
-                try:
-                    with conn.begin_nested():
-                        conn.execute(sa.insert(t), values)
-                    return Plan(expected_token=1, new_token=1, attempts=1, reset=False)
-                except sa.exc.IntegrityError:
-                    pass  # inserted meanwhile by another transaction, now committed: read it
+        # Generic SQL locks an existing row first (the dialects named in _insert_new lock it by inserting).
+        generic = conn.dialect.name not in ("postgresql", "sqlite", "mysql", "mariadb")
+        found = generic and conn.execute(self._select_for_update, {"row_key": row_key}).first()
+        if not found and self._insert_new(conn, run.row(IN_PROGRESS, now)):
+            return Plan(expected_token=1, new_token=1, attempts=1, reset=False)
         row = conn.execute(self._select_for_update, {"row_key": row_key}).one()
         if row.state == IN_PROGRESS:
             # Only this transaction's own fresh insert can be in progress: another
@@ -351,7 +340,7 @@ class Ledger:
                 )
                 if conn.execute(failed).rowcount == 0:
                     values = {**run.row(FAILED, now), "error": error, "expires_at": expires_at}
-                    insert_ignore(conn, t, values)
+                    self._insert_new(conn, values)
         except Exception:
             logger.warning("Could not record the failure of idempotency key %r.", run.key, exc_info=True)
 

@@ -22,9 +22,8 @@ from dramatiq import Broker, Message
 from dramatiq.broker import MessageProxy
 
 from dramatiq_guard.bounds import MAX_RETENTION_MS
-from dramatiq_guard.errors import ConfigurationError
+from dramatiq_guard.errors import ConfigurationError, IdempotencyConflict, UnstorableResult
 from dramatiq_guard.keys import KeyResolver, canonical_json, digest, lone_surrogate
-from dramatiq_guard.ledger.errors import IdempotencyConflict, UnstorableResult
 from dramatiq_guard.ledger.schema import DEFAULT_TABLE_NAME
 from dramatiq_guard.ledger.store import DEFAULT_RETENTION, Ledger
 from dramatiq_guard.middleware.base import GuardMiddleware
