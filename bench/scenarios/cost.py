@@ -470,8 +470,7 @@ class _SweepAll:
 class _EveryKeyBackend(RedisBackend):
     """How the sweep worked before: every waiting key at every pass."""
 
-    def due_keys(self) -> list[str]:
-        return self.waiting_keys()
+    due_keys = GuardBackend.due_keys  # the waiting keys
 
 
 def _idle_sweep(ctx: Context) -> list[Figure]:

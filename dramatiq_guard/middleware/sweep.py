@@ -116,7 +116,7 @@ def sweep_all(backend: GuardBackend, members: list[Member], *, waiting: bool = F
     an actor's default limit raised).
     """
     try:
-        keys = backend.waiting_keys() if waiting else backend.due_keys()
+        keys = backend.waiting_keys() if waiting else backend.due_keys().keys
     except Exception:
         logger.warning("The sweep could not list the due keys; retrying.", exc_info=True)
         return
