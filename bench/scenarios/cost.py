@@ -451,6 +451,8 @@ def _curves(ctx: Context) -> list[Figure]:
 class _SweepAll:
     """A sweep member that claims every key (as the slots middleware does its own)."""
 
+    prompt_prefix = None
+
     def __init__(self, backend: GuardBackend) -> None:
         self._backend = backend
 
