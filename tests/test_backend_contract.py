@@ -1667,20 +1667,45 @@ def test_a_key_is_due_for_a_sweep_once_a_deadline_passed_and_swept_in_batches(en
     park(backend, "p1")
     park(backend, "p2", key=other)
     if env.kind == "redis":
-        assert backend.due_keys() == []  # every deadline is ahead: nothing to look at
+        assert backend.due_keys().keys == []  # every deadline is ahead: nothing to look at
     wait_lapsed(env, backend, KEY, "a")
-    due = backend.due_keys()
+    due = backend.due_keys().keys
     assert KEY in due
     if env.kind == "redis":
         assert due == [KEY]
     [swept] = backend.sweep_many([(KEY, 1)])
     assert swept.handoffs == (Handoff(KEY, "p1", b"msg:p1"),)  # (a's entry may have expired with it)
     if env.kind == "redis":
-        assert backend.due_keys() == []  # due again at p1's reservation deadline, 60 s on
+        assert backend.due_keys().keys == []  # due again at p1's reservation deadline, 60 s on
     assert backend.confirm_handoff(KEY, "p1", ttl_ms=60_000, generation=swept.handoffs[0].generation)
     for key, holder in [(KEY, "p1"), (other, "b")]:
         backend.release(KEY if key == KEY else other, holder, limit=1)
     assert backend.sweep_many([]) == []
+
+
+def test_due_keys_tells_when_the_first_prompt_key_ahead_is_due(env: Env) -> None:
+    """Invariant: due_keys(prompt, within_ms) answers in how many ms the first key with a prompt
+    prefix is due, if within ``within_ms`` (what the sweep sleeps until), in the same call.
+
+    A key of another prefix due sooner is passed over, and a debounce send that moves its run later
+    moves the answer; the Cluster backend, whose index holds no due times, answers None (its sweep
+    keeps to its interval).
+    """
+    backend = env.backend()
+    assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=10_000)).acquired
+    park(backend, "p1")  # KEY is due at a's lease end, before the run
+    backend.debounce("debounce:k", "m1", b"run", wait_ms=20_000, max_wait_ms=60_000)
+    due = backend.due_keys(["debounce:"], within_ms=25_000)
+    if env.kind == "cluster":
+        assert due.prompt_in_ms is None
+        return
+    assert due.keys == []
+    assert due.prompt_in_ms is not None and 10_000 < due.prompt_in_ms <= 20_000
+    assert backend.due_keys(["debounce:"], within_ms=15_000).prompt_in_ms is None  # not that soon
+    assert backend.due_keys([], within_ms=25_000).prompt_in_ms is None  # no prompt prefix asked
+    backend.debounce("debounce:k", "m2", b"run", wait_ms=22_000, max_wait_ms=60_000)
+    later = backend.due_keys(["debounce:"], within_ms=25_000).prompt_in_ms
+    assert later is not None and 20_000 < later <= 22_000  # a send moves the key's due time later
 
 
 # --- Redis specifics ----------------------------------------------------------------------------

@@ -8,9 +8,10 @@ starts once the guard's clock passes its due time, and never before.
 
 from __future__ import annotations
 
+import queue
 import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import dramatiq
@@ -29,7 +30,9 @@ from harness import (
 
 import dramatiq_guard
 from dramatiq_guard import Debounce, GuardOptionError, events
-from dramatiq_guard.backends import GuardBackend, MemoryBackend, RedisBackend
+from dramatiq_guard.backends import GuardBackend, MemoryBackend, RedisBackend, ReleaseResult
+from dramatiq_guard.backends.values import Due
+from dramatiq_guard.middleware.sweep import join_sweep, leave_sweep
 from dramatiq_guard.testing import join
 
 START_MS = 1_900_000_000_000
@@ -210,6 +213,53 @@ def test_a_hand_off_whose_sweeper_died_before_confirming_runs_once(clock: Clock)
         backend.sweep(key, limit=1)
         state = backend.inspect(key)
         assert (state.holders, state.waiters, state.reserved) == ((), (), ())  # nothing left but its token
+
+
+class DebounceKeys:
+    """A sweep member of the debounce keys that records the runs the sweep hands on."""
+
+    prompt_prefix = "debounce:"
+
+    def __init__(self, backend: GuardBackend) -> None:
+        self._backend = backend
+        self.handed: queue.Queue[str] = queue.Queue()
+
+    def backend(self, broker: dramatiq.Broker) -> GuardBackend:
+        return self._backend
+
+    def claims(self, key: str) -> bool:
+        return key.startswith(self.prompt_prefix)
+
+    def sweep_limit(self, key: str) -> int:
+        return 1
+
+    def swept(self, broker: dramatiq.Broker, key: str, result: ReleaseResult) -> None:
+        for handoff in result.handoffs:
+            self.handed.put(handoff.waiter_id)
+
+
+def test_a_pass_sweeps_again_when_the_first_run_ahead_is_due(redisdb: redis.Redis, stub_broker: Any) -> None:
+    """A producer's run, not due at a pass: the pass learns when it is due (in its due_keys call) and
+    the sweep hands it on then, without waiting for the next pass (an hour away here)."""
+    backend = RedisBackend(redisdb)
+    asked: list[list[str]] = []
+    due_keys = backend.due_keys
+
+    def spy(prompt: Sequence[str] = (), *, within_ms: int = 0) -> Due:
+        asked.append(list(prompt))
+        return due_keys(prompt, within_ms=within_ms)
+
+    backend.due_keys = spy  # type: ignore[method-assign]
+    backend.debounce("debounce:k", "m1", b"run", wait_ms=300, max_wait_ms=300)  # a producer's send
+    member = DebounceKeys(backend)
+    sweeper = join_sweep(member, stub_broker, interval_ms=3_600_000)
+    try:
+        sweeper.soon(0)  # a pass, as at each interval
+        assert member.handed.get(timeout=TIMEOUT) == "m1"
+    finally:
+        leave_sweep(member, sweeper)
+        sweeper.thread.join()
+    assert asked == [["debounce:"], ["debounce:"]]  # that pass, and one when the run was due
 
 
 @pytest.mark.parametrize(

@@ -451,6 +451,8 @@ def _curves(ctx: Context) -> list[Figure]:
 class _SweepAll:
     """A sweep member that claims every key (as the slots middleware does its own)."""
 
+    prompt_prefix = None
+
     def __init__(self, backend: GuardBackend) -> None:
         self._backend = backend
 
@@ -470,8 +472,7 @@ class _SweepAll:
 class _EveryKeyBackend(RedisBackend):
     """How the sweep worked before: every waiting key at every pass."""
 
-    def due_keys(self) -> list[str]:
-        return self.waiting_keys()
+    due_keys = GuardBackend.due_keys  # the waiting keys
 
 
 def _idle_sweep(ctx: Context) -> list[Figure]:

@@ -126,10 +126,11 @@ def debounce(ctx: Context) -> list[Figure]:
       for longer than the wait in the middle of a burst would make two bursts of it, and two
       runs, rightly: the sends go on at thousands a second, a stall of 500 ms is the machine's.)
     * last send to the run's start: the run's `time.time()` on entry minus the producer's right
-      after its key's last send returned, against the wait. A send from a producer leaves the run to
-      the workers' sweep, which looks at the due keys every `sweep_interval` (1 s), and the worker's
-      consumers, idle since the last run, look at their queue less and less often, up to once a
-      second (see `Context.wake_up`): the run starts up to about two seconds after it is due.
+      after its key's last send returned, against the wait. A worker's sweep hands the run to the
+      broker when it is due if one of its passes (every `sweep_interval`, 1 s) followed the send, else
+      at its next pass; the worker's consumers, idle since the last run, look at their queue less and
+      less often, up to once a second (see `Context.wake_up`): the run starts up to about a second
+      after it is due (docs/debounce.md, "Timing").
     """
     os.environ["BENCH_DEBOUNCE"] = str(WAIT_MS)
     # The loader imported it inert (without BENCH_DEBOUNCE): import it again, armed.

@@ -23,6 +23,7 @@ from dramatiq_guard.backends.checks import (
 )
 from dramatiq_guard.backends.values import (
     AcquireResult,
+    Due,
     Enqueue,
     Handoff,
     KeyState,
@@ -274,10 +275,11 @@ class GuardBackend(abc.ABC):
         """:meth:`sweep` each ``(key, limit)``, in order; each key's sweep is atomic, not the batch."""
         return [self.sweep(key, limit=limit) for key, limit in keys]
 
-    def due_keys(self) -> list[str]:
+    def due_keys(self, prompt: Sequence[str] = (), *, within_ms: int = 0) -> Due:
         """The waiting keys a sweep should look at now (one a deadline of which passed, or that waits for
-        another route), never fewer; the default returns :meth:`waiting_keys`."""
-        return self.waiting_keys()
+        another route), never fewer; and in how many ms the first key starting with one of ``prompt``
+        is due, if within ``within_ms``. The default returns :meth:`waiting_keys`, and no time."""
+        return Due(self.waiting_keys())
 
     @abc.abstractmethod
     def set_limit(self, key: str, limit: int | None, *, default: int | None = 1) -> ReleaseResult:

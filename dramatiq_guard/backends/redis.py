@@ -16,6 +16,7 @@ from dramatiq_guard.backends.values import (
     HOLDERS_SHOWN,
     AcquireOutcome,
     AcquireResult,
+    Due,
     Enqueue,
     Handoff,
     ReleaseResult,
@@ -337,12 +338,14 @@ class RedisBackend(RedisStore):
             results.extend(release_of(key, r) for (key, _), r in zip(batch, replies, strict=True))
         return results
 
-    def due_keys(self) -> list[str]:
-        """On a standalone Redis, the index entries scored up to now (``_index.lua`` ``next_due``)."""
+    def due_keys(self, prompt: Sequence[str] = (), *, within_ms: int = 0) -> Due:
+        """On a standalone Redis, the index entries scored up to now (``_index.lua`` ``next_due``), and
+        the first prompt one ahead, in the same script."""
         if self._in_cluster():
-            return self.waiting_keys()
-        [due] = run_scripts(self.client, self.scripts, [(self.scripts["due"], [self._index], [])])
-        return [text(k) for k in due]
+            return Due(self.waiting_keys())
+        call = (self.scripts["due"], [self._index], [within_ms, *prompt])
+        [(due, ahead)] = run_scripts(self.client, self.scripts, [call])
+        return Due([text(k) for k in due], None if ahead is None else int(ahead))
 
     def set_limit(self, key: str, limit: int | None, *, default: int | None = 1) -> ReleaseResult:
         if limit is not None:

@@ -245,7 +245,7 @@ LAYOUTS: dict[str, Layout] = {
     ),
     "renew": Layout(each="lease", each_keys=("holders", "token", "info"), each_args=LeaseArgs._fields),
     "unindex": Layout(args=UnindexArgs._fields, keys=("index",)),
-    "due": Layout(keys=("index",)),
+    "due": Layout(args=("within_ms",), keys=("index",), rest="prompt"),
     "summaries": Layout(
         args=SummariesArgs._fields,
         each="guard_key",

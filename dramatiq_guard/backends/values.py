@@ -288,3 +288,16 @@ class Enqueue(NamedTuple):
     queue_name: str
     message_id: str
     data: bytes
+
+
+class Due(NamedTuple):
+    """What :meth:`~dramatiq_guard.backends.GuardBackend.due_keys` answers.
+
+    Parameters:
+      keys(list[str]): The waiting keys a sweep should look at now.
+      prompt_in_ms(int|None): In how many ms the first key ahead with a prompt prefix is due, if
+        within the time asked; None if none is, or the backend cannot tell.
+    """
+
+    keys: list[str]
+    prompt_in_ms: int | None = None

@@ -202,6 +202,9 @@ class Deduplication(DedupSender):
         self._sweeper = None
         self.flush()
 
+    #: No key of its is swept when it comes due, only each interval.
+    prompt_prefix = None
+
     def sweep_limit(self, key: str) -> int:
         """A dedup lock's limit: 1 (the sweep reclaims a lapsed lock or rerun reservation)."""
         return 1

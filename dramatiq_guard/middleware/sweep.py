@@ -2,11 +2,13 @@
 
 One thread per process and backend, shared by the guard middlewares that join it (docs/slots.md,
 "Waiters are never stranded"); each key it hands on is delivered by the middleware that claims it.
-Between passes it runs the timers of single keys (:meth:`Sweeper.at`: a throttle's window opening).
+Between passes it runs the timers of single keys (:meth:`Sweeper.at`: a throttle's window opening),
+and one more pass when a prompt key comes due (:meth:`Sweeper.soon`: a debounced run).
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import threading
@@ -24,6 +26,11 @@ logger = logging.getLogger(__name__)
 class Sweepable(Protocol):
     """A guard middleware whose keys the sweep covers."""
 
+    @property
+    def prompt_prefix(self) -> str | None:
+        """The prefix of its keys the sweep wakes for when they come due, not only every interval (a
+        debounce's: a deadline starts its runs, not a release), or None."""
+
     def backend(self, broker: Broker) -> GuardBackend:
         """Its guard backend."""
 
@@ -40,6 +47,8 @@ class Sweepable(Protocol):
 Member = tuple[Sweepable, Broker]
 #: A key's timer: run on the sweep thread; answers in how many seconds to run again, or None.
 Fire = Callable[[], float | None]
+#: The timer of the pass when a prompt key comes due (:meth:`Sweeper.soon`), beside the keys'.
+PROMPT_PASS = "\0prompt"
 
 
 class Sweeper:
@@ -69,6 +78,11 @@ class Sweeper:
             heapq.heappush(self._timers, (when, key, fire))
         self._poke.set()
 
+    def soon(self, in_s: float | None) -> None:
+        """Sweep the due keys in ``in_s`` seconds (None: not before the next pass), as well as each
+        interval."""
+        self.at(PROMPT_PASS, in_s, functools.partial(self._pass, prompt_only=True))
+
     def stop(self) -> None:
         self.stop_event.set()
         self._poke.set()
@@ -77,7 +91,7 @@ class Sweeper:
         next_pass = time.monotonic() + self.interval_s
         while not self.stop_event.is_set():
             if time.monotonic() >= next_pass:
-                sweep_all(self.backend, list(self.members.values()))
+                self.soon(self._pass())
                 # State the store lost since the last pass (docs/failure-model.md).
                 self.backend.watch(self.interval_s)
                 next_pass = time.monotonic() + self.interval_s
@@ -88,6 +102,13 @@ class Sweeper:
             self._poke.wait(max(0.0, wake - time.monotonic()))
             self._poke.clear()
         self.backend.stop_watching()  # again, if a pass ran after leave_sweep's
+
+    def _pass(self, *, prompt_only: bool = False) -> float | None:
+        """Sweep the due keys (``prompt_only``: of the members with a ``prompt_prefix``); in how many
+        seconds a prompt key is due, if before the next pass."""
+        members = [m for m in self.members.values() if m[0].prompt_prefix or not prompt_only]
+        prompt_in_ms = sweep_all(self.backend, members, within_ms=round(self.interval_s * 1000))
+        return None if prompt_in_ms is None else max(0.001, prompt_in_ms / 1000)
 
     def _due(self) -> list[tuple[str, Fire]]:
         now, due = time.monotonic(), []
@@ -108,18 +129,27 @@ class Sweeper:
         self.at(key, again, fire)
 
 
-def sweep_all(backend: GuardBackend, members: list[Member], *, waiting: bool = False) -> None:
+def sweep_all(
+    backend: GuardBackend, members: list[Member], *, waiting: bool = False, within_ms: int = 0
+) -> int | None:
     """Sweep every due key (:meth:`GuardBackend.due_keys`) of ``members``, one
     :meth:`GuardBackend.sweep_many` per middleware; what failed is logged, and due again next pass.
 
     ``waiting``: sweep every waiting key, due or not (after a change no deadline tells of, such as
     an actor's default limit raised).
+
+    Returns:
+      int|None: In how many ms the first key of a member's ``prompt_prefix`` is due, if within
+      ``within_ms`` (None: none is, or the backend cannot tell).
     """
+    prompt = [prefix for m, _ in members if (prefix := m.prompt_prefix)] if within_ms else []
     try:
-        keys = backend.waiting_keys() if waiting else backend.due_keys()
+        keys, prompt_in_ms = (
+            (backend.waiting_keys(), None) if waiting else backend.due_keys(prompt, within_ms=within_ms)
+        )
     except Exception:
         logger.warning("The sweep could not list the due keys; retrying.", exc_info=True)
-        return
+        return None
     for middleware, broker in members:
         mine = [(key, middleware.sweep_limit(key)) for key in keys if middleware.claims(key)]
         if not mine:
@@ -134,6 +164,7 @@ def sweep_all(backend: GuardBackend, members: list[Member], *, waiting: bool = F
                 middleware.swept(broker, key, result)
             except Exception:
                 logger.warning("Delivering what the sweep of %r handed on failed.", key, exc_info=True)
+    return prompt_in_ms
 
 
 _sweepers: dict[int, Sweeper] = {}

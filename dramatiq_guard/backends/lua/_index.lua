@@ -16,11 +16,11 @@ local function next_due()
   return due
 end
 
--- K's entry in X, for a key with waiters: set to next_due() by a sweep or when missing, else only
--- ever moved earlier, to the earliest deadline this script wrote.
+-- K's entry in X, for a key with waiters: set to next_due() by a sweep, a debounce send or when
+-- missing, else only ever moved earlier, to the earliest deadline this script wrote.
 local function index_due()
-  local current = redis.call('ZSCORE', X, ARG_KEY)
-  if SWEEPING or not current then
+  local current = not REINDEX and redis.call('ZSCORE', X, ARG_KEY)
+  if not current then
     redis.call('ZADD', X, next_due(), ARG_KEY)
     return
   end

@@ -23,7 +23,7 @@ local RAISED -- a deadline in H went above HMAX: H, T and I must expire later
 local META_AT -- the expiry T and I were already given by this script
 local LIMIT, TOKEN -- the limit in force and the last fencing token issued, once read
 local EARLIEST -- the earliest deadline this script wrote (in H, D or S): K is due by then
-local SWEEPING -- set by sweep.lua: K's due time in X is recomputed, not only moved earlier
+local REINDEX -- set by sweep.lua and debounce.lua: K's due time in X is recomputed, not moved earlier
 
 local function begin()
   HANDOFF_TTL, WAKE_TTL = tonumber(ARG_HANDOFF_TTL_MS), tonumber(ARG_WAKE_TTL_MS)
@@ -33,7 +33,7 @@ local function begin()
   NOW_US, NOW = server_time()
   HN, LATEST, HMAX = 0, nil, 0
   EXISTED, QUEUED, PARKED, PASSED_OVER, LOADED, OWNED, RAISED = false, false, false, false, false, false, false
-  META_AT, LIMIT, TOKEN, EARLIEST, SWEEPING = nil, nil, nil, nil, false
+  META_AT, LIMIT, TOKEN, EARLIEST, REINDEX = nil, nil, nil, nil, false
 end
 
 -- A variadic command over a long list, in chunks (unpack has a stack limit; even-sized, so

@@ -34,5 +34,6 @@ redis.call('HSET', P, waiter, payload)
 redis.call('HSET', M, 'r:' .. waiter, ARG_ROUTE, 'first', fmt(first), 'superseded', count + #superseded)
 local due = math.max(NOW, math.min(NOW + tonumber(wait_ms), first + tonumber(max_wait_ms)))
 set_holders({ due, DEBOUNCE_TIMER })
+REINDEX = true -- the timer moved later: K is due then, not at the entry it had
 finish()
 return { superseded, due - NOW }

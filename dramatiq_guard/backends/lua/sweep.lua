@@ -1,6 +1,6 @@
 -- sweep() -> {reclaimed_any, handoffs}
 OWNED = true
-SWEEPING = true
+REINDEX = true
 local reclaimed = reclaim()
 local handoffs = {}
 handoff(limit_in_force(), handoffs)

@@ -46,6 +46,8 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
 
     #: The guard key prefix (``"mutex"`` or ``"concurrency"``).
     prefix: ClassVar[str]
+    #: The prefix of its keys the sweep wakes for when they come due (see ``Sweepable``), or None.
+    prompt_prefix: str | None = None
     #: Slots decide after deduplication (10) in the enqueue gate.
     gate_priority = 20
     #: Whether a send may reserve (or park) and push in one step (:class:`.OneStepReservation`).

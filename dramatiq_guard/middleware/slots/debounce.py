@@ -10,7 +10,6 @@ confirmed hand-off lets the slot go at once, so a send during the run starts the
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
@@ -18,7 +17,6 @@ from dramatiq import Broker, Message
 from dramatiq.broker import MessageProxy
 
 from dramatiq_guard import events
-from dramatiq_guard.backends.values import DEBOUNCE_TIMER
 from dramatiq_guard.delivery import generation_of
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.gate import Diverted, Outcome
@@ -41,6 +39,8 @@ class Debounce(SlotsMiddleware[DebouncePolicy]):
 
     policy_class = DebouncePolicy
     prefix = "debounce"
+    #: A run starts when its key comes due: the sweep wakes for it then, not only each interval.
+    prompt_prefix = "debounce:"
     #: Before deduplication: a superseded send takes no dedup lock; the run goes through the rest.
     gate_priority = 5
     one_step_sends = False
@@ -91,7 +91,7 @@ class Debounce(SlotsMiddleware[DebouncePolicy]):
             )
             events.debounced(message.actor_name)
         if self._sweeper is not None:  # a worker's send: its sweep thread runs the key when due
-            self._sweeper.at(key, due_in_ms / 1000, functools.partial(self._sweep_key, broker, key))
+            self._sweeper.soon(due_in_ms / 1000)
         raise Diverted(message, Outcome.PARKED)
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
@@ -110,13 +110,3 @@ class Debounce(SlotsMiddleware[DebouncePolicy]):
             return
         if not live:
             skip_stale(message, execution_state(message), self.option, key)
-
-    def _sweep_key(self, broker: Broker, key: str) -> float | None:
-        """Hand the key's run off if it is due; in how many seconds it is due (None: nothing pending)."""
-        try:
-            backend = self.backend(broker)
-            self.swept(broker, key, backend.sweep(key, limit=1))
-            due = dict(backend.inspect(key, waiters=0).holders).get(DEBOUNCE_TIMER)
-            return None if due is None else max(0.001, (due - backend.now_ms()) / 1000)
-        except BackendUnavailable:
-            return None
