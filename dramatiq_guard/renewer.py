@@ -22,14 +22,15 @@ logger = logging.getLogger(__name__)
 
 class LostFlag:
     """A :class:`threading.Event` that is never cleared, whose Event is made only when a thread
-    waits before it is set (a lease is made per message, and nearly none is waited for)."""
+    waits before it is set (a lease is made per message, and nearly none is waited for). The lock
+    that makes the Event is every flag's: it is taken only to set a flag or to wait for one."""
 
-    __slots__ = ("_event", "_lock", "_set")
+    __slots__ = ("_event", "_set")
+    _lock = threading.Lock()
 
     def __init__(self) -> None:
         self._set = False
         self._event: threading.Event | None = None
-        self._lock = threading.Lock()
 
     def is_set(self) -> bool:
         """Whether :meth:`set` was called."""

@@ -173,7 +173,7 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
 
     def guard_of(self, message: Message[Any] | MessageProxy) -> ActorGuard[P] | None:
         """The (first) guard of ``message``'s actor, or None if it is not guarded by this middleware."""
-        guards = self.guard_lists.get(message.actor_name)
+        guards = self.guards_of(message)
         return guards[0] if guards else None
 
     @property
@@ -183,4 +183,6 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
 
     def guards_of(self, message: Message[Any] | MessageProxy) -> tuple[ActorGuard[P], ...]:
         """Every guard of ``message``'s actor, in its option's order (empty if it is not guarded here)."""
-        return self.guard_lists.get(message.actor_name, ())
+        # Every guard middleware asks this in every hook of every message: a proxy's actor name is
+        # read from its message, not through its __getattr__.
+        return self.guard_lists.get(message.__dict__.get("_message", message).actor_name, ())

@@ -4,9 +4,10 @@
 -- returns the reply, acquire.lua would; anything else falls through to it.
 do
   local ttl = tonumber(ttl_ms)
-  if (generation == '' or generation == '0' and redis.call('EXISTS', G .. ':' .. holder) == 0)
+  -- One EXISTS for the queue and a worker's generation record (W twice when there is none to read).
+  if (generation == '' or generation == '0')
     and not string.find(runner or '', '[|@]')
-    and redis.call('EXISTS', W, P, R, D, S) == 0 then
+    and redis.call('EXISTS', W, P, R, D, S, generation == '0' and G .. ':' .. holder or W) == 0 then
     local runner = runner or ''
     local now_us, now = server_time()
     local top = redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')
