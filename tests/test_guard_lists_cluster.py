@@ -11,8 +11,6 @@ leaves nothing held or parked on any node.
 from __future__ import annotations
 
 import collections
-import threading
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -20,6 +18,7 @@ import dramatiq
 import pytest
 from harness import RedisServer
 from harness.topology import RedisCluster3x1
+from test_guard_lists import Running
 
 import dramatiq_guard
 from dramatiq_guard.backends import RedisBackend, Stake, Waiter
@@ -143,27 +142,6 @@ def test_give_back_across_nodes_never_takes_a_running_lease(
     assert nothing_live(cluster)
 
 
-class Runs:
-    """The runs executing now per guard key, the most there ever were, and every message run."""
-
-    def __init__(self) -> None:
-        self.now: collections.Counter[str] = collections.Counter()
-        self.most: collections.Counter[str] = collections.Counter()
-        self.ran: collections.Counter[tuple[str, int]] = collections.Counter()
-        self.lock = threading.Lock()
-
-    def run(self, keys: list[str], what: tuple[str, int]) -> None:
-        with self.lock:
-            for key in keys:
-                self.now[key] += 1
-                self.most[key] = max(self.most[key], self.now[key])
-        time.sleep(0.005)  # the job's work: long enough for runs to overlap
-        with self.lock:
-            for key in keys:
-                self.now[key] -= 1
-            self.ran[what] += 1
-
-
 def test_a_worker_keeps_every_limit_when_a_message_s_keys_live_on_different_nodes(
     cluster: RedisCluster3x1, backend: RedisBackend, stub_broker: Any
 ) -> None:
@@ -175,7 +153,7 @@ def test_a_worker_keeps_every_limit_when_a_message_s_keys_live_on_different_node
     assert len(tenants) == len(locks) == 3  # one on each primary: two tenants' keys are not on "all"'s
     assert sum(cluster.owner_of(f"{{concurrency:{t}}}") is not everyone for t in tenants) == 2
     dramatiq_guard.install(stub_broker, redis=backend, sweep_interval=100)
-    runs = Runs()
+    runs = Running()
 
     @dramatiq.actor(
         concurrency=[
@@ -197,7 +175,7 @@ def test_a_worker_keeps_every_limit_when_a_message_s_keys_live_on_different_node
         join(stub_broker, call.queue_name, timeout=30_000, fail_fast=True)
     finally:
         worker.stop()
-    assert runs.ran == collections.Counter(sent)  # every message ran, once
+    assert collections.Counter(runs.ran) == collections.Counter(sent)  # every message ran, once
     assert runs.most["all"] <= 3
     assert all(runs.most[t] <= 2 for t in tenants) and all(runs.most[m] == 1 for m in locks)
     assert nothing_live(cluster)  # nothing held or parked anywhere
