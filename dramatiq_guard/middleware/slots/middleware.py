@@ -160,6 +160,8 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         limit = self.default_limit(guard)
         on_busy = self.on_busy(guard.policy)
         result = self._acquire(broker, message, guard, key, limit, on_busy)
+        if result is not None and result.running and self._let_go_here(message, guard, result):
+            result = self._acquire(broker, message, guard, key, limit, on_busy)
         if result is None:
             return  # the backend is unavailable and the policy fails open
         state, slot = execution_state(message), self.slot_of(guard)
@@ -270,7 +272,20 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         )  # fmt: skip
         hold(message, state, self.slot_of(guard), lease)
         with self._inflight_lock:
-            self._inflight.add(message.message_id)
+            self._inflight[message.message_id] = state
+
+    def _let_go_here(self, message: MessageProxy, guard: ActorGuard[P], result: AcquireResult) -> bool:
+        """Whether the copy of ``message`` in the way is one in this process that a later guard parked
+        at pickup (a hand-off brought the message back before that copy let go), and it lets go of its
+        slots here within the deferral: this copy then asks again instead of being deferred. Only for a
+        first guard (this copy holds nothing here yet)."""
+        with self._inflight_lock:
+            other = self._inflight.get(message.message_id)
+            if guard.index or other is None or not other.parked:
+                return False  # in another process, or it runs: this copy is deferred
+            return self._inflight_lock.wait_for(
+                lambda: message.message_id not in self._inflight, self._deferral_ms(guard, result) / 1000
+            )
 
     def _deferral_ms(self, guard: ActorGuard[P], result: AcquireResult) -> int:
         """How long a copy refused as running waits before it asks again: until the entry in its
@@ -319,15 +334,19 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
                 logger.debug("Could not forget the parked copy of %s; its record lapses on its own.", message)
 
     def _finish(self, broker: Broker, message: MessageProxy) -> None:
-        for guard in self.guards_of(message):
-            held = take_held(execution_state(message), self.slot_of(guard))
-            if held is not None:
-                self._let_go(broker, message, guard, held.lease)
+        held_any = False
+        try:
+            for guard in self.guards_of(message):
+                held = take_held(execution_state(message), self.slot_of(guard))
+                if held is not None:
+                    held_any = True
+                    self._let_go(broker, message, guard, held.lease)
+        finally:
+            if held_any:  # after its releases (unless batched): a copy of it waiting asks again
+                self._forget(message)
 
     def _let_go(self, broker: Broker, message: MessageProxy, guard: ActorGuard[P], lease: Lease) -> None:
         """Release ``lease``, held by a message that ran (or was skipped after it acquired)."""
-        with self._inflight_lock:
-            self._inflight.discard(message.message_id)
         # The release sends the key's next waiters ahead as standbys (Standbys.count_after).
         actor = message.actor_name
         send_ahead = 0

@@ -81,7 +81,7 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
         # (sending the next waiters ahead), then when the start lapses.
         state.data[self.slot_of(guard)] = Started(key)
         with self._inflight_lock:
-            self._inflight.add(message.message_id)
+            self._inflight[message.message_id] = state
         broker = self._broker_or(None)
         if result.reserved_ms is not None:  # woken with a hand-off's reservation: it starts now
             try:
@@ -94,8 +94,7 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
 
     def _finish(self, broker: Broker, message: MessageProxy) -> None:
         """The job ran (or was given up): its starts stay in their windows."""
-        with self._inflight_lock:
-            self._inflight.discard(message.message_id)
+        self._forget(message)
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         """The message did not run after all (a later guard parked it, or a later middleware skipped
