@@ -21,11 +21,13 @@ do
       local limit = values[1] and tonumber(values[1]) or (ARG_DEFAULT_LIMIT ~= '' and tonumber(ARG_DEFAULT_LIMIT) or 0)
       local deadline = now + ttl
       local own, added = n > 0 and top[1] == holder, false
-      if n > 1 and not own and n < limit then -- under the limit: a new holder is added at once
-        added = redis.call('ZADD', H, 'NX', deadline, holder) == 1
-        own = not added
-      elseif n > 1 and not own then
-        own = redis.call('ZSCORE', H, holder) ~= false
+      if n > 1 and not own then
+        if n < limit then -- under the limit: NX adds a new holder, or finds it held already
+          added = redis.call('ZADD', H, 'NX', deadline, holder) == 1
+          own = not added
+        else
+          own = redis.call('ZSCORE', H, holder) ~= false
+        end
       end
       local first = own and redis.call('HGET', I, holder)
       local other = runner_of(first or nil)
