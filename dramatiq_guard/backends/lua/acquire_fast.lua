@@ -3,7 +3,6 @@
 -- that takes a free slot or already holds one, for no runner or its own. It leaves the state, and
 -- returns the reply, acquire.lua would; anything else falls through to it.
 do
-  local ttl = tonumber(ttl_ms)
   -- One EXISTS says the key is free (0), or may have holders only (1: H if its top is read).
   local present = (generation == '' or generation == '0' and redis.call('EXISTS', G .. ':' .. holder) == 0)
     and not string.find(runner or '', '[|@]')
@@ -19,7 +18,7 @@ do
     if not lapsed then
       local values = redis.call('MGET', L, T)
       local limit = values[1] and tonumber(values[1]) or (ARG_DEFAULT_LIMIT ~= '' and tonumber(ARG_DEFAULT_LIMIT) or 0)
-      local deadline = now + ttl
+      local deadline = now + tonumber(ttl_ms)
       local own, added = n > 0 and top[1] == holder, false
       if n > 1 and not own then
         if n < limit then -- under the limit: NX adds a new holder, or finds it held already
@@ -45,12 +44,8 @@ do
         end
         local raised = deadline > (#top > 0 and tonumber(top[2]) or 0)
         -- Not raised: the top stands, unless it was the holder's own deadline, which went down.
-        local latest = deadline
-        if not raised then
-          latest = top[1] ~= holder and tonumber(top[2])
-            or n > 1 and tonumber(redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')[2])
-            or deadline
-        end
+        local latest = raised and deadline or top[1] ~= holder and tonumber(top[2])
+          or n > 1 and tonumber(redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')[2]) or deadline
         local token = false
         if fences then
           token = math.max(tonumber(values[2] or '0') + 1, now_us)
