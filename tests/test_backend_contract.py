@@ -1599,6 +1599,23 @@ def test_holders_of_a_key_nobody_waits_for_come_and_go_and_it_still_expires(env:
     assert backend.acquire(Stake(KEY, "d", limit=1, ttl_ms=60_000)).acquired  # the lapsed holder is gone
 
 
+def test_a_reservation_among_several_holders_is_taken_up_by_its_runner_only(env: Env) -> None:
+    """A send's reservation that is neither the only holder nor the latest deadline (on Redis, the
+    fast path's ZADD NX finds it held): its runner takes it up, keeping its since and info, without
+    counting twice; another runner is refused as running, and nothing changes."""
+    backend = env.backend()
+    assert backend.acquire(Stake(KEY, "a", limit=3, ttl_ms=60_000)).acquired
+    assert backend.acquire(Stake(KEY, "r", limit=3, ttl_ms=30_000, info="job")).acquired
+    [(_, since, _)] = [entry for entry in backend.inspect(KEY).holder_info if entry[0] == "r"]
+    assert backend.acquire(Stake(KEY, "r", limit=3, ttl_ms=40_000, runner="w1")).acquired
+    state = backend.inspect(KEY)
+    assert ("r", since, "job") in state.holder_info and len(state.holders) == 2
+    other = backend.acquire(Stake(KEY, "r", limit=3, ttl_ms=50_000, runner="w2"))
+    assert other.running and backend.inspect(KEY).holders == state.holders
+    assert backend.acquire(Stake(KEY, "b", limit=3, ttl_ms=60_000)).acquired  # a new one under the limit
+    assert not backend.acquire(Stake(KEY, "c", limit=3, ttl_ms=60_000)).acquired
+
+
 def test_a_slot_handed_on_by_the_last_holder_still_expires(env: Env) -> None:
     """Regression (found by tests/test_model.py): a release that removed the last holder and
     handed its slot on in the same step re-created the holders zset without an expiry (and kept

@@ -264,14 +264,15 @@ def _annotations(cls: type) -> dict[str, tuple[Any, ...]]:
     return {name: hint.__metadata__ for name, hint in hints if hasattr(hint, "__metadata__")}
 
 
-def _checks(cls: type, prefix: str = "") -> list[str]:
-    """The refusal() entries of ``cls``'s checked fields (Lua locals: ``prefix`` and the name in capitals)."""
+def _checks(cls: type, prefix: str = "") -> list[tuple[str, str, int | str, str]]:
+    """The name, value, low and high of ``cls``'s checked fields (Lua locals: ``prefix`` and the name
+    in capitals)."""
     found = [(name, m) for name, meta in _annotations(cls).items() for m in meta if isinstance(m, Check)]
     entries = []
     for name, check in found:
         value = prefix + name.upper() if prefix else name
         value = f"({value} or '') == '' and {check.low} or {value}" if check.optional else value
-        entries.append(f"  {{ '{check.name or name}', {value}, {check.low}, {check.high} }},\n")
+        entries.append((check.name or name, value, check.low, check.high))
     return entries
 
 
@@ -346,4 +347,7 @@ def lua_checks(name: str) -> str:
     checks = (_checks(CallArgs, "ARG_") if LAYOUTS[name].per_key else []) + _checks(own.get(name, tuple))
     if not checks:
         return ""
-    return "".join(["local refused = refusal({\n", *checks, "})\nif refused then\n  return refused\nend\n"])
+    # Every number whole first (no table made on the common path), then the refusal naming the first not.
+    valid = " and ".join(f"whole_number({value}, {low}, {high})" for _, value, low, high in checks)
+    entries = [f"  {{ '{name}', {value}, {low}, {high} }},\n" for name, value, low, high in checks]
+    return "".join([f"if not ({valid}) then\n  return refusal({{\n", *entries, "  })\nend\n"])
