@@ -98,7 +98,7 @@ class DedupSender(GuardMiddleware[DedupPolicy]):
 
     def before_push(
         self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None = None
-    ) -> _LockTicket | _OneStepTicket | None:
+    ) -> _LockTicket | None:
         """Take the dedup lock for ``message`` (with its push, where one step can), or divert a duplicate."""
         options = message.options
         if LOCK_OPTION in options or EXEMPT_OPTION in options:
@@ -119,22 +119,18 @@ class DedupSender(GuardMiddleware[DedupPolicy]):
         if holds is None and not policy.fail_open and self._in_one_step(broker, backend, message):
             options[LOCK_OPTION] = key  # encoded with the message: the push takes the lock
             claim = Claim(key, message.message_id, 1, ttl, info=message.actor_name, backend=backend)
-            return _OneStepTicket(self, broker, claim, message, policy)
+            return _OneStepTicket(self, broker, claim, message, policy, ttl, pending=False)
         claim = Claim(
             key, message.message_id, 1, self.pending_ttl_ms, info=message.actor_name, backend=backend
         )
         try:
-            result = self._try_lock(broker, claim)
-            self._deliver(broker, result.handoffs)
-            if result.acquired:
-                options[LOCK_OPTION] = key
-                return _LockTicket(self, broker, claim, message, ttl)
-            self._refused(broker, message, claim, result, policy)
+            self._lock(broker, claim, message, policy)
         except BackendUnavailable as e:
             fail_open(policy.fail_open, e, f"{message} is enqueued without deduplication")
-            options.pop(LOCK_OPTION, None)
             options[EXEMPT_OPTION] = "backend_unavailable"
             return None
+        options[LOCK_OPTION] = key
+        return _LockTicket(self, broker, claim, message, policy, ttl)
 
     def _in_one_step(self, broker: Broker, backend: GuardBackend, message: Message[Any]) -> bool:
         """Whether the lock and the push go in one step: the backend can, and only dedup guards the actor."""
@@ -142,6 +138,24 @@ class DedupSender(GuardMiddleware[DedupPolicy]):
         if alone is None:
             alone = self._alone[message.actor_name] = gate_for(broker).sole_guard(message.actor_name, self)
         return alone and backend.enqueues_on(broker)
+
+    def _lock(self, broker: Broker, claim: Claim, message: Message[Any], policy: DedupPolicy) -> None:
+        """Take the pending lock of a new holder, or divert (or refuse) a duplicate.
+
+        Raises:
+          BackendUnavailable: The backend could not be reached (or no replica acknowledged the
+            lock): whatever it did was taken back first, so the caller's retry is no duplicate of it.
+        """
+        try:
+            result = claim.backend.try_lock(claim.key, claim.holder, ttl_ms=claim.ttl_ms, info=claim.info)
+        except BackendUnavailable:
+            undone = claim.take_back()
+            if undone is not None:
+                self._deliver(broker, undone.handoffs)
+            raise
+        self._deliver(broker, result.handoffs)
+        if not result.acquired:
+            self._refused(broker, message, claim, result, policy)
 
     def _refused(
         self, broker: Broker, message: Message[Any], claim: Claim, result: AcquireResult, policy: DedupPolicy
@@ -158,21 +172,6 @@ class DedupSender(GuardMiddleware[DedupPolicy]):
         copy = message.copy(options=marks)
         copy.options.pop(LOCK_OPTION, None)
         raise Diverted(copy, Outcome.DROPPED)
-
-    def _try_lock(self, broker: Broker, claim: Claim) -> AcquireResult:
-        """Take the pending lock of a new holder.
-
-        Raises:
-          BackendUnavailable: The backend could not be reached (or no replica acknowledged the
-            lock): whatever it did was taken back first, so the caller's retry is no duplicate of it.
-        """
-        try:
-            return claim.try_lock()
-        except BackendUnavailable:
-            undone = claim.take_back()
-            if undone is not None:
-                self._deliver(broker, undone.handoffs)
-            raise
 
     def _exemption(self, message: Message[Any], delay: int | None, policy: DedupPolicy) -> str | None:
         options = message.options
@@ -252,69 +251,50 @@ class DedupSender(GuardMiddleware[DedupPolicy]):
 
 @dataclasses.dataclass(slots=True, eq=False)
 class _LockTicket:
-    """The pending lock of one send: confirmed in the background once pushed, released if not."""
-
-    middleware: DedupSender
-    broker: Broker
-    claim: Claim
-    message: Message[Any]
-    ttl_ms: int
-
-    def pushed(self) -> None:
-        lapses_at = time.monotonic() + self.middleware.pending_ttl_ms / 1000
-        claim = self.claim
-        self.middleware._confirmer.add_pending(claim.backend, claim.key, claim.holder, self.ttl_ms, lapses_at)
-
-    def parked(self) -> None:
-        """A slots guard parked it: it will run, so it keeps the lock, as if pushed."""
-        self.pushed()
-
-    def failed(self) -> None:
-        self.message.options.pop(LOCK_OPTION, None)
-        self.middleware._deliver(self.broker, self.claim.release().handoffs)
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class _OneStepTicket:
-    """The lock taken with the broker's push in one step (:meth:`GuardBackend.lock_and_enqueue`); where
-    the backend cannot decide in one step, a pending lock and the broker's own push (:class:`_LockTicket`)."""
+    """The lock of one send: a pending lock (``claim``), confirmed in the background once pushed (or
+    parked by a slots guard: it will run), released if not."""
 
     middleware: DedupSender
     broker: Broker
     claim: Claim
     message: Message[Any]
     policy: DedupPolicy
-    two_steps: _LockTicket | None = None
+    ttl_ms: int
+    pending: bool = True
+
+    def pushed(self) -> None:
+        if self.pending:
+            lapses_at = time.monotonic() + self.middleware.pending_ttl_ms / 1000
+            claim = self.claim
+            self.middleware._confirmer.add((claim.backend, claim.key, claim.holder, self.ttl_ms, lapses_at))
+
+    parked = pushed
+
+    def failed(self) -> None:
+        self.message.options.pop(LOCK_OPTION, None)
+        if self.pending:
+            self.middleware._deliver(self.broker, self.claim.release().handoffs)
+
+
+class _OneStepTicket(_LockTicket):
+    """The lock taken with the broker's push in one step (:meth:`GuardBackend.lock_and_enqueue`); where
+    the backend cannot decide in one step, a pending lock and the broker's own push."""
+
+    __slots__ = ()
 
     def enqueue(
         self, queue_name: str, message_id: str, data: bytes, push: Callable[[str, str, bytes], Any]
     ) -> None:
         """Lock and push ``data`` (the broker's own ``push`` if it takes two steps), or divert a duplicate."""
-        claim, middleware, message = self.claim, self.middleware, self.message
-        info = claim.info or message.actor_name
+        claim = self.claim
         one = Enqueue(self.broker, queue_name, message_id, data)
         result = claim.backend.lock_and_enqueue(
-            claim.key, claim.holder, ttl_ms=claim.ttl_ms, info=info, push=one
+            claim.key, claim.holder, ttl_ms=claim.ttl_ms, info=self.message.actor_name, push=one
         )
         if result is None:
-            pending = dataclasses.replace(claim, ttl_ms=middleware.pending_ttl_ms, info=info)
-            result = middleware._try_lock(self.broker, pending)
-            middleware._deliver(self.broker, result.handoffs)
-            if result.acquired:
-                self.two_steps = _LockTicket(middleware, self.broker, pending, message, claim.ttl_ms)
-                push(queue_name, message_id, data)
-                return
-        if not result.acquired:
-            middleware._refused(self.broker, message, claim, result, self.policy)
-
-    def pushed(self) -> None:
-        if self.two_steps is not None:
-            self.two_steps.pushed()
-
-    parked = pushed
-
-    def failed(self) -> None:
-        """Not pushed: a lock taken in two steps is released (one step: neither happened)."""
-        self.message.options.pop(LOCK_OPTION, None)
-        if self.two_steps is not None:
-            self.two_steps.failed()
+            self.claim = dataclasses.replace(claim, ttl_ms=self.middleware.pending_ttl_ms)
+            self.middleware._lock(self.broker, self.claim, self.message, self.policy)
+            self.pending = True
+            push(queue_name, message_id, data)
+        elif not result.acquired:
+            self.middleware._refused(self.broker, self.message, claim, result, self.policy)
