@@ -136,11 +136,8 @@ class EnqueueGate:
         local = self._local
         depth = local.depth = getattr(local, "depth", 0) + 1  # a hook may enqueue inside this one
         try:
-            if isinstance(message, Message):
-                actor_name = message.actor_name
-                for guard in self.guards:
-                    if guard.guards_actor(actor_name):
-                        return self.admit(message, delay=delay).message
+            if isinstance(message, Message) and any(g.guards_actor(message.actor_name) for g in self.guards):
+                return self.admit(message, delay=delay).message
             # Not a message any guard here guards: a dict lookup per guard, then the plain push.
             return self.original(message, delay=delay)
         finally:
@@ -158,28 +155,17 @@ class EnqueueGate:
           Exception: Whatever the broker's push raised.
         """
         tickets = TicketGroup()
-        actor_name = message.actor_name
+        outer = getattr(self._local, "ticket", None)  # an enqueue this one runs inside of
         try:
             for guard in self.guards:
-                if not guard.guards_actor(actor_name):
-                    continue  # an actor that opts into nothing costs a dict lookup per guard
-                tickets.add(guard.before_push(self.broker, message, delay, holds=holds))
-        except Diverted as diverted:
-            tickets.settle(diverted.outcome)
-            diverted.settled()
-            return Admission(diverted.message, diverted.outcome)
-        except BaseException:
-            tickets.failed()
-            raise
-
-        one_step = [cast(OneStepTicket, t) for t in tickets.tickets if hasattr(t, "enqueue")]
-        outer = getattr(self._local, "ticket", None)  # an enqueue this one runs inside of
-        if one_step:
-            self._take_pushes()
-            self._local.ticket = (getattr(self._local, "depth", 0), one_step[0])
-        try:
+                if guard.guards_actor(message.actor_name):  # an actor that opts into nothing: a lookup each
+                    tickets.add(guard.before_push(self.broker, message, delay, holds=holds))
+            one_step = [cast(OneStepTicket, t) for t in tickets.tickets if hasattr(t, "enqueue")]
+            if one_step:
+                self._take_pushes()
+                self._local.ticket = (getattr(self._local, "depth", 0), one_step[0])
             enqueued = self.original(message, delay=delay)
-        except Diverted as diverted:  # raised by a one-step ticket's push
+        except Diverted as diverted:  # raised by a guard's before_push, or a one-step ticket's push
             tickets.settle(diverted.outcome)
             diverted.settled()
             return Admission(diverted.message, diverted.outcome)
