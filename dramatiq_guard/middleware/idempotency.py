@@ -112,9 +112,6 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
                     )
         return self._ledger
 
-    def attach(self, broker: Broker) -> None:
-        """Nothing to join: the ledger takes no part in enqueues."""
-
     # --- declaration ----------------------------------------------------------------------
 
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
@@ -130,15 +127,14 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
         )
         actor.options["throws"] = _with_permanent_errors(actor.options.get("throws"))
         if not getattr(actor.fn, "__dramatiq_guard_ledger__", False):
-            actor.fn = self._wrap(actor.actor_name, actor.fn)
+            fn, name = actor.fn, actor.actor_name
 
-    def _wrap(self, actor_name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def run_in_ledger(*args: Any, **kwargs: Any) -> Any:
-            return self._run(actor_name, fn, args, kwargs)
+            @functools.wraps(fn)
+            def run_in_ledger(*args: Any, **kwargs: Any) -> Any:
+                return self._run(name, fn, args, kwargs)
 
-        run_in_ledger.__dramatiq_guard_ledger__ = True  # type: ignore[attr-defined]
-        return run_in_ledger
+            run_in_ledger.__dramatiq_guard_ledger__ = True  # type: ignore[attr-defined]
+            actor.fn = run_in_ledger
 
     # --- enqueue and execution ------------------------------------------------------------
 
@@ -151,22 +147,16 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
                 # not the run.
                 spec.resolver(message.args, message.kwargs)
             return
-        if message.actor_name in broker.actors and message.actor_name not in self._actors:
-            raise option_error(
-                message.actor_name,
-                MESSAGE_OPTION,
-                key,
-                f"the message carries an idempotency key but actor {message.actor_name!r} is not "
-                f"declared with idempotency_key= (declare it with idempotency_key=True to key its "
-                f"messages by this option)",
+        name = message.actor_name
+        if name in broker.actors and name not in self._actors:
+            why = (
+                f"actor {name!r} is not declared with idempotency_key= (declare it with idempotency_key=True"
             )
+            why += " to key its messages by this option)"
+            raise option_error(name, MESSAGE_OPTION, key, f"the message carries an idempotency key but {why}")
         if not isinstance(key, str) or not key or lone_surrogate(key):
-            raise option_error(
-                message.actor_name,
-                MESSAGE_OPTION,
-                key,
-                "a message's key must be a non-empty str of valid Unicode (no lone surrogates)",
-            )
+            why = "a message's key must be a non-empty str of valid Unicode (no lone surrogates)"
+            raise option_error(name, MESSAGE_OPTION, key, why)
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         if message.actor_name in self._actors:
@@ -193,13 +183,11 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
         if spec is None:  # the actor was redeclared without the option
             return fn(*args, **kwargs)
         message = _running.get()
-        if message is not None and message.actor_name == actor_name:
-            holder = message.message_id
-            key = message.options.get(MESSAGE_OPTION)
-            if key is None:
-                key = spec.resolver(args, kwargs) if spec.resolver is not None else holder
-        else:  # a direct call of the actor: a message of its own
-            holder = f"call:{uuid.uuid4().hex}"
+        if message is None or message.actor_name != actor_name:  # a direct call: a message of its own
+            holder, key = f"call:{uuid.uuid4().hex}", None
+        else:
+            holder, key = message.message_id, message.options.get(MESSAGE_OPTION)
+        if key is None:
             key = spec.resolver(args, kwargs) if spec.resolver is not None else holder
         payload, fingerprint = _fingerprint(actor_name, spec.signature, args, kwargs)
         running = _running.set(None)  # a guarded actor called inside is a direct call
