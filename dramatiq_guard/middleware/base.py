@@ -74,11 +74,7 @@ _states_lock = threading.Lock()
 
 def fail_open(allowed: bool, error: BackendUnavailable, instead: str) -> None:
     """The backend is unavailable: re-raise ``error`` (fail closed), unless failing open is ``allowed``:
-    then log a warning saying what happens ``instead`` (e.g. "job(1) runs unguarded").
-
-    Raises:
-      BackendUnavailable: ``error``, if failing open is not allowed.
-    """
+    then log a warning saying what happens ``instead`` (e.g. "job(1) runs unguarded")."""
     if not allowed:
         raise error
     logger.warning("The guard backend is unavailable: %s (fail_open).", instead, exc_info=True)

@@ -115,18 +115,13 @@ class Deduplication(DedupSender):
     def _take_lock(
         self, broker: Broker, backend: GuardBackend, message: MessageProxy, key: str, policy: DedupPolicy
     ) -> tuple[bool, float | None]:
-        """Make the holder's lock its lease as it starts, counting its ``ttl`` from now.
+        """Make the holder's lock its lease as it starts, counting its ``ttl`` from now: whether it
+        holds the lock (False: it runs without it), and the lease's start for the renewer.
 
         A first run renews the lock its send took (cheaper than an acquire); a lapsed one, and a
-        rerun (checked by its generation), is acquired. A ``reschedule_once`` holder cancels the
-        rerun asked for before it started: its run covers it.
-
-        Returns:
-          (held, valid_from): whether it holds the lock (False: it runs without it), and the
-          lease's start for the renewer.
-
-        Raises:
-          SkipMessage: The message is a stale copy of a rerun.
+        rerun (checked by its generation), is acquired; a stale copy of a rerun is skipped
+        (SkipMessage). A ``reschedule_once`` holder cancels the rerun asked for before it started:
+        its run covers it.
         """
         holder = message.message_id
         generation = generation_of(message, key)
@@ -140,17 +135,11 @@ class Deduplication(DedupSender):
                 self._cancel_covered_rerun(broker, backend, key, holder, policy)
                 _started_without_lock(holder, key, None)
                 return False, None
-        result = backend.acquire(
-            Stake(
-                key,
-                holder,
-                1,
-                policy.ttl_ms,
-                info=message.actor_name,
-                generation=generation,
-                fenced=False,  # a dedup lock fences nothing: no token kept per key
-            )
+        # A dedup lock fences nothing: no token kept per key.
+        stake = Stake(
+            key, holder, 1, policy.ttl_ms, info=message.actor_name, generation=generation, fenced=False
         )
+        result = backend.acquire(stake)
         self._deliver(broker, result.handoffs)
         if result.stale:
             execution_state(message).parked = True  # not a terminal event: the newer copy runs
@@ -220,19 +209,16 @@ class Deduplication(DedupSender):
         guard = self.guard_of(message)
         if guard is not None and guard.policy.strategy == "until_expired":
             return
-        backend = self.backend(broker)
+        holder = message.message_id
         try:
-            released = backend.release(key, message.message_id, limit=1)
+            released = self.backend(broker).release(key, holder, limit=1)
         except BackendUnavailable:
             logger.error(
-                "Could not release dedup lock %r of %s: it lapses at its ttl.",
-                key,
-                message.message_id,
-                exc_info=True,
+                "Could not release dedup lock %r of %s: it lapses at its ttl.", key, holder, exc_info=True
             )
             return
         if not released.released:
-            logger.debug("Dedup lock %r of %s had lapsed before its release.", key, message.message_id)
+            logger.debug("Dedup lock %r of %s had lapsed before its release.", key, holder)
         self._deliver(broker, released.handoffs)
 
     def _has_retries(self, broker: Broker) -> bool:
