@@ -88,9 +88,7 @@ class Courier:
         woken by the backend). A failure is logged: the reservation lapses, the waiter waits again."""
         parked = [h for h in handoffs if h.payload is not None]
         if parked:
-            failure = (
-                "Could not re-enqueue %s handed a slot of %r; its reservation lapses and it waits again."
-            )
+            failure = "Could not re-enqueue %s handed a slot of %r; its reservation lapses, it waits again."
             self._each(parked, self._deliver_one, failure)
             events.lockwait_changed()
 
@@ -124,14 +122,10 @@ class Courier:
         if self.counts_handoffs:
             events.handed_off(message.actor_name)
         if outcome is Outcome.PUSHED or (outcome is Outcome.PARKED and self.keep_when_parked):
-            confirmed = self.backend.confirm_handoff(
-                handoff.key, handoff.waiter_id, ttl_ms=self.ttl_ms(message), generation=handoff.generation
-            )
-            if not confirmed:
+            key, waiter, ttl_ms = handoff.key, handoff.waiter_id, self.ttl_ms(message)
+            if not self.backend.confirm_handoff(key, waiter, ttl_ms=ttl_ms, generation=handoff.generation):
                 logger.warning(
-                    "The hand-off of %r to %s lapsed before it was confirmed; the re-enqueued copy runs.",
-                    handoff.key,
-                    handoff.waiter_id,
+                    "The hand-off of %r to %s lapsed before it was confirmed; it runs.", key, waiter
                 )
             return
         self._withdraw(handoff)  # another guard parked (or dropped) it on the way: it keeps no slot
@@ -141,9 +135,9 @@ class Courier:
         assert standby.payload is not None
         message, outcome = self._admit(standby)
         if outcome is Outcome.PUSHED:
-            ttl_ms = self.ttl_ms(message)
+            key, ttl_ms = standby.key, self.ttl_ms(message)
             confirmed = self.backend.confirm_standby(
-                standby.key, standby.waiter_id, standby.payload, ttl_ms=ttl_ms, generation=standby.generation
+                key, standby.waiter_id, standby.payload, ttl_ms=ttl_ms, generation=standby.generation
             )
             if not confirmed:
                 logger.debug("Standby %s of %r parked again before it was confirmed.", message, standby.key)
