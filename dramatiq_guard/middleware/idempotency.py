@@ -8,7 +8,6 @@ docs/ledger.md says which key a message gets, and why the actor's function is wr
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import functools
 import inspect
 import threading
@@ -23,7 +22,7 @@ from dramatiq.broker import MessageProxy
 
 from dramatiq_guard.bounds import MAX_RETENTION_MS
 from dramatiq_guard.errors import ConfigurationError, IdempotencyConflict, UnstorableResult
-from dramatiq_guard.keys import KeyResolver, canonical_json, digest, lone_surrogate
+from dramatiq_guard.keys import canonical_json, digest, lone_surrogate
 from dramatiq_guard.ledger.schema import DEFAULT_TABLE_NAME
 from dramatiq_guard.ledger.store import DEFAULT_RETENTION, Ledger
 from dramatiq_guard.middleware.base import GuardMiddleware
@@ -38,14 +37,6 @@ PERMANENT_ERRORS: tuple[type[BaseException], ...] = (IdempotencyConflict, Unstor
 _running: contextvars.ContextVar[MessageProxy | None] = contextvars.ContextVar(
     "dramatiq_guard_ledger_message", default=None
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class _LedgerActor:
-    name: str
-    policy: IdempotencyPolicy
-    resolver: KeyResolver | None  # None: each message is its own key
-    signature: inspect.Signature
 
 
 class Idempotency(GuardMiddleware[IdempotencyPolicy]):
@@ -95,7 +86,7 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
         self._retention = retention
         self._create_tables = create_tables
         self._ledger_lock = threading.Lock()
-        self._actors: dict[str, _LedgerActor] = {}
+        self._signatures: dict[str, inspect.Signature] = {}
 
     @property
     def ledger(self) -> Ledger:
@@ -115,16 +106,10 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
     # --- declaration ----------------------------------------------------------------------
 
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
-        super().before_declare_actor(broker, actor)  # parses the option into self.guarded
-        guard = self.guarded.get(actor.actor_name)
-        if guard is None:
-            self._actors.pop(actor.actor_name, None)
+        super().before_declare_actor(broker, actor)  # parses the option into self.guard_lists
+        if not self.guards_actor(actor.actor_name):
             return
-        policy = guard.policy
-        resolver = guard.resolve_key if policy.key is not None else None
-        self._actors[actor.actor_name] = _LedgerActor(
-            actor.actor_name, policy, resolver, inspect.signature(actor.fn)
-        )
+        self._signatures[actor.actor_name] = inspect.signature(actor.fn)
         actor.options["throws"] = _with_permanent_errors(actor.options.get("throws"))
         if not getattr(actor.fn, "__dramatiq_guard_ledger__", False):
             fn, name = actor.fn, actor.actor_name
@@ -141,25 +126,23 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
     def before_enqueue(self, broker: Broker, message: Message[Any], delay: int | None) -> None:
         key = message.options.get(MESSAGE_OPTION)
         if key is None:
-            spec = self._actors.get(message.actor_name)
-            if spec is not None and spec.resolver is not None:
+            guard = self.guard_of(message)
+            if guard is not None and guard.policy.key is not None:
                 # Derived now, so arguments it cannot be derived from refuse the send (GuardKeyError),
                 # not the run.
-                spec.resolver(message.args, message.kwargs)
+                guard.key_of(message)
             return
         name = message.actor_name
-        if name in broker.actors and name not in self._actors:
-            why = (
-                f"actor {name!r} is not declared with idempotency_key= (declare it with idempotency_key=True"
-            )
-            why += " to key its messages by this option)"
+        if name in broker.actors and not self.guards_actor(name):
+            why = f"actor {name!r} is not declared with idempotency_key= (declare it with "
+            why += "idempotency_key=True to key its messages by this option)"
             raise option_error(name, MESSAGE_OPTION, key, f"the message carries an idempotency key but {why}")
         if not isinstance(key, str) or not key or lone_surrogate(key):
             why = "a message's key must be a non-empty str of valid Unicode (no lone surrogates)"
             raise option_error(name, MESSAGE_OPTION, key, why)
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
-        if message.actor_name in self._actors:
+        if self.guards_actor(message.actor_name):
             _running.set(message)
 
     def after_process_message(
@@ -179,17 +162,18 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
     def _run(
         self, actor_name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        spec = self._actors.get(actor_name)
-        if spec is None:  # the actor was redeclared without the option
+        guards = self.guard_lists.get(actor_name)
+        if not guards:  # the actor was redeclared without the option
             return fn(*args, **kwargs)
+        policy = guards[0].policy
         message = _running.get()
         if message is None or message.actor_name != actor_name:  # a direct call: a message of its own
             holder, key = f"call:{uuid.uuid4().hex}", None
         else:
             holder, key = message.message_id, message.options.get(MESSAGE_OPTION)
         if key is None:
-            key = spec.resolver(args, kwargs) if spec.resolver is not None else holder
-        payload, fingerprint = _fingerprint(actor_name, spec.signature, args, kwargs)
+            key = guards[0].resolve_key(args, kwargs) if policy.key is not None else holder
+        payload, fingerprint = _fingerprint(actor_name, self._signatures[actor_name], args, kwargs)
         running = _running.set(None)  # a guarded actor called inside is a direct call
         try:
             return self.ledger.run(
@@ -199,7 +183,7 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
                 payload=payload,
                 fingerprint=fingerprint,
                 holder=holder,
-                retention_ms=spec.policy.retention_ms,
+                retention_ms=policy.retention_ms,
             )
         finally:
             _running.reset(running)
