@@ -146,14 +146,9 @@ class EnqueueGate:
     def admit(
         self, message: Message[Any], *, delay: int | None = None, holds: str | None = None
     ) -> Admission:
-        """Let the guards decide about ``message``, push it unless diverted, and say what happened.
-
-        ``holds``: the guard key the message already holds (a hand-off going back): its guard lets it pass.
-
-        Raises:
-          GuardError: A guard refused the message.
-          Exception: Whatever the broker's push raised.
-        """
+        """Let the guards decide about ``message``, push it unless diverted, and say what happened; a
+        guard's refusal (a GuardError) or the push's failure is raised. ``holds``: the guard key the
+        message already holds (a hand-off going back): its guard lets it pass."""
         tickets = TicketGroup()
         outer = getattr(self._local, "ticket", None)  # an enqueue this one runs inside of
         try:

@@ -122,14 +122,9 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
         return {self.option}
 
     def backend(self, broker: Broker) -> GuardBackend:
-        """The guard backend, resolved (and checked, as ``install()`` does) on first use.
-
-        Raises:
-          ConfigurationError: If no backend can be found.
-          EvictingRedis: If the Redis may evict keys and that was not allowed
-            (``install(..., allow_evicting_redis=True)`` or the
-            ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` environment variable).
-        """
+        """The guard backend, resolved (and checked, as ``install()`` does) on first use: a
+        ConfigurationError if none can be found, EvictingRedis if the Redis may evict keys and that
+        was not allowed (``install(..., allow_evicting_redis=True)``)."""
         if self._backend is None:
             with self._backend_lock:
                 if self._backend is None:

@@ -177,12 +177,9 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         return alone and backend.enqueues_on(broker)
 
     def _lock(self, broker: Broker, claim: Claim, message: Message[Any], policy: DedupPolicy) -> None:
-        """Take the pending lock of a new holder, or divert (or refuse) a duplicate.
-
-        Raises:
-          BackendUnavailable: The backend could not be reached (or no replica acknowledged the
-            lock): whatever it did was taken back first, so the caller's retry is no duplicate of it.
-        """
+        """Take the pending lock of a new holder, or divert (or refuse) a duplicate. If the backend is
+        unavailable (or no replica acknowledged the lock), whatever it did is taken back before
+        BackendUnavailable is raised, so the caller's retry is no duplicate of it."""
         try:
             result = claim.backend.try_lock(claim.key, claim.holder, ttl_ms=claim.ttl_ms, info=claim.info)
         except BackendUnavailable:
