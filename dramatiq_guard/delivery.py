@@ -7,6 +7,7 @@ loses nothing (docs/contract.md, *hand-off* and *standbys*).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -54,6 +55,7 @@ def acks_are_final(broker: Broker) -> bool:
     return isinstance(broker, (RedisBroker, StubBroker))
 
 
+@dataclasses.dataclass(eq=False)
 class Courier:
     """Delivers the hand-offs and standbys of one kind of guard key on one broker.
 
@@ -64,24 +66,14 @@ class Courier:
     ``after_push(message)``: called right after each push.
     """
 
-    def __init__(
-        self,
-        broker: Broker,
-        backend: GuardBackend,
-        *,
-        ttl_ms: Callable[[Message[Any]], int],
-        default_limit: Callable[[str], int | None],
-        keep_when_parked: bool,
-        counts_handoffs: bool = False,
-        after_push: Callable[[Message[Any]], None] | None = None,
-    ) -> None:
-        self.broker = broker
-        self.backend = backend
-        self.ttl_ms = ttl_ms
-        self.default_limit = default_limit
-        self.keep_when_parked = keep_when_parked
-        self.counts_handoffs = counts_handoffs
-        self.after_push = after_push
+    broker: Broker
+    backend: GuardBackend
+    _: dataclasses.KW_ONLY
+    ttl_ms: Callable[[Message[Any]], int]
+    default_limit: Callable[[str], int | None]
+    keep_when_parked: bool
+    counts_handoffs: bool = False
+    after_push: Callable[[Message[Any]], None] | None = None
 
     def deliver(self, handoffs: Iterable[Handoff]) -> None:
         """Enqueue each handed-off parked message, then confirm its hand-off (blocking waiters were
