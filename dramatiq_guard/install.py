@@ -23,14 +23,8 @@ logger = logging.getLogger(__name__)
 #: The guard middlewares, in broker order: slots first (a message they park has not started for
 #: deduplication), then deduplication, then the ledger around the actor's work. Enqueue-time order
 #: is each middleware's ``gate_priority``.
-MIDDLEWARE: tuple[type[Middleware], ...] = (
-    Mutex,
-    Concurrency,
-    Throttle,
-    Debounce,
-    Deduplication,
-    Idempotency,
-)
+MIDDLEWARE: tuple[type[Middleware], ...]
+MIDDLEWARE = (Mutex, Concurrency, Throttle, Debounce, Deduplication, Idempotency)
 
 
 def _keywords(cls: type[Middleware]) -> set[str]:
