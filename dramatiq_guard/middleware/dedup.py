@@ -153,13 +153,11 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         key = PREFIX + self._key(guard, message)
         backend = self.backend(broker)
         ttl = policy.ttl_ms + ((delay or 0) if policy.including_scheduled else 0)
+        claim = Claim(key, message.message_id, 1, ttl, info=message.actor_name, backend=backend)
         if holds is None and not policy.fail_open and self._in_one_step(broker, backend, message):
             options[LOCK_OPTION] = key  # encoded with the message: the push takes the lock
-            claim = Claim(key, message.message_id, 1, ttl, info=message.actor_name, backend=backend)
             return _OneStepTicket(self, broker, claim, message, policy, ttl, pending=False)
-        claim = Claim(
-            key, message.message_id, 1, self.pending_ttl_ms, info=message.actor_name, backend=backend
-        )
+        claim = dataclasses.replace(claim, ttl_ms=self.pending_ttl_ms)
         try:
             self._lock(broker, claim, message, policy)
         except BackendUnavailable as e:
@@ -262,13 +260,11 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
                 guard = self.guard_of(rerun)
                 return guard.policy.ttl_ms if guard is not None else _FALLBACK_TTL_MS
 
-            courier = self._couriers[id(broker)] = Courier(
-                broker,
-                self.backend(broker),
-                ttl_ms=ttl_ms,
-                default_limit=lambda _key: 1,
-                keep_when_parked=True,
+            backend = self.backend(broker)
+            courier = Courier(
+                broker, backend, ttl_ms=ttl_ms, default_limit=lambda _key: 1, keep_when_parked=True
             )
+            self._couriers[id(broker)] = courier
         return courier
 
     def _deliver(self, broker: Broker, handoffs: Sequence[Handoff]) -> None:
