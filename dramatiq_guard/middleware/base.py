@@ -167,11 +167,6 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
         guards = self.guard_lists.get(message.actor_name)
         return guards[0] if guards else None
 
-    @property
-    def guarded(self) -> dict[str, ActorGuard[P]]:
-        """Each guarded actor's first (or only) guard, by actor name."""
-        return {name: guards[0] for name, guards in self.guard_lists.items()}
-
     def guards_of(self, message: Message[Any] | MessageProxy) -> tuple[ActorGuard[P], ...]:
         """Every guard of ``message``'s actor, in its option's order (empty if it is not guarded here)."""
         return self.guard_lists.get(message.actor_name, ())
