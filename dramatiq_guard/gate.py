@@ -107,16 +107,13 @@ class Diverted(Exception):
             then()
 
 
-EnqueueFn = Callable[..., Message[Any]]
-
-
 class EnqueueGate:
     """Wraps ``broker.enqueue`` (see the module docstring)."""
 
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
         self.guards: list[EnqueueGuard] = []
-        self.original: EnqueueFn = broker.enqueue
+        self.original: Callable[..., Message[Any]] = broker.enqueue
         broker.enqueue = self.enqueue  # type: ignore[method-assign]
         self._push_original: Callable[[str, str, bytes], Any] | None = None
         self._local = threading.local()
@@ -204,12 +201,7 @@ class TicketGroup:
         """Settle every ticket with ``outcome``, the last first (a ticket that raises is logged)."""
         for ticket in reversed(self.tickets):
             try:
-                if outcome is Outcome.PUSHED:
-                    ticket.pushed()
-                elif outcome is Outcome.PARKED:
-                    ticket.parked()
-                else:
-                    ticket.failed()
+                {Outcome.PUSHED: ticket.pushed, Outcome.PARKED: ticket.parked}.get(outcome, ticket.failed)()
             except Exception:
                 logger.exception("Failed to settle an enqueue ticket (%s).", outcome.value)
 
