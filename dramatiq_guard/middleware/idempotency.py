@@ -78,13 +78,16 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
                 f"a dramatiq_guard.ledger.Ledger, or None"
             )
         self._ledger: Ledger | None = ledger if isinstance(ledger, Ledger) else None
-        self._engine_arg = None if isinstance(ledger, Ledger) else ledger
-        self._metadata = metadata
-        self._table_name = table_name
         # Refused now, not at the first message.
         duration_ms(retention, what="retention", allow_none=True, maximum=MAX_RETENTION_MS)
-        self._retention = retention
-        self._create_tables = create_tables
+        self._make_ledger = functools.partial(
+            Ledger,
+            None if isinstance(ledger, Ledger) else ledger,
+            metadata=metadata,
+            table_name=table_name or DEFAULT_TABLE_NAME,
+            retention=retention,
+            create_tables=create_tables,
+        )
         self._ledger_lock = threading.Lock()
         self._signatures: dict[str, inspect.Signature] = {}
 
@@ -94,13 +97,7 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
         if self._ledger is None:
             with self._ledger_lock:
                 if self._ledger is None:
-                    self._ledger = Ledger(
-                        self._engine_arg,
-                        metadata=self._metadata,
-                        table_name=self._table_name or DEFAULT_TABLE_NAME,
-                        retention=self._retention,
-                        create_tables=self._create_tables,
-                    )
+                    self._ledger = self._make_ledger()
         return self._ledger
 
     # --- declaration ----------------------------------------------------------------------
