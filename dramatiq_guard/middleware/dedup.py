@@ -122,7 +122,6 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         self.sweep_interval_ms = cast(int, duration_ms(sweep_interval, what="sweep_interval", minimum=1))
         self._confirmer = Confirmer(linger=min(0.05, self.pending_ttl_ms / 10_000))
         self._local = threading.local()
-        self._retries: dict[int, bool] = {}
         self._couriers: dict[int, Courier] = {}
         self._sweeper: Sweeper | None = None
         self._alone: dict[str, bool] = {}
@@ -276,8 +275,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         options = message.options
-        if getattr(self._local, "pipe_next", None) is not None:
-            self._local.pipe_next = None
+        self._local.pipe_next = None
         key = options.get(LOCK_OPTION)
         if not isinstance(key, str):
             return  # not a holder: nothing to do (nor for any actor that opts into nothing)
@@ -371,7 +369,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
             self._local.pipe_next = target.get("message_id")
         if LOCK_OPTION not in options:
             return  # not a holder (its lock and lease exist only with the option): nothing to release
-        will_retry = exception is not None and not message.failed and self._has_retries(broker)
+        will_retry = exception is not None and not message.failed and _has_retries(broker)
         self._finish(broker, message, terminal=not will_retry)
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
@@ -417,11 +415,9 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
             logger.debug("Dedup lock %r of %s had lapsed before its release.", key, holder)
         self._deliver(broker, released.handoffs)
 
-    def _has_retries(self, broker: Broker) -> bool:
-        known = self._retries.get(id(broker))
-        if known is None:
-            known = self._retries[id(broker)] = any(isinstance(m, Retries) for m in broker.middleware)
-        return known
+
+def _has_retries(broker: Broker) -> bool:
+    return any(isinstance(m, Retries) for m in broker.middleware)
 
 
 def _started_without_lock(holder: str, key: str, holders: Sequence[str] | None) -> None:
