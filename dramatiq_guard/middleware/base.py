@@ -69,7 +69,6 @@ class ExecutionState:
 #: The attribute of a MessageProxy that holds its ExecutionState. (A proxy
 #: defines ``__eq__`` without ``__hash__``, so it cannot key a dict.)
 _STATE_ATTRIBUTE = "_dramatiq_guard_state"
-_states_lock = threading.Lock()
 
 
 def fail_open(allowed: bool, error: BackendUnavailable, instead: str) -> None:
@@ -82,15 +81,9 @@ def fail_open(allowed: bool, error: BackendUnavailable, instead: str) -> None:
 
 def execution_state(message: MessageProxy) -> ExecutionState:
     """The state of this execution of ``message``, shared by all guard middlewares."""
-    state: ExecutionState | None = message.__dict__.get(_STATE_ATTRIBUTE)  # only ever set to one, below
-    if state is not None:  # made already (a dict read is atomic): no lock to take
-        return state
-    with _states_lock:
-        state = vars(message).get(_STATE_ATTRIBUTE)
-        if not isinstance(state, ExecutionState):
-            state = ExecutionState()
-            object.__setattr__(message, _STATE_ATTRIBUTE, state)
-        return state
+    state: ExecutionState | None = vars(message).get(_STATE_ATTRIBUTE)
+    # dict.setdefault is atomic: two threads that race here share one state.
+    return state if state is not None else vars(message).setdefault(_STATE_ATTRIBUTE, ExecutionState())
 
 
 class GuardMiddleware(dramatiq.Middleware, Generic[P]):
