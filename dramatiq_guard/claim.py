@@ -37,9 +37,7 @@ def entry_ms(wait_ms: int) -> int:
 
 
 def _left_ms(deadline: float | None) -> int:
-    if deadline is None:
-        return _FOREVER_MS
-    return int((deadline - time.monotonic()) * 1000)
+    return _FOREVER_MS if deadline is None else int((deadline - time.monotonic()) * 1000)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -206,10 +206,5 @@ def _fingerprint(
 
 
 def _with_permanent_errors(throws: Any) -> tuple[type[BaseException], ...]:
-    if throws is None:
-        current: tuple[type[BaseException], ...] = ()
-    elif isinstance(throws, type):
-        current = (throws,)
-    else:
-        current = tuple(throws)
+    current: tuple[type[BaseException], ...] = (throws,) if isinstance(throws, type) else tuple(throws or ())
     return current + tuple(e for e in PERMANENT_ERRORS if e not in current)
