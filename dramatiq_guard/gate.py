@@ -150,7 +150,7 @@ class EnqueueGate:
         outer = getattr(self._local, "ticket", None)  # an enqueue this one runs inside of
         try:
             for guard in self.guards:
-                if guard.guards_actor(message.actor_name):  # an actor that opts into nothing: a lookup each
+                if guard.guards_actor(message.actor_name):
                     tickets.add(guard.before_push(self.broker, message, delay, holds=holds))
             one_step = [cast(OneStepTicket, t) for t in tickets.tickets if hasattr(t, "enqueue")]
             if one_step:
@@ -179,8 +179,7 @@ class EnqueueGate:
         """The broker's push: a one-step ticket's, if this thread's enqueue has one, else its own."""
         held: tuple[int, OneStepTicket] | None = getattr(self._local, "ticket", None)
         assert self._push_original is not None
-        # The ticket's own enqueue only: a message a hook sends inside it (one level deeper) pushes
-        # as usual.
+        # The ticket's own enqueue only: a message a hook sends inside it (one level deeper) pushes as usual.
         if held is None or held[0] != getattr(self._local, "depth", 0):
             return self._push_original(queue_name, message_id, data)
         self._local.ticket = None

@@ -100,8 +100,6 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
                     self._ledger = self._make_ledger()
         return self._ledger
 
-    # --- declaration ----------------------------------------------------------------------
-
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
         super().before_declare_actor(broker, actor)  # parses the option into self.guard_lists
         if not self.guards_actor(actor.actor_name):
@@ -118,15 +116,12 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
             run_in_ledger.__dramatiq_guard_ledger__ = True  # type: ignore[attr-defined]
             actor.fn = run_in_ledger
 
-    # --- enqueue and execution ------------------------------------------------------------
-
     def before_enqueue(self, broker: Broker, message: Message[Any], delay: int | None) -> None:
         key = message.options.get(MESSAGE_OPTION)
         if key is None:
             guard = self.guard_of(message)
             if guard is not None and guard.policy.key is not None:
-                # Derived now, so arguments it cannot be derived from refuse the send (GuardKeyError),
-                # not the run.
+                # Derived now, so arguments it cannot be derived from refuse the send, not the run.
                 guard.key_of(message)
             return
         name = message.actor_name
