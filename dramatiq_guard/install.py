@@ -13,6 +13,7 @@ from dramatiq.middleware import Retries
 from dramatiq_guard.backends.base import GuardBackend, check_max_payload_bytes
 from dramatiq_guard.errors import ConfigurationError
 from dramatiq_guard.gate import gate_for
+from dramatiq_guard.middleware.base import GuardMiddleware
 from dramatiq_guard.middleware.dedup import Deduplication
 from dramatiq_guard.middleware.idempotency import Idempotency
 from dramatiq_guard.middleware.slots import Concurrency, Debounce, Mutex, Throttle
@@ -23,7 +24,7 @@ logger = logging.getLogger(__name__)
 #: The guard middlewares, in broker order: slots first (a message they park has not started for
 #: deduplication), then deduplication, then the ledger around the actor's work. Enqueue-time order
 #: is each middleware's ``gate_priority``.
-MIDDLEWARE: tuple[type[Middleware], ...]
+MIDDLEWARE: tuple[type[GuardMiddleware[Any]], ...]
 MIDDLEWARE = (Mutex, Concurrency, Throttle, Debounce, Deduplication, Idempotency)
 
 
@@ -118,7 +119,7 @@ def install(broker: Broker, *, redis: Any = None, ledger: Any = None, **settings
 
 
 def _split_settings(
-    settings: dict[str, Any], accepted: dict[type[Middleware], set[str]]
+    settings: dict[str, Any], accepted: dict[type[GuardMiddleware[Any]], set[str]]
 ) -> tuple[InstallSettings, dict[str, Any]]:
     """``install()``'s own settings, and those for the middlewares; a ConfigurationError lists the
     settings that exist if one is neither."""
@@ -135,7 +136,7 @@ def _split_settings(
 
 def _add(
     broker: Broker,
-    accepted: dict[type[Middleware], set[str]],
+    accepted: dict[type[GuardMiddleware[Any]], set[str]],
     settings: dict[str, Any],
     stores: dict[str, Any],
 ) -> list[Middleware]:
@@ -147,9 +148,7 @@ def _add(
         kwargs.update({name: store for name, store in stores.items() if name in names})
         middleware = cls(**kwargs)
         broker.add_middleware(middleware, before=Retries if retries is not None else None)
-        attach = getattr(middleware, "attach", None)
-        if attach is not None:
-            attach(broker)
+        middleware.attach(broker)
         added.append(middleware)
     return added
 
