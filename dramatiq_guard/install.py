@@ -12,7 +12,6 @@ from dramatiq.middleware import Retries
 
 from dramatiq_guard.backends.base import GuardBackend, check_max_payload_bytes
 from dramatiq_guard.errors import ConfigurationError
-from dramatiq_guard.gate import gate_for
 from dramatiq_guard.middleware.base import GuardMiddleware
 from dramatiq_guard.middleware.dedup import Deduplication
 from dramatiq_guard.middleware.idempotency import Idempotency
@@ -113,7 +112,6 @@ def install(broker: Broker, *, redis: Any = None, ledger: Any = None, **settings
     own, passed = _split_settings(settings, accepted)
     backend = _backend(broker, redis, own)
     installed = _add(broker, accepted, passed, {"redis": backend, "ledger": ledger})
-    gate_for(broker)
     _warn_of_slow_calls(backend, installed)
     return installed
 
