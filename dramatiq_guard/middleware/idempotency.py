@@ -137,19 +137,11 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
         if self.guards_actor(message.actor_name):
             _running.set(message)
 
-    def after_process_message(
-        self,
-        broker: Broker,
-        message: MessageProxy,
-        *,
-        result: Any = None,
-        exception: BaseException | None = None,
-    ) -> None:
-        self.after_skip_message(broker, message)
-
-    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+    def after_process_message(self, broker: Broker, message: MessageProxy, **_: Any) -> None:
         if _running.get() is message:
             _running.set(None)
+
+    after_skip_message = after_process_message
 
     def _run(
         self, actor_name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
