@@ -355,12 +355,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
             self._deliver(broker, cancelled.handoffs)
 
     def after_process_message(
-        self,
-        broker: Broker,
-        message: MessageProxy,
-        *,
-        result: Any = None,
-        exception: BaseException | None = None,
+        self, broker: Broker, message: MessageProxy, *, exception: BaseException | None = None, **_: Any
     ) -> None:
         options = message.options
         target = options.get("pipe_target")
