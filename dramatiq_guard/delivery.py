@@ -60,9 +60,9 @@ class Courier:
     """Delivers the hand-offs and standbys of one kind of guard key on one broker.
 
     ``ttl_ms(message)``: how long a confirmed hand-off waits for its message to start.
-    ``default_limit(key)``: the key's default limit, None if unknown here (to give a slot back).
+    ``default_limit(key)``: the key's default limit (to give a slot back), None if unknown here.
     ``keep_when_parked``: whether a message that another guard parks on its way keeps what it was
-    handed (a dedup lock), or gives it back at once (a slot must not stand idle meanwhile).
+    handed (a dedup lock; the default), or gives it back at once (a slot must not stand idle meanwhile).
     ``after_push(message)``: called right after each push.
     """
 
@@ -70,8 +70,8 @@ class Courier:
     backend: GuardBackend
     _: dataclasses.KW_ONLY
     ttl_ms: Callable[[Message[Any]], int]
-    default_limit: Callable[[str], int | None]
-    keep_when_parked: bool
+    default_limit: Callable[[str], int | None] = lambda _key: None
+    keep_when_parked: bool = True
     counts_handoffs: bool = False
     after_push: Callable[[Message[Any]], None] | None = None
 
@@ -156,13 +156,7 @@ def courier_for(broker: Broker, backend: GuardBackend, key: str) -> Courier:
             courier = make(broker)
             assert isinstance(courier, Courier)
             return courier
-    return Courier(
-        broker,
-        backend,
-        ttl_ms=lambda _message: backend.handoff_ttl_ms,
-        default_limit=lambda _key: None,
-        keep_when_parked=True,
-    )
+    return Courier(broker, backend, ttl_ms=lambda _message: backend.handoff_ttl_ms)
 
 
 def keep_polling(worker: Any, queue_name: str) -> None:

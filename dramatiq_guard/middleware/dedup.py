@@ -260,9 +260,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
                 return guard.policy.ttl_ms if guard is not None else _FALLBACK_TTL_MS
 
             backend = self.backend(broker)
-            courier = Courier(
-                broker, backend, ttl_ms=ttl_ms, default_limit=lambda _key: 1, keep_when_parked=True
-            )
+            courier = Courier(broker, backend, ttl_ms=ttl_ms, default_limit=lambda _key: 1)
             self._couriers[id(broker)] = courier
         return courier
 
