@@ -29,10 +29,8 @@ Deliver = Callable[[Sequence[Handoff]], None]
 
 
 def entry_ms(wait_ms: int) -> int:
-    """How long a ready waiter's entry lives when it may wait ``wait_ms`` more: past its next re-check.
-
-    A thread that died is dropped from the queue within this, so it strands nothing.
-    """
+    """How long a ready waiter's entry lives when it may wait ``wait_ms`` more: past its next re-check
+    (a thread that died is dropped from the queue within this, so it strands nothing)."""
     return min(wait_ms, BACKSTOP_MS) + BACKSTOP_MS
 
 

@@ -35,9 +35,7 @@ def _keywords(cls: type[Middleware]) -> set[str]:
         if init is None:
             continue
         params = inspect.signature(init).parameters.values()
-        names |= {
-            p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"
-        }
+        names |= {p.name for p in params if p.kind is p.KEYWORD_ONLY}  # a guard middleware takes keywords only
         if not any(p.kind is p.VAR_KEYWORD for p in params):
             break
     return names
