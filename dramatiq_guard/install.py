@@ -28,14 +28,15 @@ MIDDLEWARE = (Mutex, Concurrency, Throttle, Debounce, Deduplication, Idempotency
 
 
 def _keywords(cls: type[Middleware]) -> set[str]:
-    """The keyword arguments ``cls`` takes, following ``**kwargs`` up to the base classes."""
+    """The keyword arguments ``cls`` takes (a guard middleware's are keyword-only), following
+    ``**kwargs`` up to the base classes."""
     names: set[str] = set()
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
         if init is None:
             continue
         params = inspect.signature(init).parameters.values()
-        names |= {p.name for p in params if p.kind is p.KEYWORD_ONLY}  # a guard middleware takes keywords only
+        names |= {p.name for p in params if p.kind is p.KEYWORD_ONLY}
         if not any(p.kind is p.VAR_KEYWORD for p in params):
             break
     return names
