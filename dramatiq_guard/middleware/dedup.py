@@ -295,9 +295,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
             held, valid_from = self._take_lock(broker, backend, message, key, policy)
             if not held:
                 return
-            lease: LeaseHandle = get_renewer().register(
-                backend, key, holder, policy.ttl_ms, valid_from=valid_from
-            )
+            lease = get_renewer().register(backend, key, holder, policy.ttl_ms, valid_from=valid_from)
             execution_state(message).data[self.option] = lease
         except BackendUnavailable as e:
             if guard is None:
