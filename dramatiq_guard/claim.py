@@ -29,17 +29,13 @@ Deliver = Callable[[Sequence[Handoff]], None]
 
 
 def entry_ms(wait_ms: int) -> int:
-    """How long a ready waiter's entry lives when it may wait ``wait_ms`` more: past its next re-check.
-
-    A thread that died is dropped from the queue within this, so it strands nothing.
-    """
+    """How long a ready waiter's entry lives when it may wait ``wait_ms`` more: past its next re-check
+    (a thread that died is dropped from the queue within this, so it strands nothing)."""
     return min(wait_ms, BACKSTOP_MS) + BACKSTOP_MS
 
 
 def _left_ms(deadline: float | None) -> int:
-    if deadline is None:
-        return _FOREVER_MS
-    return int((deadline - time.monotonic()) * 1000)
+    return _FOREVER_MS if deadline is None else int((deadline - time.monotonic()) * 1000)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,21 +53,9 @@ class Claim(Stake):
         """Try to hold a slot now; queue as ``wait`` says if the key is full (contract: ``acquire``)."""
         return self.backend.acquire(self, wait)
 
-    def try_lock(self) -> AcquireResult:
-        """Take the key as a limit-1 lock that fences nothing, if it is free (contract: ``try_lock``)."""
-        return self.backend.try_lock(self.key, self.holder, ttl_ms=self.ttl_ms, info=self.info)
-
-    def renew(self) -> bool:
-        """Extend the lease this holder holds to ``ttl_ms`` from now (contract: ``renew``)."""
-        return self.backend.renew(self.key, self.holder, ttl_ms=self.ttl_ms)
-
     def release(self) -> ReleaseResult:
         """Give the slot back; a freed slot goes to the oldest waiter (contract: ``release``)."""
         return self.backend.release(self.key, self.holder, limit=self.limit)
-
-    def withdraw(self) -> ReleaseResult:
-        """Leave the key's waiters; a slot handed to this waiter meanwhile is handed on."""
-        return self.backend.cancel_wait(self.key, self.holder, limit=self.limit)
 
     def take_back(self) -> ReleaseResult | None:
         """Undo what an acquire whose reply was lost may have done (contract: ``take_back``)."""
@@ -84,7 +68,7 @@ class Claim(Stake):
         blocking waiter) until it holds a slot: acquired (from a wake: ``reserved_ms`` is set), or the
         last refusal. Woken by the push of the hand-off; re-checks the key every :data:`BACKSTOP_MS`
         (an acquire that keeps its place; its hand-offs to others go to ``deliver``). At ``deadline``
-        (``time.monotonic()``; None: never) a blocking waiter leaves the queue (:meth:`withdraw`), and
+        (``time.monotonic()``; None: never) a blocking waiter leaves the queue, and
         a standby parks again in its place (at once if its entry lapsed)."""
         done = False  # acquired, or refused as running (the entry is another copy's: not ours to cancel)
         try:
@@ -117,7 +101,8 @@ class Claim(Stake):
         return Waiter(payload=payload, wait_ms=entry_ms(left_ms) if left_ms > 0 else 0)
 
     def _leave(self, deliver: Deliver) -> None:
+        """Leave the key's waiters; a slot handed to this waiter meanwhile is handed on."""
         try:
-            deliver(self.withdraw().handoffs)
+            deliver(self.backend.cancel_wait(self.key, self.holder, limit=self.limit).handoffs)
         except Exception:
             logger.warning("Could not leave the waiters of %r; the entry lapses.", self.key, exc_info=True)

@@ -24,11 +24,8 @@ ledger_session_var: contextvars.ContextVar[Session | None] = contextvars.Context
 
 
 def current_lease() -> Any:
-    """The lease the running actor holds: its holder, fencing token and whether it still holds it.
-
-    Raises:
-      RuntimeError: Outside an actor guarded by ``mutex=`` or ``concurrency=``.
-    """
+    """The lease the running actor holds: its holder, fencing token and whether it still holds it
+    (a RuntimeError outside an actor guarded by ``mutex=`` or ``concurrency=``)."""
     return required(current_lease_var, "dramatiq_guard.current_lease()", "mutex= or concurrency=")
 
 
@@ -36,10 +33,7 @@ def ledger_session() -> Session:
     """The SQLAlchemy Session of the running actor's ledger transaction.
 
     Writes made through it commit in one transaction with the ledger row's
-    move to completed, or not at all.
-
-    Raises:
-      RuntimeError: Outside an actor guarded by ``idempotency_key=``.
+    move to completed, or not at all (a RuntimeError outside an actor guarded by ``idempotency_key=``).
     """
     return required(ledger_session_var, "dramatiq_guard.ledger_session()", "idempotency_key=")
 

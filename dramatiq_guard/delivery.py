@@ -7,6 +7,7 @@ loses nothing (docs/contract.md, *hand-off* and *standbys*).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -54,43 +55,32 @@ def acks_are_final(broker: Broker) -> bool:
     return isinstance(broker, (RedisBroker, StubBroker))
 
 
+@dataclasses.dataclass(eq=False)
 class Courier:
     """Delivers the hand-offs and standbys of one kind of guard key on one broker.
 
     ``ttl_ms(message)``: how long a confirmed hand-off waits for its message to start.
-    ``default_limit(key)``: the key's default limit, None if unknown here (to give a slot back).
+    ``default_limit(key)``: the key's default limit (to give a slot back), None if unknown here.
     ``keep_when_parked``: whether a message that another guard parks on its way keeps what it was
-    handed (a dedup lock), or gives it back at once (a slot must not stand idle meanwhile).
+    handed (a dedup lock; the default), or gives it back at once (a slot must not stand idle meanwhile).
     ``after_push(message)``: called right after each push.
     """
 
-    def __init__(
-        self,
-        broker: Broker,
-        backend: GuardBackend,
-        *,
-        ttl_ms: Callable[[Message[Any]], int],
-        default_limit: Callable[[str], int | None],
-        keep_when_parked: bool,
-        counts_handoffs: bool = False,
-        after_push: Callable[[Message[Any]], None] | None = None,
-    ) -> None:
-        self.broker = broker
-        self.backend = backend
-        self.ttl_ms = ttl_ms
-        self.default_limit = default_limit
-        self.keep_when_parked = keep_when_parked
-        self.counts_handoffs = counts_handoffs
-        self.after_push = after_push
+    broker: Broker
+    backend: GuardBackend
+    _: dataclasses.KW_ONLY
+    ttl_ms: Callable[[Message[Any]], int]
+    default_limit: Callable[[str], int | None] = lambda _key: None
+    keep_when_parked: bool = True
+    counts_handoffs: bool = False
+    after_push: Callable[[Message[Any]], None] | None = None
 
     def deliver(self, handoffs: Iterable[Handoff]) -> None:
         """Enqueue each handed-off parked message, then confirm its hand-off (blocking waiters were
         woken by the backend). A failure is logged: the reservation lapses, the waiter waits again."""
         parked = [h for h in handoffs if h.payload is not None]
         if parked:
-            failure = (
-                "Could not re-enqueue %s handed a slot of %r; its reservation lapses and it waits again."
-            )
+            failure = "Could not re-enqueue %s handed a slot of %r; its reservation lapses, it waits again."
             self._each(parked, self._deliver_one, failure)
             events.lockwait_changed()
 
@@ -124,14 +114,10 @@ class Courier:
         if self.counts_handoffs:
             events.handed_off(message.actor_name)
         if outcome is Outcome.PUSHED or (outcome is Outcome.PARKED and self.keep_when_parked):
-            confirmed = self.backend.confirm_handoff(
-                handoff.key, handoff.waiter_id, ttl_ms=self.ttl_ms(message), generation=handoff.generation
-            )
-            if not confirmed:
+            key, waiter, ttl_ms = handoff.key, handoff.waiter_id, self.ttl_ms(message)
+            if not self.backend.confirm_handoff(key, waiter, ttl_ms=ttl_ms, generation=handoff.generation):
                 logger.warning(
-                    "The hand-off of %r to %s lapsed before it was confirmed; the re-enqueued copy runs.",
-                    handoff.key,
-                    handoff.waiter_id,
+                    "The hand-off of %r to %s lapsed before it was confirmed; it runs.", key, waiter
                 )
             return
         self._withdraw(handoff)  # another guard parked (or dropped) it on the way: it keeps no slot
@@ -141,9 +127,9 @@ class Courier:
         assert standby.payload is not None
         message, outcome = self._admit(standby)
         if outcome is Outcome.PUSHED:
-            ttl_ms = self.ttl_ms(message)
+            key, ttl_ms = standby.key, self.ttl_ms(message)
             confirmed = self.backend.confirm_standby(
-                standby.key, standby.waiter_id, standby.payload, ttl_ms=ttl_ms, generation=standby.generation
+                key, standby.waiter_id, standby.payload, ttl_ms=ttl_ms, generation=standby.generation
             )
             if not confirmed:
                 logger.debug("Standby %s of %r parked again before it was confirmed.", message, standby.key)
@@ -170,13 +156,7 @@ def courier_for(broker: Broker, backend: GuardBackend, key: str) -> Courier:
             courier = make(broker)
             assert isinstance(courier, Courier)
             return courier
-    return Courier(
-        broker,
-        backend,
-        ttl_ms=lambda _message: backend.handoff_ttl_ms,
-        default_limit=lambda _key: None,
-        keep_when_parked=True,
-    )
+    return Courier(broker, backend, ttl_ms=lambda _message: backend.handoff_ttl_ms)
 
 
 def keep_polling(worker: Any, queue_name: str) -> None:

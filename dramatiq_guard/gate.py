@@ -107,16 +107,13 @@ class Diverted(Exception):
             then()
 
 
-EnqueueFn = Callable[..., Message[Any]]
-
-
 class EnqueueGate:
     """Wraps ``broker.enqueue`` (see the module docstring)."""
 
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
         self.guards: list[EnqueueGuard] = []
-        self.original: EnqueueFn = broker.enqueue
+        self.original: Callable[..., Message[Any]] = broker.enqueue
         broker.enqueue = self.enqueue  # type: ignore[method-assign]
         self._push_original: Callable[[str, str, bytes], Any] | None = None
         self._local = threading.local()
@@ -136,11 +133,8 @@ class EnqueueGate:
         local = self._local
         depth = local.depth = getattr(local, "depth", 0) + 1  # a hook may enqueue inside this one
         try:
-            if isinstance(message, Message):
-                actor_name = message.actor_name
-                for guard in self.guards:
-                    if guard.guards_actor(actor_name):
-                        return self.admit(message, delay=delay).message
+            if isinstance(message, Message) and any(g.guards_actor(message.actor_name) for g in self.guards):
+                return self.admit(message, delay=delay).message
             # Not a message any guard here guards: a dict lookup per guard, then the plain push.
             return self.original(message, delay=delay)
         finally:
@@ -149,37 +143,21 @@ class EnqueueGate:
     def admit(
         self, message: Message[Any], *, delay: int | None = None, holds: str | None = None
     ) -> Admission:
-        """Let the guards decide about ``message``, push it unless diverted, and say what happened.
-
-        ``holds``: the guard key the message already holds (a hand-off going back): its guard lets it pass.
-
-        Raises:
-          GuardError: A guard refused the message.
-          Exception: Whatever the broker's push raised.
-        """
+        """Let the guards decide about ``message``, push it unless diverted, and say what happened; a
+        guard's refusal (a GuardError) or the push's failure is raised. ``holds``: the guard key the
+        message already holds (a hand-off going back): its guard lets it pass."""
         tickets = TicketGroup()
-        actor_name = message.actor_name
+        outer = getattr(self._local, "ticket", None)  # an enqueue this one runs inside of
         try:
             for guard in self.guards:
-                if not guard.guards_actor(actor_name):
-                    continue  # an actor that opts into nothing costs a dict lookup per guard
-                tickets.add(guard.before_push(self.broker, message, delay, holds=holds))
-        except Diverted as diverted:
-            tickets.settle(diverted.outcome)
-            diverted.settled()
-            return Admission(diverted.message, diverted.outcome)
-        except BaseException:
-            tickets.failed()
-            raise
-
-        one_step = [cast(OneStepTicket, t) for t in tickets.tickets if hasattr(t, "enqueue")]
-        outer = getattr(self._local, "ticket", None)  # an enqueue this one runs inside of
-        if one_step:
-            self._take_pushes()
-            self._local.ticket = (getattr(self._local, "depth", 0), one_step[0])
-        try:
+                if guard.guards_actor(message.actor_name):
+                    tickets.add(guard.before_push(self.broker, message, delay, holds=holds))
+            one_step = [cast(OneStepTicket, t) for t in tickets.tickets if hasattr(t, "enqueue")]
+            if one_step:
+                self._take_pushes()
+                self._local.ticket = (getattr(self._local, "depth", 0), one_step[0])
             enqueued = self.original(message, delay=delay)
-        except Diverted as diverted:  # raised by a one-step ticket's push
+        except Diverted as diverted:  # raised by a guard's before_push, or a one-step ticket's push
             tickets.settle(diverted.outcome)
             diverted.settled()
             return Admission(diverted.message, diverted.outcome)
@@ -201,8 +179,7 @@ class EnqueueGate:
         """The broker's push: a one-step ticket's, if this thread's enqueue has one, else its own."""
         held: tuple[int, OneStepTicket] | None = getattr(self._local, "ticket", None)
         assert self._push_original is not None
-        # The ticket's own enqueue only: a message a hook sends inside it (one level deeper) pushes
-        # as usual.
+        # The ticket's own enqueue only: a message a hook sends inside it (one level deeper) pushes as usual.
         if held is None or held[0] != getattr(self._local, "depth", 0):
             return self._push_original(queue_name, message_id, data)
         self._local.ticket = None
@@ -223,12 +200,7 @@ class TicketGroup:
         """Settle every ticket with ``outcome``, the last first (a ticket that raises is logged)."""
         for ticket in reversed(self.tickets):
             try:
-                if outcome is Outcome.PUSHED:
-                    ticket.pushed()
-                elif outcome is Outcome.PARKED:
-                    ticket.parked()
-                else:
-                    ticket.failed()
+                {Outcome.PUSHED: ticket.pushed, Outcome.PARKED: ticket.parked}.get(outcome, ticket.failed)()
             except Exception:
                 logger.exception("Failed to settle an enqueue ticket (%s).", outcome.value)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import logging
 from typing import Any
@@ -13,7 +12,10 @@ from dramatiq.middleware import Retries
 
 from dramatiq_guard.backends.base import GuardBackend, check_max_payload_bytes
 from dramatiq_guard.errors import ConfigurationError
-from dramatiq_guard.gate import gate_for
+from dramatiq_guard.middleware.base import GuardMiddleware
+from dramatiq_guard.middleware.dedup import Deduplication
+from dramatiq_guard.middleware.idempotency import Idempotency
+from dramatiq_guard.middleware.slots import Concurrency, Debounce, Mutex, Throttle
 from dramatiq_guard.resolve import name_route, resolve_backend
 
 logger = logging.getLogger(__name__)
@@ -21,33 +23,20 @@ logger = logging.getLogger(__name__)
 #: The guard middlewares, in broker order: slots first (a message they park has not started for
 #: deduplication), then deduplication, then the ledger around the actor's work. Enqueue-time order
 #: is each middleware's ``gate_priority``.
-MIDDLEWARE: tuple[str, ...] = (
-    "dramatiq_guard.middleware.slots:Mutex",
-    "dramatiq_guard.middleware.slots:Concurrency",
-    "dramatiq_guard.middleware.slots:Throttle",
-    "dramatiq_guard.middleware.slots:Debounce",
-    "dramatiq_guard.middleware.dedup:Deduplication",
-    "dramatiq_guard.middleware.idempotency:Idempotency",
-)
-
-
-def _load(path: str) -> type[Middleware]:
-    module, _, name = path.partition(":")
-    cls: type[Middleware] = getattr(importlib.import_module(module), name)
-    return cls
+MIDDLEWARE: tuple[type[GuardMiddleware[Any]], ...]
+MIDDLEWARE = (Mutex, Concurrency, Throttle, Debounce, Deduplication, Idempotency)
 
 
 def _keywords(cls: type[Middleware]) -> set[str]:
-    """The keyword arguments ``cls`` takes, following ``**kwargs`` up to the base classes."""
+    """The keyword arguments ``cls`` takes (a guard middleware's are keyword-only), following
+    ``**kwargs`` up to the base classes."""
     names: set[str] = set()
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
         if init is None:
             continue
         params = inspect.signature(init).parameters.values()
-        names |= {
-            p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"
-        }
+        names |= {p.name for p in params if p.kind is p.KEYWORD_ONLY}
         if not any(p.kind is p.VAR_KEYWORD for p in params):
             break
     return names
@@ -115,27 +104,22 @@ def install(broker: Broker, *, redis: Any = None, ledger: Any = None, **settings
       ValueError: If ``max_payload_bytes``, ``replica_waits`` or
         ``replica_wait_timeout_ms`` is out of range.
     """
-    classes = [_load(path) for path in MIDDLEWARE]
-    existing = [m for m in broker.middleware if type(m) in classes]
+    existing = [m for m in broker.middleware if type(m) in MIDDLEWARE]
     if existing:
         return existing
-    accepted = {cls: _keywords(cls) for cls in classes}
+    accepted = {cls: _keywords(cls) for cls in MIDDLEWARE}
     own, passed = _split_settings(settings, accepted)
     backend = _backend(broker, redis, own)
     installed = _add(broker, accepted, passed, {"redis": backend, "ledger": ledger})
-    gate_for(broker)
     _warn_of_slow_calls(backend, installed)
     return installed
 
 
 def _split_settings(
-    settings: dict[str, Any], accepted: dict[type[Middleware], set[str]]
+    settings: dict[str, Any], accepted: dict[type[GuardMiddleware[Any]], set[str]]
 ) -> tuple[InstallSettings, dict[str, Any]]:
-    """``install()``'s own settings, and those for the middlewares.
-
-    Raises:
-      ConfigurationError: If a setting is neither (the error lists the settings that exist).
-    """
+    """``install()``'s own settings, and those for the middlewares; a ConfigurationError lists the
+    settings that exist if one is neither."""
     known = (set().union(*accepted.values()) - {"redis", "ledger"}) | INSTALL_SETTINGS
     unknown = sorted(set(settings) - known)
     if unknown:
@@ -149,7 +133,7 @@ def _split_settings(
 
 def _add(
     broker: Broker,
-    accepted: dict[type[Middleware], set[str]],
+    accepted: dict[type[GuardMiddleware[Any]], set[str]],
     settings: dict[str, Any],
     stores: dict[str, Any],
 ) -> list[Middleware]:
@@ -161,9 +145,7 @@ def _add(
         kwargs.update({name: store for name, store in stores.items() if name in names})
         middleware = cls(**kwargs)
         broker.add_middleware(middleware, before=Retries if retries is not None else None)
-        attach = getattr(middleware, "attach", None)
-        if attach is not None:
-            attach(broker)
+        middleware.attach(broker)
         added.append(middleware)
     return added
 
@@ -177,11 +159,8 @@ def _warn_of_slow_calls(backend: GuardBackend, installed: list[Middleware]) -> N
 
 
 def _backend(broker: Broker, redis: Any, settings: InstallSettings) -> GuardBackend:
-    """The backend of ``broker``, with the install's route, payload bound and replica waits; checked.
-
-    Raises:
-      ConfigurationError, EvictingRedis, ValueError: As :func:`install` says.
-    """
+    """The backend of ``broker``, with the install's route, payload bound and replica waits; checked
+    (it raises what :func:`install` says)."""
     route = settings.route
     if route is not None:
         name_route(broker, route)

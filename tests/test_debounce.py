@@ -315,5 +315,5 @@ def test_the_shorthands_are_a_wait(stub_broker: dramatiq.Broker, form: Callable[
     @dramatiq.actor(debounce=form())
     def job() -> None: ...
 
-    policy = debounce_of(stub_broker).guarded[job.actor_name].policy
+    policy = debounce_of(stub_broker).guard_lists[job.actor_name][0].policy
     assert (policy.wait_ms, policy.max_wait) == (250, None)

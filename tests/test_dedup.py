@@ -204,7 +204,7 @@ def test_a_failed_push_releases_the_lock_at_once(restore_global_broker: None) ->
     with pytest.raises(redis.exceptions.ConnectionError):
         broker.enqueue(message)
     assert LOCK_OPTION not in message.options
-    key = "dedup:" + dedup_of(broker).guarded[job.actor_name].key_of(message)
+    key = "dedup:" + dedup_of(broker).guard_lists[job.actor_name][0].key_of(message)
     assert backend.inspect(key).holders == ()
 
 

@@ -33,7 +33,7 @@ def test_an_option_is_parsed_at_declaration(setup: tuple[StubBroker, LimitOnly])
     def deliver(customer_id: int, payload: str) -> None:
         pass
 
-    guard = middleware.guarded["deliver"]
+    guard = middleware.guard_lists["deliver"][0]
     assert guard.policy == ConcurrencyPolicy(limit=3, key=("customer_id",))
     assert guard.key_of(deliver.message(7, "a")) == guard.key_of(deliver.message_with_options(args=(7, "b")))
 
@@ -45,7 +45,7 @@ def test_an_async_actor_resolves_names_through_its_own_signature(setup: tuple[St
     async def deliver_async(customer_id: int, payload: str) -> None:
         pass
 
-    guard = middleware.guarded["deliver_async"]
+    guard = middleware.guard_lists["deliver_async"][0]
     assert guard.key_of(deliver_async.message(7, "a")) == guard.key_of(
         deliver_async.message_with_options(kwargs={"customer_id": 7, "payload": "b"})
     )
@@ -58,7 +58,7 @@ def test_an_actor_without_the_option_is_not_guarded(setup: tuple[StubBroker, Lim
     def plain() -> None:
         pass
 
-    assert "plain" not in middleware.guarded
+    assert "plain" not in middleware.guard_lists
 
 
 @pytest.mark.parametrize(
@@ -81,4 +81,4 @@ def test_a_bad_value_fails_the_declaration_with_a_value_error(
     assert fragment in str(raised.value)
     assert "concurrency takes an int limit" in str(raised.value)
     assert "deliver" not in broker.actors
-    assert "deliver" not in middleware.guarded
+    assert "deliver" not in middleware.guard_lists

@@ -69,16 +69,11 @@ class ExecutionState:
 #: The attribute of a MessageProxy that holds its ExecutionState. (A proxy
 #: defines ``__eq__`` without ``__hash__``, so it cannot key a dict.)
 _STATE_ATTRIBUTE = "_dramatiq_guard_state"
-_states_lock = threading.Lock()
 
 
 def fail_open(allowed: bool, error: BackendUnavailable, instead: str) -> None:
     """The backend is unavailable: re-raise ``error`` (fail closed), unless failing open is ``allowed``:
-    then log a warning saying what happens ``instead`` (e.g. "job(1) runs unguarded").
-
-    Raises:
-      BackendUnavailable: ``error``, if failing open is not allowed.
-    """
+    then log a warning saying what happens ``instead`` (e.g. "job(1) runs unguarded")."""
     if not allowed:
         raise error
     logger.warning("The guard backend is unavailable: %s (fail_open).", instead, exc_info=True)
@@ -86,15 +81,9 @@ def fail_open(allowed: bool, error: BackendUnavailable, instead: str) -> None:
 
 def execution_state(message: MessageProxy) -> ExecutionState:
     """The state of this execution of ``message``, shared by all guard middlewares."""
-    state: ExecutionState | None = message.__dict__.get(_STATE_ATTRIBUTE)  # only ever set to one, below
-    if state is not None:  # made already (a dict read is atomic): no lock to take
-        return state
-    with _states_lock:
-        state = vars(message).get(_STATE_ATTRIBUTE)
-        if not isinstance(state, ExecutionState):
-            state = ExecutionState()
-            object.__setattr__(message, _STATE_ATTRIBUTE, state)
-        return state
+    state: ExecutionState | None = vars(message).get(_STATE_ATTRIBUTE)
+    # dict.setdefault is atomic: two threads that race here share one state.
+    return state if state is not None else vars(message).setdefault(_STATE_ATTRIBUTE, ExecutionState())
 
 
 class GuardMiddleware(dramatiq.Middleware, Generic[P]):
@@ -126,14 +115,9 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
         return {self.option}
 
     def backend(self, broker: Broker) -> GuardBackend:
-        """The guard backend, resolved (and checked, as ``install()`` does) on first use.
-
-        Raises:
-          ConfigurationError: If no backend can be found.
-          EvictingRedis: If the Redis may evict keys and that was not allowed
-            (``install(..., allow_evicting_redis=True)`` or the
-            ``DRAMATIQ_GUARD_ALLOW_EVICTING_REDIS`` environment variable).
-        """
+        """The guard backend, resolved (and checked, as ``install()`` does) on first use: a
+        ConfigurationError if none can be found, EvictingRedis if the Redis may evict keys and that
+        was not allowed (``install(..., allow_evicting_redis=True)``)."""
         if self._backend is None:
             with self._backend_lock:
                 if self._backend is None:
@@ -175,11 +159,6 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
         """The (first) guard of ``message``'s actor, or None if it is not guarded by this middleware."""
         guards = self.guards_of(message)
         return guards[0] if guards else None
-
-    @property
-    def guarded(self) -> dict[str, ActorGuard[P]]:
-        """Each guarded actor's first (or only) guard, by actor name."""
-        return {name: guards[0] for name, guards in self.guard_lists.items()}
 
     def guards_of(self, message: Message[Any] | MessageProxy) -> tuple[ActorGuard[P], ...]:
         """Every guard of ``message``'s actor, in its option's order (empty if it is not guarded here)."""

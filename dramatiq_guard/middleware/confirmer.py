@@ -20,12 +20,6 @@ class Confirmer(Batcher[Pending]):
 
     thread_name = "dramatiq-guard-dedup"
 
-    def add_pending(
-        self, backend: GuardBackend, key: str, holder: str, ttl_ms: int, lapses_at: float
-    ) -> None:
-        """Confirm ``holder``'s pending lock of ``key`` (it lapses at ``lapses_at`` unconfirmed)."""
-        self.add((backend, key, holder, ttl_ms, lapses_at))
-
     def send(self, items: list[Pending]) -> bool:
         """Confirm ``items``; False if a backend was unreachable (the still-pending ones are kept)."""
         ok = True

@@ -1,38 +1,39 @@
 """Enqueue-time deduplication: the ``dedup`` actor option (docs/dedup.md).
 
 ``send()`` takes a limit-1 lease per dedup key, held by the message's id; while it holds, an
-identical message is diverted at the enqueue gate. The lock is confirmed in the background once
-pushed, and released at the holder's terminal event for its strategy.
+identical message is diverted at the enqueue gate. Where the backend can (a RedisBroker on the
+guard's Redis), the lock and the broker's push are one script (:class:`_OneStepTicket`); elsewhere a
+pending lock, confirmed in the background once pushed (:class:`_LockTicket`). The lock is released
+at the holder's terminal event for its strategy.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import logging
+import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, cast
 
-from dramatiq import Broker
+from dramatiq import Broker, Message
 from dramatiq.broker import MessageProxy
 from dramatiq.middleware import Retries, SkipMessage
 
-from dramatiq_guard.backends.base import GuardBackend, ReleaseResult, Stake
-from dramatiq_guard.delivery import generation_of
-from dramatiq_guard.errors import BackendUnavailable, DuplicateMessage
-from dramatiq_guard.middleware.base import execution_state, fail_open
-from dramatiq_guard.middleware.dedup_send import (
-    BY_OPTION,
-    EXEMPT_OPTION,
-    KEY_OPTION,
-    LOCK_OPTION,
-    PREFIX,
-    RERUN_OPTION,
-    DedupSender,
-    deduplicated_by,
-    rerun_id,
-)
-from dramatiq_guard.middleware.sweep import join_sweep, leave_sweep
-from dramatiq_guard.policies import DedupPolicy
+from dramatiq_guard import events
+from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Stake, Waiter
+from dramatiq_guard.backends.values import Enqueue
+from dramatiq_guard.claim import Claim
+from dramatiq_guard.delivery import Courier, generation_of
+from dramatiq_guard.errors import BackendUnavailable, DuplicateMessage, GuardOptionError
+from dramatiq_guard.gate import Diverted, Outcome, gate_for
+from dramatiq_guard.keys import lone_surrogate
+from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware, execution_state, fail_open
+from dramatiq_guard.middleware.confirmer import Confirmer
+from dramatiq_guard.middleware.sweep import Sweeper, join_sweep, leave_sweep
+from dramatiq_guard.policies import DedupPolicy, duration_ms
 from dramatiq_guard.renewer import LeaseHandle, get_renewer
 
 __all__ = [
@@ -50,8 +51,37 @@ __all__ = [
 
 logger = logging.getLogger("dramatiq_guard.dedup")
 
+#: The prefix of every deduplication guard key.
+PREFIX = "dedup:"
+#: Message option: a dedup key given at send time, overriding the policy's.
+KEY_OPTION = "dedup_key"
+#: Message option (written): the guard key a holder holds; its message id is the holder.
+LOCK_OPTION = "dedup_lock"
+#: Message option (written): why a message was enqueued without deduplication.
+EXEMPT_OPTION = "dedup_exempt"
+#: Message option (written on the returned message of a deduplicated send): the holder's id.
+BY_OPTION = "deduplicated_by"
+#: Message option (written on the returned message of a rescheduled duplicate): the rerun's id.
+RERUN_OPTION = "dedup_rerun"
 
-class Deduplication(DedupSender):
+_RERUN_NAMESPACE = uuid.UUID("6c1f8f0e-3a0e-4e55-9d3f-2f4f1c6a9b51")
+#: A lock's ttl when the message's actor is not declared in this process.
+_FALLBACK_TTL_MS = 3_600_000
+
+
+def deduplicated_by(message: Message[Any]) -> str | None:
+    """The message id of the holder that deduplicated ``message`` (what ``send()`` or
+    ``broker.enqueue`` returned), or None if it was enqueued."""
+    value = message.options.get(BY_OPTION)
+    return value if isinstance(value, str) else None
+
+
+def rerun_id(holder: str) -> str:
+    """The message id of the ``reschedule_once`` rerun of ``holder`` (a UUID derived from it)."""
+    return str(uuid.uuid5(_RERUN_NAMESPACE, holder))
+
+
+class Deduplication(GuardMiddleware[DedupPolicy]):
     """Enqueue-time deduplication for actors declared with ``dedup=`` (docs/dedup.md).
 
     Place it before Retries, after the mutex and concurrency middlewares
@@ -76,12 +106,174 @@ class Deduplication(DedupSender):
         re-enqueue failed is handed on again. Default: 1 second.
     """
 
+    policy_class = DedupPolicy
+    #: Deduplication decides before the slots middlewares park (20).
+    gate_priority = 10
+
+    def __init__(
+        self,
+        *,
+        redis: Any = None,
+        pending_ttl: int | datetime.timedelta = 10_000,
+        sweep_interval: int | datetime.timedelta = 1_000,
+    ) -> None:
+        super().__init__(redis=redis)
+        self.pending_ttl_ms = cast(int, duration_ms(pending_ttl, what="pending_ttl", minimum=1))
+        self.sweep_interval_ms = cast(int, duration_ms(sweep_interval, what="sweep_interval", minimum=1))
+        self._confirmer = Confirmer(linger=min(0.05, self.pending_ttl_ms / 10_000))
+        self._local = threading.local()
+        self._couriers: dict[int, Courier] = {}
+        self._sweeper: Sweeper | None = None
+        self._alone: dict[str, bool] = {}
+
+    def flush(self) -> None:
+        """Confirm now every pending lock whose push succeeded (normally done in the background)."""
+        self._confirmer.flush()
+
+    # --- enqueue time -----------------------------------------------------------------------
+
+    def before_push(
+        self, broker: Broker, message: Message[Any], delay: int | None, *, holds: str | None = None
+    ) -> _LockTicket | None:
+        """Take the dedup lock for ``message`` (with its push, where one step can), or divert a duplicate."""
+        options = message.options
+        if LOCK_OPTION in options or EXEMPT_OPTION in options:
+            # A holder's own re-enqueue (Retries, delay queue, hand-off, rerun), or let through already.
+            return None
+        guard = self.guard_of(message)
+        if guard is None:
+            return None
+        policy = guard.policy
+        reason = self._exemption(message, delay, policy)
+        if reason is not None:
+            options[EXEMPT_OPTION] = reason
+            return None
+
+        key = PREFIX + self._key(guard, message)
+        backend = self.backend(broker)
+        ttl = policy.ttl_ms + ((delay or 0) if policy.including_scheduled else 0)
+        claim = Claim(key, message.message_id, 1, ttl, info=message.actor_name, backend=backend)
+        if holds is None and not policy.fail_open and self._in_one_step(broker, backend, message):
+            options[LOCK_OPTION] = key  # encoded with the message: the push takes the lock
+            return _OneStepTicket(self, broker, claim, message, policy, ttl, pending=False)
+        claim = dataclasses.replace(claim, ttl_ms=self.pending_ttl_ms)
+        try:
+            self._lock(broker, claim, message, policy)
+        except BackendUnavailable as e:
+            fail_open(policy.fail_open, e, f"{message} is enqueued without deduplication")
+            options[EXEMPT_OPTION] = "backend_unavailable"
+            return None
+        options[LOCK_OPTION] = key
+        return _LockTicket(self, broker, claim, message, policy, ttl)
+
+    def _in_one_step(self, broker: Broker, backend: GuardBackend, message: Message[Any]) -> bool:
+        """Whether the lock and the push go in one step: the backend can, and only dedup guards the actor."""
+        alone = self._alone.get(message.actor_name)
+        if alone is None:
+            alone = self._alone[message.actor_name] = gate_for(broker).sole_guard(message.actor_name, self)
+        return alone and backend.enqueues_on(broker)
+
+    def _lock(self, broker: Broker, claim: Claim, message: Message[Any], policy: DedupPolicy) -> None:
+        """Take the pending lock of a new holder, or divert (or refuse) a duplicate. If the backend is
+        unavailable (or no replica acknowledged the lock), whatever it did is taken back before
+        BackendUnavailable is raised, so the caller's retry is no duplicate of it."""
+        try:
+            result = claim.backend.try_lock(claim.key, claim.holder, ttl_ms=claim.ttl_ms, info=claim.info)
+        except BackendUnavailable:
+            undone = claim.take_back()
+            if undone is not None:
+                self._deliver(broker, undone.handoffs)
+            raise
+        self._deliver(broker, result.handoffs)
+        if not result.acquired:
+            self._refused(broker, message, claim, result, policy)
+
+    def _refused(
+        self, broker: Broker, message: Message[Any], claim: Claim, result: AcquireResult, policy: DedupPolicy
+    ) -> NoReturn:
+        """A duplicate of the lock's holder: raise, or divert it as dropped (or rescheduled once)."""
+        holder, key = (result.holders[0] if result.holders else ""), claim.key
+        events.deduplicated(message.actor_name)
+        logger.info("Deduplicated %s: %r is held by %s.", message, key, holder or "nobody")
+        if policy.on_duplicate == "raise":
+            raise DuplicateMessage(message.message_id, holder, key)
+        marks: dict[str, Any] = {BY_OPTION: holder}
+        if policy.on_duplicate == "reschedule_once":
+            marks = self._reschedule(broker, claim, message, holder, policy)
+        copy = message.copy(options=marks)
+        copy.options.pop(LOCK_OPTION, None)
+        raise Diverted(copy, Outcome.DROPPED)
+
+    def _exemption(self, message: Message[Any], delay: int | None, policy: DedupPolicy) -> str | None:
+        options = message.options
+        if delay and not policy.including_scheduled:
+            return "scheduled"
+        if "pipe_target" in options or message.message_id == getattr(self._local, "pipe_next", None):
+            return "pipeline"
+        if options.get("group_completion_uuid"):
+            return "group"
+        return None
+
+    def _key(self, guard: ActorGuard[DedupPolicy], message: Message[Any]) -> str:
+        override = message.options.get(KEY_OPTION)
+        if override is None:
+            return guard.key_of(message)
+        if not isinstance(override, str) or not override or lone_surrogate(override):
+            raise GuardOptionError(
+                f"actor {guard.actor_name!r}: message option {KEY_OPTION}={override!r} is not valid: "
+                f"it must be a non-empty str of valid Unicode (no lone surrogates)"
+            )
+        return override
+
+    def _reschedule(
+        self, broker: Broker, claim: Claim, message: Message[Any], holder: str, policy: DedupPolicy
+    ) -> dict[str, Any]:
+        """Park (or refresh) the single rerun of ``holder`` in the lock's waiter queue.
+
+        ``limit=0`` parks it even if the lock was freed meanwhile (it "acquires" only if the rerun
+        already holds the lock, which leaves it as it is).
+        """
+        rerun, backend, key = rerun_id(holder), claim.backend, claim.key
+        copy = message.copy(message_id=rerun, options={LOCK_OPTION: key})
+        for name in (KEY_OPTION, BY_OPTION, RERUN_OPTION, EXEMPT_OPTION):
+            copy.options.pop(name, None)
+        result = backend.acquire(Stake(key, rerun, 0, policy.ttl_ms), Waiter(payload=copy.encode()))
+        self._deliver(broker, result.handoffs)
+        if result.parked and not result.holders:
+            # The holder finished between the two calls: nobody will hand the lock on, so do it now.
+            swept = backend.sweep(key, limit=1)
+            self._deliver(broker, swept.handoffs)
+        return {BY_OPTION: holder, RERUN_OPTION: rerun}
+
+    def claims(self, key: str) -> bool:
+        """Whether ``key`` is a dedup guard key."""
+        return key.startswith(PREFIX)
+
+    def courier(self, broker: Broker) -> Courier:
+        """How reruns handed the lock go back to ``broker``: confirmed for their actor's ``ttl``; a
+        rerun that a slots guard parks on its way keeps the lock (it has not run yet)."""
+        courier = self._couriers.get(id(broker))
+        if courier is None:
+
+            def ttl_ms(rerun: Message[Any]) -> int:
+                guard = self.guard_of(rerun)
+                return guard.policy.ttl_ms if guard is not None else _FALLBACK_TTL_MS
+
+            backend = self.backend(broker)
+            courier = Courier(broker, backend, ttl_ms=ttl_ms, default_limit=lambda _key: 1)
+            self._couriers[id(broker)] = courier
+        return courier
+
+    def _deliver(self, broker: Broker, handoffs: Sequence[Handoff]) -> None:
+        """Re-enqueue the reruns that were just handed the lock, then confirm them."""
+        if handoffs:
+            self.courier(broker).deliver(handoffs)
+
     # --- execution time ---------------------------------------------------------------------
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         options = message.options
-        if getattr(self._local, "pipe_next", None) is not None:
-            self._local.pipe_next = None
+        self._local.pipe_next = None
         key = options.get(LOCK_OPTION)
         if not isinstance(key, str):
             return  # not a holder: nothing to do (nor for any actor that opts into nothing)
@@ -103,9 +295,7 @@ class Deduplication(DedupSender):
             held, valid_from = self._take_lock(broker, backend, message, key, policy)
             if not held:
                 return
-            lease: LeaseHandle = get_renewer().register(
-                backend, key, holder, policy.ttl_ms, valid_from=valid_from
-            )
+            lease = get_renewer().register(backend, key, holder, policy.ttl_ms, valid_from=valid_from)
             execution_state(message).data[self.option] = lease
         except BackendUnavailable as e:
             if guard is None:
@@ -115,18 +305,13 @@ class Deduplication(DedupSender):
     def _take_lock(
         self, broker: Broker, backend: GuardBackend, message: MessageProxy, key: str, policy: DedupPolicy
     ) -> tuple[bool, float | None]:
-        """Make the holder's lock its lease as it starts, counting its ``ttl`` from now.
+        """Make the holder's lock its lease as it starts, counting its ``ttl`` from now: whether it
+        holds the lock (False: it runs without it), and the lease's start for the renewer.
 
         A first run renews the lock its send took (cheaper than an acquire); a lapsed one, and a
-        rerun (checked by its generation), is acquired. A ``reschedule_once`` holder cancels the
-        rerun asked for before it started: its run covers it.
-
-        Returns:
-          (held, valid_from): whether it holds the lock (False: it runs without it), and the
-          lease's start for the renewer.
-
-        Raises:
-          SkipMessage: The message is a stale copy of a rerun.
+        rerun (checked by its generation), is acquired; a stale copy of a rerun is skipped
+        (SkipMessage). A ``reschedule_once`` holder cancels the rerun asked for before it started:
+        its run covers it.
         """
         holder = message.message_id
         generation = generation_of(message, key)
@@ -140,17 +325,11 @@ class Deduplication(DedupSender):
                 self._cancel_covered_rerun(broker, backend, key, holder, policy)
                 _started_without_lock(holder, key, None)
                 return False, None
-        result = backend.acquire(
-            Stake(
-                key,
-                holder,
-                1,
-                policy.ttl_ms,
-                info=message.actor_name,
-                generation=generation,
-                fenced=False,  # a dedup lock fences nothing: no token kept per key
-            )
+        # A dedup lock fences nothing: no token kept per key.
+        stake = Stake(
+            key, holder, 1, policy.ttl_ms, info=message.actor_name, generation=generation, fenced=False
         )
+        result = backend.acquire(stake)
         self._deliver(broker, result.handoffs)
         if result.stale:
             execution_state(message).parked = True  # not a terminal event: the newer copy runs
@@ -172,12 +351,7 @@ class Deduplication(DedupSender):
             self._deliver(broker, cancelled.handoffs)
 
     def after_process_message(
-        self,
-        broker: Broker,
-        message: MessageProxy,
-        *,
-        result: Any = None,
-        exception: BaseException | None = None,
+        self, broker: Broker, message: MessageProxy, *, exception: BaseException | None = None, **_: Any
     ) -> None:
         options = message.options
         target = options.get("pipe_target")
@@ -186,7 +360,7 @@ class Deduplication(DedupSender):
             self._local.pipe_next = target.get("message_id")
         if LOCK_OPTION not in options:
             return  # not a holder (its lock and lease exist only with the option): nothing to release
-        will_retry = exception is not None and not message.failed and self._has_retries(broker)
+        will_retry = exception is not None and not message.failed and _has_retries(broker)
         self._finish(broker, message, terminal=not will_retry)
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
@@ -223,29 +397,75 @@ class Deduplication(DedupSender):
         guard = self.guard_of(message)
         if guard is not None and guard.policy.strategy == "until_expired":
             return
-        backend = self.backend(broker)
+        holder = message.message_id
         try:
-            released = backend.release(key, message.message_id, limit=1)
+            released = self.backend(broker).release(key, holder, limit=1)
         except BackendUnavailable:
             logger.error(
-                "Could not release dedup lock %r of %s: it lapses at its ttl.",
-                key,
-                message.message_id,
-                exc_info=True,
+                "Could not release dedup lock %r of %s: it lapses at its ttl.", key, holder, exc_info=True
             )
             return
         if not released.released:
-            logger.debug("Dedup lock %r of %s had lapsed before its release.", key, message.message_id)
+            logger.debug("Dedup lock %r of %s had lapsed before its release.", key, holder)
         self._deliver(broker, released.handoffs)
 
-    def _has_retries(self, broker: Broker) -> bool:
-        known = self._retries.get(id(broker))
-        if known is None:
-            known = self._retries[id(broker)] = any(isinstance(m, Retries) for m in broker.middleware)
-        return known
+
+def _has_retries(broker: Broker) -> bool:
+    return any(isinstance(m, Retries) for m in broker.middleware)
 
 
 def _started_without_lock(holder: str, key: str, holders: Sequence[str] | None) -> None:
     """Log that ``holder`` runs without its lock (``holders``: who holds it now, None: not asked)."""
     now = "" if holders is None else f" and {', '.join(holders) or 'nobody'} holds it now"
     logger.warning("Message %s starts without its dedup lock %r: it lapsed%s.", holder, key, now)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _LockTicket:
+    """The lock of one send: a pending lock (``claim``), confirmed in the background once pushed (or
+    parked by a slots guard: it will run), released if not."""
+
+    middleware: Deduplication
+    broker: Broker
+    claim: Claim
+    message: Message[Any]
+    policy: DedupPolicy
+    ttl_ms: int
+    pending: bool = True
+
+    def pushed(self) -> None:
+        if self.pending:
+            lapses_at = time.monotonic() + self.middleware.pending_ttl_ms / 1000
+            claim = self.claim
+            self.middleware._confirmer.add((claim.backend, claim.key, claim.holder, self.ttl_ms, lapses_at))
+
+    parked = pushed
+
+    def failed(self) -> None:
+        self.message.options.pop(LOCK_OPTION, None)
+        if self.pending:
+            self.middleware._deliver(self.broker, self.claim.release().handoffs)
+
+
+class _OneStepTicket(_LockTicket):
+    """The lock taken with the broker's push in one step (:meth:`GuardBackend.lock_and_enqueue`); where
+    the backend cannot decide in one step, a pending lock and the broker's own push."""
+
+    __slots__ = ()
+
+    def enqueue(
+        self, queue_name: str, message_id: str, data: bytes, push: Callable[[str, str, bytes], Any]
+    ) -> None:
+        """Lock and push ``data`` (the broker's own ``push`` if it takes two steps), or divert a duplicate."""
+        claim = self.claim
+        one = Enqueue(self.broker, queue_name, message_id, data)
+        result = claim.backend.lock_and_enqueue(
+            claim.key, claim.holder, ttl_ms=claim.ttl_ms, info=self.message.actor_name, push=one
+        )
+        if result is None:
+            self.claim = dataclasses.replace(claim, ttl_ms=self.middleware.pending_ttl_ms)
+            self.middleware._lock(self.broker, self.claim, self.message, self.policy)
+            self.pending = True
+            push(queue_name, message_id, data)
+        elif not result.acquired:
+            self.middleware._refused(self.broker, self.message, claim, result, self.policy)

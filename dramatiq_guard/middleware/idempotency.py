@@ -8,7 +8,6 @@ docs/ledger.md says which key a message gets, and why the actor's function is wr
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import functools
 import inspect
 import threading
@@ -23,7 +22,7 @@ from dramatiq.broker import MessageProxy
 
 from dramatiq_guard.bounds import MAX_RETENTION_MS
 from dramatiq_guard.errors import ConfigurationError, IdempotencyConflict, UnstorableResult
-from dramatiq_guard.keys import KeyResolver, canonical_json, digest, lone_surrogate
+from dramatiq_guard.keys import canonical_json, digest, lone_surrogate
 from dramatiq_guard.ledger.schema import DEFAULT_TABLE_NAME
 from dramatiq_guard.ledger.store import DEFAULT_RETENTION, Ledger
 from dramatiq_guard.middleware.base import GuardMiddleware
@@ -38,14 +37,6 @@ PERMANENT_ERRORS: tuple[type[BaseException], ...] = (IdempotencyConflict, Unstor
 _running: contextvars.ContextVar[MessageProxy | None] = contextvars.ContextVar(
     "dramatiq_guard_ledger_message", default=None
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class _LedgerActor:
-    name: str
-    policy: IdempotencyPolicy
-    resolver: KeyResolver | None  # None: each message is its own key
-    signature: inspect.Signature
 
 
 class Idempotency(GuardMiddleware[IdempotencyPolicy]):
@@ -87,15 +78,18 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
                 f"a dramatiq_guard.ledger.Ledger, or None"
             )
         self._ledger: Ledger | None = ledger if isinstance(ledger, Ledger) else None
-        self._engine_arg = None if isinstance(ledger, Ledger) else ledger
-        self._metadata = metadata
-        self._table_name = table_name
         # Refused now, not at the first message.
         duration_ms(retention, what="retention", allow_none=True, maximum=MAX_RETENTION_MS)
-        self._retention = retention
-        self._create_tables = create_tables
+        self._make_ledger = functools.partial(
+            Ledger,
+            None if isinstance(ledger, Ledger) else ledger,
+            metadata=metadata,
+            table_name=table_name or DEFAULT_TABLE_NAME,
+            retention=retention,
+            create_tables=create_tables,
+        )
         self._ledger_lock = threading.Lock()
-        self._actors: dict[str, _LedgerActor] = {}
+        self._signatures: dict[str, inspect.Signature] = {}
 
     @property
     def ledger(self) -> Ledger:
@@ -103,105 +97,67 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
         if self._ledger is None:
             with self._ledger_lock:
                 if self._ledger is None:
-                    self._ledger = Ledger(
-                        self._engine_arg,
-                        metadata=self._metadata,
-                        table_name=self._table_name or DEFAULT_TABLE_NAME,
-                        retention=self._retention,
-                        create_tables=self._create_tables,
-                    )
+                    self._ledger = self._make_ledger()
         return self._ledger
 
-    def attach(self, broker: Broker) -> None:
-        """Nothing to join: the ledger takes no part in enqueues."""
-
-    # --- declaration ----------------------------------------------------------------------
-
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
-        super().before_declare_actor(broker, actor)  # parses the option into self.guarded
-        guard = self.guarded.get(actor.actor_name)
-        if guard is None:
-            self._actors.pop(actor.actor_name, None)
+        super().before_declare_actor(broker, actor)  # parses the option into self.guard_lists
+        if not self.guards_actor(actor.actor_name):
             return
-        policy = guard.policy
-        resolver = guard.resolve_key if policy.key is not None else None
-        self._actors[actor.actor_name] = _LedgerActor(
-            actor.actor_name, policy, resolver, inspect.signature(actor.fn)
-        )
+        self._signatures[actor.actor_name] = inspect.signature(actor.fn)
         actor.options["throws"] = _with_permanent_errors(actor.options.get("throws"))
         if not getattr(actor.fn, "__dramatiq_guard_ledger__", False):
-            actor.fn = self._wrap(actor.actor_name, actor.fn)
+            fn, name = actor.fn, actor.actor_name
 
-    def _wrap(self, actor_name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def run_in_ledger(*args: Any, **kwargs: Any) -> Any:
-            return self._run(actor_name, fn, args, kwargs)
+            @functools.wraps(fn)
+            def run_in_ledger(*args: Any, **kwargs: Any) -> Any:
+                return self._run(name, fn, args, kwargs)
 
-        run_in_ledger.__dramatiq_guard_ledger__ = True  # type: ignore[attr-defined]
-        return run_in_ledger
-
-    # --- enqueue and execution ------------------------------------------------------------
+            run_in_ledger.__dramatiq_guard_ledger__ = True  # type: ignore[attr-defined]
+            actor.fn = run_in_ledger
 
     def before_enqueue(self, broker: Broker, message: Message[Any], delay: int | None) -> None:
         key = message.options.get(MESSAGE_OPTION)
         if key is None:
-            spec = self._actors.get(message.actor_name)
-            if spec is not None and spec.resolver is not None:
-                # Derived now, so arguments it cannot be derived from refuse the send (GuardKeyError),
-                # not the run.
-                spec.resolver(message.args, message.kwargs)
+            guard = self.guard_of(message)
+            if guard is not None and guard.policy.key is not None:
+                # Derived now, so arguments it cannot be derived from refuse the send, not the run.
+                guard.key_of(message)
             return
-        if message.actor_name in broker.actors and message.actor_name not in self._actors:
-            raise option_error(
-                message.actor_name,
-                MESSAGE_OPTION,
-                key,
-                f"the message carries an idempotency key but actor {message.actor_name!r} is not "
-                f"declared with idempotency_key= (declare it with idempotency_key=True to key its "
-                f"messages by this option)",
-            )
+        name = message.actor_name
+        if name in broker.actors and not self.guards_actor(name):
+            why = f"actor {name!r} is not declared with idempotency_key= (declare it with "
+            why += "idempotency_key=True to key its messages by this option)"
+            raise option_error(name, MESSAGE_OPTION, key, f"the message carries an idempotency key but {why}")
         if not isinstance(key, str) or not key or lone_surrogate(key):
-            raise option_error(
-                message.actor_name,
-                MESSAGE_OPTION,
-                key,
-                "a message's key must be a non-empty str of valid Unicode (no lone surrogates)",
-            )
+            why = "a message's key must be a non-empty str of valid Unicode (no lone surrogates)"
+            raise option_error(name, MESSAGE_OPTION, key, why)
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
-        if message.actor_name in self._actors:
+        if self.guards_actor(message.actor_name):
             _running.set(message)
 
-    def after_process_message(
-        self,
-        broker: Broker,
-        message: MessageProxy,
-        *,
-        result: Any = None,
-        exception: BaseException | None = None,
-    ) -> None:
-        self.after_skip_message(broker, message)
-
-    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+    def after_process_message(self, broker: Broker, message: MessageProxy, **_: Any) -> None:
         if _running.get() is message:
             _running.set(None)
+
+    after_skip_message = after_process_message
 
     def _run(
         self, actor_name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        spec = self._actors.get(actor_name)
-        if spec is None:  # the actor was redeclared without the option
+        guards = self.guard_lists.get(actor_name)
+        if not guards:  # the actor was redeclared without the option
             return fn(*args, **kwargs)
+        policy = guards[0].policy
         message = _running.get()
-        if message is not None and message.actor_name == actor_name:
-            holder = message.message_id
-            key = message.options.get(MESSAGE_OPTION)
-            if key is None:
-                key = spec.resolver(args, kwargs) if spec.resolver is not None else holder
-        else:  # a direct call of the actor: a message of its own
-            holder = f"call:{uuid.uuid4().hex}"
-            key = spec.resolver(args, kwargs) if spec.resolver is not None else holder
-        payload, fingerprint = _fingerprint(actor_name, spec.signature, args, kwargs)
+        if message is None or message.actor_name != actor_name:  # a direct call: a message of its own
+            holder, key = f"call:{uuid.uuid4().hex}", None
+        else:
+            holder, key = message.message_id, message.options.get(MESSAGE_OPTION)
+        if key is None:
+            key = guards[0].resolve_key(args, kwargs) if policy.key is not None else holder
+        payload, fingerprint = _fingerprint(actor_name, self._signatures[actor_name], args, kwargs)
         running = _running.set(None)  # a guarded actor called inside is a direct call
         try:
             return self.ledger.run(
@@ -211,7 +167,7 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
                 payload=payload,
                 fingerprint=fingerprint,
                 holder=holder,
-                retention_ms=spec.policy.retention_ms,
+                retention_ms=policy.retention_ms,
             )
         finally:
             _running.reset(running)
@@ -237,10 +193,5 @@ def _fingerprint(
 
 
 def _with_permanent_errors(throws: Any) -> tuple[type[BaseException], ...]:
-    if throws is None:
-        current: tuple[type[BaseException], ...] = ()
-    elif isinstance(throws, type):
-        current = (throws,)
-    else:
-        current = tuple(throws)
+    current: tuple[type[BaseException], ...] = (throws,) if isinstance(throws, type) else tuple(throws or ())
     return current + tuple(e for e in PERMANENT_ERRORS if e not in current)
