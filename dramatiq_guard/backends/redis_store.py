@@ -208,14 +208,9 @@ class RedisStore(GuardBackend):
         check_count(default_limit, "limit")
         return self.scripts[layout.SCRIPTS[type(own)]], self._keys(key), self._args(key, default_limit, *own)
 
-    def _run(
-        self, key: str, default_limit: int | None, own: tuple[Any, ...], extra_key: str | None = None
-    ) -> Any:
+    def _run(self, key: str, default_limit: int | None, own: tuple[Any, ...]) -> Any:
         """Run the per-key script whose own arguments are ``own``."""
-        script, keys, args = self._script_call(key, default_limit, own)
-        if extra_key is not None and not self._in_cluster():
-            keys.append(extra_key)
-        return self._call(script, keys, args)
+        return self._call(*self._script_call(key, default_limit, own))
 
     def _call(self, script: LuaScript, keys: list[str], args: list[Any]) -> Any:
         """Run one script; with replica waits, followed by a ``WAIT`` on its connection."""
