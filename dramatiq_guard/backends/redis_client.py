@@ -203,15 +203,8 @@ def _run_on_nodes(
             # Every node's calls run even if another node failed (a renewal batch must not leave the
             # leases of healthy nodes to lapse because one node is failing over); then it raises.
             try:
-                replies = _run_pipelined(
-                    client,
-                    library,
-                    target,
-                    [calls[i] for i in indices],
-                    zadd,
-                    replicas,
-                    moved_ok=attempt == 0,
-                )
+                mine = [calls[i] for i in indices]
+                replies = _run_pipelined(client, library, target, mine, zadd, replicas, moved_ok=attempt == 0)
             except BackendUnavailable as exc:
                 if not isinstance(exc, ReplicasBehind):  # the node is gone: ask the cluster again
                     with contextlib.suppress(*UNAVAILABLE):
@@ -263,16 +256,11 @@ def _run_pipelined(
     """One pipeline on ``target`` (then a second for calls missing their code); ``client`` loads it."""
     with reachable():
         results = _pipeline(library, target, calls, zadd_first, replicas)
-        missing = [
-            i
-            for i, result in enumerate(results)
-            if isinstance(result, redis.RedisError) and library.missing(result)
-        ]
+        missing = [i for i, r in enumerate(results) if isinstance(r, redis.RedisError) and library.missing(r)]
         if missing:
             library.load(client, [calls[i][0] for i in missing])
-            for i, result in zip(
-                missing, _pipeline(library, target, [calls[i] for i in missing], None, replicas), strict=True
-            ):
+            again = _pipeline(library, target, [calls[i] for i in missing], None, replicas)
+            for i, result in zip(missing, again, strict=True):
                 results[i] = result
     for result in results:
         if moved_ok and isinstance(result, (redis.exceptions.MovedError, redis.exceptions.AskError)):
