@@ -17,12 +17,8 @@ end
 -- value as a whole number from low to high, else nil: decimal digits, after a '-' at most (no '+',
 -- exponent, fraction, hex, blank, inf or nan: a limit is stored as given), or a number already parsed.
 local function whole_number(value, low, high)
-  local n = nil
-  if type(value) == 'string' then
-    n = #value <= 17 and string.match(value, '^%-?%d+$') and tonumber(value)
-  elseif type(value) == 'number' then
-    n = value
-  end
+  local n = type(value) == 'number' and value
+    or type(value) == 'string' and #value <= 17 and string.match(value, '^%-?%d+$') and tonumber(value)
   if n and n == n and n % 1 == 0 and n >= low and n <= high then
     return n
   end

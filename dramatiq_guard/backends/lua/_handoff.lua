@@ -160,11 +160,9 @@ local function requeue(lapsed)
       end
     end
   end
-  if #gone > 0 then
-    call_many('HDEL', R, gone)
-    call_many('ZADD', W, back)
-    mark_lapsed(gone)
-  end
+  call_many('HDEL', R, gone)
+  call_many('ZADD', W, back)
+  mark_lapsed(gone)
   return extra
 end
 
@@ -185,11 +183,9 @@ local function reclaim()
   end
   local reclaimed = #lapsed + requeue(lapsed)
   local dropped = redis.call('ZRANGEBYSCORE', D, '-inf', NOW)
-  if #dropped > 0 then
-    unset_ready(dropped)
-    call_many('ZREM', W, dropped)
-    call_many('HDEL', I, dropped)
-  end
+  unset_ready(dropped)
+  call_many('ZREM', W, dropped)
+  call_many('HDEL', I, dropped)
   local standbys = redis.call('ZRANGEBYSCORE', S, '-inf', NOW)
   if #standbys > 0 then
     call_many('ZREM', S, standbys)
@@ -199,12 +195,8 @@ local function reclaim()
       local list = payloads[i] and unconfirmed or gone
       list[#list + 1] = w
     end
-    if #gone > 0 then
-      call_many('ZREM', W, gone)
-    end
-    if #unconfirmed > 0 then
-      mark_lapsed(unconfirmed)
-    end
+    call_many('ZREM', W, gone)
+    mark_lapsed(unconfirmed)
   end
   return reclaimed
 end
@@ -223,7 +215,7 @@ local function choose(free, limit)
   for i = 1, #flat, 2 do
     members[#members + 1] = flat[i]
   end
-  local in_d = #members > 0 and call_many('ZMSCORE', D, members) or {}
+  local in_d = call_many('ZMSCORE', D, members)
   for i = 1, #flat, 2 do
     if in_d[(i + 1) / 2] then
       ready[#ready + 1] = { flat[i + 1], flat[i] }
@@ -285,9 +277,6 @@ local function handoff(limit, out)
   for i = 1, #heads, 2 do
     candidates[#candidates + 1] = heads[i]
   end
-  if #candidates == 0 then
-    return
-  end
   local payloads = call_many('HMGET', P, candidates)
   local routes = call_many('HMGET', M, prefixed('r:', candidates))
   local standbys = call_many('ZMSCORE', S, candidates)
@@ -318,13 +307,9 @@ local function handoff(limit, out)
     out[#out + 1] = w
     out[#out + 1], out[#out + 2] = hand_to(w, payloads[i])
   end
-  if #reserve > 0 then
-    call_many('HSET', R, reserve)
-  end
-  if #woken > 0 then
-    unset_ready(woken)
-    call_many('ZREM', S, woken)
-  end
+  call_many('HSET', R, reserve)
+  unset_ready(woken)
+  call_many('ZREM', S, woken)
   if TOKEN ~= nil then
     META_AT = store_token()
   end
@@ -344,7 +329,7 @@ local function send_ahead(count, out)
   end
   count = math.min(count, math.max(limit, MIN_STANDBY_WINDOW))
   local heads = redis.call('ZRANGE', W, 0, count - 1)
-  local sent = #heads > 0 and call_many('ZMSCORE', S, heads) or {}
+  local sent = call_many('ZMSCORE', S, heads)
   for i, w in ipairs(heads) do
     local payload = not sent[i] and redis.call('HGET', P, w)
     if payload and not foreign(redis.call('HGET', M, 'r:' .. w)) then
