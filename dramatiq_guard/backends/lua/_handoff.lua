@@ -51,17 +51,14 @@ end
 -- These waiters' hand-offs or sends lapsed unconfirmed: the copy of the generation in flight (M's
 -- 'g:<w>') may be on the broker, and is now the only one that may start.
 local function mark_lapsed(list)
-  local gens = call_many('HMGET', M, prefixed('g:', list))
-  local marked = false
+  local fields = prefixed('g:', list)
+  local gens = call_many('HMGET', M, fields)
   for i, w in ipairs(list) do
     if gens[i] then
       set_live_generation(w, gens[i])
-      marked = true
     end
   end
-  if marked then
-    call_many('HDEL', M, prefixed('g:', list))
-  end
+  call_many('HDEL', M, fields)
 end
 
 -- A new generation for w's hand-off or standby send: in flight in M, and in G if G has a record.
