@@ -277,16 +277,12 @@ class RedisStore(GuardBackend):
         each, own = layout.LAYOUTS["summaries"].each_keys, list(layout.SummariesArgs(first=max(waiters, 1)))
         calls = [(self.scripts["summaries"], [p + field for p in g for field in each], own) for g in groups]
         rows = [row for reply in run_scripts(self.client, self.scripts, calls) for row in reply]
-        firsts = []
-        for row in rows:
-            f = row[2][: 2 * waiters]
-            firsts.append([(text(f[i]), layout.since_ms(float(f[i + 1]))) for i in range(0, len(f), 2)])
+        firsts = [row[2][: 2 * waiters] for row in rows]  # waiter, place pairs
         with reachable():
             pipe = self.client.pipeline(transaction=False)
             for p, first in zip(prefixes, firsts, strict=True):
-                if first:
-                    pipe.hmget(p + "payloads", [w for w, _ in first])
-                    pipe.hmget(p + "info", [w for w, _ in first])
+                for field in ("payloads", "info") if first else ():
+                    pipe.hmget(p + field, first[::2])
             details: Iterator[Any] = iter(pipe.execute() if any(firsts) else ())
         summaries = []
         for key, (holders, count, oldest, reserved, limit, recorded, due, superseded), first in zip(
@@ -295,12 +291,12 @@ class RedisStore(GuardBackend):
             payloads, infos = (next(details), next(details)) if first else ((), ())
             peeks = tuple(
                 WaiterPeek(
-                    w,
-                    since,
+                    text(w),
+                    layout.since_ms(float(place)),
                     None if pay is None else data(pay),
                     None if info is None else (text(info).partition("|")[2] or None),
                 )
-                for (w, since), pay, info in zip(first, payloads, infos, strict=True)
+                for w, place, pay, info in zip(first[::2], first[1::2], payloads, infos, strict=True)
             )
             summaries.append(
                 KeySummary(
