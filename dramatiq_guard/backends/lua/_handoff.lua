@@ -184,17 +184,15 @@ local function reclaim()
   call_many('ZREM', W, dropped)
   call_many('HDEL', I, dropped)
   local standbys = redis.call('ZRANGEBYSCORE', S, '-inf', NOW)
-  if #standbys > 0 then
-    call_many('ZREM', S, standbys)
-    local payloads = call_many('HMGET', P, standbys)
-    local gone, unconfirmed = {}, {}
-    for i, w in ipairs(standbys) do
-      local list = payloads[i] and unconfirmed or gone
-      list[#list + 1] = w
-    end
-    call_many('ZREM', W, gone)
-    mark_lapsed(unconfirmed)
+  call_many('ZREM', S, standbys)
+  local payloads = call_many('HMGET', P, standbys)
+  local gone, unconfirmed = {}, {}
+  for i, w in ipairs(standbys) do
+    local list = payloads[i] and unconfirmed or gone
+    list[#list + 1] = w
   end
+  call_many('ZREM', W, gone)
+  mark_lapsed(unconfirmed)
   return reclaimed
 end
 

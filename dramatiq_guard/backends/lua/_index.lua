@@ -41,11 +41,10 @@ local function finish()
     QUEUED = true
   end
   local queued = PARKED or (QUEUED and redis.call('EXISTS', W, R) > 0)
-  if X and (QUEUED or SWEEPING) and not queued then
-    redis.call('ZREM', X, ARG_KEY)
-  end
   if X and queued then
     index_due()
+  elseif X and (QUEUED or SWEEPING) then
+    redis.call('ZREM', X, ARG_KEY)
   end
   if HN == 0 and not queued then
     if EXISTED or PARKED or not OWNED then
