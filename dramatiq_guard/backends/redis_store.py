@@ -243,12 +243,9 @@ class RedisStore(GuardBackend):
             if not stale:
                 return [k for k, _ in entries]
             pipe = self.client.pipeline(transaction=False)
-            for k in stale:
-                names = self._names(k)
-                pipe.zcard(names.waiters)
-                pipe.hlen(names.reserved)
-            counts = pipe.execute()
-            empty = [k for i, k in enumerate(stale) if counts[2 * i] == 0 and counts[2 * i + 1] == 0]
+            for names in map(self._names, stale):
+                pipe.exists(names.waiters, names.reserved)
+            empty = [k for k, found in zip(stale, pipe.execute(), strict=True) if not found]
         # The drop is conditional on the entry not refreshed meanwhile: a concurrent park keeps it.
         unindex, index = self.scripts["unindex"], [self._index]
         calls = [(unindex, index, list(layout.UnindexArgs(member=k, cutoff_ms=cutoff))) for k in empty]
