@@ -83,12 +83,9 @@ def data(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else value.encode("utf-8")
 
 
-class reachable:
+class reachable(contextlib.AbstractContextManager[None]):
     """``with reachable(): ...`` turns redis-py's connection-level errors into :class:`BackendUnavailable`,
     and a call the ACL user may not make (``NOPERM``) into :class:`BackendRefused` (it fails closed too)."""
-
-    def __enter__(self) -> None:
-        return None
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         if isinstance(exc, UNAVAILABLE):
