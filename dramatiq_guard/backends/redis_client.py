@@ -44,12 +44,10 @@ def timeouts_of(client: RedisClient) -> Timeouts:
         retry = None
     try:
         probe = connection_class(**kwargs)
-        socket_timeout = probe.socket_timeout
-        connect_timeout = probe.socket_connect_timeout
+        socket_timeout, connect_timeout = probe.socket_timeout, probe.socket_connect_timeout
         retry = retry or getattr(probe, "retry", None)
     except Exception:  # an exotic connection class: what the kwargs say
-        socket_timeout = kwargs.get("socket_timeout")
-        connect_timeout = kwargs.get("socket_connect_timeout")
+        socket_timeout, connect_timeout = kwargs.get("socket_timeout"), kwargs.get("socket_connect_timeout")
         retry = retry or kwargs.get("retry")
     retries, cap = 0, 0.0
     if retry is not None and any(
@@ -57,12 +55,8 @@ def timeouts_of(client: RedisClient) -> Timeouts:
     ):
         retries = int(getattr(retry, "_retries", 0))
         cap = float(getattr(getattr(retry, "_backoff", None), "_cap", 0.0) or 0.0)
-    return Timeouts(
-        None if socket_timeout is None else float(socket_timeout),
-        None if connect_timeout is None else float(connect_timeout),
-        retries,
-        cap,
-    )
+    socket_s, connect_s = (None if t is None else float(t) for t in (socket_timeout, connect_timeout))
+    return Timeouts(socket_s, connect_s, retries, cap)
 
 
 UNAVAILABLE: tuple[type[Exception], ...] = (

@@ -315,14 +315,10 @@ end
 -- route not sent yet gets a deadline in S and a generation; its waiter, payload, generation triple
 -- is appended to `out`.
 local function send_ahead(count, out)
-  if not (QUEUED and count > 0) then
+  if not (QUEUED and count > 0) or limit_in_force() <= 0 then
     return
   end
-  local limit = limit_in_force()
-  if limit <= 0 then
-    return
-  end
-  count = math.min(count, math.max(limit, MIN_STANDBY_WINDOW))
+  count = math.min(count, math.max(limit_in_force(), MIN_STANDBY_WINDOW))
   local heads = redis.call('ZRANGE', W, 0, count - 1)
   local sent = call_many('ZMSCORE', S, heads)
   for i, w in ipairs(heads) do
