@@ -171,12 +171,8 @@ class RedisBackend(RedisStore):
     ) -> AcquireResult | None:
         """Run ``lua/lock.lua`` (with ``push``: the broker's push too); None: not decided there."""
         check_ms(ttl_ms, "ttl_ms")
-        names = self._names(key)
         sent = time.monotonic()
-        keys, args = (
-            list(layout.lock_keys(names)),
-            [*layout.LockArgs(holder=holder, ttl_ms=ttl_ms, info=info)],
-        )
+        keys, args = list(layout.lock_keys(self._names(key))), [*layout.LockArgs(holder, ttl_ms, info)]
         if push is not None:
             keys += redis_enqueue.queue_keys(push.broker, push.queue_name)
             args += [push.message_id, push.data]

@@ -37,10 +37,8 @@ end
 -- is kept only for the copy that parked (its '~' prefix: its ack deletes it, forget_copy.lua).
 local function live_generation(w)
   local record = redis.call('GET', G .. ':' .. w)
-  if record and string.sub(record, 1, 1) == '~' then
-    return string.sub(record, 2), true
-  end
-  return record, false
+  local only_parked = record and string.sub(record, 1, 1) == '~' or false
+  return only_parked and string.sub(record, 2) or record, only_parked
 end
 
 -- From now on only `gen` of w's message may start ('parked': no copy on the broker), for STALE_TTL.
