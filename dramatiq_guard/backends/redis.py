@@ -93,14 +93,10 @@ class RedisBackend(RedisStore):
         """The acquires in one pipeline (one per node on a Redis Cluster)."""
         if not stakes:
             return []
-        calls = [
-            self._script_call(stake.key, stake.limit, self._acquire_args(stake, None)) for stake in stakes
-        ]
+        calls = [self._script_call(s.key, s.limit, self._acquire_args(s, None)) for s in stakes]
         sent = time.monotonic()
         replies = run_scripts(self.client, self.scripts, calls, replicas=self.replicas)
-        return [
-            self._acquire_reply(stake.key, reply, sent) for stake, reply in zip(stakes, replies, strict=True)
-        ]
+        return [self._acquire_reply(s.key, reply, sent) for s, reply in zip(stakes, replies, strict=True)]
 
     def reserve_and_enqueue(self, stake: Stake, push: Enqueue) -> AcquireResult | None:
         """``lua/acquire.lua`` with the push (on a standalone Redis only: the queue is in another slot)."""
