@@ -228,9 +228,8 @@ class ScriptLibrary:
 
         Only workers record themselves, in their namespace; a dead one counts until its record lapses.
         """
-        now = int(time.time() * 1000)
         found: dict[str, list[str]] = {}
-        for record in client.zrangebyscore(processes_key(namespace), now, "+inf"):
+        for record in client.zrangebyscore(processes_key(namespace), int(time.time() * 1000), "+inf"):
             library, _, process = (record.decode() if isinstance(record, bytes) else record).partition(" ")
             found.setdefault(library, []).append(process)
         return {library: sorted(processes) for library, processes in found.items()}

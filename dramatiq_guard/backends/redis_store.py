@@ -189,14 +189,13 @@ class RedisStore(GuardBackend):
 
     def _args(self, key: str, default_limit: int | None, *args: str | int | bytes) -> list[str | int | bytes]:
         """The ARGV of a per-key script: the values Python owns (``redis_layout.CallArgs``), then its own."""
-        limit: str | int = "" if default_limit is None else default_limit
         return [
             *layout.CallArgs(
                 wake=self._wake_prefix(key),
                 handoff_ttl_ms=self.handoff_ttl_ms,
                 wake_ttl_ms=self.wake_ttl_ms,
                 key=key,
-                default_limit=limit,
+                default_limit="" if default_limit is None else default_limit,
                 route=self.route,
                 stale_ttl_ms=self.stale_ttl_ms,
             ),
