@@ -30,16 +30,11 @@ class MemoryBackend(RedisBackend):
 
     Thread-safe; not shared across processes, nor with any other backend. Its clock is this
     process's wall clock. It has no server to check or watch, and no replicas: its hooks are
-    :class:`~dramatiq_guard.backends.GuardBackend`'s defaults.
-
-    Parameters:
-      namespace(str): The prefix of every key in its server.
-      **settings: ``handoff_ttl_ms``, ``max_payload_bytes``, ``stale_ttl_ms``, as for
-        :class:`~dramatiq_guard.backends.GuardBackend`.
+    :class:`~dramatiq_guard.backends.GuardBackend`'s defaults. ``namespace`` and ``settings`` are
+    :class:`~dramatiq_guard.backends.RedisBackend`'s.
 
     Raises:
       ConfigurationError: If fakeredis or lupa is not installed (the ``stub`` extra).
-      ValueError: If a setting is out of range.
     """
 
     check_health = GuardBackend.check_health

@@ -84,31 +84,20 @@ class RedisBackend(RedisStore):
     def acquire(self, stake: Stake, wait: Waiter | None = None) -> AcquireResult:
         own = self._acquire_args(stake, wait)
         key = stake.key
+        index = (self._index, key) if wait is not None and self._in_cluster() else None  # the entry first
         sent = time.monotonic()  # the result's valid_from: Redis counts the ttl from later
-        if wait is not None and self._in_cluster():  # the index entry first, in the same round trip
-            [reply] = run_scripts(
-                self.client,
-                self.scripts,
-                [self._script_call(key, stake.limit, own)],
-                zadd_first=(self._index, key),
-                replicas=self.replicas,
-            )
-        else:
-            reply = self._run(key, stake.limit, own)
+        call = self._script_call(key, stake.limit, own)
+        [reply] = run_scripts(self.client, self.scripts, [call], zadd_first=index, replicas=self.replicas)
         return self._acquire_reply(key, reply, sent)
 
     def acquire_many(self, stakes: Sequence[Stake]) -> list[AcquireResult]:
         """The acquires in one pipeline (one per node on a Redis Cluster)."""
         if not stakes:
             return []
-        calls = [
-            self._script_call(stake.key, stake.limit, self._acquire_args(stake, None)) for stake in stakes
-        ]
+        calls = [self._script_call(s.key, s.limit, self._acquire_args(s, None)) for s in stakes]
         sent = time.monotonic()
         replies = run_scripts(self.client, self.scripts, calls, replicas=self.replicas)
-        return [
-            self._acquire_reply(stake.key, reply, sent) for stake, reply in zip(stakes, replies, strict=True)
-        ]
+        return [self._acquire_reply(s.key, reply, sent) for s, reply in zip(stakes, replies, strict=True)]
 
     def reserve_and_enqueue(self, stake: Stake, push: Enqueue) -> AcquireResult | None:
         """``lua/acquire.lua`` with the push (on a standalone Redis only: the queue is in another slot)."""
@@ -179,12 +168,8 @@ class RedisBackend(RedisStore):
     ) -> AcquireResult | None:
         """Run ``lua/lock.lua`` (with ``push``: the broker's push too); None: not decided there."""
         check_ms(ttl_ms, "ttl_ms")
-        names = self._names(key)
         sent = time.monotonic()
-        keys, args = (
-            list(layout.lock_keys(names)),
-            [*layout.LockArgs(holder=holder, ttl_ms=ttl_ms, info=info)],
-        )
+        keys, args = list(layout.lock_keys(self._names(key))), [*layout.LockArgs(holder, ttl_ms, info)]
         if push is not None:
             keys += redis_enqueue.queue_keys(push.broker, push.queue_name)
             args += [push.message_id, push.data]
@@ -201,10 +186,7 @@ class RedisBackend(RedisStore):
         )
 
     def renew(self, key: str, holder: str, *, ttl_ms: int) -> bool:
-        check_ms(ttl_ms, "ttl_ms", minimum=0)
-        own = layout.LeaseArgs(holder=holder, ttl_ms=ttl_ms)
-        [renewed] = self._call(self.scripts["renew"], self._renew_keys(key), list(own))
-        return bool(renewed)
+        return self.renew_many([(key, holder, ttl_ms)])[0]
 
     def renew_many(self, leases: Sequence[tuple[str, str, int]]) -> list[bool]:
         """Up to :data:`RENEWALS_PER_CALL` leases per ``renew.lua`` call (on a Cluster: of one key)."""
@@ -217,7 +199,7 @@ class RedisBackend(RedisStore):
         ]
         calls: list[ScriptCall] = []
         for chunk in chunks:
-            keys = [name for i in chunk for name in self._renew_keys(leases[i][0])]
+            keys = [name for i in chunk for name in layout.lease_keys(self._names(leases[i][0]))]
             args = [arg for i in chunk for arg in layout.LeaseArgs(holder=leases[i][1], ttl_ms=leases[i][2])]
             calls.append((self.scripts["renew"], keys, args))
         renewed = [False] * len(leases)
@@ -226,9 +208,6 @@ class RedisBackend(RedisStore):
             for i, answer in zip(chunk, reply, strict=True):
                 renewed[i] = bool(answer)
         return renewed
-
-    def _renew_keys(self, key: str) -> list[str]:
-        return list(layout.lease_keys(self._names(key)))
 
     def release(self, key: str, holder: str, *, limit: int | None, send_ahead: int = 0) -> ReleaseResult:
         return release_of(key, self._call(*self._release_call(key, holder, limit, send_ahead)))
@@ -252,8 +231,7 @@ class RedisBackend(RedisStore):
         self, key: str, waiter_id: str, *, ttl_ms: int, generation: int | None = None
     ) -> bool:
         check_ms(ttl_ms, "ttl_ms")
-        gen = "" if generation is None else generation
-        own = layout.ConfirmHandoffArgs(waiter=waiter_id, ttl_ms=ttl_ms, generation=gen)
+        own = layout.ConfirmHandoffArgs(waiter_id, ttl_ms, "" if generation is None else generation)
         return bool(self._run(key, 0, own))
 
     def send_standbys(
@@ -321,8 +299,7 @@ class RedisBackend(RedisStore):
         self, key: str, waiter_id: str, *, limit: int | None, generation: int | None = None
     ) -> ReleaseResult:
         self._check_waiter(waiter_id)
-        gen = "" if generation is None else generation
-        own = layout.CancelWaitArgs(waiter=waiter_id, generation=gen)
+        own = layout.CancelWaitArgs(waiter_id, "" if generation is None else generation)
         return release_of(key, self._run(key, limit, own))
 
     def sweep(self, key: str, *, limit: int | None) -> ReleaseResult:
@@ -351,17 +328,17 @@ class RedisBackend(RedisStore):
         if limit is not None:
             check_count(limit, "limit")
         check_count(default, "default")
-        value = "" if limit is None else limit
+        own = layout.SetLimitArgs(limit="" if limit is None else limit)
         if not self._in_cluster():
-            own = layout.SetLimitArgs(limit=value)
-            return release_of(key, self._run(key, default, own, extra_key=self._limits_index))
+            script, keys, args = self._script_call(key, default, own)
+            return release_of(key, self._call(script, [*keys, self._limits_index], args))
         # On a cluster the index is in another slot: a key is indexed before its limit is set and
         # unindexed after it is cleared, so a limit is never left unindexed by a failure between.
         check_key(key)
         if limit is not None:
             with reachable():
                 self.client.sadd(self._limits_index, key)
-        result = release_of(key, self._run(key, default, layout.SetLimitArgs(limit=value)))
+        result = release_of(key, self._run(key, default, own))
         if limit is None:
             with reachable():
                 self.client.srem(self._limits_index, key)

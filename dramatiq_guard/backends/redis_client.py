@@ -44,12 +44,10 @@ def timeouts_of(client: RedisClient) -> Timeouts:
         retry = None
     try:
         probe = connection_class(**kwargs)
-        socket_timeout = probe.socket_timeout
-        connect_timeout = probe.socket_connect_timeout
+        socket_timeout, connect_timeout = probe.socket_timeout, probe.socket_connect_timeout
         retry = retry or getattr(probe, "retry", None)
     except Exception:  # an exotic connection class: what the kwargs say
-        socket_timeout = kwargs.get("socket_timeout")
-        connect_timeout = kwargs.get("socket_connect_timeout")
+        socket_timeout, connect_timeout = kwargs.get("socket_timeout"), kwargs.get("socket_connect_timeout")
         retry = retry or kwargs.get("retry")
     retries, cap = 0, 0.0
     if retry is not None and any(
@@ -57,12 +55,8 @@ def timeouts_of(client: RedisClient) -> Timeouts:
     ):
         retries = int(getattr(retry, "_retries", 0))
         cap = float(getattr(getattr(retry, "_backoff", None), "_cap", 0.0) or 0.0)
-    return Timeouts(
-        None if socket_timeout is None else float(socket_timeout),
-        None if connect_timeout is None else float(connect_timeout),
-        retries,
-        cap,
-    )
+    socket_s, connect_s = (None if t is None else float(t) for t in (socket_timeout, connect_timeout))
+    return Timeouts(socket_s, connect_s, retries, cap)
 
 
 UNAVAILABLE: tuple[type[Exception], ...] = (
@@ -83,12 +77,9 @@ def data(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else value.encode("utf-8")
 
 
-class reachable:
+class reachable(contextlib.AbstractContextManager[None]):
     """``with reachable(): ...`` turns redis-py's connection-level errors into :class:`BackendUnavailable`,
     and a call the ACL user may not make (``NOPERM``) into :class:`BackendRefused` (it fails closed too)."""
-
-    def __enter__(self) -> None:
-        return None
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         if isinstance(exc, UNAVAILABLE):
@@ -203,15 +194,8 @@ def _run_on_nodes(
             # Every node's calls run even if another node failed (a renewal batch must not leave the
             # leases of healthy nodes to lapse because one node is failing over); then it raises.
             try:
-                replies = _run_pipelined(
-                    client,
-                    library,
-                    target,
-                    [calls[i] for i in indices],
-                    zadd,
-                    replicas,
-                    moved_ok=attempt == 0,
-                )
+                mine = [calls[i] for i in indices]
+                replies = _run_pipelined(client, library, target, mine, zadd, replicas, moved_ok=attempt == 0)
             except BackendUnavailable as exc:
                 if not isinstance(exc, ReplicasBehind):  # the node is gone: ask the cluster again
                     with contextlib.suppress(*UNAVAILABLE):
@@ -263,16 +247,11 @@ def _run_pipelined(
     """One pipeline on ``target`` (then a second for calls missing their code); ``client`` loads it."""
     with reachable():
         results = _pipeline(library, target, calls, zadd_first, replicas)
-        missing = [
-            i
-            for i, result in enumerate(results)
-            if isinstance(result, redis.RedisError) and library.missing(result)
-        ]
+        missing = [i for i, r in enumerate(results) if isinstance(r, redis.RedisError) and library.missing(r)]
         if missing:
             library.load(client, [calls[i][0] for i in missing])
-            for i, result in zip(
-                missing, _pipeline(library, target, [calls[i] for i in missing], None, replicas), strict=True
-            ):
+            again = _pipeline(library, target, [calls[i] for i in missing], None, replicas)
+            for i, result in zip(missing, again, strict=True):
                 results[i] = result
     for result in results:
         if moved_ok and isinstance(result, (redis.exceptions.MovedError, redis.exceptions.AskError)):

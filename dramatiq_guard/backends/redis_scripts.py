@@ -142,15 +142,13 @@ class ScriptLibrary:
 
         A refusal of ``FCALL`` itself switches to scripts: the call is missing its script.
         """
-        if isinstance(error, NoScriptError):
-            return True
         message = str(error)
-        if isinstance(error, ResponseError) and message.startswith("Function not found"):
-            return True
         if _refuses_functions(error) and "fcall" in message.lower():
             self._use_scripts(message)
             return True
-        return False
+        return isinstance(error, NoScriptError) or (
+            isinstance(error, ResponseError) and message.startswith("Function not found")
+        )
 
     def load(self, client: Any, scripts: Iterable[LuaScript]) -> None:
         """Put the code of ``scripts`` on the server (``client``'s every primary): the whole library,
@@ -230,9 +228,8 @@ class ScriptLibrary:
 
         Only workers record themselves, in their namespace; a dead one counts until its record lapses.
         """
-        now = int(time.time() * 1000)
         found: dict[str, list[str]] = {}
-        for record in client.zrangebyscore(processes_key(namespace), now, "+inf"):
+        for record in client.zrangebyscore(processes_key(namespace), int(time.time() * 1000), "+inf"):
             library, _, process = (record.decode() if isinstance(record, bytes) else record).partition(" ")
             found.setdefault(library, []).append(process)
         return {library: sorted(processes) for library, processes in found.items()}

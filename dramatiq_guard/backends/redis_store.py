@@ -189,14 +189,13 @@ class RedisStore(GuardBackend):
 
     def _args(self, key: str, default_limit: int | None, *args: str | int | bytes) -> list[str | int | bytes]:
         """The ARGV of a per-key script: the values Python owns (``redis_layout.CallArgs``), then its own."""
-        limit: str | int = "" if default_limit is None else default_limit
         return [
             *layout.CallArgs(
                 wake=self._wake_prefix(key),
                 handoff_ttl_ms=self.handoff_ttl_ms,
                 wake_ttl_ms=self.wake_ttl_ms,
                 key=key,
-                default_limit=limit,
+                default_limit="" if default_limit is None else default_limit,
                 route=self.route,
                 stale_ttl_ms=self.stale_ttl_ms,
             ),
@@ -208,14 +207,9 @@ class RedisStore(GuardBackend):
         check_count(default_limit, "limit")
         return self.scripts[layout.SCRIPTS[type(own)]], self._keys(key), self._args(key, default_limit, *own)
 
-    def _run(
-        self, key: str, default_limit: int | None, own: tuple[Any, ...], extra_key: str | None = None
-    ) -> Any:
+    def _run(self, key: str, default_limit: int | None, own: tuple[Any, ...]) -> Any:
         """Run the per-key script whose own arguments are ``own``."""
-        script, keys, args = self._script_call(key, default_limit, own)
-        if extra_key is not None and not self._in_cluster():
-            keys.append(extra_key)
-        return self._call(script, keys, args)
+        return self._call(*self._script_call(key, default_limit, own))
 
     def _call(self, script: LuaScript, keys: list[str], args: list[Any]) -> Any:
         """Run one script; with replica waits, followed by a ``WAIT`` on its connection."""
@@ -248,12 +242,9 @@ class RedisStore(GuardBackend):
             if not stale:
                 return [k for k, _ in entries]
             pipe = self.client.pipeline(transaction=False)
-            for k in stale:
-                names = self._names(k)
-                pipe.zcard(names.waiters)
-                pipe.hlen(names.reserved)
-            counts = pipe.execute()
-            empty = [k for i, k in enumerate(stale) if counts[2 * i] == 0 and counts[2 * i + 1] == 0]
+            for names in map(self._names, stale):
+                pipe.exists(names.waiters, names.reserved)
+            empty = [k for k, found in zip(stale, pipe.execute(), strict=True) if not found]
         # The drop is conditional on the entry not refreshed meanwhile: a concurrent park keeps it.
         unindex, index = self.scripts["unindex"], [self._index]
         calls = [(unindex, index, list(layout.UnindexArgs(member=k, cutoff_ms=cutoff))) for k in empty]
@@ -282,16 +273,12 @@ class RedisStore(GuardBackend):
         each, own = layout.LAYOUTS["summaries"].each_keys, list(layout.SummariesArgs(first=max(waiters, 1)))
         calls = [(self.scripts["summaries"], [p + field for p in g for field in each], own) for g in groups]
         rows = [row for reply in run_scripts(self.client, self.scripts, calls) for row in reply]
-        firsts = []
-        for row in rows:
-            f = row[2][: 2 * waiters]
-            firsts.append([(text(f[i]), layout.since_ms(float(f[i + 1]))) for i in range(0, len(f), 2)])
+        firsts = [row[2][: 2 * waiters] for row in rows]  # waiter, place pairs
         with reachable():
             pipe = self.client.pipeline(transaction=False)
             for p, first in zip(prefixes, firsts, strict=True):
-                if first:
-                    pipe.hmget(p + "payloads", [w for w, _ in first])
-                    pipe.hmget(p + "info", [w for w, _ in first])
+                for field in ("payloads", "info") if first else ():
+                    pipe.hmget(p + field, first[::2])
             details: Iterator[Any] = iter(pipe.execute() if any(firsts) else ())
         summaries = []
         for key, (holders, count, oldest, reserved, limit, recorded, due, superseded), first in zip(
@@ -300,12 +287,12 @@ class RedisStore(GuardBackend):
             payloads, infos = (next(details), next(details)) if first else ((), ())
             peeks = tuple(
                 WaiterPeek(
-                    w,
-                    since,
+                    text(w),
+                    layout.since_ms(float(place)),
                     None if pay is None else data(pay),
                     None if info is None else (text(info).partition("|")[2] or None),
                 )
-                for (w, since), pay, info in zip(first, payloads, infos, strict=True)
+                for w, place, pay, info in zip(first[::2], first[1::2], payloads, infos, strict=True)
             )
             summaries.append(
                 KeySummary(

@@ -37,10 +37,8 @@ end
 -- is kept only for the copy that parked (its '~' prefix: its ack deletes it, forget_copy.lua).
 local function live_generation(w)
   local record = redis.call('GET', G .. ':' .. w)
-  if record and string.sub(record, 1, 1) == '~' then
-    return string.sub(record, 2), true
-  end
-  return record, false
+  local only_parked = record and string.sub(record, 1, 1) == '~' or false
+  return only_parked and string.sub(record, 2) or record, only_parked
 end
 
 -- From now on only `gen` of w's message may start ('parked': no copy on the broker), for STALE_TTL.
@@ -51,17 +49,14 @@ end
 -- These waiters' hand-offs or sends lapsed unconfirmed: the copy of the generation in flight (M's
 -- 'g:<w>') may be on the broker, and is now the only one that may start.
 local function mark_lapsed(list)
-  local gens = call_many('HMGET', M, prefixed('g:', list))
-  local marked = false
+  local fields = prefixed('g:', list)
+  local gens = call_many('HMGET', M, fields)
   for i, w in ipairs(list) do
     if gens[i] then
       set_live_generation(w, gens[i])
-      marked = true
     end
   end
-  if marked then
-    call_many('HDEL', M, prefixed('g:', list))
-  end
+  call_many('HDEL', M, fields)
 end
 
 -- A new generation for w's hand-off or standby send: in flight in M, and in G if G has a record.
@@ -160,11 +155,9 @@ local function requeue(lapsed)
       end
     end
   end
-  if #gone > 0 then
-    call_many('HDEL', R, gone)
-    call_many('ZADD', W, back)
-    mark_lapsed(gone)
-  end
+  call_many('HDEL', R, gone)
+  call_many('ZADD', W, back)
+  mark_lapsed(gone)
   return extra
 end
 
@@ -185,27 +178,19 @@ local function reclaim()
   end
   local reclaimed = #lapsed + requeue(lapsed)
   local dropped = redis.call('ZRANGEBYSCORE', D, '-inf', NOW)
-  if #dropped > 0 then
-    unset_ready(dropped)
-    call_many('ZREM', W, dropped)
-    call_many('HDEL', I, dropped)
-  end
+  unset_ready(dropped)
+  call_many('ZREM', W, dropped)
+  call_many('HDEL', I, dropped)
   local standbys = redis.call('ZRANGEBYSCORE', S, '-inf', NOW)
-  if #standbys > 0 then
-    call_many('ZREM', S, standbys)
-    local payloads = call_many('HMGET', P, standbys)
-    local gone, unconfirmed = {}, {}
-    for i, w in ipairs(standbys) do
-      local list = payloads[i] and unconfirmed or gone
-      list[#list + 1] = w
-    end
-    if #gone > 0 then
-      call_many('ZREM', W, gone)
-    end
-    if #unconfirmed > 0 then
-      mark_lapsed(unconfirmed)
-    end
+  call_many('ZREM', S, standbys)
+  local payloads = call_many('HMGET', P, standbys)
+  local gone, unconfirmed = {}, {}
+  for i, w in ipairs(standbys) do
+    local list = payloads[i] and unconfirmed or gone
+    list[#list + 1] = w
   end
+  call_many('ZREM', W, gone)
+  mark_lapsed(unconfirmed)
   return reclaimed
 end
 
@@ -223,7 +208,7 @@ local function choose(free, limit)
   for i = 1, #flat, 2 do
     members[#members + 1] = flat[i]
   end
-  local in_d = #members > 0 and call_many('ZMSCORE', D, members) or {}
+  local in_d = call_many('ZMSCORE', D, members)
   for i = 1, #flat, 2 do
     if in_d[(i + 1) / 2] then
       ready[#ready + 1] = { flat[i + 1], flat[i] }
@@ -285,9 +270,6 @@ local function handoff(limit, out)
   for i = 1, #heads, 2 do
     candidates[#candidates + 1] = heads[i]
   end
-  if #candidates == 0 then
-    return
-  end
   local payloads = call_many('HMGET', P, candidates)
   local routes = call_many('HMGET', M, prefixed('r:', candidates))
   local standbys = call_many('ZMSCORE', S, candidates)
@@ -318,13 +300,9 @@ local function handoff(limit, out)
     out[#out + 1] = w
     out[#out + 1], out[#out + 2] = hand_to(w, payloads[i])
   end
-  if #reserve > 0 then
-    call_many('HSET', R, reserve)
-  end
-  if #woken > 0 then
-    unset_ready(woken)
-    call_many('ZREM', S, woken)
-  end
+  call_many('HSET', R, reserve)
+  unset_ready(woken)
+  call_many('ZREM', S, woken)
   if TOKEN ~= nil then
     META_AT = store_token()
   end
@@ -335,16 +313,12 @@ end
 -- route not sent yet gets a deadline in S and a generation; its waiter, payload, generation triple
 -- is appended to `out`.
 local function send_ahead(count, out)
-  if not (QUEUED and count > 0) then
+  if not (QUEUED and count > 0) or limit_in_force() <= 0 then
     return
   end
-  local limit = limit_in_force()
-  if limit <= 0 then
-    return
-  end
-  count = math.min(count, math.max(limit, MIN_STANDBY_WINDOW))
+  count = math.min(count, math.max(limit_in_force(), MIN_STANDBY_WINDOW))
   local heads = redis.call('ZRANGE', W, 0, count - 1)
-  local sent = #heads > 0 and call_many('ZMSCORE', S, heads) or {}
+  local sent = call_many('ZMSCORE', S, heads)
   for i, w in ipairs(heads) do
     local payload = not sent[i] and redis.call('HGET', P, w)
     if payload and not foreign(redis.call('HGET', M, 'r:' .. w)) then

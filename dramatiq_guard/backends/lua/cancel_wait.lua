@@ -9,18 +9,16 @@ local leaves = generation == ''
   or (QUEUED and redis.call('HGET', M, 'g:' .. waiter) == generation
     and (redis.call('HEXISTS', R, waiter) == 1 or redis.call('ZSCORE', S, waiter)))
 if leaves then
-  if holds(waiter) then
-    released = 1
+  released = holds(waiter) and 1 or 0
+  if released == 1 then
     drop_holders({ waiter })
+    redis.call('DEL', ARG_WAKE .. waiter)
+  else
+    redis.call('HDEL', I, waiter)
   end
   if QUEUED then
     dequeue(waiter)
     redis.call('HDEL', R, waiter)
-  end
-  if released == 1 then
-    redis.call('DEL', ARG_WAKE .. waiter)
-  else
-    redis.call('HDEL', I, waiter)
   end
 end
 local handoffs = {}

@@ -10,8 +10,7 @@ local function queued(k)
 end
 local _, now = server_time()
 local indexed = redis.call('ZRANGE', X, 0, -1)
-local seen = {}
-local vanished, payloads, unindexed = {}, {}, {}
+local seen, vanished, payloads, unindexed = {}, {}, {}, {}
 for _, k in ipairs(indexed) do
   seen[k] = true
   if not queued(k) then

@@ -1,10 +1,7 @@
 -- inspect(waiters) -> {holders+deadlines, waiters+places, parked flags, reserved, limit, token, info}.
 -- Read only. waiters: how many of the first waiters, '' for all (the one O(n) read of a queue).
 local last = waiters == '' and -1 or tonumber(waiters) - 1
-local queue = {}
-if last >= 0 or waiters == '' then
-  queue = redis.call('ZRANGE', W, 0, last, 'WITHSCORES')
-end
+local queue = (last >= 0 or waiters == '') and redis.call('ZRANGE', W, 0, last, 'WITHSCORES') or {}
 local parked = {}
 for i = 1, #queue, 2 do
   parked[#parked + 1] = redis.call('HEXISTS', P, queue[i])

@@ -1,7 +1,7 @@
 -- renew(holder_1, ttl_ms_1, holder_2, ttl_ms_2, ...) -> {1 or 0, ...}: per lease, 1 if renewed, 0 if
 -- the holder no longer holds (a lapsed entry is left to reclaim, never revived). Without the
 -- prelude; keeps its invariant: H, T and I expire no earlier than the largest deadline in H
--- (PEXPIREAT GT; before Redis 7, from the latest deadline). Every lease is checked before a write.
+-- (expire_later). Every lease is checked before a write.
 local count = #ARGV / ARGV_PER_LEASE
 if count % 1 ~= 0 or #KEYS ~= count * KEYS_PER_LEASE then
   return redis.error_reply(
@@ -16,6 +16,14 @@ for n = 1, count do
   end
 end
 local _, now = server_time()
+
+-- PEXPIREAT key at GT; before Redis 7 (no GT), only if key's TTL ends sooner.
+local function expire_later(key, at)
+  local reply = redis.pcall('PEXPIREAT', key, at, 'GT')
+  if type(reply) == 'table' and reply.err and redis.call('PTTL', key) < at - now then
+    redis.call('PEXPIREAT', key, at)
+  end
+end
 
 local function renew(H, T, I, holder, ttl)
   local deadline = redis.call('ZSCORE', H, holder)
@@ -32,19 +40,9 @@ local function renew(H, T, I, holder, ttl)
     end
     return 1
   end
-  local reply = redis.pcall('PEXPIREAT', H, at, 'GT')
-  if type(reply) == 'table' and reply.err then
-    local last = redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')
-    at = math.max(at, tonumber(last[2] or '0'))
-    redis.call('PEXPIREAT', H, at)
-    if redis.call('PTTL', T) < at - now then
-      redis.call('PEXPIREAT', T, at)
-    end
-    redis.call('PEXPIREAT', I, at)
-    return 1
-  end
-  redis.call('PEXPIREAT', T, at, 'GT')
-  redis.call('PEXPIREAT', I, at, 'GT')
+  expire_later(H, at)
+  expire_later(T, at)
+  expire_later(I, at)
   return 1
 end
 

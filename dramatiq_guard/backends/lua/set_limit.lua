@@ -3,16 +3,12 @@ OWNED = true
 reclaim()
 if limit == '' then
   redis.call('DEL', L)
-  LIMIT = default_limit()
-  if LIMITS then
-    redis.call('SREM', LIMITS, ARG_KEY)
-  end
 else
   redis.call('SET', L, limit)
-  LIMIT = tonumber(limit)
-  if LIMITS then
-    redis.call('SADD', LIMITS, ARG_KEY)
-  end
+end
+LIMIT = limit == '' and default_limit() or tonumber(limit)
+if LIMITS then
+  redis.call(limit == '' and 'SREM' or 'SADD', LIMITS, ARG_KEY)
 end
 local handoffs = {}
 handoff(LIMIT, handoffs)

@@ -16,20 +16,17 @@ if op == 'send' then
   finish()
   return { handoffs, sent }
 end
-local ttl = tonumber(ttl_ms)
 local held = 0
 local in_flight = QUEUED and redis.call('HGET', M, 'g:' .. waiter)
 if generation ~= '' and in_flight and in_flight ~= generation then
-  finish()
-  return 0
-end
-if QUEUED and redis.call('HGET', P, waiter) == payload then
+  -- an older generation's confirmation changes nothing
+elseif QUEUED and redis.call('HGET', P, waiter) == payload then
   if redis.call('HDEL', R, waiter) == 1 then
-    set_holders({ NOW + ttl, waiter })
+    set_holders({ NOW + tonumber(ttl_ms), waiter })
     forget(waiter)
     held = 1
   elseif redis.call('ZSCORE', S, waiter) then
-    add_deadline(S, NOW + ttl, waiter)
+    add_deadline(S, NOW + tonumber(ttl_ms), waiter)
     redis.call('HDEL', P, waiter)
     redis.call('HDEL', M, 'g:' .. waiter)
     held = 1
