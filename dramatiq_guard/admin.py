@@ -19,7 +19,6 @@ from dramatiq_guard.bounds import MAX_COUNT
 if TYPE_CHECKING:
     from dramatiq import Broker
 
-    from dramatiq_guard.backends.redis import RedisBackend
     from dramatiq_guard.ledger import Ledger
 
 #: The kinds of guard keys, by the prefix the middlewares give them.
@@ -62,19 +61,6 @@ def describe_pending(pending: dict[str, Any] | None) -> str:
         f"pending run {pending['id'] or '?'}{actor} due in {format_ms(pending['due_in_ms'])}"
         f" (at {format_time(pending['due_ms'])}), {pending['superseded']} send(s) superseded in this burst"
     )
-
-
-def open_backend(redis: Any, namespace: str) -> RedisBackend:
-    """The backend on ``redis``, a redis-py client or a URL (None: ``DRAMATIQ_GUARD_REDIS_URL``, else
-    ``redis://localhost:6379/0``): the command's and the dashboard's."""
-    from dramatiq_guard.backends.redis import RedisBackend
-    from dramatiq_guard.resolve import DEFAULT_REDIS_URL, REDIS_URL_ENV
-
-    if redis is None or isinstance(redis, str):
-        return RedisBackend.from_url(
-            redis or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL, namespace=namespace
-        )
-    return RedisBackend(redis, namespace=namespace)
 
 
 def parse_limit(text: str) -> int | None:

@@ -13,12 +13,15 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dramatiq import Broker
 
 from dramatiq_guard.backends.base import GuardBackend
 from dramatiq_guard.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from dramatiq_guard.backends.redis import RedisBackend
 
 REDIS_URL_ENV = "DRAMATIQ_GUARD_REDIS_URL"
 #: The Redis of the command and the dashboard when neither names one.
@@ -47,6 +50,18 @@ def backend_from(redis: Any) -> GuardBackend:
         f"redis={redis!r} is not usable: pass a redis-py Redis or RedisCluster client, "
         f"a redis:// URL, a dramatiq_guard GuardBackend, or None to let the broker decide"
     )
+
+
+def open_backend(redis: Any, namespace: str) -> RedisBackend:
+    """The Redis backend on ``redis``, a redis-py client or a URL (None: ``DRAMATIQ_GUARD_REDIS_URL``,
+    else ``redis://localhost:6379/0``), in ``namespace``: the command's and the dashboard's."""
+    from dramatiq_guard.backends.redis import RedisBackend
+
+    if redis is None or isinstance(redis, str):
+        return RedisBackend.from_url(
+            redis or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL, namespace=namespace
+        )
+    return RedisBackend(redis, namespace=namespace)
 
 
 def resolve_backend(broker: Broker, redis: Any = None) -> GuardBackend:

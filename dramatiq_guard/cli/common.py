@@ -7,9 +7,9 @@ import os
 import re
 from typing import TYPE_CHECKING, Any, TextIO
 
-from dramatiq_guard.admin import open_backend, parse_limit
+from dramatiq_guard.admin import parse_limit
 from dramatiq_guard.bounds import MAX_COUNT, MAX_RETENTION_MS
-from dramatiq_guard.resolve import DEFAULT_REDIS_URL, REDIS_URL_ENV
+from dramatiq_guard.resolve import DEFAULT_REDIS_URL, REDIS_URL_ENV, open_backend
 
 if TYPE_CHECKING:
     from dramatiq_guard.backends.redis import RedisBackend

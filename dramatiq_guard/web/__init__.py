@@ -76,7 +76,9 @@ def make_app(
     """
     access, page = settings_of(access, page, deprecated)
     if backend is None:
-        backend = admin.open_backend(redis, namespace)
+        from dramatiq_guard.resolve import open_backend
+
+        backend = open_backend(redis, namespace)
     requeue = admin.broker_requeue(broker, backend)
     if isinstance(ledger, str):
         from dramatiq_guard.ledger import Ledger

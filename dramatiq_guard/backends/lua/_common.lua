@@ -14,17 +14,20 @@ local function server_time()
   return us, math.floor(us / 1000)
 end
 
--- nil, or an error reply naming the first {name, value, low, high} whose value is not a whole
--- number from low to high: decimal digits, after a '-' at most (no '+', exponent, fraction, hex,
--- blank, inf or nan: a limit is stored as given), or a number already parsed.
+-- value as a whole number from low to high, else nil: decimal digits, after a '-' at most (no '+',
+-- exponent, fraction, hex, blank, inf or nan: a limit is stored as given), or a number already parsed.
+local function whole_number(value, low, high)
+  local n = type(value) == 'number' and value
+    or type(value) == 'string' and #value <= 17 and string.match(value, '^%-?%d+$') and tonumber(value)
+  return n and n == n and n % 1 == 0 and n >= low and n <= high and n or nil
+end
+
+-- nil, or an error reply naming the first {name, value, low, high} not a whole number in range.
 local function refusal(checks)
   for _, check in ipairs(checks) do
-    local value, low, high = check[2], check[3], check[4]
-    local n = type(value) == 'number' and value
-      or type(value) == 'string' and #value <= 17 and string.match(value, '^%-?%d+$') and tonumber(value)
-    if not (n and n == n and n % 1 == 0 and n >= low and n <= high) then
+    if whole_number(check[2], check[3], check[4]) == nil then
       return redis.error_reply(
-        check[1] .. ' must be an integer from ' .. fmt(low) .. ' to ' .. fmt(high) .. ', got ' .. tostring(value)
+        check[1] .. ' must be an integer from ' .. fmt(check[3]) .. ' to ' .. fmt(check[4]) .. ', got ' .. tostring(check[2])
       )
     end
   end

@@ -31,7 +31,7 @@ local function index_due()
 end
 
 -- With no holder, waiter nor reservation left, drop all state but L, G and T (which expire by
--- themselves) and K's entry in X (a sweep drops one left from before too); else make H, T and I expire with the last holder (H and I
+-- themselves) and K's entry in X; else make H, T and I expire with the last holder (H and I
 -- sooner too, when the latest deadline went down).
 local function finish()
   if not OWNED then
@@ -43,7 +43,7 @@ local function finish()
   local queued = PARKED or (QUEUED and redis.call('EXISTS', W, R) > 0)
   if X and queued then
     index_due()
-  elseif X and (QUEUED or SWEEPING) then
+  elseif X and QUEUED then
     redis.call('ZREM', X, ARG_KEY)
   end
   if HN == 0 and not queued then
