@@ -82,7 +82,7 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         self.keys: KeyDirectory[P] = KeyDirectory(self.prefix, self.guard_lists)
         # Messages holding a slot here (Retries' re-enqueue passes): the holding copy's state, by id.
         self._inflight: dict[str, ExecutionState] = {}
-        self._inflight_lock = threading.Condition()  # notified when a message leaves _inflight
+        self._inflight_lock = threading.Lock()
         self._couriers: dict[int, Courier] = {}
         self._sweeper: Sweeper | None = None
         self._releaser: Releaser | None = None
@@ -107,10 +107,9 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         return message.message_id
 
     def _forget(self, message: Message[Any] | MessageProxy) -> None:
-        """``message`` holds no slot here any more: wake a copy of it waiting for that (``_let_go_here``)."""
+        """``message`` holds no slot here any more."""
         with self._inflight_lock:
             self._inflight.pop(message.message_id, None)
-            self._inflight_lock.notify_all()
 
     def count_drop(self) -> None:
         """Count a message dropped because its key was held (:class:`~dramatiq_guard.Mutex`)."""

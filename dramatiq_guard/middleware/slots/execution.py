@@ -14,11 +14,19 @@ from dramatiq.middleware import SkipMessage
 
 from dramatiq_guard import events
 from dramatiq_guard.context import current_lease_var
+from dramatiq_guard.delivery import GENERATIONS_OPTION
 from dramatiq_guard.errors import GuardError
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.base import ExecutionState
 
 logger = logging.getLogger("dramatiq_guard.middleware.slots")
+
+#: The first deferral of a hand-off's copy refused as running (doubled per deferral in a row), and
+#: what is added to the time until the entry in the way of another copy lapses (on a server clock a
+#: little ahead, it has lapsed by the time the copy asks again).
+DEFERRAL_MARGIN_MS = 100
+#: Message option: how many times in a row a hand-off's copy was deferred (see :func:`defer_second_copy`).
+DEFERRALS_OPTION = "guard_deferrals"
 
 
 @dataclasses.dataclass
@@ -40,6 +48,7 @@ class NotRun:
 def hold(message: MessageProxy, state: ExecutionState, option: str, lease: Lease) -> None:
     """Record that this execution holds ``lease``, and expose it as ``current_lease()``."""
     state.data[option] = Held(lease, current_lease_var.set(lease))
+    message.options.pop(DEFERRALS_OPTION, None)
     events.acquired(message.actor_name, lease.key)
 
 
@@ -85,16 +94,25 @@ def skip_stale(message: MessageProxy, state: ExecutionState, option: str, key: s
 
 
 def defer_second_copy(
-    broker: Broker, message: MessageProxy, state: ExecutionState, option: str, key: str, delay_ms: int
+    broker: Broker, message: MessageProxy, state: ExecutionState, option: str, key: str, *, lapse_ms: int
 ) -> NoReturn:
-    """Skip this copy and send the message again in ``delay_ms``: another copy of it holds ``key``
-    (docs/slots.md, "Execution"). No retry is consumed and no result stored.
+    """Skip this copy and send the message again: another copy of it holds ``key`` (docs/slots.md,
+    "Execution"). No retry is consumed and no result stored. It comes back in ``lapse_ms`` (when the
+    entry in its way lapses), but a hand-off's copy (it carries the generation of another key) sooner:
+    the copy in its way was parked at pickup by a later guard and is letting go of ``key`` (or died),
+    so it comes back in ``DEFERRAL_MARGIN_MS``, doubled per deferral in a row, at most ``lapse_ms``.
 
     Raises:
       SkipMessage: The message was sent again.
       GuardError: The push failed (a MiddlewareError, so the actor does not run: Retries
         retries this copy, as any failure).
     """
+    delay_ms, generations = lapse_ms, message.options.get(GENERATIONS_OPTION)
+    if isinstance(generations, dict) and set(generations) - {key}:
+        deferrals = message.options.get(DEFERRALS_OPTION)
+        deferrals = min(deferrals, 16) if isinstance(deferrals, int) and deferrals > 0 else 0
+        delay_ms = min(lapse_ms, DEFERRAL_MARGIN_MS << deferrals)
+        message.options[DEFERRALS_OPTION] = deferrals + 1
     try:
         broker.enqueue(message, delay=delay_ms)  # type: ignore[arg-type]  # the proxy, as Retries does
     except Exception as e:
@@ -104,7 +122,7 @@ def defer_second_copy(
     _not_terminal(message, state, option, NotRun("deferred", key))
     logger.warning(
         "Deferred %s by %d ms: another copy of it holds %r (the broker delivered it again while it "
-        "runs, or after its worker died and before its lease lapsed).",
+        "runs, or after its worker died and before its lease lapsed, or it lets go after a park).",
         message,
         delay_ms,
         key,

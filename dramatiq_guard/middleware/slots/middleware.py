@@ -25,6 +25,7 @@ from dramatiq_guard.lease import Lease, runner_id
 from dramatiq_guard.middleware.base import ActorGuard, ExecutionState, execution_state, fail_open
 from dramatiq_guard.middleware.slots.base import P, SlotsBase, acquire_all, composed
 from dramatiq_guard.middleware.slots.execution import (
+    DEFERRAL_MARGIN_MS,
     NotRun,
     defer_second_copy,
     hold,
@@ -40,10 +41,6 @@ from dramatiq_guard.middleware.sweep import join_sweep, leave_sweep
 from dramatiq_guard.policies import OnBusy
 
 logger = logging.getLogger("dramatiq_guard.middleware.slots")
-
-#: Added to the time a copy refused as running waits (see ``_deferral_ms``): the entry in its way
-#: has lapsed by the time it asks again, on a server clock a little ahead.
-DEFERRAL_MARGIN_MS = 100
 
 
 class SlotsMiddleware(SlotsBase[P], Generic[P]):
@@ -160,13 +157,11 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         limit = self.default_limit(guard)
         on_busy = self.on_busy(guard.policy)
         result = self._acquire(broker, message, guard, key, limit, on_busy)
-        if result is not None and result.running and self._let_go_here(message, guard, result):
-            result = self._acquire(broker, message, guard, key, limit, on_busy)
         if result is None:
             return  # the backend is unavailable and the policy fails open
         state, slot = execution_state(message), self.slot_of(guard)
         if result.running:
-            defer_second_copy(broker, message, state, slot, key, self._deferral_ms(guard, result))
+            defer_second_copy(broker, message, state, slot, key, lapse_ms=self._deferral_ms(guard, result))
         if not result.acquired or result.reserved_ms is not None or result.handoffs:
             self._contended.mark(key)  # the key has waiters: its release stays on the worker thread
         if result.stale:
@@ -274,22 +269,9 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         with self._inflight_lock:
             self._inflight[message.message_id] = state
 
-    def _let_go_here(self, message: MessageProxy, guard: ActorGuard[P], result: AcquireResult) -> bool:
-        """Whether the copy of ``message`` in the way is one in this process that a later guard parked
-        at pickup (a hand-off brought the message back before that copy let go), and it lets go of its
-        slots here within the deferral: this copy then asks again instead of being deferred. Only for a
-        first guard (this copy holds nothing here yet)."""
-        with self._inflight_lock:
-            other = self._inflight.get(message.message_id)
-            if guard.index or other is None or not other.parked:
-                return False  # in another process, or it runs: this copy is deferred
-            return self._inflight_lock.wait_for(
-                lambda: message.message_id not in self._inflight, self._deferral_ms(guard, result) / 1000
-            )
-
     def _deferral_ms(self, guard: ActorGuard[P], result: AcquireResult) -> int:
-        """How long a copy refused as running waits before it asks again: until the entry in its
-        way would lapse (a dead runner's), and at most a lease's ttl (a live runner renews it)."""
+        """How long a copy refused as running waits, at most, before it asks again: until the entry
+        in its way would lapse (a dead runner's), and at most a lease's ttl (a live runner renews it)."""
         ttl = self._lease_ttl(guard)
         if result.lapses_in_ms is None:
             return ttl
@@ -342,7 +324,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
                     held_any = True
                     self._let_go(broker, message, guard, held.lease)
         finally:
-            if held_any:  # after its releases (unless batched): a copy of it waiting asks again
+            if held_any:
                 self._forget(message)
 
     def _let_go(self, broker: Broker, message: MessageProxy, guard: ActorGuard[P], lease: Lease) -> None:
