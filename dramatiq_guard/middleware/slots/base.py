@@ -23,7 +23,7 @@ from dramatiq_guard.claim import Claim
 from dramatiq_guard.delivery import Courier, generation_of, keep_polling
 from dramatiq_guard.errors import BackendUnavailable, GuardKeyError
 from dramatiq_guard.gate import Diverted, PushTicket, TicketGroup, gate_for
-from dramatiq_guard.middleware.base import ActorGuard, ExecutionState, GuardMiddleware
+from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware
 from dramatiq_guard.middleware.slots.limits import KeyDirectory
 from dramatiq_guard.middleware.slots.releases import ContendedKeys, Releaser
 from dramatiq_guard.middleware.slots.reservation import OneStepReservation, ReservationTicket, reserve_or_park
@@ -80,8 +80,7 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         self.standbys = Standbys(self.lookahead, standby_threads or 0, self.standby_wait_ms)
         self.broker: Broker | None = None
         self.keys: KeyDirectory[P] = KeyDirectory(self.prefix, self.guard_lists)
-        # Messages holding a slot here (Retries' re-enqueue passes): the holding copy's state, by id.
-        self._inflight: dict[str, ExecutionState] = {}
+        self._inflight: set[str] = set()  # messages holding a slot here (Retries' re-enqueue passes)
         self._inflight_lock = threading.Lock()
         self._couriers: dict[int, Courier] = {}
         self._sweeper: Sweeper | None = None
@@ -109,7 +108,7 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
     def _forget(self, message: Message[Any] | MessageProxy) -> None:
         """``message`` holds no slot here any more."""
         with self._inflight_lock:
-            self._inflight.pop(message.message_id, None)
+            self._inflight.discard(message.message_id)
 
     def count_drop(self) -> None:
         """Count a message dropped because its key was held (:class:`~dramatiq_guard.Mutex`)."""

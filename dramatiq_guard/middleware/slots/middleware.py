@@ -267,7 +267,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         )  # fmt: skip
         hold(message, state, self.slot_of(guard), lease)
         with self._inflight_lock:
-            self._inflight[message.message_id] = state
+            self._inflight.add(message.message_id)
 
     def _deferral_ms(self, guard: ActorGuard[P], result: AcquireResult) -> int:
         """How long a copy refused as running waits, at most, before it asks again: until the entry
@@ -316,16 +316,11 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
                 logger.debug("Could not forget the parked copy of %s; its record lapses on its own.", message)
 
     def _finish(self, broker: Broker, message: MessageProxy) -> None:
-        held_any = False
-        try:
-            for guard in self.guards_of(message):
-                held = take_held(execution_state(message), self.slot_of(guard))
-                if held is not None:
-                    held_any = True
-                    self._let_go(broker, message, guard, held.lease)
-        finally:
-            if held_any:
-                self._forget(message)
+        self._forget(message)
+        for guard in self.guards_of(message):
+            held = take_held(execution_state(message), self.slot_of(guard))
+            if held is not None:
+                self._let_go(broker, message, guard, held.lease)
 
     def _let_go(self, broker: Broker, message: MessageProxy, guard: ActorGuard[P], lease: Lease) -> None:
         """Release ``lease``, held by a message that ran (or was skipped after it acquired)."""

@@ -81,7 +81,7 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
         # (sending the next waiters ahead), then when the start lapses.
         state.data[self.slot_of(guard)] = Started(key)
         with self._inflight_lock:
-            self._inflight[message.message_id] = state
+            self._inflight.add(message.message_id)
         broker = self._broker_or(None)
         if result.reserved_ms is not None:  # woken with a hand-off's reservation: it starts now
             try:
