@@ -4,8 +4,9 @@ A Hypothesis state machine sends to one debounce key, moves the clock, sweeps it
 confirms what the sweep hands off (or dies before the push, or after it and before the
 confirmation), and has workers start the copies on the broker, which check their generation.
 Every operation runs in lockstep on the oracle (``tests/model_oracle.py``), the in-memory backend
-(fakeredis) and, where libfaketime is installed, a RedisBackend on a private ``redis-server`` on
-the same frozen clock; every result and the key's state must agree. After every step:
+(fakeredis) and, where libfaketime is installed, RedisBackends on a private ``redis-server`` and on
+a one-node Redis Cluster owning every slot, on the same frozen clock; every result and the key's
+state must agree. After every step:
 
 * **invariant D**: at most one pending run of the key was never handed off (the others in its
   queue are hand-offs that lapsed unconfirmed and came back);
@@ -30,8 +31,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
-import redis
-from harness import FakeClock, MarksFailure, RedisServer, SettableClock, fakeredis_clock, model_clock
+from harness import FakeClock, MarksFailure, SettableClock, fakeredis_clock, model_clock
+from harness.topology import model_client
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -179,21 +180,19 @@ def clock() -> Iterator[Clock]:
 
 @pytest.fixture
 def make_backends(clock: Clock) -> Iterator[Callable[[], list[GuardBackend]]]:
-    """A maker of fresh backends on ``clock``: the oracle, a MemoryBackend and, with libfaketime, a
-    RedisBackend on a private server."""
+    """A maker of fresh backends on ``clock``: the oracle, a MemoryBackend and, with libfaketime,
+    RedisBackends on a private standalone server and on a one-node Cluster owning every slot."""
     with fakeredis_clock(lambda: clock.now_ms), contextlib.ExitStack() as stack:
-        client: Any = None
+        clients: list[Any] = []
         if isinstance(clock, FakeClock) and shutil.which("redis-server"):
-            server = stack.enter_context(RedisServer(env=clock.server_env()))
-            client = redis.Redis(host=server.host, port=server.port)
-            stack.callback(client.close)
+            clients = [stack.enter_context(model_client(clock, cluster=cluster)) for cluster in (False, True)]
 
         def fresh() -> list[GuardBackend]:
             made: list[GuardBackend] = [
                 OracleBackend(handoff_ttl_ms=HANDOFF_MS, clock=clock.ns),
                 MemoryBackend(namespace=NAMESPACE, handoff_ttl_ms=HANDOFF_MS),
             ]
-            if client is not None:
+            for client in clients:
                 client.flushall()
                 made.append(RedisBackend(client, namespace=NAMESPACE, handoff_ttl_ms=HANDOFF_MS))
             return made
