@@ -17,6 +17,10 @@ state must agree. After every step:
 At the end the key is drained (time moves on, sweeps hand off, every copy is pushed, confirmed
 and started): every send started or was superseded, and started and superseded both only where
 a hand-off lapsed unconfirmed with its copy on the broker (at least once).
+
+Budget: ``DRAMATIQ_GUARD_DEBOUNCE_MODEL_EXAMPLES`` runs (default 40) of up to
+``DRAMATIQ_GUARD_DEBOUNCE_MODEL_STEPS`` steps (default 40), derandomized unless
+``DRAMATIQ_GUARD_DEBOUNCE_MODEL_RANDOM=1``.
 """
 
 from __future__ import annotations
@@ -24,30 +28,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import os
 import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
-from harness import FakeClock, MarksFailure, SettableClock, fakeredis_clock, model_clock
+from harness import FakeClock, MarksFailure, ModelBudget, SettableClock, fakeredis_clock, model_clock
 from harness.topology import model_client
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 from model_oracle import OracleBackend
 
 from dramatiq_guard.backends import GuardBackend, MemoryBackend, RedisBackend
 
-EXAMPLES = int(os.environ.get("DRAMATIQ_GUARD_DEBOUNCE_MODEL_EXAMPLES", "40"))
-STEPS = int(os.environ.get("DRAMATIQ_GUARD_DEBOUNCE_MODEL_STEPS", "40"))
+BUDGET = ModelBudget.from_env("DEBOUNCE", examples=40, steps=40)
 KEY = "debounce:doc"
 WAIT_MS, MAX_WAIT_MS, HANDOFF_MS = 300, 1_000, 2_000
 LEAPS = (1, 50, WAIT_MS - 1, WAIT_MS, MAX_WAIT_MS, HANDOFF_MS + 1)
@@ -70,9 +70,9 @@ Clock = FakeClock | SettableClock
 
 
 class DebounceModel(MarksFailure, RuleBasedStateMachine):
-    def __init__(self, clock: Clock, backends: list[GuardBackend]) -> None:
+    def __init__(self, clock: Clock, make_backends: Callable[[], list[GuardBackend]]) -> None:
         super().__init__()
-        self.clock, self.backends = clock, backends
+        self.clock, self.backends = clock, make_backends()
         self.messages = (f"m{n}" for n in itertools.count())
         self.sent: list[str] = []
         self.superseded: set[str] = set()
@@ -202,19 +202,6 @@ def make_backends(clock: Clock) -> Iterator[Callable[[], list[GuardBackend]]]:
 
 @pytest.mark.timeout(900)
 def test_debounce_keeps_invariant_d(clock: Clock, make_backends: Callable[[], list[GuardBackend]]) -> None:
-    class OnTheseBackends(DebounceModel):
-        def __init__(self) -> None:
-            super().__init__(clock, make_backends())
+    """Random sends, sweeps, couriers, pickups and time (module docstring)."""
 
-    run_state_machine_as_test(
-        OnTheseBackends,
-        settings=settings(
-            max_examples=EXAMPLES,
-            stateful_step_count=STEPS,
-            deadline=None,
-            derandomize=os.environ.get("DRAMATIQ_GUARD_DEBOUNCE_MODEL_RANDOM", "") in ("", "0"),
-            database=None,
-            print_blob=True,
-            suppress_health_check=[HealthCheck.too_slow],
-        ),
-    )
+    BUDGET.run(DebounceModel, clock, make_backends)
