@@ -2,8 +2,9 @@
 
 A Hypothesis :class:`~hypothesis.stateful.RuleBasedStateMachine` drives, in this process, a
 :class:`~dramatiq.brokers.stub.StubBroker` with ``dramatiq_guard.install(broker, redis=<backend>)``
-(a :class:`~dramatiq_guard.backends.RedisBackend` on a private ``redis-server``, and again the
-:class:`~dramatiq_guard.backends.MemoryBackend`, each in a run of its own) and two actors whose
+(a :class:`~dramatiq_guard.backends.RedisBackend` on a private ``redis-server``, again on a
+one-node Redis Cluster owning every slot, and the :class:`~dramatiq_guard.backends.MemoryBackend`,
+each in a run of its own) and two actors whose
 guards share keys (docs/flow-control-design.md, "Composed guards"):
 
 * ``call(tenant, doc)``: ``mutex`` per document (``on_busy="park"``), ``concurrency=[2 in all,
@@ -61,7 +62,6 @@ from typing import Any
 
 import dramatiq
 import pytest
-import redis
 from dramatiq import Message
 from dramatiq.broker import MessageProxy
 from dramatiq.brokers.stub import StubBroker
@@ -70,7 +70,6 @@ from harness import (
     FakeClock,
     MarksFailure,
     ModelBudget,
-    RedisServer,
     SettableClock,
     fakeredis_clock,
     guard_leftovers,
@@ -78,6 +77,7 @@ from harness import (
     redis_server_executable,
     unavailable,
 )
+from harness.topology import model_client
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -486,9 +486,10 @@ def clock() -> Iterator[Clock]:
         yield clock
 
 
-@pytest.fixture(params=["redis", "memory"])
+@pytest.fixture(params=["redis", "cluster", "memory"])
 def make_backend(request: pytest.FixtureRequest, clock: Clock) -> Iterator[Callable[[], GuardBackend]]:
-    """A maker of a fresh backend on ``clock``: a RedisBackend on a private server, or a MemoryBackend."""
+    """A maker of a fresh backend on ``clock``: a RedisBackend on a private server (standalone, or a
+    one-node Cluster owning every slot), or a MemoryBackend."""
     if request.param == "memory":
         with fakeredis_clock(lambda: clock.now_ms), quiet_install():
             yield lambda: MemoryBackend(namespace=NAMESPACE)
@@ -497,15 +498,15 @@ def make_backend(request: pytest.FixtureRequest, clock: Clock) -> Iterator[Calla
         unavailable("libfaketime is not installed (apt-get install libfaketime): the Redis run needs it")
     if redis_server_executable() is None and shutil.which("redis-server") is None:
         unavailable("redis-server is not installed: the composed model runs on a private one")
-    with RedisServer(env=clock.server_env()) as server, quiet_install():
-        client: Any = redis.Redis(host=server.host, port=server.port)
+    with model_client(clock, cluster=request.param == "cluster") as client, quiet_install():
 
         def fresh() -> GuardBackend:
             client.flushall()
-            return RedisBackend(client, namespace=NAMESPACE)
+            # On the Cluster a drained key's index entry lasts index_grace_ms (docs/redis.md, "The two
+            # indexes"): none here, one client, so the end's waiting_keys() == [] holds there too.
+            return RedisBackend(client, namespace=NAMESPACE, index_grace_ms=0)
 
         yield fresh
-        client.close()
 
 
 @pytest.mark.timeout(900)  # a failure is shrunk, which takes minutes: let it finish and print

@@ -4,8 +4,9 @@ A Hypothesis state machine sends to one debounce key, moves the clock, sweeps it
 confirms what the sweep hands off (or dies before the push, or after it and before the
 confirmation), and has workers start the copies on the broker, which check their generation.
 Every operation runs in lockstep on the oracle (``tests/model_oracle.py``), the in-memory backend
-(fakeredis) and, where libfaketime is installed, a RedisBackend on a private ``redis-server`` on
-the same frozen clock; every result and the key's state must agree. After every step:
+(fakeredis) and, where libfaketime is installed, RedisBackends on a private ``redis-server`` and on
+a one-node Redis Cluster owning every slot, on the same frozen clock; every result and the key's
+state must agree. After every step:
 
 * **invariant D**: at most one pending run of the key was never handed off (the others in its
   queue are hand-offs that lapsed unconfirmed and came back);
@@ -16,6 +17,10 @@ the same frozen clock; every result and the key's state must agree. After every 
 At the end the key is drained (time moves on, sweeps hand off, every copy is pushed, confirmed
 and started): every send started or was superseded, and started and superseded both only where
 a hand-off lapsed unconfirmed with its copy on the broker (at least once).
+
+Budget: ``DRAMATIQ_GUARD_DEBOUNCE_MODEL_EXAMPLES`` runs (default 40) of up to
+``DRAMATIQ_GUARD_DEBOUNCE_MODEL_STEPS`` steps (default 40), derandomized unless
+``DRAMATIQ_GUARD_DEBOUNCE_MODEL_RANDOM=1``.
 """
 
 from __future__ import annotations
@@ -23,30 +28,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import os
 import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
-import redis
-from harness import FakeClock, MarksFailure, RedisServer, SettableClock, fakeredis_clock, model_clock
-from hypothesis import HealthCheck, settings
+from harness import FakeClock, MarksFailure, ModelBudget, SettableClock, fakeredis_clock, model_clock
+from harness.topology import model_client
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 from model_oracle import OracleBackend
 
 from dramatiq_guard.backends import GuardBackend, MemoryBackend, RedisBackend
 
-EXAMPLES = int(os.environ.get("DRAMATIQ_GUARD_DEBOUNCE_MODEL_EXAMPLES", "40"))
-STEPS = int(os.environ.get("DRAMATIQ_GUARD_DEBOUNCE_MODEL_STEPS", "40"))
+BUDGET = ModelBudget.from_env("DEBOUNCE", examples=40, steps=40)
 KEY = "debounce:doc"
 WAIT_MS, MAX_WAIT_MS, HANDOFF_MS = 300, 1_000, 2_000
 LEAPS = (1, 50, WAIT_MS - 1, WAIT_MS, MAX_WAIT_MS, HANDOFF_MS + 1)
@@ -69,9 +70,9 @@ Clock = FakeClock | SettableClock
 
 
 class DebounceModel(MarksFailure, RuleBasedStateMachine):
-    def __init__(self, clock: Clock, backends: list[GuardBackend]) -> None:
+    def __init__(self, clock: Clock, make_backends: Callable[[], list[GuardBackend]]) -> None:
         super().__init__()
-        self.clock, self.backends = clock, backends
+        self.clock, self.backends = clock, make_backends()
         self.messages = (f"m{n}" for n in itertools.count())
         self.sent: list[str] = []
         self.superseded: set[str] = set()
@@ -179,21 +180,19 @@ def clock() -> Iterator[Clock]:
 
 @pytest.fixture
 def make_backends(clock: Clock) -> Iterator[Callable[[], list[GuardBackend]]]:
-    """A maker of fresh backends on ``clock``: the oracle, a MemoryBackend and, with libfaketime, a
-    RedisBackend on a private server."""
+    """A maker of fresh backends on ``clock``: the oracle, a MemoryBackend and, with libfaketime,
+    RedisBackends on a private standalone server and on a one-node Cluster owning every slot."""
     with fakeredis_clock(lambda: clock.now_ms), contextlib.ExitStack() as stack:
-        client: Any = None
+        clients: list[Any] = []
         if isinstance(clock, FakeClock) and shutil.which("redis-server"):
-            server = stack.enter_context(RedisServer(env=clock.server_env()))
-            client = redis.Redis(host=server.host, port=server.port)
-            stack.callback(client.close)
+            clients = [stack.enter_context(model_client(clock, cluster=cluster)) for cluster in (False, True)]
 
         def fresh() -> list[GuardBackend]:
             made: list[GuardBackend] = [
                 OracleBackend(handoff_ttl_ms=HANDOFF_MS, clock=clock.ns),
                 MemoryBackend(namespace=NAMESPACE, handoff_ttl_ms=HANDOFF_MS),
             ]
-            if client is not None:
+            for client in clients:
                 client.flushall()
                 made.append(RedisBackend(client, namespace=NAMESPACE, handoff_ttl_ms=HANDOFF_MS))
             return made
@@ -203,19 +202,6 @@ def make_backends(clock: Clock) -> Iterator[Callable[[], list[GuardBackend]]]:
 
 @pytest.mark.timeout(900)
 def test_debounce_keeps_invariant_d(clock: Clock, make_backends: Callable[[], list[GuardBackend]]) -> None:
-    class OnTheseBackends(DebounceModel):
-        def __init__(self) -> None:
-            super().__init__(clock, make_backends())
+    """Random sends, sweeps, couriers, pickups and time (module docstring)."""
 
-    run_state_machine_as_test(
-        OnTheseBackends,
-        settings=settings(
-            max_examples=EXAMPLES,
-            stateful_step_count=STEPS,
-            deadline=None,
-            derandomize=os.environ.get("DRAMATIQ_GUARD_DEBOUNCE_MODEL_RANDOM", "") in ("", "0"),
-            database=None,
-            print_blob=True,
-            suppress_health_check=[HealthCheck.too_slow],
-        ),
-    )
+    BUDGET.run(DebounceModel, clock, make_backends)

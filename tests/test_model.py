@@ -59,7 +59,8 @@ from typing import Any, TypeVar
 
 import pytest
 import redis
-from harness import FakeClock, RedisServer, fakeredis_clock, free_port, libfaketime, unavailable, wait_until
+from harness import FakeClock, RedisServer, fakeredis_clock, libfaketime, unavailable
+from harness.topology import start_cluster_node
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -136,24 +137,6 @@ class Servers:
         )
 
 
-def _start_cluster_node(clock: FakeClock) -> RedisServer:
-    """A one-node Redis Cluster owning every slot, on ``clock`` (moved on: a node waits 2 s to be ok)."""
-    node = RedisServer(
-        args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-              "--cluster-port", str(free_port())),
-        env=clock.server_env(),
-    ).start()  # fmt: skip
-    try:
-        with node.client() as client:
-            client.cluster("addslotsrange", 0, 16383)
-            clock.advance(5_000)
-            wait_until(lambda: client.cluster("info").get("cluster_state") == "ok", timeout=20)
-    except BaseException:
-        node.close()
-        raise
-    return node
-
-
 @pytest.fixture(scope="module")
 def servers() -> Iterator[Servers]:
     """The clock and two servers under libfaketime (a missing libfaketime fails the test with CI=true)."""
@@ -164,7 +147,7 @@ def servers() -> Iterator[Servers]:
         stack.callback(clock.close)
         standalone = RedisServer(env=clock.server_env())
         stack.enter_context(standalone)
-        cluster = _start_cluster_node(clock)
+        cluster = start_cluster_node(clock)
         stack.callback(cluster.close)
         with standalone.client() as client:
             seconds, micros = client.time()

@@ -3,8 +3,9 @@
 A Hypothesis :class:`~hypothesis.stateful.RuleBasedStateMachine` plays what the
 :class:`~dramatiq_guard.Throttle` middleware does with one throttle key, operation by operation
 (``dramatiq_guard/middleware/slots/throttle.py`` and the slots it builds on), against a
-:class:`~dramatiq_guard.backends.RedisBackend` on a private ``redis-server``, and again against
-the :class:`~dramatiq_guard.backends.MemoryBackend` (fakeredis), each in a run of its own:
+:class:`~dramatiq_guard.backends.RedisBackend` on a private ``redis-server``, again on a one-node
+Redis Cluster owning every slot, and against the :class:`~dramatiq_guard.backends.MemoryBackend`
+(fakeredis), each in a run of its own:
 
 * a producer *sends* a message (``before_push``): it acquires with its encoded message as a
   parking :class:`~dramatiq_guard.backends.Waiter` and the ``pickup_ttl`` as its ttl: it reserves
@@ -26,7 +27,7 @@ the :class:`~dramatiq_guard.backends.MemoryBackend` (fakeredis), each in a run o
 * the clock moves, by ticks and by leaps of up to a period, a hand-off's reservation, a
   standby's wait.
 
-Time is the test's (:class:`harness.FakeClock`): the ``redis-server`` runs under libfaketime on a
+Time is the test's (:class:`harness.FakeClock`): each ``redis-server`` runs under libfaketime on a
 frozen clock that the test moves, and fakeredis reads the same clock
 (:func:`harness.fakeredis_clock`). Every operation first moves the clock on by :data:`TICK_MS`.
 
@@ -61,20 +62,19 @@ import itertools
 import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import pytest
-import redis
 from harness import (
     FakeClock,
     MarksFailure,
     ModelBudget,
-    RedisServer,
     fakeredis_clock,
     libfaketime,
     redis_server_executable,
     unavailable,
 )
+from harness.topology import model_client
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -508,26 +508,23 @@ def clock() -> Iterator[FakeClock]:
     clock.close()
 
 
-@pytest.fixture(params=["redis", "memory"])
+@pytest.fixture(params=["redis", "cluster", "memory"])
 def make_backend(request: pytest.FixtureRequest, clock: FakeClock) -> Iterator[Callable[[], GuardBackend]]:
-    """A maker of a fresh backend on ``clock``: a RedisBackend on a private server, or a MemoryBackend."""
+    """A maker of a fresh backend on ``clock``: a RedisBackend on a private server (standalone, or a
+    one-node Cluster owning every slot), or a MemoryBackend."""
     if request.param == "memory":
         with fakeredis_clock(lambda: clock.now_ms):
             yield lambda: MemoryBackend(namespace=NAMESPACE, handoff_ttl_ms=HANDOFF_MS)
         return
     if redis_server_executable() is None and shutil.which("redis-server") is None:
         unavailable("redis-server is not installed: the throttle model runs on a private one")
-    with RedisServer(env=clock.server_env()) as server:
-        client: Any = redis.Redis(host=server.host, port=server.port)
-        seconds, micros = client.time()
-        assert int(seconds) * 1000 + int(micros) // 1000 == clock.now_ms, "Redis ignores the fake clock"
+    with model_client(clock, cluster=request.param == "cluster") as client:
 
         def fresh() -> GuardBackend:
             client.flushall()
             return RedisBackend(client, namespace=NAMESPACE, handoff_ttl_ms=HANDOFF_MS)
 
         yield fresh
-        client.close()
 
 
 @pytest.mark.timeout(900)  # a failure is shrunk, which takes minutes: let it finish and print

@@ -7,6 +7,8 @@
   when the primary dies (:meth:`SentinelRedis.kill_primary`).
 * :class:`RedisCluster3x1`: a Redis Cluster of 3 primaries with 1 replica each, whose primary
   of a slot is killed and its replica promoted (:meth:`RedisCluster3x1.fail_over`).
+* :func:`start_cluster_node`: a one-node Redis Cluster owning every slot, on a
+  :class:`~harness.FakeClock` (the model tests run it beside a standalone server).
 
 Every server is a :class:`~harness.RedisServer` (no persistence, keyspace notifications on),
 with ``repl-diskless-sync-delay 0`` so a replica syncs at once. Start-up, the replication link and
@@ -15,10 +17,11 @@ a promotion have no event to wait on: they are polled with :func:`harness.wait_u
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -26,6 +29,7 @@ import redis
 import redis.cluster
 import redis.sentinel
 
+from .fake_clock import FakeClock
 from .proxy import SilentProxy
 from .redis_server import RedisServer, free_port
 from .waiting import wait_until
@@ -203,6 +207,46 @@ class SentinelRedis(ReplicatedRedis):
             self._sentinel.wait(10)
         super().close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def start_cluster_node(clock: FakeClock) -> RedisServer:
+    """A one-node Redis Cluster owning every slot, on ``clock``, started.
+
+    The clock is moved on 5 s: a node waits 2 s (of its clock) before it declares its state ok.
+    """
+    node = RedisServer(
+        args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+              "--cluster-port", str(free_port())),
+        env=clock.server_env(),
+    ).start()  # fmt: skip
+    try:
+        with node.client() as client:
+            client.cluster("addslotsrange", 0, 16383)
+            clock.advance(5_000)
+            wait_until(lambda: client.cluster("info").get("cluster_state") == "ok", timeout=20)
+    except BaseException:
+        node.close()
+        raise
+    return node
+
+
+@contextlib.contextmanager
+def model_client(clock: FakeClock, *, cluster: bool) -> Iterator[Any]:
+    """A client of a private ``redis-server`` on ``clock``: a standalone one, or (``cluster``) a
+    one-node Cluster owning every slot (:func:`start_cluster_node`), closed at the end.
+
+    Raises:
+      AssertionError: If the server ignores the fake clock.
+    """
+    server = start_cluster_node(clock) if cluster else RedisServer(env=clock.server_env()).start()
+    client: Any = (redis.cluster.RedisCluster if cluster else redis.Redis)(host=server.host, port=server.port)
+    try:
+        seconds, micros = client.time()
+        assert int(seconds) * 1000 + int(micros) // 1000 == clock.now_ms, "Redis ignores the fake clock"
+        yield client
+    finally:
+        client.close()
+        server.close()
 
 
 class RedisCluster3x1:
