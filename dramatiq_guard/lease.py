@@ -51,23 +51,13 @@ class Lease:
     inside a guarded actor) and by :class:`dramatiq_guard.lock.Lock`; do not
     build one yourself.
 
-    Parameters:
-      backend(GuardBackend): The backend the lease lives on.
-      key(str): The guard key (with its capability prefix, e.g. ``"mutex:report"``).
-      holder(str): The holder id (a message id, or a random id for the standalone lock).
-      acquired(AcquireResult): The acquire that took the slot: its fencing
-        token, and when the lease surely started (``valid_from``; None: now)
-        and for how long (``reserved_ms``, for a slot taken by a wake: it is
-        then renewed a third of the way into that, whatever ``cap_ms``).
-      limit(int): The default limit of the key, used to hand the slot on at release.
-      ttl_ms(int): The lease duration (renewed every third of it).
-      cap_ms(int|None): The most the lease may be held, renewals included.
+    It lives on ``backend`` under ``key`` (with its capability prefix, e.g. ``"mutex:report"``)
+    for ``holder``, from ``acquired`` (its token; ``valid_from``, None: now; and ``reserved_ms``
+    for a slot taken by a wake, renewed a third of the way into that). ``limit`` hands the slot
+    on at release; it is renewed every third of ``ttl_ms`` and held at most ``cap_ms``.
 
     Attributes:
-      key(str): The guard key.
-      holder(str): The holder id.
-      token(int): The fencing token: strictly greater than every token issued
-        before it for this key.
+      token(int): The fencing token: greater than every token issued before it for this key.
       acquired_at(float): When it was acquired (``time.time()``).
       release_result(ReleaseResult|None): What the release reported, once released.
     """

@@ -31,13 +31,8 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class LockRun(Generic[T]):
-    """What :meth:`Lock.run` did.
-
-    Parameters:
-      ran(bool): Whether the lock was acquired and the function ran.
-      value: The function's return value (None if it did not run).
-      token(int|None): The fencing token it ran under.
-    """
+    """What :meth:`Lock.run` did: whether it acquired the lock and ran the function, its return
+    value (None if it did not run) and the fencing token it ran under."""
 
     ran: bool
     value: T | None = None
@@ -123,12 +118,8 @@ class Lock:
     def acquire(
         self, blocking: bool | None = None, blocking_timeout: float | datetime.timedelta | None = None
     ) -> bool:
-        """Acquire the lock.
-
-        Parameters:
-          blocking(bool|None): Wait for it (default: the lock's ``blocking``).
-          blocking_timeout(float|timedelta|None): The most to wait, in seconds
-            (default: the lock's; None waits as long as it takes).
+        """Acquire the lock, waiting for it if ``blocking``, at most ``blocking_timeout`` seconds
+        (None: as long as it takes; both default to the lock's).
 
         Returns:
           bool: Whether it was acquired (:attr:`lease` is then set).

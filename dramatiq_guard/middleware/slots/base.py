@@ -19,6 +19,7 @@ from dramatiq.broker import MessageProxy
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, Handoff, ReleaseResult
+from dramatiq_guard.backends.checks import check_count
 from dramatiq_guard.claim import Claim
 from dramatiq_guard.delivery import Courier, generation_of, keep_polling
 from dramatiq_guard.errors import BackendUnavailable, GuardKeyError
@@ -74,9 +75,10 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         self.pickup_ttl_ms = _ms(pickup_ttl, "pickup_ttl")
         self.sweep_interval_ms = _ms(sweep_interval, "sweep_interval")
         self.limit_cache_ms = _ms(limit_cache, "limit_cache", minimum=0)
-        self.lookahead = _count(lookahead, "lookahead")
+        check_count(lookahead, "lookahead")
+        check_count(standby_threads, "standby_threads")
+        self.lookahead, self.standby_threads = lookahead, standby_threads
         self.standby_wait_ms = _ms(standby_wait, "standby_wait")
-        self.standby_threads = _count(standby_threads, "standby_threads")
         self.standbys = Standbys(self.lookahead, standby_threads or 0, self.standby_wait_ms)
         self.broker: Broker | None = None
         self.keys: KeyDirectory[P] = KeyDirectory(self.prefix, self.guard_lists)
@@ -314,18 +316,9 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
     # -- run-time limits ------------------------------------------------------
 
     def set_limit(self, key: str, limit: int | None, *, broker: Broker | None = None) -> ReleaseResult:
-        """Set (or with None, clear) the run-time limit of a key; 0 halts it.
-
-        Raising it hands the new slots to the key's waiters at once (their
-        messages are re-enqueued). The limit stays in the backend until cleared.
-
-        Parameters:
-          key(str): The key as the option's ``key`` gives it, without the
-            capability prefix (see :meth:`key_for`).
-          limit(int|None): The new limit, or None to go back to the default.
-          broker(Broker|None): The broker to re-enqueue on (default: the one
-            this middleware is attached to).
-        """
+        """Set (or with None, clear) the run-time limit of ``key`` (as :meth:`key_for` gives it,
+        without prefix); 0 halts it. Raising it re-enqueues the key's waiters on ``broker``
+        (default: this middleware's) at once. The limit stays in the backend until cleared."""
         broker = self._broker_or(broker)
         guard_key = f"{self.prefix}:{key}"
         result = self.backend(broker).set_limit(guard_key, limit, default=self.limit_for_key(guard_key))
@@ -376,12 +369,6 @@ def acquire_all(broker: Broker, claims: Sequence[tuple[SlotsBase[Any], Claim]]) 
         for (member, _), done in zip(taken, released, strict=True):
             member.deliver(broker, done.handoffs)
     return None
-
-
-def _count(value: int | None, what: str) -> int | None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise ValueError(f"{what} must be a non-negative int or None, not {value!r}")
-    return value
 
 
 def _ms(value: Any, what: str, *, minimum: int = 1) -> int:
