@@ -46,24 +46,9 @@ logger = logging.getLogger("dramatiq_guard.middleware.slots")
 class SlotsMiddleware(SlotsBase[P], Generic[P]):
     """What :class:`~dramatiq_guard.Mutex` and :class:`~dramatiq_guard.Concurrency` share (docs/slots.md).
 
-    Every duration is integer milliseconds or a :class:`datetime.timedelta`;
-    docs/slots.md, "Parameters", says more of each.
-
-    Parameters:
-      redis: The backend (see :class:`~dramatiq_guard.middleware.base.GuardMiddleware`).
-      lease_ttl: How long a lease lives without renewal (renewed every third
-        of it): a SIGKILLed holder's slot is free within this. Default 30 s.
-      pickup_ttl: How long a slot reserved for a queued message waits for it
-        to start before it goes to the next waiter. Default 60 s.
-      sweep_interval: How often each worker sweeps keys with waiters. Default 1 s.
-      limit_cache: How long a process caches a per-actor default limit. Default 1 s.
-      lookahead(int|None): How many parked waiters per key are kept on the
-        broker ahead of a free slot, as standbys (at most the key's limit, or
-        4 for a smaller one). None (the default): 16; 0: none.
-      standby_wait: How long a picked-up standby blocks its thread waiting for
-        a slot before it parks again. Default 5 s.
-      standby_threads(int|None): How many worker threads of a process may
-        block as standbys at once. None (the default): half the worker's threads.
+    Its keywords (``redis``, ``lease_ttl``, ``pickup_ttl``, ``sweep_interval``, ``limit_cache``,
+    ``lookahead``, ``standby_wait``, ``standby_threads``), their defaults and units are in the
+    table of docs/slots.md, "Parameters".
     """
 
     def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
