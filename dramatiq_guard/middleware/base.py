@@ -104,6 +104,7 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
         self._backend_lock = threading.Lock()
         #: Each guarded actor's guards, in the order of its option's list, by actor name.
         self.guard_lists: dict[str, tuple[ActorGuard[P], ...]] = {}
+        self._alone: dict[str, bool] = {}  # per actor: whether this is its only enqueue-time guard
 
     @property
     def option(self) -> str:
@@ -130,6 +131,14 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
         """Join ``broker``'s enqueue gate if this middleware takes part in enqueues."""
         if hasattr(self, "before_push"):
             gate_for(broker).add(self)  # type: ignore[arg-type]
+
+    def enqueues_alone(self, broker: Broker, actor_name: str, backend: GuardBackend) -> bool:
+        """Whether this is the only enqueue-time guard of ``actor_name`` on ``broker`` (cached per actor)
+        and ``backend`` can push its messages itself: its decision and the push may go in one step."""
+        alone = self._alone.get(actor_name)
+        if alone is None:
+            alone = self._alone[actor_name] = gate_for(broker).sole_guard(actor_name, self)  # type: ignore[arg-type]
+        return alone and backend.enqueues_on(broker)
 
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
         value = actor.options.get(self.option)

@@ -28,7 +28,7 @@ from dramatiq_guard.backends.values import Enqueue
 from dramatiq_guard.claim import Claim
 from dramatiq_guard.delivery import Courier, generation_of
 from dramatiq_guard.errors import BackendUnavailable, DuplicateMessage, GuardOptionError
-from dramatiq_guard.gate import Diverted, Outcome, gate_for
+from dramatiq_guard.gate import Diverted, Outcome
 from dramatiq_guard.keys import lone_surrogate
 from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware, execution_state, fail_open
 from dramatiq_guard.middleware.confirmer import Confirmer
@@ -124,7 +124,6 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         self._local = threading.local()
         self._couriers: dict[int, Courier] = {}
         self._sweeper: Sweeper | None = None
-        self._alone: dict[str, bool] = {}
 
     def flush(self) -> None:
         """Confirm now every pending lock whose push succeeded (normally done in the background)."""
@@ -153,7 +152,11 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         backend = self.backend(broker)
         ttl = policy.ttl_ms + ((delay or 0) if policy.including_scheduled else 0)
         claim = Claim(key, message.message_id, 1, ttl, info=message.actor_name, backend=backend)
-        if holds is None and not policy.fail_open and self._in_one_step(broker, backend, message):
+        if (
+            holds is None
+            and not policy.fail_open
+            and self.enqueues_alone(broker, message.actor_name, backend)
+        ):
             options[LOCK_OPTION] = key  # encoded with the message: the push takes the lock
             return _OneStepTicket(self, broker, claim, message, policy, ttl, pending=False)
         claim = dataclasses.replace(claim, ttl_ms=self.pending_ttl_ms)
@@ -165,13 +168,6 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
             return None
         options[LOCK_OPTION] = key
         return _LockTicket(self, broker, claim, message, policy, ttl)
-
-    def _in_one_step(self, broker: Broker, backend: GuardBackend, message: Message[Any]) -> bool:
-        """Whether the lock and the push go in one step: the backend can, and only dedup guards the actor."""
-        alone = self._alone.get(message.actor_name)
-        if alone is None:
-            alone = self._alone[message.actor_name] = gate_for(broker).sole_guard(message.actor_name, self)
-        return alone and backend.enqueues_on(broker)
 
     def _lock(self, broker: Broker, claim: Claim, message: Message[Any], policy: DedupPolicy) -> None:
         """Take the pending lock of a new holder, or divert (or refuse) a duplicate. If the backend is

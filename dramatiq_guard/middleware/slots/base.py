@@ -23,7 +23,7 @@ from dramatiq_guard.backends.checks import check_count
 from dramatiq_guard.claim import Claim
 from dramatiq_guard.delivery import Courier, generation_of, keep_polling
 from dramatiq_guard.errors import BackendUnavailable, GuardKeyError
-from dramatiq_guard.gate import Diverted, PushTicket, TicketGroup, gate_for
+from dramatiq_guard.gate import Diverted, PushTicket, TicketGroup
 from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware
 from dramatiq_guard.middleware.slots.limits import KeyDirectory
 from dramatiq_guard.middleware.slots.releases import ContendedKeys, Releaser
@@ -89,7 +89,6 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         self._releaser: Releaser | None = None
         self._worker: Worker | None = None  # this process's, once it boots (see keep_polling)
         self._contended = ContendedKeys()
-        self._alone: dict[str, bool] = {}  # per actor: whether this is its only enqueue-time guard
 
     @abc.abstractmethod
     def on_busy(self, policy: P) -> OnBusy:
@@ -262,11 +261,7 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         actor's sends (a copy of a hand-off, with its generation, takes two)."""
         if not self.one_step_sends or claim.generation is not None or guard.policy.fail_open:
             return False
-        actor_name = guard.actor_name
-        alone = self._alone.get(actor_name)
-        if alone is None:
-            alone = self._alone[actor_name] = gate_for(broker).sole_guard(actor_name, self)
-        return alone and claim.backend.enqueues_on(broker)
+        return self.enqueues_alone(broker, guard.actor_name, claim.backend)
 
     # -- hand-offs ------------------------------------------------------------
 
