@@ -36,7 +36,7 @@ from dramatiq_guard.middleware.slots.execution import (
 )
 from dramatiq_guard.middleware.slots.releases import Releaser, starts_follow_ups
 from dramatiq_guard.middleware.slots.standbys import wait_as_standby
-from dramatiq_guard.middleware.slots.waits import wait_for_mutex
+from dramatiq_guard.middleware.slots.waits import block_for_slot
 from dramatiq_guard.middleware.sweep import join_sweep, leave_sweep
 from dramatiq_guard.policies import OnBusy
 
@@ -231,7 +231,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
             )  # fmt: skip
         if not result.acquired and on_busy == "wait" and result.parked:
             with events.lock_wait(message.actor_name):
-                return wait_for_mutex(
+                return block_for_slot(
                     broker, message, claim, wait_ms=self.wait_ms(guard.policy), deliver=deliver
                 )
         return result

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import threading
-import time
 
 from dramatiq import Broker
 from dramatiq.broker import MessageProxy
 
 from dramatiq_guard.backends.base import AcquireResult, Waiter
 from dramatiq_guard.claim import Claim, Deliver
-from dramatiq_guard.middleware.slots.waits import time_limit_paused
+from dramatiq_guard.middleware.slots.waits import block_for_slot
 
 #: How many waiters per key are kept on the broker ahead when ``lookahead`` is None (at most the
 #: key's standby window); every release of a key with waiters reads that many (docs/slots.md).
@@ -79,10 +78,6 @@ def wait_as_standby(
         deliver(result.handoffs)
         return result
     try:
-        with time_limit_paused(broker, message) as rearm:
-            result = claim.block(time.monotonic() + wait_ms / 1000, deliver, payload=payload)
-            if result.acquired:
-                rearm()
-            return result
+        return block_for_slot(broker, message, claim, wait_ms=wait_ms, deliver=deliver, payload=payload)
     finally:
         seats.give_back()

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from dramatiq import Broker
@@ -17,35 +15,21 @@ from dramatiq_guard.backends.base import AcquireResult
 from dramatiq_guard.claim import Claim, Deliver
 
 
-@contextmanager
-def time_limit_paused(broker: Broker, message: MessageProxy) -> Iterator[Callable[[], None]]:
-    """Pause this thread's TimeLimit timer while it waits for a slot.
-
-    Yields the call that re-arms it with the message's full time limit, once the slot is held.
-    """
+def block_for_slot(
+    broker: Broker, message: MessageProxy, claim: Claim, *, wait_ms: int, deliver: Deliver,
+    payload: bytes | None = None,
+) -> AcquireResult:  # fmt: skip
+    """Block as the ready waiter of the claimed key (a standby with its ``payload``) up to ``wait_ms``,
+    this thread's TimeLimit timer paused meanwhile and re-armed with the message's full time limit
+    once the slot is held."""
     time_limit = next((m for m in broker.middleware if isinstance(m, TimeLimit)), None)
     manager: Any = time_limit.manager if time_limit is not None else None
     thread_id = threading.get_ident()
     if manager is not None:
         manager.remove_timeout(thread_id)
-
-    def rearm() -> None:
-        if time_limit is not None:
-            actor = broker.get_actor(message.actor_name)
-            limit_ms = message.options.get("time_limit") or actor.options.get(
-                "time_limit", time_limit.time_limit
-            )
-            manager.add_timeout(thread_id, limit_ms)
-
-    yield rearm
-
-
-def wait_for_mutex(
-    broker: Broker, message: MessageProxy, claim: Claim, *, wait_ms: int, deliver: Deliver
-) -> AcquireResult:
-    """Block as a waiter of the claimed key up to ``wait_ms`` (then it leaves the queue)."""
-    with time_limit_paused(broker, message) as rearm:
-        result = claim.block(time.monotonic() + wait_ms / 1000, deliver)
-        if result.acquired:
-            rearm()
-        return result
+    result = claim.block(time.monotonic() + wait_ms / 1000, deliver, payload=payload)
+    if result.acquired and time_limit is not None:
+        actor = broker.get_actor(message.actor_name)
+        limit_ms = message.options.get("time_limit") or actor.options.get("time_limit", time_limit.time_limit)
+        manager.add_timeout(thread_id, limit_ms)
+    return result
