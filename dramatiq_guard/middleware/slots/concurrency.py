@@ -7,6 +7,7 @@ from typing import Any
 import dramatiq
 from dramatiq import Broker
 
+from dramatiq_guard.backends.checks import check_count
 from dramatiq_guard.middleware.base import ActorGuard
 from dramatiq_guard.middleware.slots.limits import ActorLimits
 from dramatiq_guard.middleware.slots.middleware import SlotsMiddleware
@@ -51,11 +52,10 @@ class Concurrency(SlotsMiddleware[ConcurrencyPolicy]):
         default; ``"<actor>#<i>"`` names the guard at index ``i`` of the list.
 
         Raises:
-          ValueError: If ``limit`` is negative.
+          ValueError: If ``limit`` is not an int from 0 to 2**31 - 1 (or None).
         """
         name = actor if isinstance(actor, str) else actor.actor_name
-        if limit is not None and (not isinstance(limit, int) or limit < 0):
-            raise ValueError(f"a limit must be a non-negative int or None, got {limit!r}")
+        check_count(limit, "limit")
         broker = self._broker_or(broker)
         backend = self.backend(broker)
         self._actor_limits.set(backend, name, limit)

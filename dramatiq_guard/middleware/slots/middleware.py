@@ -329,14 +329,9 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
     def release(
         self, broker: Broker, lease: Lease, *, send_ahead: int = 0, actor: str | None = None
     ) -> ReleaseResult | None:
-        """Release ``lease``, deliver the waiters it hands the slot to, and send ``send_ahead`` standbys.
-
-        A lost lease is logged as an error (and counted under ``actor``), even when the release fails.
-
-        Returns:
-          ReleaseResult|None: The result, or None if the backend was
-          unreachable (the lease then lapses within ``lease_ttl``).
-        """
+        """Release ``lease``, deliver the waiters it hands the slot to, and send ``send_ahead`` standbys;
+        the result, or None if the backend was unreachable (the lease then lapses within ``lease_ttl``).
+        A lost lease is logged as an error (and counted under ``actor``), even when the release fails."""
         try:
             result: ReleaseResult | None = lease.release(send_ahead=send_ahead)
         except BackendUnavailable:
