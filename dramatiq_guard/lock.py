@@ -154,14 +154,9 @@ class Lock:
         if not result.acquired:
             self._last_holders = result.holders
             return False
+        ttl_ms, cap_ms = self.lease_ttl_ms, self.ttl_ms
         self.lease = Lease(
-            claim.backend,
-            self.key,
-            claim.holder,
-            result,
-            limit=1,
-            ttl_ms=self.lease_ttl_ms,
-            cap_ms=self.ttl_ms,
+            claim.backend, self.key, claim.holder, result, limit=1, ttl_ms=ttl_ms, cap_ms=cap_ms
         )
         return True
 
@@ -213,10 +208,8 @@ class Lock:
             logger.error("The lease of %r was lost while the block raised %r.", self.key, exc)
 
     def run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> LockRun[T]:
-        """Run ``fn(*args, **kwargs)`` under the lock, if it can be acquired (the lock's defaults).
-
-        Returns:
-          LockRun: Whether it ran, its value and its fencing token.
+        """Run ``fn(*args, **kwargs)`` under the lock, if it can be acquired (the lock's defaults): whether
+        it ran, its value and its fencing token.
 
         Raises:
           LeaseLost: It ran but the lease was lost before it finished.

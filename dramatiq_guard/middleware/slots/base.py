@@ -166,9 +166,10 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
             raise ValueError(f"actor {name!r} has no {self.option}= option")
         return guards[0].resolve_key(args, kwargs)
 
-    def limit_for_key(self, key: str) -> int | None:
-        """The default limit of ``key``'s actor, or None if this process cannot tell which it is
-        (the backend then uses the limit recorded with the key's waiters: it never guesses)."""
+    def sweep_limit(self, key: str) -> int | None:
+        """The default limit of ``key``'s actor (a sweep or a release hands the key on with it), or
+        None if this process cannot tell which it is (the backend then uses the limit recorded with
+        the key's waiters: it never guesses)."""
         guard = self.keys.guard_of(key)
         return self.default_limit(guard) if guard is not None else None
 
@@ -274,7 +275,7 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
                 broker,
                 self.backend(broker),
                 ttl_ms=lambda _message: self.handoff_hold_ms,
-                default_limit=self.limit_for_key,
+                default_limit=self.sweep_limit,
                 keep_when_parked=self.keeps_when_parked,
                 counts_handoffs=True,
                 after_push=lambda message: keep_polling(self._worker, message.queue_name),
@@ -298,10 +299,6 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
                     events.handed_off(guard.actor_name)
         self.courier(broker).deliver(handoffs)
 
-    def sweep_limit(self, key: str) -> int | None:
-        """The default limit the sweep hands ``key`` on with (None if no actor here declares it)."""
-        return self.limit_for_key(key)
-
     def swept(self, broker: Broker, key: str, result: ReleaseResult) -> None:
         """Re-enqueue what the sweep of ``key`` handed on."""
         self.deliver(broker, result.handoffs)
@@ -316,7 +313,7 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         (default: this middleware's) at once. The limit stays in the backend until cleared."""
         broker = self._broker_or(broker)
         guard_key = f"{self.prefix}:{key}"
-        result = self.backend(broker).set_limit(guard_key, limit, default=self.limit_for_key(guard_key))
+        result = self.backend(broker).set_limit(guard_key, limit, default=self.sweep_limit(guard_key))
         self.deliver(broker, result.handoffs)
         events.lockwait_changed()
         return result

@@ -43,5 +43,5 @@ class Mutex(SlotsMiddleware[MutexPolicy]):
     def count_drop(self) -> None:
         self.dropped = next(self._dropped) + 1
 
-    def limit_for_key(self, key: str) -> int:
+    def sweep_limit(self, key: str) -> int:
         return 1
