@@ -199,11 +199,9 @@ class Lease:
         (on a thread of its own: a silent backend holds back no other cap)."""
         if self._released:
             return
-        if self._handle is not None:
-            self._handle.unregister()
         logger.warning("The lease of %r on %r reached its ttl of %d ms.", self.holder, self.key, self.cap_ms)
         if self._handle is not None:
-            self._handle.mark_lost()
+            self._handle.mark_lost()  # which unregisters it
         self._lost.set()
         threading.Thread(target=self._end_on_backend, name="dramatiq-guard-lease-end", daemon=True).start()
 
