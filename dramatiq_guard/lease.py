@@ -144,20 +144,13 @@ class Lease:
         return not self._released and not self.lost
 
     def check(self) -> None:
-        """Raise :class:`~dramatiq_guard.errors.LeaseLost` if the lease was lost.
-
-        Raises:
-          LeaseLost: The lease lapsed, was taken over, or its known-valid time passed.
-        """
+        """Raise :class:`~dramatiq_guard.errors.LeaseLost` if the lease was lost (it lapsed, was taken
+        over, or its known-valid time passed)."""
         if self.lost:
             raise LeaseLost(self.key, self.holder)
 
     def wait_lost(self, timeout: float | None = None) -> bool:
-        """Block until the lease is found lost, or ``timeout`` seconds pass.
-
-        Returns:
-          bool: Whether it is lost.
-        """
+        """Block until the lease is found lost, or ``timeout`` seconds pass; return whether it is lost."""
         return self._lost.wait(timeout) or self.lost
 
     def release(self, *, send_ahead: int = 0) -> ReleaseResult:

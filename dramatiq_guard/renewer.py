@@ -138,10 +138,8 @@ class LeaseHandle:
         self._renewer.unregister(self)
 
     def mark_lost(self, why: str | None = None) -> None:
-        """Record that the lease is lost, stop renewing it and run the ``on_lost`` callbacks once.
-
-        ``why``, if given, is logged as a WARNING (once, by whoever marks it first).
-        """
+        """Record that the lease is lost, stop renewing it and run the ``on_lost`` callbacks once;
+        ``why``, if given, is logged as a WARNING (once, by whoever marks it first)."""
         with self._marking:
             first = not self._marked
             self._marked = True
@@ -169,10 +167,8 @@ class LeaseHandle:
 
 
 class LeaseRenewer:
-    """Keeps time for registered leases on one daemon thread, and renews them from short-lived ones.
-
-    Use the process's instance, :func:`get_renewer`.
-    """
+    """Keeps time for registered leases on one daemon thread, and renews them from short-lived ones
+    (use the process's instance, :func:`get_renewer`)."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition(threading.Lock())
@@ -198,13 +194,8 @@ class LeaseRenewer:
 
         ``valid_from``: :attr:`AcquireResult.valid_from <dramatiq_guard.backends.AcquireResult>`
         (None: now). ``valid_for_ms``: how long the lease is held from then without renewal, when
-        less than ``ttl_ms`` (a slot taken by a wake keeps its reservation's deadline).
-
-        Returns:
-          LeaseHandle: The handle to watch (``lost``) and to unregister.
-
-        Raises:
-          ValueError: If ``ttl_ms`` is not positive.
+        less than ``ttl_ms`` (a slot taken by a wake keeps its reservation's deadline). Returns the
+        handle to watch (``lost``) and to unregister; :class:`ValueError` if ``ttl_ms`` is not positive.
         """
         if ttl_ms <= 0:
             raise ValueError(f"a lease ttl must be a positive number of milliseconds, got {ttl_ms!r}")
