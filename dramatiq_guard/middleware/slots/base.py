@@ -124,11 +124,8 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
     def guard_keys_of(
         self, guards: Sequence[ActorGuard[P]], message: Message[Any] | MessageProxy
     ) -> list[tuple[ActorGuard[P], str]]:
-        """Each guard of ``message`` with its key.
-
-        Raises:
-          GuardKeyError: If a key cannot be computed, or two guards of the list give one key.
-        """
+        """Each guard of ``message`` with its key; :class:`GuardKeyError` if a key cannot be computed,
+        or two guards of the list give one key."""
         keyed = [(guard, self.guard_key_of(guard, message)) for guard in guards]
         if len(keyed) > 1 and len({key for _, key in keyed}) < len(keyed):
             raise GuardKeyError(
@@ -144,22 +141,16 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         return key.startswith(self.prefix + ":")
 
     def guard_key_of(self, guard: ActorGuard[P], message: Message[Any] | MessageProxy) -> str:
-        """The guard key of ``message`` (with this capability's prefix).
-
-        Raises:
-          GuardKeyError: If the key cannot be computed.
-        """
+        """The guard key of ``message`` (with this capability's prefix); :class:`GuardKeyError` if it
+        cannot be computed."""
         key = f"{self.prefix}:{guard.key_of(message)}"
         if callable(guard.resolve_key.spec):  # a digested key names its actor (KeyDirectory.guard_of)
             self.keys.remember(key, guard.scope)
         return key
 
     def key_for(self, actor: dramatiq.Actor[Any, Any] | str, *args: Any, **kwargs: Any) -> str:
-        """The key (without prefix) a message of ``actor`` with these arguments would use.
-
-        Raises:
-          ValueError: If ``actor`` is not guarded by this middleware.
-        """
+        """The key (without prefix) a message of ``actor`` with these arguments would use;
+        :class:`ValueError` if ``actor`` is not guarded by this middleware."""
         name = actor if isinstance(actor, str) else actor.actor_name
         guards = self.guard_lists.get(name)
         if not guards:

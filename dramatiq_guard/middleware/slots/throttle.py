@@ -103,9 +103,8 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
         state = execution_state(message)
         for guard in self.guards_of(message):
             started = state.data.pop(self.slot_of(guard), None)
-            if not isinstance(started, Started):
-                continue
-            self.give_back(broker, message, guard, started.key, started=True)
+            if isinstance(started, Started):
+                self.give_back(broker, message, guard, started.key, started=True)
 
     def _reserve(
         self,
