@@ -47,20 +47,10 @@ class Lock:
       >>> with Lock("nightly-report", blocking_timeout=5) as lease:  # seconds, as in redis-py
       ...     build_report(fencing_token=lease.token)
 
-    Parameters:
-      name(str): The lock's name (its guard key is ``"mutex:<name>"``).
-      redis: A GuardBackend, a redis-py client or a URL; None: the backend of
-        ``broker`` (or of the global broker).
-      broker(Broker|None): Where to re-enqueue parked ``mutex`` messages this
-        lock hands the key to when it releases (default: the global broker;
-        without one, the workers' sweep does it).
-      lease_ttl: The lease duration in ms (renewed every third of it). Default 30 s.
-      ttl: The most the lock is held, renewals included, in ms (None: no cap).
-      blocking(bool): The default of :meth:`acquire`'s ``blocking``.
-      blocking_timeout: The default of :meth:`acquire`'s ``blocking_timeout``, in seconds.
-
-    Every duration runs from 0 to 366 days; a value out of range, or of
-    another type, is a :class:`ValueError` naming it.
+    Its guard key is ``"mutex:<name>"``; its keywords and their defaults are in the table of
+    docs/lock.md, "API" (``blocking_timeout`` in seconds, as in redis-py; the other durations in
+    ms). Every duration runs from 0 to 366 days; a value out of range, or of another type, is a
+    :class:`ValueError` naming it.
     """
 
     def __init__(

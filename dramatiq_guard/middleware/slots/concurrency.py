@@ -49,10 +49,8 @@ class Concurrency(SlotsMiddleware[ConcurrencyPolicy]):
         keys of this middleware at once (a raised default hands their free
         slots on), the others' sweeps within 30 s. A per-key limit still
         overrides it. With ``concurrency=[...]`` this sets the first guard's
-        default; ``"<actor>#<i>"`` names the guard at index ``i`` of the list.
-
-        Raises:
-          ValueError: If ``limit`` is not an int from 0 to 2**31 - 1 (or None).
+        default; ``"<actor>#<i>"`` names the guard at index ``i`` of the list. A ``limit`` that is not
+        an int from 0 to 2**31 - 1 (or None) is a :class:`ValueError`.
         """
         name = actor if isinstance(actor, str) else actor.actor_name
         check_count(limit, "limit")

@@ -16,11 +16,8 @@ class Mutex(SlotsMiddleware[MutexPolicy]):
     ``mutex=True``, or a dict / :class:`~dramatiq_guard.MutexPolicy` with
     ``key``, ``ttl``, ``on_busy`` (``"drop"``, ``"wait"`` or ``"park"``) and
     ``wait``. See ``docs/slots.md`` for the semantics, and
-    :class:`~dramatiq_guard.middleware.slots.SlotsMiddleware` for the parameters.
-
-    Attributes:
-      dropped(int): How many messages this process dropped because their
-        mutex was held (``on_busy="drop"``): they count as deduplicated.
+    :class:`~dramatiq_guard.middleware.slots.SlotsMiddleware` for the parameters. ``dropped``: how
+    many messages this process dropped because their mutex was held (they count as deduplicated).
     """
 
     policy_class = MutexPolicy
