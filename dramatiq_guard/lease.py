@@ -214,11 +214,8 @@ class Lease:
 
 def release_leases(backend: GuardBackend, releases: Sequence[tuple[Lease, int]]) -> list[ReleaseResult]:
     """:meth:`Lease.release` for several ``(lease, send_ahead)`` of ``backend``, in one
-    :meth:`~GuardBackend.release_many`. A lease released before keeps its first result.
-
-    Raises:
-      BackendUnavailable: The backend could not be reached; none of them is
-        renewed any more, and each lapses within one lease duration.
+    :meth:`~GuardBackend.release_many`. A lease released before keeps its first result. If the
+    backend cannot be reached (BackendUnavailable), none is renewed: each lapses within its ttl.
     """
     pending = [(lease, send_ahead) for lease, send_ahead in releases if lease.release_result is None]
     for lease, _ in pending:

@@ -85,11 +85,8 @@ def _unavailable(
 
 
 def _reserved(claim: Claim, message: Message[Any], result: AcquireResult, deliver: Deliver) -> bool:
-    """Whether the acquire reserved a slot (False: another copy runs, this one goes without one).
-
-    Raises:
-      Diverted: Parked, or a stale copy (see :func:`reserve_or_park`).
-    """
+    """Whether the acquire reserved a slot (False: another copy runs, this one goes without one);
+    :class:`Diverted` if it parked, or is a stale copy (see :func:`reserve_or_park`)."""
     if result.outcome in (AcquireOutcome.QUEUED, AcquireOutcome.STANDBY):
         logger.debug("Parked %s at enqueue: %r is full (limit %d).", message, claim.key, result.limit)
         events.parked(message.actor_name)
