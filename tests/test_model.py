@@ -59,7 +59,7 @@ from typing import Any, TypeVar
 
 import pytest
 import redis
-from harness import FakeClock, RedisServer, fakeredis_clock, libfaketime, unavailable
+from harness import FakeClock, MarksFailure, RedisServer, fakeredis_clock, libfaketime, unavailable
 from harness.topology import start_cluster_node
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -257,7 +257,7 @@ def _normal(result: object) -> object:
     return result
 
 
-class GuardModel(RuleBasedStateMachine):
+class GuardModel(MarksFailure, RuleBasedStateMachine):
     """The backends in lockstep, the processes around them, and what must hold (module docstring)."""
 
     def __init__(self, servers: Servers) -> None:
@@ -303,18 +303,8 @@ class GuardModel(RuleBasedStateMachine):
         self.top: dict[tuple[str, str], int] = {}  # (backend, key) -> the highest token seen
         self.seen: dict[tuple[str, str], set[int]] = {}  # (backend, key) -> every token seen
         self.wake_floor: dict[tuple[str, str, str], int] = {}  # (backend, key, waiter) -> top at its wake
-        self.failed = False
 
     # --- running operations on every backend --------------------------------------------------
-
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """Marks the run failed if the body raises, so :meth:`teardown` does not drain over the failure."""
-        try:
-            yield
-        except BaseException:
-            self.failed = True
-            raise
 
     def live_holders(self, key: str) -> set[str]:
         now = self.clock.now_ms
@@ -528,7 +518,7 @@ class GuardModel(RuleBasedStateMachine):
         have got (a new holder has nothing else in the key); a worker does not (another copy of its
         message may hold the key): its message fails and is retried, and what it got lapses.
         """
-        with self.step():
+        with self.marking_failure():
             mid = next(self.ids)
             self.priorities[mid] = priority
             wait = {
@@ -554,7 +544,7 @@ class GuardModel(RuleBasedStateMachine):
     def a_holder_releases(self, data: st.DataObject, send_ahead: int, foreign: bool, lost: bool) -> None:
         """A holder releases (maybe sending waiters ahead); ``foreign``: forced by another route's
         process; ``lost``: its reply is lost (what it handed on and sent ahead is nobody's to deliver)."""
-        with self.step():
+        with self.marking_failure():
             mid = data.draw(st.sampled_from(sorted(self.running)))
             key = self.running[mid]
             if foreign:
@@ -571,7 +561,7 @@ class GuardModel(RuleBasedStateMachine):
         no later one answers); a holder whose acquire failed stops (its job fails): it does not
         release, and its lease lapses.
         """
-        with self.step():
+        with self.marking_failure():
             mid = data.draw(st.sampled_from(sorted(self.running)))
             key = self.running[mid]
             if again:
@@ -596,7 +586,7 @@ class GuardModel(RuleBasedStateMachine):
         """A second copy of a running message reaches another worker thread (RabbitMQ redelivers on
         a lost connection): while the first holds the key, it is refused as running, and nothing
         changes; it acquires only once the first's lease lapsed (its worker died, say)."""
-        with self.step():
+        with self.marking_failure():
             mid = data.draw(st.sampled_from(sorted(self.runners)))
             key = self.running[mid]
             deadline = dict(self.oracle.inspect(key).holders).get(mid)
@@ -631,7 +621,7 @@ class GuardModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def a_holder_dies(self, data: st.DataObject) -> None:
         """A holder's process dies: it never releases, its lease lapses in time."""
-        with self.step():
+        with self.marking_failure():
             mid = data.draw(st.sampled_from(sorted(self.running)))
             self.running.pop(mid)
             self.runners.pop(mid, None)
@@ -645,7 +635,7 @@ class GuardModel(RuleBasedStateMachine):
         Before a day passes, everything in flight is delivered: the contract promises nothing
         of a copy that waits longer than ``stale_ttl_ms`` (a day), which may start then.
         """
-        with self.step():
+        with self.marking_failure():
             if ms >= DAY_MS:
                 self.deliver_everything()
             self.clock.advance(ms)
@@ -654,7 +644,7 @@ class GuardModel(RuleBasedStateMachine):
     def a_process_sweeps(self, key: str, known: bool, route: str, lost: bool) -> None:
         """A sweep, by a process that knows the key's limit or not (``limit=None``), of either route
         (``lost``: its reply is lost)."""
-        with self.step():
+        with self.marking_failure():
             limit = DEFAULTS[key] if known else None
             self.sweep(key, limit, route, lost=lost)
 
@@ -667,7 +657,7 @@ class GuardModel(RuleBasedStateMachine):
     def the_limit_changes(self, key: str, limit: int | None, known: bool, lost: bool) -> None:
         """An operator sets, raises, lowers, zeroes or clears a key's run-time limit (``lost``: the
         reply is lost; the limit is set all the same, and what it handed on lapses)."""
-        with self.step():
+        with self.marking_failure():
             self.set_limit(key, limit, DEFAULTS[key] if known else None, lost=lost)
 
     def set_limit(self, key: str, limit: int | None, default: int | None, *, lost: bool = False) -> None:
@@ -685,7 +675,7 @@ class GuardModel(RuleBasedStateMachine):
     def waiters_are_sent_ahead(self, key: str, count: int, route: str, lost: bool) -> None:
         """A process sends the oldest parked waiters ahead as standbys (``lost``: the reply is lost,
         nothing is sent: the standbys park again, the hand-offs lapse)."""
-        with self.step():
+        with self.marking_failure():
             results = self.call(
                 key, lambda b: b.send_standbys(key, limit=DEFAULTS[key], count=count), route=route
             )
@@ -713,7 +703,7 @@ class GuardModel(RuleBasedStateMachine):
     def a_caller_confirms(self, data: st.DataObject, how: str) -> None:
         """A pushed copy is confirmed in time, after its reservation lapsed, or never (its caller died);
         or its confirmation's reply is lost (the caller logs it: the copy is on the broker)."""
-        with self.step():
+        with self.marking_failure():
             copy = data.draw(st.sampled_from(self.owed))
             self.owed.remove(copy)
             if how == "never":
@@ -755,7 +745,7 @@ class GuardModel(RuleBasedStateMachine):
     @rule(data=st.data(), lost=LOST)
     def a_caller_withdraws_a_copy_parked_elsewhere(self, data: st.DataObject, lost: bool) -> None:
         """``lost``: the withdrawal's reply is lost (the caller logs it)."""
-        with self.step():
+        with self.marking_failure():
             copy = data.draw(st.sampled_from(self.withdrawals))
             self.withdrawals.remove(copy)
             self.withdraw(copy, lost=lost)
@@ -779,7 +769,7 @@ class GuardModel(RuleBasedStateMachine):
         entry may be its only place); the other guard's hand-off of it failed, so it waits there
         again and comes back later (parked here meanwhile, it is stale then, and the stored copy runs).
         """
-        with self.step():
+        with self.marking_failure():
             copy = data.draw(st.sampled_from(self.away))
             self.away.remove(copy)
             try:
@@ -822,7 +812,7 @@ class GuardModel(RuleBasedStateMachine):
         the same copy again (it must not start beside the stored one's hand-off).
         ``lost``: the acquire's reply is lost (see :meth:`pick_up`).
         """
-        with self.step():
+        with self.marking_failure():
             copy = data.draw(st.sampled_from(self.broker))
             self.broker.remove(copy)
             self.pick_up(copy, BLOCK_MS if block else 0, dies=dies, lost=lost)
@@ -877,7 +867,7 @@ class GuardModel(RuleBasedStateMachine):
         blocking waiter leaves the queue (giving back a slot it was handed), a standby's message
         fails and Retries sends its copy again.
         """
-        with self.step():
+        with self.marking_failure():
             thread = self.threads[data.draw(st.sampled_from(sorted(self.threads)))]
             try:
                 self.take_wake(thread, lost=lost)
@@ -915,7 +905,7 @@ class GuardModel(RuleBasedStateMachine):
         delivers the same copy again; so does one that dies after parking it again, before the ack
         (``dies_after_park``).
         """
-        with self.step():
+        with self.marking_failure():
             thread = self.threads.pop(data.draw(st.sampled_from(sorted(self.threads))))
             if dies:
                 if thread.copy is not None:
@@ -931,7 +921,7 @@ class GuardModel(RuleBasedStateMachine):
 
     @invariant()
     def the_backends_agree_on_every_key(self) -> None:
-        with self.step():
+        with self.marking_failure():
             now = self.clock.now_ms
             for key in KEYS:
                 states = [seen_at(backend.inspect(key), now) for _, backend in self.backends]
@@ -947,7 +937,7 @@ class GuardModel(RuleBasedStateMachine):
 
     @invariant()
     def every_parked_message_is_somewhere_and_started_at_most_once(self) -> None:
-        with self.step():
+        with self.marking_failure():
             assert all(count == 1 for count in self.started.values()), self.started
             carried = {copy.mid for copy in itertools.chain(self.pending, self.broker, self.away)}
             carried |= {thread.mid for thread in self.threads.values() if thread.copy is not None}
@@ -960,7 +950,7 @@ class GuardModel(RuleBasedStateMachine):
 
     @invariant()
     def every_redis_key_expires(self) -> None:
-        with self.step():
+        with self.marking_failure():
             states = {key: self.oracle.inspect(key) for key in KEYS}
             queued = {key for key, state in states.items() if state.waiters or state.reserved}
             for client in self.clients:
@@ -977,7 +967,7 @@ class GuardModel(RuleBasedStateMachine):
     @invariant()
     def the_ready_waiters_are_indexed_by_their_places(self) -> None:
         """On Redis, `ready` holds exactly the ready waiters (`deadlines`), each by its place in `waiters`."""
-        with self.step():
+        with self.marking_failure():
             for client in self.clients:
                 for key in KEYS:
                     prefix = f"{NAMESPACE}:{{{key}}}:"
@@ -989,7 +979,7 @@ class GuardModel(RuleBasedStateMachine):
     @invariant()
     def a_waiting_key_is_due_no_later_than_its_earliest_deadline(self) -> None:
         """The standalone index's score (when the sweeps look at the key) never passes a deadline."""
-        with self.step():
+        with self.marking_failure():
             for client in self.standalones:
                 entries: Any = client.zrange(f"{NAMESPACE}:waiting", 0, -1, withscores=True)
                 for member, due in entries:
