@@ -93,7 +93,7 @@ class Sizer:
                     runner="",
                     priority=j % self.priorities,
                 )
-                args = self.backend._args(key, 1, *own)
+                args = self.backend._args(1, *own)
                 calls.append((script, self.backend._keys(key), args))
                 if len(calls) == BATCH:
                     run_scripts(self.client, self.backend.scripts, calls)

@@ -215,7 +215,7 @@ def test_a_redis_backend_refuses_an_absurd_setting(redisdb: redis.Redis) -> None
 
 def _script(backend: RedisBackend, name: str, *args: Any, default_limit: Any = 1) -> Any:
     """Run a per-key script as the backend would, without its Python checks."""
-    return backend._call(backend.scripts[name], backend._keys(KEY), backend._args(KEY, default_limit, *args))
+    return backend._call(backend.scripts[name], backend._keys(KEY), backend._args(default_limit, *args))
 
 
 NOT_SANE = [str(ABSURD), "-5", "1e3", "1.5", "0x10", "inf", "nan", " 12", "", "12abc", "9" * 40]
@@ -243,10 +243,8 @@ def test_acquire_with_an_insane_ttl_writes_nothing(redis_env: Env, ttl: str) -> 
 def test_the_send_lock_with_an_insane_ttl_writes_nothing(redis_env: Env, ttl: str) -> None:
     backend = redis_env.backend()
     assert isinstance(backend, RedisBackend)
-    names = backend._names(KEY)
-    keys = [names.holders, names.waiters, names.reserved, names.limit, names.token, names.info]
     with pytest.raises(redis.ResponseError, match="ttl_ms must be an integer from 1 to 31622400000"):
-        backend._call(backend.scripts["lock"], keys, ["h", ttl, ""])
+        backend._call(backend.scripts["lock"], [backend._prefix(KEY)], ["h", ttl, ""])
     assert redis_env.stored() == set()
 
 

@@ -11,22 +11,28 @@ import re
 from itertools import takewhile
 from typing import Any
 
+import pytest
 import redis
 
 from dramatiq_guard import bounds
 from dramatiq_guard.backends import RedisBackend
 from dramatiq_guard.backends.redis_layout import (
     CONSTANTS,
+    FROM_PREFIX,
+    INDEX_KEYS,
     LAYOUTS,
     LETTERS,
     NAMES,
     CallArgs,
     KeyNames,
+    Settings,
     lua_binding,
     lua_constants,
     lua_prologue,
+    settings_arg,
 )
 from dramatiq_guard.backends.redis_scripts import LEAN_SCRIPTS, PRELUDE, PRELUDE_SCRIPTS, load_lua, prelude
+from dramatiq_guard.backends.redis_store import _key_names
 from dramatiq_guard.backends.values import DEBOUNCE_TIMER, HOLDERS_SHOWN, MIN_STANDBY_WINDOW
 
 
@@ -49,24 +55,47 @@ def test_the_scripts_get_the_python_constants(redisdb: redis.Redis) -> None:
     )
 
 
-def test_each_key_and_argument_gets_the_value_the_backend_passes_for_it(redisdb: redis.Redis) -> None:
-    backend = RedisBackend(redisdb, namespace="layout")
-    keys = [*backend._keys("k"), "limits-index"]
-    args = backend._args("k", 7)
+def _binding_names() -> list[str]:
+    """Every local ``bind()`` sets: the key names, the index keys, the leading arguments' values."""
     names = [LETTERS[field] for field in KeyNames._fields] + ["X", "LIMITS"]
-    names += [f"ARG_{field.upper()}" for field in CallArgs._fields]
+    names += [f"ARG_{field.upper()}" for field in Settings._fields]
+    return [*names, "ARG_DEFAULT_LIMIT", *(lua for lua, _ in FROM_PREFIX)]
+
+
+@pytest.mark.parametrize("key", ["k", "a}b", "{x}:y{", "two words"])
+def test_each_key_and_argument_gets_the_value_the_backend_passes_for_it(
+    redisdb: redis.Redis, key: str
+) -> None:
+    """One declared key (the prefix) makes every name, the wake prefix and K; one argument the settings."""
+    backend = RedisBackend(redisdb, namespace="layout", handoff_ttl_ms=4_001, stale_ttl_ms=70_000)
+    backend.route = "a route with spaces"
+    keys = [*backend._keys(key), "limits-index"]
+    args = backend._args(7)
+    assert len(keys) == len(INDEX_KEYS) + 1 and len(args) == len(CallArgs._fields)
+    names = _binding_names()
     got = redisdb.eval(lua_binding() + f"bind()\nreturn {{{', '.join(names)}}}", len(keys), *keys, *args)
-    assert _text(got) == [*keys, *(str(a) for a in args)]
-    assert got[0] == b"layout:{k}:holders" and got[len(keys) + 4] == b"7"  # H, ARG_DEFAULT_LIMIT
+    expected = [*_key_names("layout", key), *keys[1:], "4001", "2000", "70000", "a route with spaces", "7"]
+    assert _text(got) == [*expected, f"layout:{{{key}}}:wake:", key]
+    assert _key_names("layout", key).holders == f"layout:{{{key}}}:holders"
+
+
+def test_the_settings_argument_follows_a_changed_setting(redisdb: redis.Redis) -> None:
+    backend = RedisBackend(redisdb, namespace="layout")
+    assert backend._args(None)[0] == settings_arg(Settings(10_000, 5_000, 86_400_000, ""))
+    backend.route = "r"
+    backend.handoff_ttl_ms = 3
+    assert backend._args(None) == [settings_arg(Settings(3, 1, 86_400_000, "r")), ""]
+    backend.stale_ttl_ms = 9
+    assert backend._args(1)[0] == "3 1 9 r"
 
 
 def test_each_script_reads_its_own_arguments_by_name(redisdb: redis.Redis) -> None:
     """Every script's prologue, run with distinct values: each name gets the one at its place."""
     for name in (*PRELUDE_SCRIPTS, *LEAN_SCRIPTS):
         layout = LAYOUTS[name]
-        leading = [f"lead{i}" for i in range(len(CallArgs._fields))] if layout.per_key else []
-        fields = KeyNames._fields if layout.per_key else layout.keys
-        keys = [f"{{t}}:{field}" for field in fields]
+        leading = ["1 2 3 route", "4"] if layout.per_key else []
+        named = layout.per_key or (layout.keys and set(layout.keys) <= set(KeyNames._fields))
+        keys = ["{t}:"] if named else [f"{{t}}:{field}" for field in layout.keys]
         own = [f"{name}.{arg}" for arg in layout.args]
         each_keys = [f"{{t}}:{n}:{key}" for n in (1, 2) for key in layout.each_keys]
         each_args = [f"{n}:{arg}" for n in (1, 2) for arg in layout.each_args]
@@ -77,7 +106,8 @@ def test_each_script_reads_its_own_arguments_by_name(redisdb: redis.Redis) -> No
         code += f"return {{{', '.join(reads)}}}"
         got = redisdb.eval(code, len(keys) + len(each_keys), *keys, *each_keys, *leading, *own, *each_args)
         second = each_keys[len(layout.each_keys) :] + each_args[len(layout.each_args) :]
-        assert _text(got) == [*own, *keys[: len(layout.keys)], *second], name
+        made = [f"{{t}}:{field}" for field in layout.keys] if named else keys[: len(layout.keys)]
+        assert _text(got) == [*own, *made, *second], name
 
 
 def test_no_script_reads_keys_or_arguments_by_number() -> None:
@@ -108,9 +138,8 @@ def test_a_push_reads_the_queue_keys_the_backend_passes_after_a_scripts_own(redi
     index keys, where :meth:`RedisBackend.reserve_and_enqueue` puts them; ``PUSH_FROM``: after the args."""
     for name in ("lock", "acquire"):
         layout = LAYOUTS[name]
-        leading = [f"lead{i}" for i in range(len(CallArgs._fields))] if layout.per_key else []
-        fields = [*KeyNames._fields, "X", "LIMITS"] if layout.per_key else layout.keys
-        keys = [*(f"{{t}}:{field}" for field in fields), "queue", "queue.msgs"]
+        leading = ["1 2 3 route", "4"] if layout.per_key else []
+        keys = ["{t}:", *(["X", "LIMITS"] if layout.per_key else []), "queue", "queue.msgs"]
         argv = [*leading, *layout.args, "push-id"]
         code = lua_constants() + (lua_binding() if layout.per_key else "") + lua_prologue(name)
         code += f"return {{{', '.join(layout.more_keys)}, ARGV[PUSH_FROM]}}"

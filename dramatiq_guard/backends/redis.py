@@ -169,10 +169,11 @@ class RedisBackend(RedisStore):
         """Run ``lua/lock.lua`` (with ``push``: the broker's push too); None: not decided there."""
         check_ms(ttl_ms, "ttl_ms")
         sent = time.monotonic()
-        keys, args = list(layout.lock_keys(self._names(key))), [*layout.LockArgs(holder, ttl_ms, info)]
+        keys: list[str] = [self._prefix(key)]
+        args: list[Any] = [holder, ttl_ms, info]  # layout.LockArgs
         if push is not None:
             keys += redis_enqueue.queue_keys(push.broker, push.queue_name)
-            args += [push.message_id, push.data]
+            args += (push.message_id, push.data)
         status, holders = self._call(self.scripts["lock"], keys, args)
         if int(status) < 0:
             return None

@@ -60,9 +60,11 @@ def since_ms(place: float) -> int:
 
 
 class KeyNames(NamedTuple):
-    """The Redis keys of one guard key K, in the order a per-key script gets them (its KEYS).
+    """The Redis keys of one guard key K, as its scripts name them.
 
-    Each is ``<namespace>:{K}:<field>``: one hash tag, one Redis Cluster slot.
+    Each is ``<namespace>:{K}:<field>``: one hash tag, one Redis Cluster slot. A script is given
+    the prefix ``<namespace>:{K}:`` alone, as its first KEYS (:func:`key_prefix`), and makes each
+    name of it (the binding, the prologue): a name it makes is in the prefix's slot.
     Its annotation gives its name in the scripts and what it holds.
     """
 
@@ -89,7 +91,12 @@ class KeyNames(NamedTuple):
     ready: Annotated[str, "Q", "zset ready waiter -> its place in W (D's members by place, for choose)"]
 
 
-#: The KEYS after a guard key's own, on a standalone Redis only (each is in another Cluster slot):
+def key_prefix(namespace: str, key: str) -> str:
+    """The prefix of guard key ``key``'s names, ``<namespace>:{<key>}:``: a guard key's one KEYS entry."""
+    return f"{namespace}:{{{key}}}:"
+
+
+#: The KEYS after a guard key's prefix, on a standalone Redis only (each is in another Cluster slot):
 #: name in the scripts, what it holds.
 INDEX_KEYS = (
     ("X", "zset the waiting-keys index: guard key -> when it is next due for a sweep (next_due)"),
@@ -97,16 +104,35 @@ INDEX_KEYS = (
 )
 
 
-class CallArgs(NamedTuple):
-    """The leading ARGV of every per-key script: values the Python side owns. Lua: ``ARG_<NAME>``."""
+class Settings(NamedTuple):
+    """A backend's values every per-key script is given, the same for each of its calls: one
+    argument, the values in this order joined by spaces (:func:`settings_arg`; the route, last,
+    may hold spaces). Lua: ``ARG_<NAME>``."""
 
-    wake: Annotated[str, "the prefix of the per-waiter wake lists (wake .. waiter id)"]
     handoff_ttl_ms: Annotated[int, "how long a slot handed to a waiter stays reserved", MS]
     wake_ttl_ms: Annotated[int, "how long a wake waits to be taken (GuardBackend.wake_ttl_ms)", MS]
-    key: Annotated[str, "the guard key K itself (for the indexes)"]
-    default_limit: Annotated[int | str, "the default limit, or '' if the caller does not know it", LIMIT]
-    route: Annotated[str, "the caller's route: the broker it delivers parked messages to"]
     stale_ttl_ms: Annotated[int, "how long G and T outlive their last write", MS]
+    route: Annotated[str, "the caller's route: the broker it delivers parked messages to"]
+
+
+class CallArgs(NamedTuple):
+    """The leading ARGV of every per-key script: values the Python side owns. Lua: ``ARG_<NAME>``
+    (the settings' values by their own names)."""
+
+    settings: Annotated[str, "the backend's Settings, in one argument (settings_arg)"]
+    default_limit: Annotated[int | str, "the default limit, or '' if the caller does not know it", LIMIT]
+
+
+#: What a per-key script makes of its prefix: name in the scripts, what it is.
+FROM_PREFIX = (
+    ("ARG_WAKE", "the prefix of the per-waiter wake lists (wake .. waiter id)"),
+    ("ARG_KEY", "the guard key K itself (for the indexes)"),
+)
+
+
+def settings_arg(settings: Settings) -> str:
+    """The ``settings`` argument of a per-key script (:class:`CallArgs`): ``settings`` joined by spaces."""
+    return " ".join(map(str, settings))
 
 
 # Each script's own arguments (a per-key script's after CallArgs), in order (its header says what they
@@ -200,8 +226,9 @@ class SummariesArgs(NamedTuple):
 class Layout(NamedTuple):
     """A script's KEYS and ARGV by name, in order.
 
-    ``keys``: :class:`KeyNames` fields (``index``: the waiting-keys index); ``per_key``: a guard
-    key's KEYS and :class:`CallArgs` come first; ``each``: KEYS ``each_keys`` and ARGV ``each_args``
+    ``keys``: :class:`KeyNames` fields, made of the guard key's prefix given as the first KEYS (or
+    ``index``: the waiting-keys index); ``per_key``: a guard key's KEYS (its prefix, then the
+    :data:`INDEX_KEYS`) and :class:`CallArgs` come first; ``each``: KEYS ``each_keys`` and ARGV ``each_args``
     repeat per item, read by ``<each>(n)``; ``rest``: the name of any ARGV after ``args``.
     """
 
@@ -254,8 +281,7 @@ LAYOUTS: dict[str, Layout] = {
     "health": Layout(args=("namespace",), keys=("index",), rest="seen"),
 }
 
-#: The keys of a ``lock.lua`` call, and of one lease of a ``renew.lua`` call, from a :class:`KeyNames`.
-lock_keys = attrgetter(*LAYOUTS["lock"].keys)
+#: The keys of one lease of a ``renew.lua`` call, from a :class:`KeyNames`.
 lease_keys = attrgetter(*LAYOUTS["renew"].each_keys)
 
 
@@ -288,23 +314,45 @@ def lua_constants() -> str:
     return "".join(lines)
 
 
+def _made_of_prefix(fields: tuple[str, ...], prefix: str) -> str:
+    """Lua: the names of ``fields`` (:class:`KeyNames`) made of the prefix ``prefix``, comma-separated."""
+    return ", ".join(f"{prefix} .. {json.dumps(field)}" for field in fields)
+
+
 def lua_binding() -> str:
-    """A per-key script's KEYS and leading ARGV as locals, set by ``bind()`` (its prologue calls it)."""
-    keys = [
-        (meta[0], meta[1], f"KEYS[{i}] {name}")
-        for i, (name, meta) in enumerate(_annotations(KeyNames).items(), 1)
+    """A per-key script's KEYS and leading ARGV as locals, set by ``bind()`` (its prologue calls it):
+    the names made of its prefix, the index keys, the settings' values, the default limit."""
+    keys = [(meta[0], meta[1], name) for name, meta in _annotations(KeyNames).items()]
+    index = [(letter, meaning, f"KEYS[{i}]") for i, (letter, meaning) in enumerate(INDEX_KEYS, 2)]
+    settings = [(f"ARG_{name.upper()}", meta[0]) for name, meta in _annotations(Settings).items()]
+    lines = [
+        "-- KEYS[1]: the guard key's prefix <namespace>:{K}:, of which each name is made (prefix .. field)\n"
     ]
-    keys += [(letter, meaning, f"KEYS[{i}]") for i, (letter, meaning) in enumerate(INDEX_KEYS, len(keys) + 1)]
-    args = [
-        (f"ARG_{name.upper()}", meta[0], f"ARGV[{i}]")
-        for i, (name, meta) in enumerate(_annotations(CallArgs).items(), 1)
+    lines += [f"-- {lua} (prefix .. {field}): {meaning}\n" for lua, meaning, field in keys]
+    lines += [f"-- {where} {lua}: {meaning}\n" for lua, meaning, where in index]
+    lines += ["-- ARGV[1] settings, space-separated:\n"]
+    lines += [f"--   {lua}: {meaning}\n" for lua, meaning in settings]
+    lines += [f"-- ARGV[2] ARG_DEFAULT_LIMIT: {_annotations(CallArgs)['default_limit'][0]}\n"]
+    lines += [f"-- {lua} (of the prefix): {meaning}\n" for lua, meaning in FROM_PREFIX]
+    key_names = [lua for lua, _, _ in keys + index]
+    arg_names = [lua for lua, _ in settings] + ["ARG_DEFAULT_LIMIT"] + [lua for lua, _ in FROM_PREFIX]
+    # Each value but the last is a number (no space): the route, last, is the rest.
+    pattern = "^" + " ".join(["(%S*)"] * (len(settings) - 1) + ["(.*)"]) + "$"
+    lines += [
+        f"local {', '.join(key_names)}\n",
+        f"local {', '.join(arg_names)}\n",
+        "local function bind()\n",
+        "  local prefix = KEYS[1]\n",
+        f"  {', '.join(lua for lua, _, _ in keys)} = {_made_of_prefix(KeyNames._fields, 'prefix')}\n",
+        f"  {', '.join(lua for lua, _, _ in index)} = unpack(KEYS, 2, {len(INDEX_KEYS) + 1})\n",
+        f"  {', '.join(lua for lua, _ in settings)} = string.match(ARGV[1], '{pattern}')\n",
+        "  ARG_DEFAULT_LIMIT = ARGV[2]\n",
+        # K: from after the first '{' (the namespace has none) to before the closing '}:'.
+        "  ARG_WAKE = prefix .. 'wake:'\n",
+        "  ARG_KEY = string.sub(prefix, string.find(prefix, '{', 1, true) + 1, -3)\n",
+        "end\n",
     ]
-    lines = [f"-- {where} {lua}: {meaning}\n" for lua, meaning, where in keys + args]
-    names = [lua for lua, _, _ in keys], [lua for lua, _, _ in args]
-    lines += [f"local {', '.join(names[0])}\n", f"local {', '.join(names[1])}\n", "local function bind()\n"]
-    lines += [f"  {', '.join(names[0])} = unpack(KEYS, 1, {len(names[0])})\n"]
-    lines += [f"  {', '.join(names[1])} = unpack(ARGV, 1, {len(names[1])})\n"]
-    return "".join([*lines, "end\n"])
+    return "".join(lines)
 
 
 def lua_prologue(name: str) -> str:
@@ -312,11 +360,13 @@ def lua_prologue(name: str) -> str:
     layout = LAYOUTS[name]
     lines = ["bind()\n"] if layout.per_key else []
     first = len(CallArgs._fields) + 1 if layout.per_key else 1
+    named = bool(layout.keys) and set(layout.keys) <= set(KeyNames._fields)  # made of a prefix
     if layout.keys:
         letters = ", ".join(LETTERS[key] for key in layout.keys)
-        lines.append(f"local {letters} = unpack(KEYS, 1, {len(layout.keys)})\n")
+        values = _made_of_prefix(layout.keys, "KEYS[1]") if named else f"unpack(KEYS, 1, {len(layout.keys)})"
+        lines.append(f"local {letters} = {values}\n")
     if layout.more_keys:  # a per-key script's come after the index keys (INDEX_KEYS)
-        at = len(KeyNames._fields) + len(INDEX_KEYS) + 1 if layout.per_key else len(layout.keys) + 1
+        at = len(INDEX_KEYS) + 2 if layout.per_key else (2 if named else len(layout.keys) + 1)
         more = ", ".join(layout.more_keys)
         lines.append(f"local {more} = unpack(KEYS, {at}, {at + len(layout.more_keys) - 1})\n")
     if layout.args:
@@ -344,7 +394,8 @@ def lua_prologue(name: str) -> str:
 def lua_checks(name: str) -> str:
     """What script ``name`` runs after its prologue: the refusal of a bad number (its checks)."""
     own = {script: args for args, script in SCRIPTS.items()} | {"lock": LockArgs}
-    checks = (_checks(CallArgs, "ARG_") if LAYOUTS[name].per_key else []) + _checks(own.get(name, tuple))
+    shared = _checks(Settings, "ARG_") + _checks(CallArgs, "ARG_")
+    checks = (shared if LAYOUTS[name].per_key else []) + _checks(own.get(name, tuple))
     if not checks:
         return ""
     # Every number whole first (no table made on the common path), then the refusal naming the first not.

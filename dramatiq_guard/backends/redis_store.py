@@ -44,7 +44,7 @@ def replica_waits_of(count: int, timeout_ms: int) -> ReplicaWaits | None:
 
 def _key_names(namespace: str, key: str) -> KeyNames:
     check_key(key)
-    prefix = f"{namespace}:{{{key}}}:"
+    prefix = layout.key_prefix(namespace, key)
     return KeyNames._make([prefix + suffix for suffix in KeyNames._fields])
 
 
@@ -117,6 +117,8 @@ class RedisStore(GuardBackend):
         self.replicas = replica_waits_of(replica_waits, replica_wait_timeout_ms)
         self.client = client
         self._enqueues: dict[int, tuple[Any, bool]] = {}  # per broker: the one-step enqueue (redis.py)
+        # The per-key scripts' settings argument, made again when a value it holds changed (_args).
+        self._settings: tuple[tuple[int, int, str], str] = ((0, 0, ""), "")
         self.namespace = namespace
         self.index_grace_ms = index_grace_ms
         self._index = f"{namespace}:waiting"
@@ -179,33 +181,38 @@ class RedisStore(GuardBackend):
     def _names(self, key: str) -> KeyNames:
         return _used_key_names(self.namespace, key)
 
-    def _keys(self, key: str, *, cached: bool = True) -> list[str]:
-        """The KEYS of a per-key script: the key's names, then the waiting-keys index (standalone only)."""
-        names = (_used_key_names if cached else _key_names)(self.namespace, key)
-        return list(names) if self._in_cluster() else [*names, self._index]
+    def _prefix(self, key: str) -> str:
+        """The prefix of ``key``'s names: the guard key's KEYS (``redis_layout.key_prefix``), checked."""
+        if not key or key[0] == "}":
+            check_key(key)  # raises
+        return layout.key_prefix(self.namespace, key)
+
+    def _keys(self, key: str) -> list[str]:
+        """The KEYS of a per-key script: the key's prefix, then the waiting-keys index (standalone only)."""
+        return [self._prefix(key)] if self._in_cluster() else [self._prefix(key), self._index]
 
     def _wake_prefix(self, key: str) -> str:
-        return f"{self.namespace}:{{{key}}}:wake:"
+        return self._prefix(key) + "wake:"
 
-    def _args(self, key: str, default_limit: int | None, *args: str | int | bytes) -> list[str | int | bytes]:
-        """The ARGV of a per-key script: the values Python owns (``redis_layout.CallArgs``), then its own."""
-        return [
-            *layout.CallArgs(
-                wake=self._wake_prefix(key),
-                handoff_ttl_ms=self.handoff_ttl_ms,
-                wake_ttl_ms=self.wake_ttl_ms,
-                key=key,
-                default_limit="" if default_limit is None else default_limit,
-                route=self.route,
-                stale_ttl_ms=self.stale_ttl_ms,
-            ),
-            *args,
-        ]
+    def _args(self, default_limit: int | None, *args: str | int | bytes) -> list[str | int | bytes]:
+        """The ARGV of a per-key script: the values Python owns (``redis_layout.CallArgs``), then its own.
+
+        The settings argument is made once, and again only after ``handoff_ttl_ms``, ``stale_ttl_ms``
+        or ``route`` changed (compared on each call).
+        """
+        values = (self.handoff_ttl_ms, self.stale_ttl_ms, self.route)
+        made, settings = self._settings
+        if values != made:
+            settings = layout.settings_arg(
+                layout.Settings(self.handoff_ttl_ms, self.wake_ttl_ms, self.stale_ttl_ms, self.route)
+            )
+            self._settings = (values, settings)
+        return [settings, "" if default_limit is None else default_limit, *args]
 
     def _script_call(self, key: str, default_limit: int | None, own: tuple[Any, ...]) -> ScriptCall:
         """The per-key script whose own arguments are ``own`` (a ``redis_layout`` tuple), KEYS, ARGV."""
         check_count(default_limit, "limit")
-        return self.scripts[layout.SCRIPTS[type(own)]], self._keys(key), self._args(key, default_limit, *own)
+        return self.scripts[layout.SCRIPTS[type(own)]], self._keys(key), self._args(default_limit, *own)
 
     def _run(self, key: str, default_limit: int | None, own: tuple[Any, ...]) -> Any:
         """Run the per-key script whose own arguments are ``own``."""
@@ -225,8 +232,8 @@ class RedisStore(GuardBackend):
 
     def inspect(self, key: str, *, waiters: int | None = None) -> KeyState:
         check_count(waiters, "waiters")
-        args = self._args(key, 0, *layout.InspectArgs(waiters="" if waiters is None else waiters))
-        return _key_state(self._call(self.scripts["inspect"], self._keys(key, cached=False), args))
+        args = self._args(0, *layout.InspectArgs(waiters="" if waiters is None else waiters))
+        return _key_state(self._call(self.scripts["inspect"], self._keys(key), args))
 
     def waiting_keys(self) -> list[str]:
         """Keys in the waiting-keys index; on a Redis Cluster, drained entries past their grace dropped."""
