@@ -60,17 +60,16 @@ def _declare(url: str) -> tuple[RedisBroker, dict[str, Callable[[int], Any]]]:
     def never(i: int) -> None:
         """Never runs: no worker consumes its queue."""
 
-    plain = dramatiq.actor(never, actor_name="plain", broker=broker, max_retries=0)
-    guarded = dramatiq.actor(
-        never, actor_name="guarded", broker=broker, max_retries=0, dedup="until_executed"
+    plain = dramatiq.actor(actor_name="plain", broker=broker, max_retries=0)(never)
+    guarded = dramatiq.actor(actor_name="guarded", broker=broker, max_retries=0, dedup="until_executed")(
+        never
     )
     limited = dramatiq.actor(
-        never,
         actor_name="limited",
         broker=broker,
         max_retries=0,
         concurrency={"limit": 10, "key": lambda i: f"k{i % 1000}"},
-    )
+    )(never)
     return broker, {
         "plain": lambda i: plain.send(i),
         "accepted": lambda i: guarded.send(i),
@@ -84,7 +83,7 @@ def _measure(
 ) -> tuple[tuple[float, ...], pstats.Stats]:
     """(Python calls, Redis commands, arguments of the guard's script calls) per send, and the profile."""
     sent_args: list[int] = []
-    execute = client.execute_command
+    execute: Callable[..., Any] = client.execute_command  # untyped in redis-py
 
     def counting(*command: Any, **options: Any) -> Any:
         if command and command[0] in ("FCALL", "EVALSHA"):

@@ -74,9 +74,9 @@ class RedisBackend(RedisStore):
         return AcquireResult(
             outcome,
             token=None if token is None else int(token),
-            holders=tuple(text(h) for h in holders),
+            holders=tuple(text(h) for h in holders) if holders else (),
             limit=int(in_force),
-            handoffs=handoffs_of(key, handoffs),
+            handoffs=handoffs_of(key, handoffs) if handoffs else (),
             valid_from=sent,
             lapses_in_ms=int(lapses_in[0]) if lapses_in else None,
         )
@@ -105,8 +105,9 @@ class RedisBackend(RedisStore):
         if self._in_cluster():
             return None
         key = stake.key
-        script, keys, args = self._script_call(key, stake.limit, own)
-        keys += [self._limits_index, *redis_enqueue.queue_keys(push.broker, push.queue_name)]
+        script, args = self.scripts["acquire"], self._args(stake.limit, *own)
+        keys = [self._prefix(key), self._index, self._limits_index]  # then the push's (INDEX_KEYS)
+        keys += redis_enqueue.queue_keys(push.broker, push.queue_name)
         sent = time.monotonic()
         reply = self._call(script, keys, [*args, push.message_id])
         return self._acquire_reply(key, reply, sent)

@@ -82,6 +82,11 @@ class reachable(contextlib.AbstractContextManager[None]):
     and a call the ACL user may not make (``NOPERM``) into :class:`BackendRefused` (it fails closed too)."""
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        reachable.raise_for(exc)
+
+    @staticmethod
+    def raise_for(exc: BaseException | None) -> None:
+        """Raise what ``exc`` is turned into, if anything (the body of ``except`` where no ``with`` is)."""
         if isinstance(exc, UNAVAILABLE):
             raise BackendUnavailable(f"the guard's Redis backend is unavailable: {exc}") from exc
         if isinstance(exc, redis.exceptions.NoPermissionError):
@@ -141,7 +146,7 @@ def run_script(
 ) -> Any:
     """Run one script (no replica waits); a call refused for want of its code loads it and runs again."""
     execute: Callable[..., Any] = client.execute_command  # untyped in redis-py
-    with reachable():
+    try:  # as `with reachable():`, without its two calls on every send
         try:
             return execute(*library.command(script, keys, args))
         except redis.exceptions.RedisError as exc:
@@ -149,6 +154,9 @@ def run_script(
                 raise
             library.load(client, [script])
             return execute(*library.command(script, keys, args))
+    except Exception as exc:
+        reachable.raise_for(exc)
+        raise
 
 
 def run_scripts(

@@ -23,6 +23,7 @@ from dramatiq_guard.backends.redis_client import (
     Timeouts,
     data,
     reachable,
+    run_script,
     run_scripts,
     slow_call_warning,
     text,
@@ -220,6 +221,8 @@ class RedisStore(GuardBackend):
 
     def _call(self, script: LuaScript, keys: list[str], args: list[Any]) -> Any:
         """Run one script; with replica waits, followed by a ``WAIT`` on its connection."""
+        if self.replicas is None:
+            return run_script(self.client, self.scripts, script, keys, args)
         [reply] = run_scripts(self.client, self.scripts, [(script, keys, args)], replicas=self.replicas)
         return reply
 
