@@ -117,25 +117,48 @@ class EnqueueGate:
         broker.enqueue = self.enqueue  # type: ignore[method-assign]
         self._push_original: Callable[[str, str, bytes], Any] | None = None
         self._local = threading.local()
+        # Per actor name: the guards that guard its messages (guarding()); emptied by add() and changed().
+        self._guarding: dict[str, list[EnqueueGuard]] = {}
+        #: What guards derive per actor from which guards guard it, by their own keys: emptied with
+        #: the cache of :meth:`guarding`.
+        self.memo: dict[Any, Any] = {}
 
     def sole_guard(self, actor_name: str, guard: EnqueueGuard) -> bool:
         """Whether ``guard`` is the only guard of this gate that guards ``actor_name``'s messages."""
-        return [g for g in self.guards if g.guards_actor(actor_name)] == [guard]
+        return self.guarding(actor_name) == [guard]
+
+    def guarding(self, actor_name: str) -> list[EnqueueGuard]:
+        """The guards that guard ``actor_name``'s messages, in ``gate_priority`` order (asked once per
+        actor until a guard is added or says its actors :meth:`changed`)."""
+        guards = self._guarding.get(actor_name)
+        if guards is None:
+            guards = self._guarding[actor_name] = [g for g in self.guards if g.guards_actor(actor_name)]
+        return guards
+
+    def changed(self) -> None:
+        """A guard's answer to ``guards_actor`` may have changed (an actor declared again): ask again."""
+        self._guarding, self.memo = {}, {}
 
     def add(self, guard: EnqueueGuard) -> None:
-        """Add ``guard`` (once), keeping the guards in ``gate_priority`` order."""
+        """Add ``guard`` (once), keeping the guards in ``gate_priority`` order; the guards' actors are
+        asked again (a guard is added again for each actor it comes to guard)."""
         if not any(g is guard for g in self.guards):
             self.guards.append(guard)
             self.guards.sort(key=lambda g: g.gate_priority)
+        self.changed()
 
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
         """The wrapped ``broker.enqueue``."""
         local = self._local
         depth = local.depth = getattr(local, "depth", 0) + 1  # a hook may enqueue inside this one
         try:
-            if isinstance(message, Message) and any(g.guards_actor(message.actor_name) for g in self.guards):
-                return self.admit(message, delay=delay).message
-            # Not a message any guard here guards: a dict lookup per guard, then the plain push.
+            if isinstance(message, Message):
+                guards = self._guarding.get(message.actor_name)
+                if guards is None:
+                    guards = self.guarding(message.actor_name)
+                if guards:
+                    return self.admit(message, delay=delay).message
+            # Not a message any guard here guards: a dict lookup, then the plain push.
             return self.original(message, delay=delay)
         finally:
             local.depth = depth - 1
@@ -149,9 +172,8 @@ class EnqueueGate:
         tickets = TicketGroup()
         outer = getattr(self._local, "ticket", None)  # an enqueue this one runs inside of
         try:
-            for guard in self.guards:
-                if guard.guards_actor(message.actor_name):
-                    tickets.add(guard.before_push(self.broker, message, delay, holds=holds))
+            for guard in self.guarding(message.actor_name):
+                tickets.add(guard.before_push(self.broker, message, delay, holds=holds))
             one_step = [cast(OneStepTicket, t) for t in tickets.tickets if hasattr(t, "enqueue")]
             if one_step:
                 self._take_pushes()
@@ -200,7 +222,12 @@ class TicketGroup:
         """Settle every ticket with ``outcome``, the last first (a ticket that raises is logged)."""
         for ticket in reversed(self.tickets):
             try:
-                {Outcome.PUSHED: ticket.pushed, Outcome.PARKED: ticket.parked}.get(outcome, ticket.failed)()
+                if outcome is Outcome.PUSHED:
+                    ticket.pushed()
+                elif outcome is Outcome.PARKED:
+                    ticket.parked()
+                else:
+                    ticket.failed()
             except Exception:
                 logger.exception("Failed to settle an enqueue ticket (%s).", outcome.value)
 

@@ -143,7 +143,8 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
         value = actor.options.get(self.option)
         if value is None or value is False:
-            self.guard_lists.pop(actor.actor_name, None)
+            if self.guard_lists.pop(actor.actor_name, None) is not None and hasattr(self, "before_push"):
+                gate_for(broker).changed()  # no longer guarded here
             return
         policies = parse_policies(self.policy_class, value, actor_name=actor.actor_name)
         priority = max(-MAX_PRIORITY, min(int(actor.priority), MAX_PRIORITY))

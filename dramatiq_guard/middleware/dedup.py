@@ -139,9 +139,10 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         if LOCK_OPTION in options or EXEMPT_OPTION in options:
             # A holder's own re-enqueue (Retries, delay queue, hand-off, rerun), or let through already.
             return None
-        guard = self.guard_of(message)
-        if guard is None:
+        guards = self.guard_lists.get(message.actor_name)  # a Message's: guard_of() without the calls
+        if not guards:
             return None
+        guard = guards[0]
         policy = guard.policy
         reason = self._exemption(message, delay, policy)
         if reason is not None:
@@ -149,7 +150,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
             return None
 
         key = PREFIX + self._key(guard, message)
-        backend = self.backend(broker)
+        backend = self._backend or self.backend(broker)
         ttl = policy.ttl_ms + ((delay or 0) if policy.including_scheduled else 0)
         claim = Claim(key, message.message_id, 1, ttl, info=message.actor_name, backend=backend)
         if (
@@ -213,7 +214,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
     def _key(self, guard: ActorGuard[DedupPolicy], message: Message[Any]) -> str:
         override = message.options.get(KEY_OPTION)
         if override is None:
-            return guard.key_of(message)
+            return guard.resolve_key(message.args, message.kwargs)  # guard.key_of(message)
         if not isinstance(override, str) or not override or lone_surrogate(override):
             raise GuardOptionError(
                 f"actor {guard.actor_name!r}: message option {KEY_OPTION}={override!r} is not valid: "

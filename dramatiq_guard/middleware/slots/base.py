@@ -23,7 +23,7 @@ from dramatiq_guard.backends.checks import check_count
 from dramatiq_guard.claim import Claim
 from dramatiq_guard.delivery import Courier, generation_of, keep_polling
 from dramatiq_guard.errors import BackendUnavailable, GuardKeyError
-from dramatiq_guard.gate import Diverted, PushTicket, TicketGroup
+from dramatiq_guard.gate import Diverted, EnqueueGate, PushTicket, TicketGroup
 from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware
 from dramatiq_guard.middleware.slots.limits import KeyDirectory
 from dramatiq_guard.middleware.slots.releases import ContendedKeys, Releaser
@@ -320,10 +320,20 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
 def composed(broker: Broker, actor_name: str, member: SlotsBase[Any]) -> list[SlotsBase[Any]]:
     """The slots middlewares of ``broker`` that guard ``actor_name`` and decide together, in the broker's
     order (``member`` alone if it is not on the broker): the first tries the slots of all of them in one
-    round trip, at send and at pickup (docs/flow-control-design.md, "Composed guards")."""
-    group = [
-        m for m in broker.middleware if isinstance(m, SlotsBase) and m.composes and m.guards_actor(actor_name)
-    ]
+    round trip, at send and at pickup (docs/flow-control-design.md, "Composed guards").
+
+    Kept per actor by the broker's enqueue gate (:attr:`EnqueueGate.memo`): what ``guards_actor``
+    answers changes only where the gate is told (an actor declared), and a middleware added to the
+    broker later guards only actors declared after it."""
+    gate = getattr(broker.enqueue, "__self__", None)
+    memo: dict[Any, Any] = gate.memo if isinstance(gate, EnqueueGate) else {}
+    group: list[SlotsBase[Any]] | None = memo.get((composed, actor_name))
+    if group is None:
+        group = memo[composed, actor_name] = [
+            m
+            for m in broker.middleware
+            if isinstance(m, SlotsBase) and m.composes and m.guards_actor(actor_name)
+        ]
     return group if member in group else [member]
 
 
