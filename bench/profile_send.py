@@ -16,7 +16,8 @@ row sends N messages under cProfile (no worker runs; the sending thread only):
 
 Per send it prints the Python function calls (deterministic: the figure to compare before and
 after a change), the Redis commands the server ran (``INFO commandstats``, inside scripts too) and
-the arguments of the guard's script calls, then under ``--top`` the top functions by call count.
+the arguments of the guard's script calls and the server's time in the commands (``usec``; noisy on
+a shared machine, unlike the counts), then under ``--top`` the top functions by call count.
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ from harness import RedisServer
 ROWS = ("plain", "accepted", "duplicate", "limited")
 
 
-def _commands(client: redis.Redis) -> int:
-    """Commands run so far, INFO left out."""
-    stats = client.info("commandstats")
-    return sum(int(v["calls"]) for k, v in stats.items() if k.removeprefix("cmdstat_") != "info")
+def _commands(client: redis.Redis) -> tuple[int, float]:
+    """Commands run so far, and the server's time in them (µs), INFO left out."""
+    stats = {k: v for k, v in client.info("commandstats").items() if k.removeprefix("cmdstat_") != "info"}
+    return sum(int(v["calls"]) for v in stats.values()), sum(float(v["usec"]) for v in stats.values())
 
 
 def _declare(url: str) -> tuple[RedisBroker, dict[str, Callable[[int], Any]]]:
@@ -102,9 +103,11 @@ def _measure(
     for i in range(n):
         send(i)
     profile.disable()
-    commands = (_commands(client) - before) / n
+    after = _commands(client)
+    commands, server_us = ((a - b) / n for a, b in zip(after, before, strict=True))
     stats = pstats.Stats(profile)
-    return (stats.total_calls / n, commands, sum(sent_args) / 50), stats  # type: ignore[attr-defined]
+    per_send = (stats.total_calls / n, commands, sum(sent_args) / 50, server_us)  # type: ignore[attr-defined]
+    return per_send, stats
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,11 +136,11 @@ def main(argv: list[str] | None = None) -> None:
                 reports[row] = out.getvalue()
         broker.close()
     print(f"\nper send, N={n}, the sending thread only")
-    print(f"{'row':<10} {'py calls':>9} {'x plain':>8} {'commands':>9} {'script args':>11}")
+    print(f"{'row':<10} {'py calls':>9} {'x plain':>8} {'commands':>9} {'script args':>11} {'redis µs':>9}")
     plain = table.get("plain")
-    for row, (calls, commands, script_args) in table.items():
+    for row, (calls, commands, script_args, server_us) in table.items():
         ratio = f"{calls / plain[0]:.2f}" if plain else "-"
-        print(f"{row:<10} {calls:9.1f} {ratio:>8} {commands:9.2f} {script_args:11.1f}")
+        print(f"{row:<10} {calls:9.1f} {ratio:>8} {commands:9.2f} {script_args:11.1f} {server_us:9.1f}")
     for row, report in reports.items():
         print(f"\n===== {row}: functions by calls (N sends)")
         print(report.strip())

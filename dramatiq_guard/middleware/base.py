@@ -8,6 +8,7 @@ arguments (its backend is resolved lazily from its broker), joins the enqueue ga
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from typing import Any, ClassVar, Generic, TypeVar, cast
@@ -41,7 +42,7 @@ class ActorGuard(Generic[P]):
     priority: int = 0
     index: int = 0
 
-    @property
+    @functools.cached_property  # asked on every send and pickup; made of fields that never change
     def scope(self) -> str:
         """The actor's name, and ``#<index>`` for a later guard of a list: it scopes the guard's
         digested keys, its run-time default limit and its state on a message."""
