@@ -22,8 +22,7 @@ from dramatiq_guard.backends.base import GuardBackend, check_key
 from dramatiq_guard.bounds import MAX_COUNT
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.web.history import History, UnlockLimit, sparkline
-from dramatiq_guard.web.hosts import AllowedHosts
-from dramatiq_guard.web.settings import Access, Page, settings_of
+from dramatiq_guard.web.settings import Access, AllowedHosts, Page, settings_of
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
@@ -148,7 +147,7 @@ class Dashboard:
     # -- security ---------------------------------------------------------------
 
     def wrong_host(self, request: Request) -> Response:
-        """A request for a Host name not allowed: 400, before anything is read (see :mod:`.hosts`)."""
+        """A request for a Host name not allowed: 400, before anything is read (:class:`.AllowedHosts`)."""
         given = request.headers.get("Host", "")
         text = (
             f"This dashboard does not answer to the Host {given[:200]!r}. To allow a name, start it with "
