@@ -58,17 +58,10 @@ class Dashboard:
     Parameters:
       backend(GuardBackend): The guard's backend.
       requeue(admin.Requeue|None): How hand-offs are re-enqueued (the app's broker), or None.
-      ledger(Ledger|None): The idempotency ledger to show, or None.
-      access(Access|None): Who it answers and who may write (default: read-only, loopback names).
-      page(Page|None): How its pages show (default: :class:`Page`'s).
       history(History|None): Where the charts' samples are kept.
       unlock_limit(UnlockLimit|None): How often a client may give a wrong write secret.
-      **deprecated: 0.1.0's ``write_secret``, ``authorize``, ``allowed_hosts``,
-        ``refresh_ms`` and ``per_page`` (:func:`settings_of`).
-
-    Raises:
-      TypeError: If a keyword is none of the above.
-      ValueError: If a deprecated ``allowed_hosts`` is not host names (as :class:`Access`).
+      ledger, access, page, **deprecated: As :func:`~dramatiq_guard.web.make_app`'s, which raises
+        what this raises.
     """
 
     def __init__(
@@ -242,16 +235,12 @@ class Dashboard:
             view["now_ms"] = now
             self.history.record([(key, len(view["holders"]), view["waiters"]["count"])])
             return view
-        kind = request.args.get("kind") or None
-        try:
-            page = int(request.args.get("page", "1"))
-        except ValueError:
-            page = 1
+        kind = request.args.get("kind")
         view = admin.overview(
             self.backend,
             pattern=_bounded(request.args.get("q") or "*", "search pattern"),
             kind=kind if kind in admin.KINDS else None,
-            page=page,
+            page=request.args.get("page", 1, type=int),  # 1 if it is not an integer
             per_page=self.per_page,
         )
         self.history.record((r["key"], r["holders"], r["waiters"]) for r in view["keys"])
