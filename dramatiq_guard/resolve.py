@@ -1,11 +1,5 @@
-"""Finding the guard backend for a broker, and the broker's route.
-
-``redis`` (of :func:`dramatiq_guard.install` and every guard middleware) is a
-:class:`~dramatiq_guard.backends.GuardBackend`, a redis-py client, a URL, or
-None: a RedisBroker lends its client, a StubBroker gets an in-memory backend,
-any other broker needs ``DRAMATIQ_GUARD_REDIS_URL``. Every middleware of one
-broker with ``redis=None`` shares one backend. Routes: docs/failure-model.md.
-"""
+"""Finding the guard backend for a broker (``redis=``, as :func:`dramatiq_guard.install` says; one shared
+by the middlewares of a broker given none), and the broker's route (docs/failure-model.md)."""
 
 from __future__ import annotations
 

@@ -238,13 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(
     argv: Sequence[str] | None = None, *, stdin: TextIO | None = None, stdout: TextIO | None = None
 ) -> int:
-    """Run the command; returns its exit status.
-
-    Parameters:
-      argv(Sequence[str]|None): The arguments (default: ``sys.argv[1:]``).
-      stdin(TextIO|None): Where a confirmation is read (default: ``sys.stdin``).
-      stdout(TextIO|None): Where output goes (default: ``sys.stdout``).
-    """
+    """Run the command on ``argv`` (default: ``sys.argv[1:]``), confirmations read from ``stdin`` and
+    output written to ``stdout`` (default: the process's); returns its exit status."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
