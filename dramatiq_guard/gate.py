@@ -141,11 +141,18 @@ class EnqueueGate:
             local.depth = depth - 1
 
     def admit(
-        self, message: Message[Any], *, delay: int | None = None, holds: str | None = None
+        self,
+        message: Message[Any],
+        *,
+        delay: int | None = None,
+        holds: str | None = None,
+        push: OneStepTicket | None = None,
     ) -> Admission:
         """Let the guards decide about ``message``, push it unless diverted, and say what happened; a
         guard's refusal (a GuardError) or the push's failure is raised. ``holds``: the guard key the
-        message already holds (a hand-off going back): its guard lets it pass."""
+        message already holds (a hand-off going back): its guard lets it pass. ``push``: the caller's
+        own one-step push (a hand-off's copy and its confirmation), unless a guard takes the push;
+        only its :meth:`~OneStepTicket.enqueue` is called."""
         tickets = TicketGroup()
         outer = getattr(self._local, "ticket", None)  # an enqueue this one runs inside of
         try:
@@ -153,6 +160,7 @@ class EnqueueGate:
                 if guard.guards_actor(message.actor_name):
                     tickets.add(guard.before_push(self.broker, message, delay, holds=holds))
             one_step = [cast(OneStepTicket, t) for t in tickets.tickets if hasattr(t, "enqueue")]
+            one_step += [push] if push is not None else []
             if one_step:
                 self._take_pushes()
                 self._local.ticket = (getattr(self._local, "depth", 0), one_step[0])
