@@ -19,6 +19,7 @@ import dramatiq
 import pytest
 import redis
 from dramatiq.brokers.redis import RedisBroker
+from dramatiq.brokers.stub import StubBroker
 from harness import wait_until
 from harness.one_step import EnqueueHooks as Hooks
 from harness.one_step import command_counts as calls
@@ -261,3 +262,21 @@ def test_the_same_call_run_again_pushes_no_second_copy(
     assert [m["message_id"] for m in queued(redisdb)] == [first.message_id, second.message_id]
     drain(redis_broker, ran, 2)
     assert sorted(ran) == [0, 1]
+
+
+def test_a_stub_broker_with_the_in_memory_backend_takes_two_steps(stub_broker: StubBroker) -> None:
+    dramatiq_guard.install(stub_broker)
+
+    @dramatiq.actor(concurrency={"limit": 1, "key": lambda n: "k"}, max_retries=0)
+    def job(n: int) -> None: ...
+
+    first, second = job.send(0), job.send(1)
+    backend = concurrency(stub_broker).backend(stub_broker)
+    handoffs = backend.release(KEY, first.message_id, limit=1).handoffs
+    assert not backend.enqueues_on(stub_broker)  # so the courier never asks it to push
+
+    concurrency(stub_broker).deliver(stub_broker, handoffs)  # the broker's push, then the confirmation
+
+    queued = [json.loads(m)["message_id"] for m in stub_broker.queues["default"].queue]
+    assert queued == [first.message_id, second.message_id]
+    assert backend.inspect(KEY).reserved == ()  # confirmed
