@@ -161,7 +161,7 @@ class Courier:
 class OneStepDelivery:
     """The broker's push of a hand-off's (or standby's) copy with its confirmation, in one step.
 
-    Given to the enqueue gate as its push (:meth:`EnqueueGate.admit`), so every other middleware's
+    The enqueue gate's push of the copy (:meth:`EnqueueGate.admit`), so every other middleware's
     ``before_enqueue`` and ``after_enqueue`` run once around it, as for any enqueue; ``confirmed``:
     the confirmation's answer once pushed, None while not done in one step (the backend could not:
     it is pushed as usual, and the courier confirms it then).
@@ -185,15 +185,6 @@ class OneStepDelivery:
         )
         if self.confirmed is None:
             push(queue_name, message_id, data)
-
-    def pushed(self) -> None:
-        """Nothing to settle: the courier reads :attr:`confirmed`."""
-
-    def parked(self) -> None:
-        """Nothing to settle: not pushed, nothing was written."""
-
-    def failed(self) -> None:
-        """Nothing to settle: the push and the confirmation went together, or neither did."""
 
 
 def courier_for(broker: Broker, backend: GuardBackend, key: str) -> Courier:
