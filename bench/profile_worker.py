@@ -13,7 +13,11 @@ in-process :class:`dramatiq.Worker` and drains them. The rows mirror ``bench/sce
 * ``floor``: the same with two no-op Lua script round trips (one before the work, one after);
 * ``installed``: the plain actor, on a broker with the guard installed (nobody opts in);
 * ``mutex``: ``mutex=True``, a key per message; ``dedup``: ``dedup="until_executed"``, a key
-  per message; ``concurrency``: a limit of 1,000 on one key (N <= 1,000: nothing parks).
+  per message; ``concurrency``: a limit of 1,000 on one key (N <= 1,000: nothing parks);
+* ``wide``: the same limit with all N sent (beyond the first 1,000 they park at send, and go back
+  to the broker as hand-offs and standbys while the drain runs);
+* ``backlog``: the backlog floor of ``wide`` (``bench/scenarios/cost_actors.py``): the floor, the
+  messages beyond the first 1,000 parked in a list, each pushed and confirmed by a finishing job.
 
 Per message of the drain it prints: the process's CPU (``time.process_time``, every thread:
 worker threads, consumers, the guard's release and renewal threads), the Redis commands the
@@ -24,7 +28,7 @@ cProfile the top functions by cumulative CPU time (``time.thread_time``: a block
 nothing) among the guard's and Dramatiq's worker, broker and middleware functions, then the top
 functions by their own CPU time. The profiled drain runs in a child process of its own, every
 thread profiled from its start (``--top 0`` skips it); the CPU column is a drain without it.
-Ratios are against the ``floor`` row.
+Ratios are against the ``floor`` row; the drain rate of ``wide`` is also given against ``backlog``.
 Timings are noisy on a shared machine: the call and command counts are not.
 """
 
@@ -43,7 +47,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import dramatiq
@@ -60,7 +63,9 @@ if str(TESTS_DIR) not in sys.path:
 from harness import RedisServer
 
 _GUARD = "/dramatiq_guard/"
-ROWS = ("plain", "floor", "installed", "mutex", "dedup", "concurrency")
+ROWS = ("plain", "floor", "installed", "mutex", "dedup", "concurrency", "wide", "backlog")
+#: The limit of the concurrency rows' one key.
+WIDE_LIMIT = 1000
 
 
 def _server(client: redis.Redis) -> tuple[int, float]:
@@ -73,10 +78,10 @@ def _server(client: redis.Redis) -> tuple[int, float]:
     return commands, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
-def _declare(url: str, row: str) -> tuple[RedisBroker, Callable[..., Any]]:
+def _declare(url: str, row: str) -> tuple[RedisBroker, Any]:
     """A broker of its own for ``row`` (the guard installed but for plain and floor) and its actor."""
     broker = RedisBroker(url=url, namespace=f"profile-{row}")
-    if row not in ("plain", "floor"):
+    if row not in ("plain", "floor", "backlog"):
         import dramatiq_guard
 
         dramatiq_guard.install(broker)
@@ -90,8 +95,9 @@ def _declare(url: str, row: str) -> tuple[RedisBroker, Callable[..., Any]]:
     guards: dict[str, dict[str, Any]] = {
         "mutex": {"mutex": True},
         "dedup": {"dedup": "until_executed"},
-        "concurrency": {"concurrency": {"limit": 1000, "key": lambda *args: "wide"}},
+        "concurrency": {"concurrency": {"limit": WIDE_LIMIT, "key": lambda *args: "wide"}},
     }
+    guards["wide"] = guards["concurrency"]
     options = guards.get(row, {})
 
     if row == "floor":
@@ -101,13 +107,39 @@ def _declare(url: str, row: str) -> tuple[RedisBroker, Callable[..., Any]]:
             done(run_id, total)
             noop()
 
+    elif row == "backlog":
+        take_parked = client.register_script("return redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')")
+        confirm_pushed = client.register_script("return redis.call('LREM', KEYS[1], 1, ARGV[1])")
+
+        def work(run_id: str, total: int, i: int) -> None:
+            noop()
+            done(run_id, total)
+            parked = take_parked(keys=["profile:backlog", "profile:pushing"])
+            if parked is not None:
+                broker.enqueue(dramatiq.Message.decode(parked))
+                confirm_pushed(keys=["profile:pushing"], args=[parked])
+
     else:
 
         def work(run_id: str, total: int, i: int) -> None:
             done(run_id, total)
 
     actor = dramatiq.actor(actor_name=f"profile_{row}", broker=broker, max_retries=0, **options)(work)
-    return broker, actor
+    return broker, _Backlog(actor) if row == "backlog" else actor
+
+
+class _Backlog:
+    """Sends the backlog row's actor as a limit of :data:`WIDE_LIMIT` would: the rest parks in a list."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor, self.actor_name, self._sent = actor, actor.actor_name, 0
+
+    def send(self, run_id: str, total: int, i: int) -> None:
+        self._sent = 1 if i == 0 else self._sent + 1
+        if self._sent <= WIDE_LIMIT:
+            self.actor.send(run_id, total, i)
+        else:
+            self.actor.broker.client.rpush("profile:backlog", self.actor.message(run_id, total, i).encode())
 
 
 def _profile_threads() -> list[cProfile.Profile]:
@@ -151,10 +183,11 @@ def _wait_finish(client: redis.Redis, run_id: str, what: str, timeout: float = 6
     raise RuntimeError(f"{what}: the drain did not finish in {timeout:g} s")
 
 
-def _drain(broker: RedisBroker, actor: Any, n: int, threads: int) -> tuple[float, float, float]:
+def _drain(broker: RedisBroker, actor: Any, n: int, threads: int) -> tuple[float, float, float, float]:
     """Send ``n`` messages, then drain them on a new Worker.
 
-    Returns (this process's CPU µs, Redis commands, the Redis server's CPU µs) per message of the drain.
+    Returns (this process's CPU µs, Redis commands, the Redis server's CPU µs) per message of the
+    drain, and its rate (messages per second, from the worker's start to the last completion).
     """
     client = broker.client
     run_id = uuid.uuid4().hex
@@ -162,15 +195,17 @@ def _drain(broker: RedisBroker, actor: Any, n: int, threads: int) -> tuple[float
         actor.send(run_id, n, i)
     (commands, server_cpu), cpu = _server(client), time.process_time()
     worker = dramatiq.Worker(broker, worker_threads=threads, worker_timeout=100)
+    started = time.perf_counter()
     worker.start()
     try:
         _wait_finish(client, run_id, actor.actor_name)
+        rate = n / (time.perf_counter() - started)
         cpu = time.process_time() - cpu
         commands_after, server_cpu_after = _server(client)
     finally:
         worker.stop()
         broker.middleware[:] = [m for m in broker.middleware if not isinstance(m, _WorkerMiddleware)]
-    return cpu * 1e6 / n, (commands_after - commands) / n, (server_cpu_after - server_cpu) * 1e6 / n
+    return cpu * 1e6 / n, (commands_after - commands) / n, (server_cpu_after - server_cpu) * 1e6 / n, rate
 
 
 def _hot_spots(profiles: list[cProfile.Profile], n: int, top: int) -> tuple[tuple[float, float, float], str]:
@@ -213,7 +248,27 @@ def _profile_row(url: str, row: str, n: int, threads: int, top: int) -> None:
 
 
 def _row_n(row: str, n: int) -> int:
-    return min(n, 1000) if row == "concurrency" else n
+    return min(n, WIDE_LIMIT) if row == "concurrency" else n
+
+
+def _print_table(table: dict[str, list[float]], threads: int, repeats: int) -> None:
+    """Print each row's figures per message (``table``: row -> CPU, server µs, commands, requests,
+    Python calls, the guard's calls, drain rate)."""
+    print(f"\nper message of a drain, {threads} worker threads; CPU: the median of {repeats} drains")
+    print(
+        f"{'row':<12} {'CPU µs':>7} {'x floor':>7} {'redis µs':>8} {'commands':>8} {'requests':>8} "
+        f"{'py calls':>8} {'x floor':>7} {'guard calls':>11} {'drain/s':>8}"
+    )
+    floor = table.get("floor")
+    for row, (cpu, server_us, commands, round_trips, calls, guard, rate) in table.items():
+        cpu_ratio = f"{cpu / floor[0]:.2f}" if floor else "-"
+        calls_ratio = f"{calls / floor[4]:.2f}" if floor and floor[4] else "-"
+        print(
+            f"{row:<12} {cpu:7.0f} {cpu_ratio:>7} {server_us:8.0f} {commands:8.2f} {round_trips:8.2f} "
+            f"{calls:8.0f} {calls_ratio:>7} {guard:11.1f} {rate:8.0f}"
+        )
+    if "wide" in table and "backlog" in table:
+        print(f"wide's drain rate: {table['wide'][6] / table['backlog'][6]:.2f}x backlog's (medians)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -241,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         declared = {row: _declare(server.url, row) for row in args.rows}
         for broker, actor in declared.values():  # a warm-up: scripts loaded, threads started once
             _drain(broker, actor, 50, args.threads)
-        runs: dict[str, list[tuple[float, float, float]]] = {row: [] for row in args.rows}
+        runs: dict[str, list[tuple[float, float, float, float]]] = {row: [] for row in args.rows}
         for _ in range(args.repeats):  # the rows take turns, so a slow spell falls on all of them
             for row, (broker, actor) in declared.items():
                 runs[row].append(_drain(broker, actor, _row_n(row, args.n), args.threads))
@@ -257,23 +312,9 @@ def main(argv: list[str] | None = None) -> None:
                 )  # fmt: skip
                 first, _, reports[row] = child.stdout.partition("\n")
                 calls, round_trips, guard = map(float, first.split())
-            cpu, commands, server_us = (statistics.median(run[i] for run in runs[row]) for i in range(3))
-            table[row] = [cpu, server_us, commands, round_trips, calls, guard]
-    print(
-        f"\nper message of a drain, {args.threads} worker threads; CPU: the median of {args.repeats} drains"
-    )
-    print(
-        f"{'row':<12} {'CPU µs':>7} {'x floor':>7} {'redis µs':>8} {'commands':>8} {'requests':>8} "
-        f"{'py calls':>8} {'x floor':>7} {'guard calls':>11}"
-    )
-    floor = table.get("floor")
-    for row, (cpu, server_us, commands, round_trips, calls, guard) in table.items():
-        cpu_ratio = f"{cpu / floor[0]:.2f}" if floor else "-"
-        calls_ratio = f"{calls / floor[4]:.2f}" if floor and floor[4] else "-"
-        print(
-            f"{row:<12} {cpu:7.0f} {cpu_ratio:>7} {server_us:8.0f} {commands:8.2f} {round_trips:8.2f} "
-            f"{calls:8.0f} {calls_ratio:>7} {guard:11.1f}"
-        )
+            cpu, commands, server_us, rate = (statistics.median(r[i] for r in runs[row]) for i in range(4))
+            table[row] = [cpu, server_us, commands, round_trips, calls, guard, rate]
+    _print_table(table, args.threads, args.repeats)
     for row, report in reports.items():
         print(f"\n===== {row}: CPU time by function (every thread, one profiled drain of N)")
         print(report.strip())

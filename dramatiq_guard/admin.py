@@ -186,11 +186,8 @@ LISTED_WAITERS = 1000
 def key_views(
     backend: GuardBackend, keys: list[str], *, waiters: int = 100
 ) -> tuple[int, list[dict[str, Any]]]:
-    """The backend's clock and :func:`key_view` of each of ``keys``, with its first ``waiters`` described.
-
-    Raises:
-      ValueError: If a key is not a valid guard key.
-    """
+    """The backend's clock and :func:`key_view` of each of ``keys`` (ValueError if one is not a guard key),
+    with its first ``waiters`` described."""
     summaries = backend.summaries(keys, waiters=waiters)
     now = backend.now_ms()
     return now, [
@@ -298,11 +295,7 @@ Requeue = Callable[[Sequence[Handoff]], None]
 
 
 def load_broker(spec: str) -> Broker:
-    """The broker named by ``MODULE:ATTR`` (the current directory importable).
-
-    Raises:
-      ValueError: If ``spec`` is malformed, cannot be imported, or is not a broker.
-    """
+    """The broker named by ``MODULE:ATTR`` (the current directory importable); else a ValueError."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"--broker must be MODULE:ATTR (e.g. myapp.tasks:broker), got {spec!r}")
@@ -320,12 +313,8 @@ def load_broker(spec: str) -> Broker:
 
 
 def broker_requeue(broker: Broker | str | None, backend: GuardBackend) -> Requeue | None:
-    """How to re-enqueue hand-offs on ``broker`` (or ``MODULE:ATTR``) as a worker would (None: no broker).
-
-    Raises:
-      ValueError: As :func:`load_broker`.
-      ConfigurationError: If the broker has no route the guard can tell.
-    """
+    """How to re-enqueue hand-offs on ``broker`` (or ``MODULE:ATTR``) as a worker would (None: no broker);
+    a ValueError as :func:`load_broker`, or a ConfigurationError if the broker has no route."""
     from dramatiq_guard.delivery import courier_for
     from dramatiq_guard.resolve import route_of
 

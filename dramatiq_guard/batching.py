@@ -1,8 +1,5 @@
-"""A daemon thread that sends what callers hand it in batches (the dedup confirmations, the releases).
-
-Items that arrive while a batch is sent make up the next one; :meth:`Batcher.flush` sends what is
-left, and runs for every batcher at interpreter exit.
-"""
+"""A daemon thread that sends what callers hand it in batches (the dedup confirmations, the releases);
+what arrives while a batch is sent makes up the next one, and what is left is sent at exit."""
 
 from __future__ import annotations
 
@@ -25,11 +22,8 @@ _batchers: weakref.WeakSet[Batcher[Any]] = weakref.WeakSet()
 
 
 class Batcher(abc.ABC, Generic[T]):
-    """Sends the items added to it in batches, from one daemon thread (started on first use).
-
-    A batch starts ``linger`` seconds after the first waiting item (0: at once), or when ``batch``
-    items are waiting.
-    """
+    """Sends the items added to it in batches, from one daemon thread (started on first use): a batch
+    starts ``linger`` seconds after the first waiting item (0: at once), or when ``batch`` are waiting."""
 
     #: The name of the thread.
     thread_name: ClassVar[str]

@@ -1,8 +1,10 @@
-"""Delivery: a parked message handed a slot goes back to its broker and queue, then is confirmed.
+"""Delivery: a parked message handed a slot goes back to its broker and queue, and is confirmed.
 
-The message is enqueued through the enqueue gate with ``holds=<key>`` and then its hand-off (or
-standby send) is confirmed; until then the payload stays stored, so a deliverer that dies in between
-loses nothing (docs/contract.md, *hand-off* and *standbys*).
+The message is enqueued through the enqueue gate with ``holds=<key>`` and its hand-off (or standby
+send) is confirmed. Where the backend can push to the broker (a RedisBroker on the guard's Redis:
+:meth:`GuardBackend.enqueue_and_confirm`), the push and the confirmation are one step; elsewhere the
+confirmation follows the push. Until it, the payload stays stored, so a deliverer that dies in
+between loses nothing (docs/contract.md, *hand-off* and *standbys*).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dramatiq.brokers.stub import StubBroker
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import GuardBackend, Handoff
-from dramatiq_guard.backends.values import ORIGINAL_GENERATION
+from dramatiq_guard.backends.values import ORIGINAL_GENERATION, Enqueue
 from dramatiq_guard.gate import Outcome, gate_for
 
 logger = logging.getLogger(__name__)
@@ -98,24 +100,32 @@ class Courier:
             except Exception:
                 logger.warning(failure, item.waiter_id, item.key, exc_info=True)
 
-    def _admit(self, handoff: Handoff) -> tuple[Message[Any], Outcome]:
+    def _admit(self, handoff: Handoff, *, standby: bool) -> tuple[Message[Any], Outcome, bool | None]:
+        """Enqueue the copy of ``handoff`` (a standby's, with ``standby``) through the gate; with the
+        answer of its confirmation if that went with the push (:class:`OneStepDelivery`), else None."""
         assert handoff.payload is not None
         message = Message.decode(handoff.payload)
         if handoff.generation is not None:
             carry_generation(message, handoff.key, handoff.generation)
-        admission = gate_for(self.broker).admit(message, holds=handoff.key)
+        one_step = None
+        if self.backend.enqueues_on(self.broker):
+            one_step = OneStepDelivery(self, handoff, self.ttl_ms(message), standby=standby)
+        admission = gate_for(self.broker).admit(message, holds=handoff.key, push=one_step)
         if admission.outcome is Outcome.PUSHED and self.after_push is not None:
             self.after_push(message)
-        return message, admission.outcome
+        return message, admission.outcome, None if one_step is None else one_step.confirmed
 
     def _deliver_one(self, handoff: Handoff) -> None:
         """Deliver one hand-off (and those that giving its slot back makes)."""
-        message, outcome = self._admit(handoff)
+        message, outcome, held = self._admit(handoff, standby=False)
         if self.counts_handoffs:
             events.handed_off(message.actor_name)
         if outcome is Outcome.PUSHED or (outcome is Outcome.PARKED and self.keep_when_parked):
-            key, waiter, ttl_ms = handoff.key, handoff.waiter_id, self.ttl_ms(message)
-            if not self.backend.confirm_handoff(key, waiter, ttl_ms=ttl_ms, generation=handoff.generation):
+            key, waiter = handoff.key, handoff.waiter_id
+            if held is None:
+                ttl_ms = self.ttl_ms(message)
+                held = self.backend.confirm_handoff(key, waiter, ttl_ms=ttl_ms, generation=handoff.generation)
+            if not held:
                 logger.warning(
                     "The hand-off of %r to %s lapsed before it was confirmed; it runs.", key, waiter
                 )
@@ -125,13 +135,14 @@ class Courier:
     def _send_one(self, standby: Handoff) -> None:
         """Send one standby (and deliver the hand-offs that leaving its place makes)."""
         assert standby.payload is not None
-        message, outcome = self._admit(standby)
+        message, outcome, held = self._admit(standby, standby=True)
         if outcome is Outcome.PUSHED:
-            key, ttl_ms = standby.key, self.ttl_ms(message)
-            confirmed = self.backend.confirm_standby(
-                key, standby.waiter_id, standby.payload, ttl_ms=ttl_ms, generation=standby.generation
-            )
-            if not confirmed:
+            if held is None:
+                key, ttl_ms = standby.key, self.ttl_ms(message)
+                held = self.backend.confirm_standby(
+                    key, standby.waiter_id, standby.payload, ttl_ms=ttl_ms, generation=standby.generation
+                )
+            if not held:
                 logger.debug("Standby %s of %r parked again before it was confirmed.", message, standby.key)
             return
         self._withdraw(standby)  # another guard parked it on the way: it waits there, not here
@@ -144,6 +155,36 @@ class Courier:
             handoff.key, handoff.waiter_id, limit=limit, generation=handoff.generation
         )
         self.deliver(withdrawn.handoffs)
+
+
+@dataclasses.dataclass(eq=False)
+class OneStepDelivery:
+    """The broker's push of a hand-off's (or standby's) copy with its confirmation, in one step.
+
+    The enqueue gate's push of the copy (:meth:`EnqueueGate.admit`), so every other middleware's
+    ``before_enqueue`` and ``after_enqueue`` run once around it, as for any enqueue; ``confirmed``:
+    the confirmation's answer once pushed, None while not done in one step (the backend could not:
+    it is pushed as usual, and the courier confirms it then).
+    """
+
+    courier: Courier
+    handoff: Handoff
+    ttl_ms: int
+    _: dataclasses.KW_ONLY
+    standby: bool
+    confirmed: bool | None = None
+
+    def enqueue(
+        self, queue_name: str, message_id: str, data: bytes, push: Callable[[str, str, bytes], Any]
+    ) -> None:
+        """Push ``data`` and confirm it in one step (:meth:`GuardBackend.enqueue_and_confirm`), else
+        push it with ``push``, the broker's own."""
+        one, backend = Enqueue(self.courier.broker, queue_name, message_id, data), self.courier.backend
+        self.confirmed = backend.enqueue_and_confirm(
+            self.handoff, one, ttl_ms=self.ttl_ms, standby=self.standby
+        )
+        if self.confirmed is None:
+            push(queue_name, message_id, data)
 
 
 def courier_for(broker: Broker, backend: GuardBackend, key: str) -> Courier:

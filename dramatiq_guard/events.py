@@ -1,8 +1,5 @@
-"""Guard events: what the guard middlewares report at each decision, for metrics.
-
-Each function costs a call and does nothing until a sink is set
-(:class:`dramatiq_guard.metrics.GuardMetrics` sets one; docs/metrics.md).
-"""
+"""Guard events: what the guard middlewares report at each decision, for metrics; each costs a call
+and does nothing until a sink is set (:class:`~dramatiq_guard.metrics.GuardMetrics` sets one)."""
 
 from __future__ import annotations
 

@@ -54,8 +54,9 @@ class PushTicket(Protocol):
         """The message will not be sent (dropped, refused, or the push failed): undo."""
 
 
-class OneStepTicket(PushTicket, Protocol):
-    """A ticket that takes over the broker's push: its decision and the push in one step.
+class OneStepPush(Protocol):
+    """What takes over the broker's push of one message: a decision and the push in one step (a
+    guard's ticket that has :meth:`enqueue`, or the caller's ``push`` of :meth:`EnqueueGate.admit`).
 
     The gate routes the broker's ``do_enqueue`` (a RedisBroker's) to :meth:`enqueue` for this
     message, after every other middleware's ``before_enqueue``; a :class:`Diverted` raised there
@@ -164,17 +165,24 @@ class EnqueueGate:
             local.depth = depth - 1
 
     def admit(
-        self, message: Message[Any], *, delay: int | None = None, holds: str | None = None
+        self,
+        message: Message[Any],
+        *,
+        delay: int | None = None,
+        holds: str | None = None,
+        push: OneStepPush | None = None,
     ) -> Admission:
         """Let the guards decide about ``message``, push it unless diverted, and say what happened; a
         guard's refusal (a GuardError) or the push's failure is raised. ``holds``: the guard key the
-        message already holds (a hand-off going back): its guard lets it pass."""
+        message already holds (a hand-off going back): its guard lets it pass. ``push``: the caller's
+        own one-step push (a hand-off's copy and its confirmation), unless a guard's ticket takes it."""
         tickets = TicketGroup()
         outer = getattr(self._local, "ticket", None)  # an enqueue this one runs inside of
         try:
             for guard in self.guarding(message.actor_name):
                 tickets.add(guard.before_push(self.broker, message, delay, holds=holds))
-            one_step = [cast(OneStepTicket, t) for t in tickets.tickets if hasattr(t, "enqueue")]
+            one_step = [cast(OneStepPush, t) for t in tickets.tickets if hasattr(t, "enqueue")]
+            one_step += [push] if push is not None else []
             if one_step:
                 self._take_pushes()
                 self._local.ticket = (getattr(self._local, "depth", 0), one_step[0])
@@ -199,7 +207,7 @@ class EnqueueGate:
 
     def _push(self, queue_name: str, message_id: str, data: bytes) -> Any:
         """The broker's push: a one-step ticket's, if this thread's enqueue has one, else its own."""
-        held: tuple[int, OneStepTicket] | None = getattr(self._local, "ticket", None)
+        held: tuple[int, OneStepPush] | None = getattr(self._local, "ticket", None)
         assert self._push_original is not None
         # The ticket's own enqueue only: a message a hook sends inside it (one level deeper) pushes as usual.
         if held is None or held[0] != getattr(self._local, "depth", 0):

@@ -1,11 +1,5 @@
-"""Guard keys: how a message's arguments become the key of a lock or a limit.
-
-A ``key`` option is a callable of the actor's arguments returning a str (used
-as given), a list of argument names, or absent (all the arguments). The last
-two are bound through the actor's signature and digested, scoped to the actor:
-``"<actor_name>:<sha256 of canonical JSON>"`` (docs/design.md, "Keys"). What
-cannot make a key raises :class:`~dramatiq_guard.errors.GuardKeyError` at ``send()``.
-"""
+"""Guard keys: how a message's arguments become the key of a lock or a limit, as a ``key`` callable's
+str or ``"<actor_name>:<sha256 of canonical JSON>"`` (docs/design.md, "Keys")."""
 
 from __future__ import annotations
 
@@ -28,12 +22,8 @@ _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_asci
 
 
 def canonical_json(value: Any) -> bytes:
-    """Encode ``value`` as canonical JSON (sorted keys, no spaces, UTF-8, no NaN).
-
-    Raises:
-      TypeError: If ``value`` holds something JSON cannot encode.
-      ValueError: If ``value`` holds a NaN or an infinity.
-    """
+    """``value`` as canonical JSON (sorted keys, no spaces, UTF-8); TypeError or ValueError (a NaN, an
+    infinity) if JSON cannot encode it."""
     return _CANONICAL.encode(value).encode("utf-8")
 
 

@@ -1,11 +1,5 @@
-"""Finding the guard backend for a broker, and the broker's route.
-
-``redis`` (of :func:`dramatiq_guard.install` and every guard middleware) is a
-:class:`~dramatiq_guard.backends.GuardBackend`, a redis-py client, a URL, or
-None: a RedisBroker lends its client, a StubBroker gets an in-memory backend,
-any other broker needs ``DRAMATIQ_GUARD_REDIS_URL``. Every middleware of one
-broker with ``redis=None`` shares one backend. Routes: docs/failure-model.md.
-"""
+"""Finding the guard backend for a broker (``redis=``, as :func:`dramatiq_guard.install` says; one shared
+by the middlewares of a broker given none), and the broker's route (docs/failure-model.md)."""
 
 from __future__ import annotations
 
@@ -34,34 +28,27 @@ _lock = threading.Lock()
 
 
 def backend_from(redis: Any) -> GuardBackend:
-    """A backend from an explicit ``redis``: a backend, a client or a URL (else ConfigurationError)."""
-    if isinstance(redis, GuardBackend):
-        return redis
+    """A backend from an explicit ``redis``: a backend, else as :func:`open_backend`."""
+    return redis if isinstance(redis, GuardBackend) else open_backend(redis)
+
+
+def open_backend(redis: Any, namespace: str = "dramatiq-guard") -> RedisBackend:
+    """The Redis backend on ``redis``, a redis-py client or a URL (None: ``DRAMATIQ_GUARD_REDIS_URL``,
+    else ``redis://localhost:6379/0``), in ``namespace``; else a :class:`ConfigurationError`."""
     from redis import Redis
     from redis.cluster import RedisCluster
 
     from dramatiq_guard.backends.redis import RedisBackend
 
-    if isinstance(redis, str):
-        return RedisBackend.from_url(redis)
+    if redis is None or isinstance(redis, str):
+        url = redis or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
+        return RedisBackend.from_url(url, namespace=namespace)
     if isinstance(redis, (Redis, RedisCluster)):
-        return RedisBackend(redis)
+        return RedisBackend(redis, namespace=namespace)
     raise ConfigurationError(
         f"redis={redis!r} is not usable: pass a redis-py Redis or RedisCluster client, "
         f"a redis:// URL, a dramatiq_guard GuardBackend, or None to let the broker decide"
     )
-
-
-def open_backend(redis: Any, namespace: str) -> RedisBackend:
-    """The Redis backend on ``redis``, a redis-py client or a URL (None: ``DRAMATIQ_GUARD_REDIS_URL``,
-    else ``redis://localhost:6379/0``), in ``namespace``: the command's and the dashboard's."""
-    from dramatiq_guard.backends.redis import RedisBackend
-
-    if redis is None or isinstance(redis, str):
-        return RedisBackend.from_url(
-            redis or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL, namespace=namespace
-        )
-    return RedisBackend(redis, namespace=namespace)
 
 
 def resolve_backend(broker: Broker, redis: Any = None) -> GuardBackend:

@@ -724,8 +724,9 @@ def test_a_lease_that_cannot_be_renewed_for_a_whole_ttl_is_lost() -> None:
     backend = RecordingBackend()
     renewer = LeaseRenewer()
     try:
-        assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=300)).acquired
-        handle = renewer.register(backend, KEY, "a", 300)
+        # 1 s, not shorter: on a loaded machine the renewer's thread must get its turns to retry.
+        assert backend.acquire(Stake(KEY, "a", limit=1, ttl_ms=1_000)).acquired
+        handle = renewer.register(backend, KEY, "a", 1_000)
         backend.unreachable = True
         assert handle.wait_lost(MARGIN_S)
         assert len(backend.batches) >= 2  # it was retried before being given up
@@ -2291,7 +2292,9 @@ def test_try_lock_never_takes_the_lock_from_a_queued_rerun(env: Env) -> None:
     """A ``reschedule_once`` rerun parks in the lock's queue (``limit=0``): while it waits, a new
     send is refused, whether the holder is live or lapsed (then the rerun is handed the lock)."""
     backend = env.backend()
-    assert backend.try_lock(KEY, "h", ttl_ms=300).acquired
+    # 1 s: a loaded machine can stall longer than a shorter lock between the holder's lock and the
+    # refused send below, and the lapse this test waits for later would come too early.
+    assert backend.try_lock(KEY, "h", ttl_ms=1_000).acquired
     rerun = backend.acquire(Stake(KEY, "rerun", limit=0, ttl_ms=60_000), wait=Waiter(payload=b"msg:rerun"))
     assert rerun.parked and rerun.holders == ("h",)
     refused = backend.try_lock(KEY, "m1", ttl_ms=10_000)

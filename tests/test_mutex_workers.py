@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -69,6 +70,19 @@ def timed(n):
     if n == 0:
         Gate.from_env("timed").wait(timeout=60)
     rec.record(n=n, done=True)
+
+
+@dramatiq.actor(mutex={"key": lambda: "patient"}, max_retries=0)
+def hold_patient():
+    rec.record(holding=True)
+    Gate.from_env("patient").wait(timeout=60)
+
+
+@dramatiq.actor(
+    mutex={"on_busy": "wait", "wait": 60_000, "key": lambda: "patient"}, max_retries=0, time_limit=500
+)
+def patient():
+    rec.record(patient=True)
 
 
 @dramatiq.actor(mutex={"key": lambda: "killed"}, max_retries=0)
@@ -159,4 +173,26 @@ def test_a_wait_that_times_out_raises_mutex_wait_timeout_and_retries_retry_it(
     assert records == [(0, "done"), (1, "started"), (1, "done")]
     wait_for_redis_broker_drain(redisdb)
     # The last run's release may land just after its ack (the release thread's): wait for it.
+    wait_until(lambda: not guard_leftovers(redisdb), what="no guard state left", redis=redisdb)
+
+
+def test_a_wait_for_the_mutex_does_not_eat_the_actors_time_limit(
+    actor_module: Callable[..., ModuleType], dramatiq_worker: Start, recorder: Recorder, redisdb: Any
+) -> None:
+    # A thread blocked for the mutex has its TimeLimit timer paused: an actor whose time_limit
+    # (500 ms) is shorter than its wait is not killed while it waits, and runs once it holds.
+    module = actor_module(SOURCE)
+    worker = dramatiq_worker("actors", processes=1, threads=2)
+    module.hold_patient.send()
+    assert recorder.take_one()["holding"]
+    module.patient.send()
+    backend = RedisBackend(redisdb)
+    wait_until(lambda: backend.inspect("mutex:patient").waiters, what="the patient message blocking")
+    # Time itself is what this waits on: three times the time limit, blocked on the mutex.
+    time.sleep(1.5)
+    assert backend.inspect("mutex:patient").waiters  # still blocked, not failed
+    recorder.gate("patient").open()
+    assert recorder.take_one()["patient"]
+    wait_for_redis_broker_drain(redisdb)
+    assert "TimeLimitExceeded" not in worker.log
     wait_until(lambda: not guard_leftovers(redisdb), what="no guard state left", redis=redisdb)

@@ -136,8 +136,8 @@ class GuardBackend(abc.ABC):
         return dataclasses.replace(result, token=None)
 
     def enqueues_on(self, broker: Any) -> bool:
-        """Whether :meth:`lock_and_enqueue` and :meth:`reserve_and_enqueue` can push to ``broker``
-        (default: never); checked once per broker."""
+        """Whether :meth:`lock_and_enqueue`, :meth:`reserve_and_enqueue` and :meth:`enqueue_and_confirm`
+        can push to ``broker`` (default: never); checked once per broker."""
         return False
 
     def lock_and_enqueue(
@@ -200,6 +200,16 @@ class GuardBackend(abc.ABC):
         dropped and its reservation set to ``now + ttl_ms``; one put back in the queue meanwhile is
         taken out again (never both on the broker and parked). Whether it still holds its reservation.
         """
+
+    def enqueue_and_confirm(
+        self, handoff: Handoff, push: Enqueue, *, ttl_ms: int, standby: bool = False
+    ) -> bool | None:
+        """The broker's push of ``push``, the re-enqueued copy of ``handoff``, and its confirmation
+        (:meth:`confirm_handoff`, or with ``standby`` :meth:`confirm_standby` of ``handoff.payload``)
+        in one atomic step (only where :meth:`enqueues_on` said yes); the copy is pushed whatever the
+        confirmation answers. Its answer, or None when the backend could not do both in one step:
+        nothing was written, push and confirm as usual."""
+        return None
 
     @abc.abstractmethod
     def send_standbys(

@@ -236,6 +236,26 @@ class RedisBackend(RedisStore):
         own = layout.ConfirmHandoffArgs(waiter_id, ttl_ms, "" if generation is None else generation)
         return bool(self._run(key, 0, own))
 
+    def enqueue_and_confirm(
+        self, handoff: Handoff, push: Enqueue, *, ttl_ms: int, standby: bool = False
+    ) -> bool | None:
+        """``lua/deliver.lua`` (on a standalone Redis only: the queue is in another slot)."""
+        check_ms(ttl_ms, "ttl_ms")
+        if self._in_cluster():
+            return None
+        own = layout.DeliverArgs(
+            op="standby" if standby else "handoff",
+            waiter=handoff.waiter_id,
+            ttl_ms=ttl_ms,
+            generation="" if handoff.generation is None else handoff.generation,
+            payload=(handoff.payload or b"") if standby else b"",
+            message_id=push.message_id,
+            data=push.data,
+        )
+        script, keys, args = self._script_call(handoff.key, 0, own)
+        keys += [self._limits_index, *redis_enqueue.queue_keys(push.broker, push.queue_name)]
+        return bool(self._call(script, keys, args))
+
     def send_standbys(
         self, key: str, *, limit: int | None, count: int
     ) -> tuple[tuple[Handoff, ...], tuple[Handoff, ...]]:

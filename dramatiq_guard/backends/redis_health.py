@@ -1,9 +1,5 @@
-"""What the guard needs from its Redis, checked at install, and what it lost while workers run.
-
-:func:`check` refuses an evicting Redis and a layout too new; :func:`watch` (each sweep pass)
-reports a restart, a flush or an evicted key and keeps this process's record of its function
-library. Both are in ``docs/failure-model.md`` ("What the guard checks", "What the workers detect").
-"""
+"""What the guard needs from its Redis, checked at install (:func:`check`), and what it lost while
+workers run, found at each sweep pass (:func:`watch`): docs/failure-model.md."""
 
 from __future__ import annotations
 
@@ -374,11 +370,8 @@ class StateWatch:
         return ["vanished"] * (len(vanished) + len(unindexed))
 
     def announce(self, interval_s: float) -> None:
-        """Record, or refresh once a quarter of its lifetime passed, the library this process runs.
-
-        The record lasts :data:`~dramatiq_guard.backends.redis_scripts.PROCESS_TTL_MS`, or three
-        passes (``interval_s``) if longer. Never raises: a refused record is logged once.
-        """
+        """Record the library this process runs for ``PROCESS_TTL_MS`` or three passes (``interval_s``),
+        refreshed once a quarter of that passed. Never raises: a refused record is logged once."""
         ttl_ms = max(PROCESS_TTL_MS, int(interval_s * 3000))
         now = time.monotonic()
         if self.announced is not None and now - self.announced < ttl_ms / 4000:
@@ -431,11 +424,8 @@ _watches: weakref.WeakKeyDictionary[RedisBackendLike, StateWatch] = weakref.Weak
 
 
 def watch(backend: RedisBackendLike, interval_s: float = 1.0) -> None:
-    """One check of ``backend``'s state (:class:`StateWatch`) and its library record; never raises.
-
-    A failed check is logged at DEBUG and compared at the next one. Settings not read yet (Redis
-    was unreachable at install) are read, an evicting policy logged as an error.
-    """
+    """One check of ``backend``'s state (:class:`StateWatch`), its library record and its settings if
+    not read yet (an evicting policy logged as an error). Never raises: a failed check is logged."""
     try:
         state = _watches.get(backend)
         if state is None:

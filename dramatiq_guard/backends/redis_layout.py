@@ -164,6 +164,16 @@ class ConfirmHandoffArgs(NamedTuple):
     generation: Annotated[int | str, GENERATION]
 
 
+class DeliverArgs(NamedTuple):
+    op: str
+    waiter: str
+    ttl_ms: Annotated[int, MS]
+    generation: Annotated[int | str, GENERATION]
+    payload: bytes
+    message_id: str
+    data: bytes
+
+
 class CancelWaitArgs(NamedTuple):
     waiter: str
     generation: Annotated[int | str, GENERATION]
@@ -248,6 +258,7 @@ SCRIPTS: dict[Any, str] = {
     AcquireArgs: "acquire",
     ReleaseArgs: "release",
     ConfirmHandoffArgs: "confirm_handoff",
+    DeliverArgs: "deliver",
     CancelWaitArgs: "cancel_wait",
     SweepArgs: "sweep",
     SetLimitArgs: "set_limit",
@@ -264,6 +275,8 @@ LAYOUTS: dict[str, Layout] = {
     "acquire": Layout(
         args=AcquireArgs._fields, per_key=True, rest="push", more_keys=("QUEUE", "QUEUE_MESSAGES")
     ),
+    # A hand-off's or standby's copy pushed to a RedisBroker queue, and confirmed.
+    "deliver": Layout(args=DeliverArgs._fields, per_key=True, more_keys=("QUEUE", "QUEUE_MESSAGES")),
     "lock": Layout(
         args=LockArgs._fields,
         keys=("holders", "waiters", "reserved", "limit", "token", "info"),

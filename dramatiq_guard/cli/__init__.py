@@ -29,7 +29,6 @@ from dramatiq_guard.cli.common import (
     _verb,
     parse_duration,
 )
-from dramatiq_guard.cli.serve import SERVE
 from dramatiq_guard.resolve import DEFAULT_REDIS_URL, REDIS_URL_ENV
 
 __all__ = ["REDIS_URL_ENV", "Context", "build_parser", "main", "parse_duration"]
@@ -171,7 +170,28 @@ VERBS = [
             ),
         ],
     ),
-    SERVE,
+    _verb(
+        "serve",
+        "serve the web dashboard (needs the web extra)",
+        c._cmd_serve,
+        _arg("--host", "the address to bind (default: %(default)s)", default="127.0.0.1"),
+        _arg("--port", "the port to bind (default: the dashboard's, 8470)", type=int, default=None),
+        BROKER,
+        _arg(
+            "--write-secret-file PATH",
+            f"allow changes to a browser that gives the secret in this file (default: ${c.WRITE_SECRET_ENV})",
+        ),
+        _arg("--write-secret", argparse.SUPPRESS),  # refused, saying why (_write_secret)
+        _arg(
+            "--allowed-host NAME",
+            "also answer to this Host name (repeatable; '.example.com': a domain and subdomains; '*': any)",
+            action="append",
+            default=[],
+        ),
+        _arg("--ledger URL", f"the idempotency ledger to show (default: ${LEDGER_URL_ENV}, else none)"),
+        description="Serve the web dashboard (it needs the web extra: pip install 'dramatiq-guard[web]'), "
+        "read-only unless a write secret is given.",
+    ),
 ]
 
 
@@ -218,13 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(
     argv: Sequence[str] | None = None, *, stdin: TextIO | None = None, stdout: TextIO | None = None
 ) -> int:
-    """Run the command; returns its exit status.
-
-    Parameters:
-      argv(Sequence[str]|None): The arguments (default: ``sys.argv[1:]``).
-      stdin(TextIO|None): Where a confirmation is read (default: ``sys.stdin``).
-      stdout(TextIO|None): Where output goes (default: ``sys.stdout``).
-    """
+    """Run the command on ``argv`` (default: ``sys.argv[1:]``), confirmations read from ``stdin`` and
+    output written to ``stdout`` (default: the process's); returns its exit status."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -1,15 +1,27 @@
-"""The verbs of ``dramatiq-guard``: inspect, limit, release, ledger, functions (:mod:`dramatiq_guard.cli`)."""
+"""The verbs of ``dramatiq-guard``: inspect, limit, release, ledger, functions and serve.
+
+Nothing of :mod:`dramatiq_guard.web` is imported before ``serve`` runs: it needs the web extra, and
+a base install's ``--help`` must work.
+"""
 
 from __future__ import annotations
 
+import argparse
+import ipaddress
 import json
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from dramatiq_guard import admin
 from dramatiq_guard.admin import format_ms as _format_ms
 from dramatiq_guard.backends.base import GuardBackend, KeyState
-from dramatiq_guard.cli.common import Context, OperationalError, UsageError
+from dramatiq_guard.cli.common import LEDGER_URL_ENV, Context, OperationalError, UsageError
+
+#: Where ``serve`` reads the write secret when ``--write-secret-file`` is not given (never an
+#: argument: a command line is readable by every local user).
+WRITE_SECRET_ENV = "DRAMATIQ_GUARD_WRITE_SECRET"
 
 
 def _check_key(backend: GuardBackend, key: str) -> KeyState:
@@ -333,4 +345,61 @@ def _cmd_functions_prune(ctx: Context) -> int:
             ctx.print(f"{name}: deleted (no worker of namespace {namespace!r} runs it)")
     if not deleted:
         ctx.print(f"nothing to prune: no dramatiq-guard library but this version's ({scripts.library})")
+    return 0
+
+
+def _write_secret(args: argparse.Namespace) -> str | None:
+    """The write secret: ``--write-secret-file``'s (whitespace around it dropped), else the environment's."""
+    if args.write_secret is not None:
+        raise UsageError(
+            "--write-secret is refused: a secret on the command line is readable by every user of this "
+            f"machine (ps, /proc/PID/cmdline) and kept in shell history; set {WRITE_SECRET_ENV} or give "
+            "--write-secret-file PATH"
+        )
+    if args.write_secret_file is None:
+        return os.environ.get(WRITE_SECRET_ENV) or None
+    path = args.write_secret_file
+    try:
+        secret = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read the write secret file {path}: {e}") from None
+    if not secret:
+        raise UsageError(f"the write secret file {path} is empty")
+    return secret
+
+
+def _bound_name(host: str) -> list[str]:
+    """The address ``serve`` binds, as an allowed Host name: none for a wildcard (0.0.0.0, ::)."""
+    try:
+        wildcard = ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        wildcard = not host
+    return [] if wildcard else [host]
+
+
+def _cmd_serve(ctx: Context) -> int:
+    try:
+        from dramatiq_guard import web
+    except ImportError as e:
+        raise UsageError(f"serve needs the web extra (pip install 'dramatiq-guard[web]'): {e}") from None
+    args = ctx.args
+    secret = _write_secret(args)
+    try:
+        hosts = web.AllowedHosts(
+            [*web.LOCAL_HOSTS, *_bound_name(args.host), *args.allowed_host], what="--allowed-host (or --host)"
+        )
+        access = web.Access(write_secret=secret, allowed_hosts=hosts.entries)
+        ledger = args.ledger or os.environ.get(LEDGER_URL_ENV)
+        app = web.make_app(ctx.backend, broker=args.broker, ledger=ledger, access=access)
+    except ValueError as e:  # a bad --broker too
+        raise UsageError(str(e)) from None
+    mode = "writes need the write secret" if secret else "read-only (no write secret)"
+    port = web.DEFAULT_PORT if args.port is None else args.port
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    ctx.print(
+        f"dramatiq-guard dashboard on http://{shown}:{port}/ ({mode}; answers to Host {hosts}); "
+        "Ctrl-C stops it"
+    )
+    ctx.stdout.flush()
+    web.serve(app, host=args.host, port=port)
     return 0

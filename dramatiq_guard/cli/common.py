@@ -31,13 +31,8 @@ class OperationalError(Exception):
 
 
 def parse_duration(text: str) -> int:
-    """Parse a duration such as ``30d``, ``12h``, ``15m``, ``90s``, ``500ms`` into milliseconds.
-
-    A bare number is seconds.
-
-    Raises:
-      ValueError: If ``text`` is not a duration.
-    """
+    """A duration such as ``30d``, ``12h``, ``15m``, ``90s``, ``500ms`` (a bare number: seconds) in
+    milliseconds; else a ValueError."""
     match = _DURATION_RE.match(text)
     if match is None:
         raise ValueError(f"not a duration: {text!r} (use e.g. 30d, 12h, 15m, 90s, 500ms)")

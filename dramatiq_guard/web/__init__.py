@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING, Any
 from dramatiq_guard import admin
 from dramatiq_guard.web.app import MAX_KEY_CHARS, Dashboard
 from dramatiq_guard.web.history import History, UnlockLimit
-from dramatiq_guard.web.hosts import LOCAL_HOSTS, AllowedHosts
-from dramatiq_guard.web.settings import Access, Page, settings_of
+from dramatiq_guard.web.settings import LOCAL_HOSTS, Access, AllowedHosts, Page, settings_of
 
 if TYPE_CHECKING:
     from dramatiq import Broker

@@ -22,8 +22,7 @@ from dramatiq_guard.backends.base import GuardBackend, check_key
 from dramatiq_guard.bounds import MAX_COUNT
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.web.history import History, UnlockLimit, sparkline
-from dramatiq_guard.web.hosts import AllowedHosts
-from dramatiq_guard.web.settings import Access, Page, settings_of
+from dramatiq_guard.web.settings import Access, AllowedHosts, Page, settings_of
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
@@ -59,17 +58,10 @@ class Dashboard:
     Parameters:
       backend(GuardBackend): The guard's backend.
       requeue(admin.Requeue|None): How hand-offs are re-enqueued (the app's broker), or None.
-      ledger(Ledger|None): The idempotency ledger to show, or None.
-      access(Access|None): Who it answers and who may write (default: read-only, loopback names).
-      page(Page|None): How its pages show (default: :class:`Page`'s).
       history(History|None): Where the charts' samples are kept.
       unlock_limit(UnlockLimit|None): How often a client may give a wrong write secret.
-      **deprecated: 0.1.0's ``write_secret``, ``authorize``, ``allowed_hosts``,
-        ``refresh_ms`` and ``per_page`` (:func:`settings_of`).
-
-    Raises:
-      TypeError: If a keyword is none of the above.
-      ValueError: If a deprecated ``allowed_hosts`` is not host names (as :class:`Access`).
+      ledger, access, page, **deprecated: As :func:`~dramatiq_guard.web.make_app`'s, which raises
+        what this raises.
     """
 
     def __init__(
@@ -148,7 +140,7 @@ class Dashboard:
     # -- security ---------------------------------------------------------------
 
     def wrong_host(self, request: Request) -> Response:
-        """A request for a Host name not allowed: 400, before anything is read (see :mod:`.hosts`)."""
+        """A request for a Host name not allowed: 400, before anything is read (:class:`.AllowedHosts`)."""
         given = request.headers.get("Host", "")
         text = (
             f"This dashboard does not answer to the Host {given[:200]!r}. To allow a name, start it with "
@@ -243,16 +235,12 @@ class Dashboard:
             view["now_ms"] = now
             self.history.record([(key, len(view["holders"]), view["waiters"]["count"])])
             return view
-        kind = request.args.get("kind") or None
-        try:
-            page = int(request.args.get("page", "1"))
-        except ValueError:
-            page = 1
+        kind = request.args.get("kind")
         view = admin.overview(
             self.backend,
             pattern=_bounded(request.args.get("q") or "*", "search pattern"),
             kind=kind if kind in admin.KINDS else None,
-            page=page,
+            page=request.args.get("page", 1, type=int),  # 1 if it is not an integer
             per_page=self.per_page,
         )
         self.history.record((r["key"], r["holders"], r["waiters"]) for r in view["keys"])

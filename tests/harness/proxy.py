@@ -11,6 +11,8 @@ reset connection) is not that: redis-py fails fast on it.
         client = redis.Redis(host=proxy.host, port=proxy.port, socket_timeout=1)
         proxy.freeze()   # from now on nothing is forwarded, either way; sockets stay open
         proxy.thaw()     # what was sent meanwhile is forwarded, as after a healed partition
+        proxy.freeze(replies_only=True)  # requests reach the server, its replies are held
+        proxy.drop_connections()  # while frozen: what they hold is never forwarded
 
 New connections made while frozen are accepted (as the kernel of a frozen
 server would) and paired with the server, but carry nothing until thawed.
@@ -50,8 +52,10 @@ class SilentProxy:
         # Held while bytes are forwarded: once freeze() returns, nothing more goes through.
         self._lock = threading.Lock()
         self._frozen = False
+        self._replies_only = False
         self._closed = False
         self._peers: dict[socket.socket, socket.socket] = {}
+        self._servers: set[socket.socket] = set()  # the server's ends of the pairs
         self._thread = threading.Thread(target=self._run, name="silent-proxy", daemon=True)
         self._thread.start()
 
@@ -66,16 +70,31 @@ class SilentProxy:
         with self._lock:
             return len(self._peers) // 2
 
-    def freeze(self) -> None:
-        """Stop forwarding in both directions; every socket stays open. Returns once it holds."""
+    def freeze(self, *, replies_only: bool = False) -> None:
+        """Stop forwarding in both directions (``replies_only``: the server's replies only, so
+        requests still reach it, as when a connection drops after a request); every socket stays
+        open. Returns once it holds."""
         with self._lock:
-            self._frozen = True
+            self._frozen, self._replies_only = True, replies_only
         self._wake()
 
     def thaw(self) -> None:
         """Forward again, starting with what was sent while frozen."""
         with self._lock:
             self._frozen = False
+        self._wake()
+
+    def drop_connections(self) -> None:
+        """Close every connection open now without forwarding what it holds (call it while frozen: what
+        was sent meanwhile never arrives, as across a partition that reset them); new connections are
+        accepted as before."""
+        with self._lock:
+            assert self._frozen, "drop the connections of a frozen proxy"
+            for sock in self._peers:
+                with contextlib.suppress(OSError):
+                    sock.close()
+            self._peers.clear()
+            self._servers.clear()
         self._wake()
 
     def close(self) -> None:
@@ -88,6 +107,7 @@ class SilentProxy:
             with contextlib.suppress(OSError):
                 sock.close()
         self._peers.clear()
+        self._servers.clear()
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -102,6 +122,8 @@ class SilentProxy:
                     watched = [self._listener, self._wake_r]
                     if not self._frozen:
                         watched += list(self._peers)
+                    elif self._replies_only:
+                        watched += [sock for sock in self._peers if sock not in self._servers]
                 for sock in watched:
                     selector.register(sock, selectors.EVENT_READ)
                 try:
@@ -135,10 +157,12 @@ class SilentProxy:
         with self._lock:
             self._peers[client] = server
             self._peers[server] = client
+            self._servers.add(server)
 
     def _forward(self, sock: socket.socket) -> None:
         with self._lock:
-            if self._frozen or sock not in self._peers:
+            held = self._frozen and (not self._replies_only or sock in self._servers)
+            if held or sock not in self._peers:
                 return
             peer = self._peers[sock]
             try:
@@ -151,6 +175,7 @@ class SilentProxy:
             # One side closed (or failed): close both, as a proxy that goes away would.
             for end in (sock, peer):
                 self._peers.pop(end, None)
+                self._servers.discard(end)
                 with contextlib.suppress(OSError):
                     end.close()
 

@@ -107,6 +107,33 @@ local function confirm(w, ttl_ms, generation)
   return 0
 end
 
+-- The copy of standby w sent with `payload` (its generation `generation`, '' for any) is on the
+-- broker (standby.lua): if the stored payload is still the one sent, it is dropped; a standby still
+-- waiting stays in S until ttl_ms from now, one handed a slot keeps it until then. An older
+-- generation's confirmation changes nothing. Returns 1 if the standby (or its slot) holds. After
+-- reclaim().
+local function confirm_standby(w, ttl_ms, payload, generation)
+  local in_flight = QUEUED and redis.call('HGET', M, 'g:' .. w)
+  if generation ~= '' and in_flight and in_flight ~= generation then
+    return 0
+  elseif QUEUED and redis.call('HGET', P, w) == payload then
+    if redis.call('HDEL', R, w) == 1 then
+      set_holders({ NOW + tonumber(ttl_ms), w })
+      forget(w)
+      return 1
+    elseif redis.call('ZSCORE', S, w) then
+      add_deadline(S, NOW + tonumber(ttl_ms), w)
+      redis.call('HDEL', P, w)
+      redis.call('HDEL', M, 'g:' .. w)
+      return 1
+    end
+    return 0
+  elseif holds(w) or (QUEUED and (redis.call('ZSCORE', D, w) or redis.call('ZSCORE', S, w))) then
+    return 1 -- picked up already (it blocks as a standby, or holds its slot), or sent again
+  end
+  return 0
+end
+
 -- Queue w at the back of its priority's band in W, or keep its place if it is queued (a place only
 -- grows: max(last + 1, now)). Priority 0's band is [0, 2^52), places in us (as before priorities);
 -- another's is PLACE_BAND wide, places in ms since PLACE_EPOCH_MS: below 0 for p < 0, from 2^52 for

@@ -137,15 +137,20 @@ end
 
 -- ZADD H (score-member pairs), counted in HN.
 local function set_holders(pairs_)
+  local top = 0
   for i = 1, #pairs_, 2 do
     if pairs_[i] > HMAX then
       RAISED = true
     end
+    top = math.max(top, pairs_[i])
     note_due(pairs_[i])
   end
+  local before = HN == 0 and 0 or LATEST -- the largest deadline in H before, if known
   local _, added = call_many('ZADD', H, pairs_)
   HN = HN + added
-  LATEST = nil -- a holder's deadline may have gone down as well as up
+  -- A holder's deadline may have gone down as well as up: the largest is known still only if the
+  -- new ones reach the one before (every other member is below it).
+  LATEST = OWNED and before and top >= before and top or nil
 end
 
 -- ZREM H and HDEL I of these holders, counted in HN. The last ZREM deletes H and its expiry: a

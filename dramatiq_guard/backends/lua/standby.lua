@@ -16,23 +16,6 @@ if op == 'send' then
   finish()
   return { handoffs, sent }
 end
-local held = 0
-local in_flight = QUEUED and redis.call('HGET', M, 'g:' .. waiter)
-if generation ~= '' and in_flight and in_flight ~= generation then
-  -- an older generation's confirmation changes nothing
-elseif QUEUED and redis.call('HGET', P, waiter) == payload then
-  if redis.call('HDEL', R, waiter) == 1 then
-    set_holders({ NOW + tonumber(ttl_ms), waiter })
-    forget(waiter)
-    held = 1
-  elseif redis.call('ZSCORE', S, waiter) then
-    add_deadline(S, NOW + tonumber(ttl_ms), waiter)
-    redis.call('HDEL', P, waiter)
-    redis.call('HDEL', M, 'g:' .. waiter)
-    held = 1
-  end
-elseif holds(waiter) or (QUEUED and (redis.call('ZSCORE', D, waiter) or redis.call('ZSCORE', S, waiter))) then
-  held = 1 -- picked up already (it blocks as a standby, or holds its slot), or sent again
-end
+local held = confirm_standby(waiter, ttl_ms, payload, generation)
 finish()
 return held

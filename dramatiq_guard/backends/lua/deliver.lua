@@ -1,0 +1,21 @@
+-- deliver(op, waiter, ttl_ms, generation, payload, message_id, data) -> as confirm_handoff.lua (op
+-- 'handoff') or standby.lua's confirm (op 'standby': payload, the one sent): the re-enqueued copy of
+-- a hand-off or standby send (data, as Dramatiq encodes it) goes to a RedisBroker queue (QUEUE,
+-- QUEUE_MESSAGES: its list and message hash; message_id: its redis_message_id) as Dramatiq's enqueue
+-- pushes it, and is confirmed, in one step (GuardBackend.enqueue_and_confirm). It is pushed whatever
+-- the confirmation answers, as in two steps, where the push comes first. The same call run again
+-- (a client that retries a call whose reply it lost) pushes nothing more: each enqueue has a message
+-- id of its own, so one already in QUEUE_MESSAGES was pushed by this call.
+OWNED = true
+reclaim()
+if redis.call('HSETNX', QUEUE_MESSAGES, message_id, data) == 1 then
+  redis.call('RPUSH', QUEUE, message_id)
+end
+local held
+if op == 'standby' then
+  held = confirm_standby(waiter, ttl_ms, payload, generation)
+else
+  held = confirm(waiter, ttl_ms, generation)
+end
+finish()
+return held
