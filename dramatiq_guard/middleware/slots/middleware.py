@@ -251,8 +251,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
             cap_ms=guard.policy.ttl_ms,
         )  # fmt: skip
         hold(message, state, self.slot_of(guard), lease)
-        with self._inflight_lock:
-            self._inflight.add(message.message_id)
+        self._remember(message)
 
     def _deferral_ms(self, guard: ActorGuard[P], result: AcquireResult) -> int:
         """How long a copy refused as running waits, at most, before it asks again: until the entry
@@ -288,9 +287,12 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         """A copy that parked after pickup was acked: its generation record goes (contract,
         *generations*), on a broker whose ack is final; elsewhere it lapses after ``stale_ttl_ms``."""
         guards = self.guards_of(message)
-        if not guards or not acks_are_final(broker):
+        if not guards:
             return  # not this capability's: no state to make (every message is acked here)
-        data = execution_state(message).data
+        state = execution_state(message)
+        if not state.parked or not acks_are_final(broker):
+            return  # a copy that parked said so (execution._not_terminal)
+        data = state.data
         for guard in guards:
             not_run = data.get(self.slot_of(guard))
             if not (isinstance(not_run, NotRun) and not_run.reason == "parked"):
@@ -302,8 +304,12 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
 
     def _finish(self, broker: Broker, message: MessageProxy) -> None:
         self._forget(message)
-        for guard in self.guards_of(message):
-            held = take_held(execution_state(message), self.slot_of(guard))
+        guards = self.guards_of(message)
+        if not guards:
+            return
+        state = execution_state(message)
+        for guard in guards:
+            held = take_held(state, self.slot_of(guard))
             if held is not None:
                 self._let_go(broker, message, guard, held.lease)
 
