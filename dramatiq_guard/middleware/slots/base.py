@@ -123,7 +123,8 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
 
     def _forget(self, message: Message[Any] | MessageProxy) -> None:
         """``message`` holds no slot here any more."""
-        self._inflight.discard(message.message_id)
+        if self._inflight:  # else nothing is held here (the other slots middlewares of its actor's hooks)
+            self._inflight.discard(message.message_id)
 
     def count_drop(self) -> None:
         """Count a message dropped because its key was held (:class:`~dramatiq_guard.Mutex`)."""

@@ -18,6 +18,7 @@ from dramatiq.brokers.stub import StubBroker
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, ReleaseResult, Waiter
+from dramatiq_guard.backends.values import AcquireOutcome
 from dramatiq_guard.claim import Claim, entry_ms
 from dramatiq_guard.delivery import acks_are_final, copy_generation
 from dramatiq_guard.errors import BackendUnavailable, MutexWaitTimeout
@@ -144,16 +145,19 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         result = self._acquire(broker, message, guard, key, limit, on_busy)
         if result is None:
             return  # the backend is unavailable and the policy fails open
-        state, slot = execution_state(message), self.slot_of(guard)
+        state = execution_state(message)
+        if result.outcome is AcquireOutcome.ACQUIRED:
+            if result.reserved_ms is not None or result.handoffs:
+                self._contended.mark(key)  # the key has waiters: its release stays on the worker thread
+            self._hold(message, state, guard, key, limit, result)
+            return
+        slot = self.slot_of(guard)
         if result.running:
             defer_second_copy(broker, message, state, slot, key, lapse_ms=self._deferral_ms(guard, result))
-        if not result.acquired or result.reserved_ms is not None or result.handoffs:
-            self._contended.mark(key)  # the key has waiters: its release stays on the worker thread
+        self._contended.mark(key)
         if result.stale:
             skip_stale(message, state, slot, key)
-        if result.acquired:
-            self._hold(message, state, guard, key, limit, result)
-        elif on_busy == "drop":
+        if on_busy == "drop":
             self.count_drop()
             skip_dropped(message, state, slot, key, result.holders)
         elif on_busy == "park":
@@ -221,15 +225,17 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         except BackendUnavailable as e:
             fail_open(guard.policy.fail_open, e, f"{message} runs unguarded")
             return None
+        self.deliver(broker, result.handoffs)
+        if result.outcome is AcquireOutcome.ACQUIRED:
+            return result
         deliver = functools.partial(self.deliver, broker)
-        deliver(result.handoffs)
         if result.standby:
             assert wait is not None and wait.payload is not None
             return wait_as_standby(
                 broker, message, claim, wait.payload, self.standbys.seats, wait_ms=self.standby_wait_ms,
                 deliver=deliver,
             )  # fmt: skip
-        if not result.acquired and on_busy == "wait" and result.parked:
+        if on_busy == "wait" and result.parked:
             with events.lock_wait(message.actor_name):
                 return block_for_slot(
                     broker, message, claim, wait_ms=self.wait_ms(guard.policy), deliver=deliver
