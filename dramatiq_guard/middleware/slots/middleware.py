@@ -355,14 +355,15 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         self, broker: Broker, lease: Lease, result: ReleaseResult | None, actor: str | None = None
     ) -> None:
         """Report the release of ``lease``, and deliver what it handed on (None: backend unreachable)."""
-        if actor is not None and lease.lost:
+        lost = lease.lost  # read once: what is counted and what is logged agree
+        if actor is not None and lost:
             events.lease_lost(actor)
         if result is None:
             logger.error("Could not release %r: the backend is unavailable; it lapses on its own.", lease)
-            if lease.lost:
+            if lost:
                 logger.error("%r was lost while the actor ran: another holder may have had the key.", lease)
             return
-        if lease.lost:
+        if lost:
             logger.error("%r was lost while the actor ran, before its release: %r", lease, result)
         if not (result.handoffs or result.standbys):  # nothing parked moved: no one to tell
             self._contended.unmark(lease.key)
