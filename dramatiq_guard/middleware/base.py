@@ -8,6 +8,7 @@ arguments (its backend is resolved lazily from its broker), joins the enqueue ga
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from typing import Any, ClassVar, Generic, TypeVar, cast
@@ -41,7 +42,7 @@ class ActorGuard(Generic[P]):
     priority: int = 0
     index: int = 0
 
-    @property
+    @functools.cached_property
     def scope(self) -> str:
         """The actor's name, and ``#<index>`` for a later guard of a list: it scopes the guard's
         digested keys, its run-time default limit and its state on a message."""
@@ -97,6 +98,13 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
 
     #: The policy class; its ``option`` is the actor option this middleware owns.
     policy_class: ClassVar[type[Policy]]
+    #: The actor option this middleware owns: its policy class's (read in every hook: set once per class).
+    option: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "policy_class" in vars(cls):
+            cls.option = cls.policy_class.option
 
     def __init__(self, *, redis: Any = None) -> None:
         self._redis = redis
@@ -105,11 +113,6 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
         #: Each guarded actor's guards, in the order of its option's list, by actor name.
         self.guard_lists: dict[str, tuple[ActorGuard[P], ...]] = {}
         self._alone: dict[str, bool] = {}  # per actor: whether this is its only enqueue-time guard
-
-    @property
-    def option(self) -> str:
-        """The actor option this middleware owns."""
-        return self.policy_class.option
 
     @property
     def actor_options(self) -> set[str]:
