@@ -48,8 +48,6 @@ class Batcher(abc.ABC, Generic[T]):
 
     def add(self, item: T) -> None:
         """Hand ``item`` to the thread."""
-        if os.getpid() != self._pid:  # forked: the parent's thread and lock are not ours
-            self._start()
         with self._cond:
             self._items.append(item)
             if self._thread is None or not self._thread.is_alive():
@@ -98,6 +96,16 @@ class Batcher(abc.ABC, Generic[T]):
                     self._cond.notify_all()
                     if failed:  # the backend is unreachable: do not hammer it
                         self._cond.wait(RETRY_S)
+
+
+def _start_in_child() -> None:
+    """A forked child starts every batcher anew: the parent's threads and locks are not its own."""
+    for batcher in list(_batchers):
+        batcher._start()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; elsewhere no process is forked
+    os.register_at_fork(after_in_child=_start_in_child)
 
 
 @atexit.register

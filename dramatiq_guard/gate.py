@@ -120,9 +120,6 @@ class EnqueueGate:
         self._local = threading.local()
         # Per actor name: the guards that guard its messages (guarding()); emptied by add() and changed().
         self._guarding: dict[str, list[EnqueueGuard]] = {}
-        #: What guards derive per actor from which guards guard it, by their own keys: emptied with
-        #: the cache of :meth:`guarding`.
-        self.memo: dict[Any, Any] = {}
 
     def sole_guard(self, actor_name: str, guard: EnqueueGuard) -> bool:
         """Whether ``guard`` is the only guard of this gate that guards ``actor_name``'s messages."""
@@ -138,7 +135,7 @@ class EnqueueGate:
 
     def changed(self) -> None:
         """A guard's answer to ``guards_actor`` may have changed (an actor declared again): ask again."""
-        self._guarding, self.memo = {}, {}
+        self._guarding = {}
 
     def add(self, guard: EnqueueGuard) -> None:
         """Add ``guard`` (once), keeping the guards in ``gate_priority`` order; the guards' actors are

@@ -77,6 +77,10 @@ def known_valid_until(sent: float, ttl_ms: int) -> float:
     return sent + ttl_ms * (1 - CLOCK_DRIFT) / 1000 - CLOCK_MARGIN_S
 
 
+#: Taken to mark a lease lost (rare: one lock for every lease, not one made per lease).
+_marking = threading.Lock()
+
+
 class LeaseHandle:
     """A lease registered with the renewer (made by :meth:`LeaseRenewer.register`, which says its parameters).
 
@@ -106,7 +110,6 @@ class LeaseHandle:
         self._renewer = renewer
         self._marked = False  # lost; _lost is set once the on_lost callbacks ran
         self._lost = LostFlag()
-        self._marking = threading.Lock()
         # Set by register, cleared by unregister (under the renewer's lock): whether
         # the lease is judged by time (a lease unregistered to be released is not).
         self._active = False
@@ -140,7 +143,7 @@ class LeaseHandle:
     def mark_lost(self, why: str | None = None) -> None:
         """Record that the lease is lost, stop renewing it and run the ``on_lost`` callbacks once;
         ``why``, if given, is logged as a WARNING (once, by whoever marks it first)."""
-        with self._marking:
+        with _marking:
             first = not self._marked
             self._marked = True
         # Unregistered after it is marked: a reader never finds it neither renewed nor lost.
@@ -316,6 +319,9 @@ _renewer_lock = threading.Lock()
 def get_renewer() -> LeaseRenewer:
     """The process's lease renewer (created on first use, and anew in a forked child)."""
     global _renewer
+    renewer = _renewer
+    if renewer is not None:  # made already: no lock to read it (one is made per process)
+        return renewer
     with _renewer_lock:
         if _renewer is None:
             _renewer = LeaseRenewer()
@@ -325,8 +331,9 @@ def get_renewer() -> LeaseRenewer:
 def _forget_after_fork() -> None:
     # The parent's renewer thread does not exist in the child, and its leases
     # belong to the parent: the child starts with nothing.
-    global _renewer, _renewer_lock
+    global _renewer, _renewer_lock, _marking
     _renewer_lock = threading.Lock()
+    _marking = threading.Lock()
     _renewer = None
 
 

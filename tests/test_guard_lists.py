@@ -26,10 +26,11 @@ from harness import wait_until
 
 import dramatiq_guard
 from bench.actors.traffic import WORKER_THREADS, counted_client, traffic
-from dramatiq_guard import Concurrency, GuardKeyError, GuardOptionError, Throttle
+from dramatiq_guard import Concurrency, GuardKeyError, GuardOptionError, Mutex, Throttle
 from dramatiq_guard.backends import GuardBackend, Stake
 from dramatiq_guard.backends.memory import MemoryBackend
 from dramatiq_guard.middleware.base import execution_state
+from dramatiq_guard.middleware.slots.base import composed
 from dramatiq_guard.testing import join
 
 WAIT = 30.0
@@ -240,6 +241,36 @@ def test_guards_of_a_list_on_a_stub_broker_with_the_memory_backend(stub_broker: 
         worker.stop()
     assert running.most["all"] <= 2
     assert all(running.most[tenant] == 1 for tenant in ("t0", "t1", "t2"))
+
+
+def test_an_actors_slots_middlewares_are_found_anew_when_it_is_declared_again_or_the_middleware_changes(
+    stub_broker: Any,
+) -> None:
+    """What :func:`composed` keeps per actor follows a declaration of the actor by any slots middleware,
+    and a change of the broker's middleware (one added, removed or moved)."""
+    dramatiq_guard.install(stub_broker, redis=MemoryBackend())
+    mutex = next(m for m in stub_broker.middleware if isinstance(m, Mutex))
+    concurrency = next(m for m in stub_broker.middleware if isinstance(m, Concurrency))
+
+    def declare(**options: Any) -> None:
+        stub_broker.actors.pop("job", None)  # Dramatiq 2 refuses a name declared already
+        dramatiq.actor(actor_name="job", **options)(lambda: None)
+
+    declare(mutex=True)
+    assert composed(stub_broker, "job", mutex) == [mutex]
+    assert composed(stub_broker, "job", concurrency) == [concurrency]  # not one of them: alone
+    declare(mutex=True, concurrency=2)
+    assert composed(stub_broker, "job", mutex) == [mutex, concurrency]
+    assert composed(stub_broker, "job", concurrency) == [mutex, concurrency]
+    declare(concurrency=2)
+    assert composed(stub_broker, "job", concurrency) == [concurrency]
+    assert composed(stub_broker, "job", mutex) == [mutex]
+    declare(mutex=True, concurrency=2)
+    assert composed(stub_broker, "job", concurrency) == [mutex, concurrency]
+    stub_broker.middleware.remove(mutex)
+    assert composed(stub_broker, "job", concurrency) == [concurrency]
+    stub_broker.middleware.append(mutex)  # after it now
+    assert composed(stub_broker, "job", concurrency) == [concurrency, mutex]
 
 
 def test_a_list_is_checked_at_declaration(guarded: RedisBroker) -> None:

@@ -98,6 +98,13 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
 
     #: The policy class; its ``option`` is the actor option this middleware owns.
     policy_class: ClassVar[type[Policy]]
+    #: The actor option this middleware owns: its policy class's (read in every hook: set once per class).
+    option: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "policy_class" in vars(cls):
+            cls.option = cls.policy_class.option
 
     def __init__(self, *, redis: Any = None) -> None:
         self._redis = redis
@@ -106,11 +113,6 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
         #: Each guarded actor's guards, in the order of its option's list, by actor name.
         self.guard_lists: dict[str, tuple[ActorGuard[P], ...]] = {}
         self._alone: dict[str, bool] = {}  # per actor: whether this is its only enqueue-time guard
-
-    @property
-    def option(self) -> str:
-        """The actor option this middleware owns."""
-        return self.policy_class.option
 
     @property
     def actor_options(self) -> set[str]:

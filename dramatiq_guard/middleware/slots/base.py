@@ -9,7 +9,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import functools
-import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
@@ -23,7 +22,7 @@ from dramatiq_guard.backends.checks import check_count
 from dramatiq_guard.claim import Claim
 from dramatiq_guard.delivery import Courier, generation_of, keep_polling
 from dramatiq_guard.errors import BackendUnavailable, GuardKeyError
-from dramatiq_guard.gate import Diverted, EnqueueGate, PushTicket, TicketGroup
+from dramatiq_guard.gate import Diverted, PushTicket, TicketGroup
 from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware
 from dramatiq_guard.middleware.slots.limits import KeyDirectory
 from dramatiq_guard.middleware.slots.releases import ContendedKeys, Releaser
@@ -82,13 +81,25 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         self.standbys = Standbys(self.lookahead, standby_threads or 0, self.standby_wait_ms)
         self.broker: Broker | None = None
         self.keys: KeyDirectory[P] = KeyDirectory(self.prefix, self.guard_lists)
-        self._inflight: set[str] = set()  # messages holding a slot here (Retries' re-enqueue passes)
-        self._inflight_lock = threading.Lock()
+        # Messages holding a slot here (Retries' re-enqueue passes); one set operation at a time
+        # needs no lock of its own (each is atomic).
+        self._inflight: set[str] = set()
         self._couriers: dict[int, Courier] = {}
         self._sweeper: Sweeper | None = None
         self._releaser: Releaser | None = None
         self._worker: Worker | None = None  # this process's, once it boots (see keep_polling)
         self._contended = ContendedKeys()
+        #: Per actor: the broker, its middleware and the actor's slots middlewares (:func:`composed`).
+        self._groups: dict[str, tuple[Broker, list[dramatiq.Middleware], list[SlotsBase[Any]]]] = {}
+
+    def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
+        """Parse the actor's option; the actor's slots middlewares (:func:`composed`) are found anew."""
+        try:
+            super().before_declare_actor(broker, actor)
+        finally:
+            for m in [self, *broker.middleware]:
+                if isinstance(m, SlotsBase):
+                    m._groups.pop(actor.actor_name, None)
 
     @abc.abstractmethod
     def on_busy(self, policy: P) -> OnBusy:
@@ -106,9 +117,13 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         """The holder (and waiter) id of ``message`` in its key: its message id."""
         return message.message_id
 
+    def _remember(self, message: Message[Any] | MessageProxy) -> None:
+        """``message`` holds a slot here now."""
+        self._inflight.add(message.message_id)
+
     def _forget(self, message: Message[Any] | MessageProxy) -> None:
         """``message`` holds no slot here any more."""
-        with self._inflight_lock:
+        if self._inflight:  # else nothing is held here (the other slots middlewares of its actor's hooks)
             self._inflight.discard(message.message_id)
 
     def count_drop(self) -> None:
@@ -222,9 +237,8 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
             return []
         if holds is not None and self.claims(holds):
             return []
-        with self._inflight_lock:
-            if message.message_id in self._inflight:
-                return []
+        if message.message_id in self._inflight:
+            return []
         return self.guard_keys_of(guards, message)
 
     def _reserve(
@@ -322,19 +336,18 @@ def composed(broker: Broker, actor_name: str, member: SlotsBase[Any]) -> list[Sl
     order (``member`` alone if it is not on the broker): the first tries the slots of all of them in one
     round trip, at send and at pickup (docs/flow-control-design.md, "Composed guards").
 
-    Kept per actor by the broker's enqueue gate (:attr:`EnqueueGate.memo`): what ``guards_actor``
-    answers changes only where the gate is told (an actor declared), and a middleware added to the
-    broker later guards only actors declared after it."""
-    gate = getattr(broker.enqueue, "__self__", None)
-    memo: dict[Any, Any] = gate.memo if isinstance(gate, EnqueueGate) else {}
-    group: list[SlotsBase[Any]] | None = memo.get((composed, actor_name))
-    if group is None:
-        group = memo[composed, actor_name] = [
-            m
-            for m in broker.middleware
-            if isinstance(m, SlotsBase) and m.composes and m.guards_actor(actor_name)
-        ]
-    return group if member in group else [member]
+    Cached per actor in ``member``: the answer stands while ``broker.middleware`` is the list it was
+    made from (compared item by item: a middleware added, removed or moved makes it anew), and until
+    a slots middleware of the broker declares the actor again (:meth:`SlotsBase.before_declare_actor`).
+    """
+    cached = member._groups.get(actor_name)
+    if cached is not None and cached[0] is broker and cached[1] == broker.middleware:
+        return cached[2]
+    middleware = list(broker.middleware)
+    group = [m for m in middleware if isinstance(m, SlotsBase) and m.composes and m.guards_actor(actor_name)]
+    group = group if member in group else [member]
+    member._groups[actor_name] = (broker, middleware, group)
+    return group
 
 
 def acquire_all(broker: Broker, claims: Sequence[tuple[SlotsBase[Any], Claim]]) -> list[AcquireResult] | None:

@@ -18,6 +18,7 @@ from dramatiq.brokers.stub import StubBroker
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, ReleaseResult, Waiter
+from dramatiq_guard.backends.values import AcquireOutcome
 from dramatiq_guard.claim import Claim, entry_ms
 from dramatiq_guard.delivery import acks_are_final, copy_generation
 from dramatiq_guard.errors import BackendUnavailable, MutexWaitTimeout
@@ -144,16 +145,19 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         result = self._acquire(broker, message, guard, key, limit, on_busy)
         if result is None:
             return  # the backend is unavailable and the policy fails open
-        state, slot = execution_state(message), self.slot_of(guard)
+        state = execution_state(message)
+        if result.outcome is AcquireOutcome.ACQUIRED:
+            if result.reserved_ms is not None or result.handoffs:
+                self._contended.mark(key)  # the key has waiters: its release stays on the worker thread
+            self._hold(message, state, guard, key, limit, result)
+            return
+        slot = self.slot_of(guard)
         if result.running:
             defer_second_copy(broker, message, state, slot, key, lapse_ms=self._deferral_ms(guard, result))
-        if not result.acquired or result.reserved_ms is not None or result.handoffs:
-            self._contended.mark(key)  # the key has waiters: its release stays on the worker thread
+        self._contended.mark(key)
         if result.stale:
             skip_stale(message, state, slot, key)
-        if result.acquired:
-            self._hold(message, state, guard, key, limit, result)
-        elif on_busy == "drop":
+        if on_busy == "drop":
             self.count_drop()
             skip_dropped(message, state, slot, key, result.holders)
         elif on_busy == "park":
@@ -221,15 +225,17 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         except BackendUnavailable as e:
             fail_open(guard.policy.fail_open, e, f"{message} runs unguarded")
             return None
+        self.deliver(broker, result.handoffs)
+        if result.outcome is AcquireOutcome.ACQUIRED:
+            return result
         deliver = functools.partial(self.deliver, broker)
-        deliver(result.handoffs)
         if result.standby:
             assert wait is not None and wait.payload is not None
             return wait_as_standby(
                 broker, message, claim, wait.payload, self.standbys.seats, wait_ms=self.standby_wait_ms,
                 deliver=deliver,
             )  # fmt: skip
-        if not result.acquired and on_busy == "wait" and result.parked:
+        if on_busy == "wait" and result.parked:
             with events.lock_wait(message.actor_name):
                 return block_for_slot(
                     broker, message, claim, wait_ms=self.wait_ms(guard.policy), deliver=deliver
@@ -251,8 +257,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
             cap_ms=guard.policy.ttl_ms,
         )  # fmt: skip
         hold(message, state, self.slot_of(guard), lease)
-        with self._inflight_lock:
-            self._inflight.add(message.message_id)
+        self._remember(message)
 
     def _deferral_ms(self, guard: ActorGuard[P], result: AcquireResult) -> int:
         """How long a copy refused as running waits, at most, before it asks again: until the entry
@@ -288,9 +293,12 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         """A copy that parked after pickup was acked: its generation record goes (contract,
         *generations*), on a broker whose ack is final; elsewhere it lapses after ``stale_ttl_ms``."""
         guards = self.guards_of(message)
-        if not guards or not acks_are_final(broker):
+        if not guards:
             return  # not this capability's: no state to make (every message is acked here)
-        data = execution_state(message).data
+        state = execution_state(message)
+        if not state.parked or not acks_are_final(broker):
+            return  # a copy that parked said so (execution._not_terminal)
+        data = state.data
         for guard in guards:
             not_run = data.get(self.slot_of(guard))
             if not (isinstance(not_run, NotRun) and not_run.reason == "parked"):
@@ -302,8 +310,12 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
 
     def _finish(self, broker: Broker, message: MessageProxy) -> None:
         self._forget(message)
-        for guard in self.guards_of(message):
-            held = take_held(execution_state(message), self.slot_of(guard))
+        guards = self.guards_of(message)
+        if not guards:
+            return
+        state = execution_state(message)
+        for guard in guards:
+            held = take_held(state, self.slot_of(guard))
             if held is not None:
                 self._let_go(broker, message, guard, held.lease)
 
@@ -343,14 +355,15 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         self, broker: Broker, lease: Lease, result: ReleaseResult | None, actor: str | None = None
     ) -> None:
         """Report the release of ``lease``, and deliver what it handed on (None: backend unreachable)."""
-        if actor is not None and lease.lost:
+        lost = lease.lost  # read once: what is counted and what is logged agree
+        if actor is not None and lost:
             events.lease_lost(actor)
         if result is None:
             logger.error("Could not release %r: the backend is unavailable; it lapses on its own.", lease)
-            if lease.lost:
+            if lost:
                 logger.error("%r was lost while the actor ran: another holder may have had the key.", lease)
             return
-        if lease.lost:
+        if lost:
             logger.error("%r was lost while the actor ran, before its release: %r", lease, result)
         if not (result.handoffs or result.standbys):  # nothing parked moved: no one to tell
             self._contended.unmark(lease.key)

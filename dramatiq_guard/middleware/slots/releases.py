@@ -34,8 +34,7 @@ Release = tuple[Lease, int, Callable[[ReleaseResult | None], None]]
 
 def starts_follow_ups(message: Message[object] | MessageProxy) -> bool:
     """Whether the completion of ``message`` enqueues another (released first, so it never finds it held)."""
-    options = message.options
-    return any(name in options for name in FOLLOW_UP_OPTIONS)
+    return not message.options.keys().isdisjoint(FOLLOW_UP_OPTIONS)
 
 
 class Releaser(Batcher[Release]):

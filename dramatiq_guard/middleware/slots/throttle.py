@@ -80,8 +80,7 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
         # does not run after all: after_skip_message). The key's timer looks at it half a period on
         # (sending the next waiters ahead), then when the start lapses.
         state.data[self.slot_of(guard)] = Started(key)
-        with self._inflight_lock:
-            self._inflight.add(message.message_id)
+        self._remember(message)
         broker = self._broker_or(None)
         if result.reserved_ms is not None:  # woken with a hand-off's reservation: it starts now
             try:
