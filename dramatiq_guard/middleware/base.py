@@ -19,6 +19,7 @@ from dramatiq.broker import MessageProxy
 
 from dramatiq_guard.backends.base import GuardBackend
 from dramatiq_guard.bounds import MAX_PRIORITY
+from dramatiq_guard.delivery import Courier
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.gate import gate_for
 from dramatiq_guard.keys import KeyResolver
@@ -113,6 +114,7 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
         #: Each guarded actor's guards, in the order of its option's list, by actor name.
         self.guard_lists: dict[str, tuple[ActorGuard[P], ...]] = {}
         self._alone: dict[str, bool] = {}  # per actor: whether this is its only enqueue-time guard
+        self._couriers: dict[int, Courier] = {}  # per broker (courier)
 
     @property
     def actor_options(self) -> set[str]:
@@ -129,6 +131,17 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
                     backend.check_health()
                     self._backend = backend
         return self._backend
+
+    def courier(self, broker: Broker) -> Courier:
+        """How this capability's hand-offs go back to ``broker``: :meth:`make_courier`'s, once per broker."""
+        courier = self._couriers.get(id(broker))
+        if courier is None:
+            courier = self._couriers[id(broker)] = self.make_courier(broker)
+        return courier
+
+    def make_courier(self, broker: Broker) -> Courier:
+        """The :meth:`courier` of a capability that hands off: it says how its copies go back."""
+        raise NotImplementedError(f"{type(self).__name__} hands nothing off")
 
     def attach(self, broker: Broker) -> None:
         """Join ``broker``'s enqueue gate if this middleware takes part in enqueues."""

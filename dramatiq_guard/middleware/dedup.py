@@ -122,7 +122,6 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         self.sweep_interval_ms = cast(int, duration_ms(sweep_interval, what="sweep_interval", minimum=1))
         self._confirmer = Confirmer(linger=min(0.05, self.pending_ttl_ms / 10_000))
         self._local = threading.local()
-        self._couriers: dict[int, Courier] = {}
         self._sweeper: Sweeper | None = None
 
     def flush(self) -> None:
@@ -246,20 +245,15 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         """Whether ``key`` is a dedup guard key."""
         return key.startswith(PREFIX)
 
-    def courier(self, broker: Broker) -> Courier:
-        """How reruns handed the lock go back to ``broker``: confirmed for their actor's ``ttl``; a
-        rerun that a slots guard parks on its way keeps the lock (it has not run yet)."""
-        courier = self._couriers.get(id(broker))
-        if courier is None:
+    def make_courier(self, broker: Broker) -> Courier:
+        """Reruns handed the lock go back to ``broker`` confirmed for their actor's ``ttl``; a rerun
+        that a slots guard parks on its way keeps the lock (it has not run yet)."""
 
-            def ttl_ms(rerun: Message[Any]) -> int:
-                guard = self.guard_of(rerun)
-                return guard.policy.ttl_ms if guard is not None else _FALLBACK_TTL_MS
+        def ttl_ms(rerun: Message[Any]) -> int:
+            guard = self.guard_of(rerun)
+            return guard.policy.ttl_ms if guard is not None else _FALLBACK_TTL_MS
 
-            backend = self.backend(broker)
-            courier = Courier(broker, backend, ttl_ms=ttl_ms, default_limit=lambda _key: 1)
-            self._couriers[id(broker)] = courier
-        return courier
+        return Courier(broker, self.backend(broker), ttl_ms=ttl_ms, default_limit=lambda _key: 1)
 
     def _deliver(self, broker: Broker, handoffs: Sequence[Handoff]) -> None:
         """Re-enqueue the reruns that were just handed the lock, then confirm them."""

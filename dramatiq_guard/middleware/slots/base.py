@@ -84,7 +84,6 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         # Messages holding a slot here (Retries' re-enqueue passes); one set operation at a time
         # needs no lock of its own (each is atomic).
         self._inflight: set[str] = set()
-        self._couriers: dict[int, Courier] = {}
         self._sweeper: Sweeper | None = None
         self._releaser: Releaser | None = None
         self._worker: Worker | None = None  # this process's, once it boots (see keep_polling)
@@ -271,21 +270,18 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
 
     # -- hand-offs ------------------------------------------------------------
 
-    def courier(self, broker: Broker) -> Courier:
-        """How this capability's hand-offs go back to ``broker``: confirmed for ``pickup_ttl``; a
-        slot handed to a message that another guard parks on its way is given back."""
-        courier = self._couriers.get(id(broker))
-        if courier is None:
-            courier = self._couriers[id(broker)] = Courier(
-                broker,
-                self.backend(broker),
-                ttl_ms=lambda _message: self.handoff_hold_ms,
-                default_limit=self.sweep_limit,
-                keep_when_parked=self.keeps_when_parked,
-                counts_handoffs=True,
-                after_push=lambda message: keep_polling(self._worker, message.queue_name),
-            )
-        return courier
+    def make_courier(self, broker: Broker) -> Courier:
+        """Hand-offs go back to ``broker`` confirmed for ``pickup_ttl``; a slot handed to a message
+        that another guard parks on its way is given back."""
+        return Courier(
+            broker,
+            self.backend(broker),
+            ttl_ms=lambda _message: self.handoff_hold_ms,
+            default_limit=self.sweep_limit,
+            keep_when_parked=self.keeps_when_parked,
+            counts_handoffs=True,
+            after_push=lambda message: keep_polling(self._worker, message.queue_name),
+        )
 
     @property
     def handoff_hold_ms(self) -> int:
