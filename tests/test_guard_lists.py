@@ -273,6 +273,24 @@ def test_an_actors_slots_middlewares_are_found_anew_when_it_is_declared_again_or
     assert composed(stub_broker, "job", concurrency) == [concurrency, mutex]
 
 
+def test_an_actor_declared_again_with_a_second_guard_sends_in_two_steps(
+    guarded: RedisBroker,
+) -> None:
+    """Whether a guard is an actor's only enqueue-time guard (its decision and the push in one script)
+    is asked anew when the actor is declared again."""
+    dedup = next(m for m in guarded.middleware if isinstance(m, dramatiq_guard.Deduplication))
+    backend = dedup.backend(guarded)
+
+    def declare(**options: Any) -> None:
+        guarded.actors.pop("job", None)  # Dramatiq 2 refuses a name declared already
+        dramatiq.actor(actor_name="job", **options)(lambda: None)
+
+    declare(dedup="until_executed")
+    assert dedup.enqueues_alone(guarded, "job", backend)
+    declare(dedup="until_executed", concurrency=2)
+    assert not dedup.enqueues_alone(guarded, "job", backend)
+
+
 def test_a_list_is_checked_at_declaration(guarded: RedisBroker) -> None:
     with pytest.raises(GuardOptionError, match=r"concurrency=\[\] is not valid: an empty list"):
         dramatiq.actor(concurrency=[])(lambda: None)

@@ -149,14 +149,16 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
             gate_for(broker).add(self)  # type: ignore[arg-type]
 
     def enqueues_alone(self, broker: Broker, actor_name: str, backend: GuardBackend) -> bool:
-        """Whether this is the only enqueue-time guard of ``actor_name`` on ``broker`` (cached per actor)
-        and ``backend`` can push its messages itself: its decision and the push may go in one step."""
+        """Whether this is the only enqueue-time guard of ``actor_name`` on ``broker`` (cached per actor
+        until it is declared again) and ``backend`` can push its messages itself: its decision and the
+        push may go in one step."""
         alone = self._alone.get(actor_name)
         if alone is None:
             alone = self._alone[actor_name] = gate_for(broker).sole_guard(actor_name, self)  # type: ignore[arg-type]
         return alone and backend.enqueues_on(broker)
 
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
+        self._alone.pop(actor.actor_name, None)  # every middleware hears each declaration: asked anew
         value = actor.options.get(self.option)
         if value is None or value is False:
             if self.guard_lists.pop(actor.actor_name, None) is not None and hasattr(self, "before_push"):
