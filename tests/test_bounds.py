@@ -28,7 +28,6 @@ from test_backend_contract import KEY, Env, _env, env, redis_cluster_url
 
 import dramatiq_guard
 from dramatiq_guard.backends import GuardBackend, MemoryBackend, RedisBackend, Stake, Waiter
-from dramatiq_guard.backends.redis_layout import lease_keys
 from dramatiq_guard.cli import main
 from dramatiq_guard.errors import GuardOptionError
 from dramatiq_guard.ledger import Ledger
@@ -295,7 +294,7 @@ def test_a_renewal_with_an_insane_ttl_leaves_the_lease_as_it_was(redis_env: Env)
     stored = redis_env.stored()
     for ttl in NOT_SANE:
         with pytest.raises(redis.ResponseError, match="ttl_ms must be an integer from 0 to"):
-            backend._call(backend.scripts["renew"], list(lease_keys(backend._names(KEY))), ["h", ttl])
+            backend._call(backend.scripts["renew"], [backend._prefix(KEY)], ["h", ttl])
     assert backend.inspect(KEY) == before and redis_env.stored() == stored
 
 
@@ -306,12 +305,15 @@ def test_a_renewal_batch_with_one_insane_ttl_renews_none_of_it(redis_env: Env) -
     for holder in ("h1", "h2"):  # one key: a batch's keys may share a cluster slot
         assert backend.acquire(Stake(KEY, holder, limit=2, ttl_ms=60_000)).acquired
     before = backend.inspect(KEY)
-    keys = list(lease_keys(backend._names(KEY))) * 2
+    keys = [backend._prefix(KEY)] * 2
     for ttl in NOT_SANE:
         with pytest.raises(redis.ResponseError, match="ttl_ms must be an integer from 0 to"):
             backend._call(backend.scripts["renew"], keys, ["h1", 120_000, "h2", ttl])
-    with pytest.raises(redis.ResponseError, match="renew takes 3 KEYS and 2 ARGV per lease"):
+    per_lease = re.escape("renew takes 1 KEYS (its prefix) and 2 ARGV per lease")
+    with pytest.raises(redis.ResponseError, match=per_lease):
         backend._call(backend.scripts["renew"], keys, ["h1", 120_000])
+    with pytest.raises(redis.ResponseError, match="per lease, got 2 and 3"):
+        backend._call(backend.scripts["renew"], keys, ["h1", 120_000, "h2"])
     assert backend.inspect(KEY) == before
 
 

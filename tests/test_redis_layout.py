@@ -97,7 +97,7 @@ def test_each_script_reads_its_own_arguments_by_name(redisdb: redis.Redis) -> No
         named = layout.per_key or (layout.keys and set(layout.keys) <= set(KeyNames._fields))
         keys = ["{t}:"] if named else [f"{{t}}:{field}" for field in layout.keys]
         own = [f"{name}.{arg}" for arg in layout.args]
-        each_keys = [f"{{t}}:{n}:{key}" for n in (1, 2) for key in layout.each_keys]
+        each_keys = [f"{{t{n}}}:" for n in (1, 2)] if layout.each else []  # an item's one KEYS: its prefix
         each_args = [f"{n}:{arg}" for n in (1, 2) for arg in layout.each_args]
         reads = [*layout.args, *(LETTERS[key] for key in layout.keys)]
         if layout.each:  # last in a table constructor, a call keeps all its values: the 2nd item's
@@ -105,7 +105,7 @@ def test_each_script_reads_its_own_arguments_by_name(redisdb: redis.Redis) -> No
         code = lua_constants() + (lua_binding() if layout.per_key else "") + lua_prologue(name)
         code += f"return {{{', '.join(reads)}}}"
         got = redisdb.eval(code, len(keys) + len(each_keys), *keys, *each_keys, *leading, *own, *each_args)
-        second = each_keys[len(layout.each_keys) :] + each_args[len(layout.each_args) :]
+        second = [f"{{t2}}:{field}" for field in layout.each_keys] + each_args[len(layout.each_args) :]
         made = [f"{{t}}:{field}" for field in layout.keys] if named else keys[: len(layout.keys)]
         assert _text(got) == [*own, *made, *second], name
 

@@ -201,7 +201,7 @@ class RedisBackend(RedisStore):
         ]
         calls: list[ScriptCall] = []
         for chunk in chunks:
-            keys = [name for i in chunk for name in layout.lease_keys(self._names(leases[i][0]))]
+            keys = [self._prefix(leases[i][0]) for i in chunk]
             args = [arg for i in chunk for arg in layout.LeaseArgs(holder=leases[i][1], ttl_ms=leases[i][2])]
             calls.append((self.scripts["renew"], keys, args))
         renewed = [False] * len(leases)

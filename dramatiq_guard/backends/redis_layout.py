@@ -7,7 +7,6 @@ them through text generated from them (docs/redis.md, "The scripts").
 from __future__ import annotations
 
 import json
-from operator import attrgetter
 from typing import Annotated, Any, NamedTuple, get_type_hints
 
 from dramatiq_guard import bounds
@@ -238,8 +237,9 @@ class Layout(NamedTuple):
 
     ``keys``: :class:`KeyNames` fields, made of the guard key's prefix given as the first KEYS (or
     ``index``: the waiting-keys index); ``per_key``: a guard key's KEYS (its prefix, then the
-    :data:`INDEX_KEYS`) and :class:`CallArgs` come first; ``each``: KEYS ``each_keys`` and ARGV ``each_args``
-    repeat per item, read by ``<each>(n)``; ``rest``: the name of any ARGV after ``args``.
+    :data:`INDEX_KEYS`) and :class:`CallArgs` come first; ``each``: per item, one KEYS (a guard key's
+    prefix, of which its ``each_keys`` names are made; on a Redis Cluster, every item's of one slot) and
+    ARGV ``each_args``, read by ``<each>(n)``; ``rest``: the name of any ARGV after ``args``.
     """
 
     args: tuple[str, ...] = ()
@@ -293,9 +293,6 @@ LAYOUTS: dict[str, Layout] = {
     ),
     "health": Layout(args=("namespace",), keys=("index",), rest="seen"),
 }
-
-#: The keys of one lease of a ``renew.lua`` call, from a :class:`KeyNames`.
-lease_keys = attrgetter(*LAYOUTS["renew"].each_keys)
 
 
 def _annotations(cls: type) -> dict[str, tuple[Any, ...]]:
@@ -388,16 +385,16 @@ def lua_prologue(name: str) -> str:
         )
     if layout.rest:
         lines.append(f"local {layout.rest.upper()}_FROM = {first + len(layout.args)}\n")
-    if layout.each:
-        nk, na = len(layout.each_keys), len(layout.each_args)
+    if layout.each:  # the n-th item's names made of its prefix, KEYS[n]; its ARGV after ``args``
+        na = len(layout.each_args)
         returned = [LETTERS[key] for key in layout.each_keys] + list(layout.each_args)
-        items = [f"KEYS[k + {i}]" for i in range(1, nk + 1)] + [f"ARGV[a + {i}]" for i in range(1, na + 1)]
-        offset = f"{len(layout.args)} + (n - 1) * {na}"
+        items = [_made_of_prefix(layout.each_keys, "prefix")] + [f"ARGV[a + {i}]" for i in range(1, na + 1)]
+        offset = f", a = KEYS[n], {len(layout.args)} + (n - 1) * {na}" if na else " = KEYS[n]"
+        lines += [f"local ARGV_PER_{layout.each.upper()} = {na}\n"] if na else []
         lines += [
-            f"local KEYS_PER_{layout.each.upper()}, ARGV_PER_{layout.each.upper()} = {nk}, {na}\n",
-            f"-- {layout.each}(n) -> {', '.join(returned)} of the n-th\n",
+            f"-- {layout.each}(n) -> {', '.join(returned)} of the n-th (one KEYS each: its prefix)\n",
             f"local function {layout.each}(n)\n",
-            f"  local k, a = (n - 1) * {nk}, {offset}\n",
+            f"  local prefix{offset}\n",
             f"  return {', '.join(items)}\n",
             "end\n",
         ]

@@ -278,10 +278,10 @@ class RedisStore(GuardBackend):
     def _summary_chunk(self, chunk: Sequence[str], waiters: int) -> list[KeySummary]:
         """``lua/summaries.lua`` on the whole chunk (on a Redis Cluster: once per key, pipelined),
         then the first waiters' payloads and infos."""
-        prefixes = [f"{self.namespace}:{{{key}}}:" for key in chunk]
+        prefixes = [layout.key_prefix(self.namespace, key) for key in chunk]
         groups = [[p] for p in prefixes] if self._in_cluster() else [prefixes]
-        each, own = layout.LAYOUTS["summaries"].each_keys, list(layout.SummariesArgs(first=max(waiters, 1)))
-        calls = [(self.scripts["summaries"], [p + field for p in g for field in each], own) for g in groups]
+        own = list(layout.SummariesArgs(first=max(waiters, 1)))
+        calls = [(self.scripts["summaries"], g, own) for g in groups]
         rows = [row for reply in run_scripts(self.client, self.scripts, calls) for row in reply]
         firsts = [row[2][: 2 * waiters] for row in rows]  # waiter, place pairs
         with reachable():

@@ -1,11 +1,11 @@
--- renew(holder_1, ttl_ms_1, holder_2, ttl_ms_2, ...) -> {1 or 0, ...}: per lease, 1 if renewed, 0 if
--- the holder no longer holds (a lapsed entry is left to reclaim, never revived). Without the
--- prelude; keeps its invariant: H, T and I expire no earlier than the largest deadline in H
--- (expire_later). Every lease is checked before a write.
+-- renew(holder_1, ttl_ms_1, holder_2, ttl_ms_2, ...) -> {1 or 0, ...}: per lease (KEYS: its guard
+-- key's prefix), 1 if renewed, 0 if the holder no longer holds (a lapsed entry is left to reclaim,
+-- never revived). Without the prelude; keeps its invariant: H, T and I expire no earlier than the
+-- largest deadline in H (expire_later). Every lease is checked before a write.
 local count = #ARGV / ARGV_PER_LEASE
-if count % 1 ~= 0 or #KEYS ~= count * KEYS_PER_LEASE then
+if #KEYS ~= count then
   return redis.error_reply(
-    'renew takes ' .. KEYS_PER_LEASE .. ' KEYS and ' .. ARGV_PER_LEASE .. ' ARGV per lease, got ' .. #KEYS .. ' and ' .. #ARGV
+    'renew takes 1 KEYS (its prefix) and ' .. ARGV_PER_LEASE .. ' ARGV per lease, got ' .. #KEYS .. ' and ' .. #ARGV
   )
 end
 for n = 1, count do
