@@ -44,14 +44,10 @@ def replica_waits_of(count: int, timeout_ms: int) -> ReplicaWaits | None:
 
 
 def _key_names(namespace: str, key: str) -> KeyNames:
+    """Guard key ``key``'s names, for the reads beside the scripts (a script makes them of its prefix)."""
     check_key(key)
     prefix = layout.key_prefix(namespace, key)
     return KeyNames._make([prefix + suffix for suffix in KeyNames._fields])
-
-
-#: The same, cached for the keys messages use; reads (inspect, get_limit) do not cache, so made-up
-#: keys (the command, the dashboard) cost nothing kept.
-_used_key_names = functools.lru_cache(maxsize=4096)(_key_names)
 
 
 def handoffs_of(key: str, flat: list[Any]) -> tuple[Handoff, ...]:
@@ -180,7 +176,7 @@ class RedisStore(GuardBackend):
         return self._cluster
 
     def _names(self, key: str) -> KeyNames:
-        return _used_key_names(self.namespace, key)
+        return _key_names(self.namespace, key)
 
     def _prefix(self, key: str) -> str:
         """The prefix of ``key``'s names: the guard key's KEYS (``redis_layout.key_prefix``), checked."""
