@@ -186,10 +186,8 @@ def test_a_redis_that_refuses_functions_runs_the_same_scripts_with_evalsha(
         [warning] = [r.getMessage() for r in caplog.records if "refuses functions" in r.getMessage()]
         assert "EVALSHA" in warning and re.search("fcall|function", warning, re.I)
         assert calls(admin, "evalsha") > 0
-        names = backend._names("dedup:k")
-        keys = [names.holders, names.waiters, names.reserved, names.limit, names.token, names.info]
         with pytest.raises(redis.ResponseError, match="ttl_ms must be an integer from 1 to"):  # bad input
-            backend._call(backend.scripts["lock"], keys, ["h", "0", ""])
+            backend._call(backend.scripts["lock"], [backend._prefix("dedup:k")], ["h", "0", ""])
     finally:
         admin.close()
         server.close()
