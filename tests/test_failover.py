@@ -159,7 +159,9 @@ def lagging_replica(broker: StubBroker) -> Iterator[tuple[ReplicatedRedis, Redis
     primary takes raises ``ReplicasBehind``, after the script ran. ``heal()`` it with
     :func:`healed`."""
     with ReplicatedRedis() as pair, pair.primary.client() as client:
-        backend = RedisBackend(client, replica_waits=1, replica_wait_timeout_ms=300)
+        # 2 s: the sends before the partition must be acknowledged in time on a loaded machine
+        # (300 ms failed once in CI); a decision after it waits that long in vain.
+        backend = RedisBackend(client, replica_waits=1, replica_wait_timeout_ms=2_000)
         dramatiq_guard.install(broker, redis=backend)
         yield pair, backend
 
