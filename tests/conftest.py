@@ -239,6 +239,20 @@ def redis_broker(redis_url: str, restore_global_broker: None) -> Any:
 
 
 @pytest.fixture
+def hooks(redis_broker: Any) -> Any:
+    """A :class:`harness.one_step.EnqueueHooks` on ``redis_broker`` (added before the guard is
+    installed on it): what the broker's enqueue hooks saw, for the one-step push tests."""
+    from harness.one_step import EnqueueHooks
+
+    hooks = EnqueueHooks()
+    redis_broker.add_middleware(hooks)
+    import dramatiq_guard
+
+    dramatiq_guard.install(redis_broker)
+    return hooks
+
+
+@pytest.fixture
 def stub_broker(restore_global_broker: None) -> Any:
     from dramatiq.brokers.stub import StubBroker
 

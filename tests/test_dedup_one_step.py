@@ -38,14 +38,6 @@ def locks(client: redis.Redis) -> list[bytes]:
     return sorted(client.scan_iter("dramatiq-guard:{dedup:*}:holders"))
 
 
-@pytest.fixture
-def hooks(redis_broker: RedisBroker) -> Hooks:
-    hooks = Hooks()
-    redis_broker.add_middleware(hooks)
-    dramatiq_guard.install(redis_broker)
-    return hooks
-
-
 def test_an_accepted_send_is_one_script_that_enqueues_the_message_with_its_lock(
     redis_broker: RedisBroker, redisdb: redis.Redis, hooks: Hooks
 ) -> None:

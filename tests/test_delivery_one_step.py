@@ -99,14 +99,6 @@ def drain(broker: RedisBroker, ran: list[int], count: int) -> None:
         worker.stop()
 
 
-@pytest.fixture
-def hooks(redis_broker: RedisBroker) -> Hooks:
-    hooks = Hooks()
-    redis_broker.add_middleware(hooks)
-    dramatiq_guard.install(redis_broker)
-    return hooks
-
-
 def test_a_hand_off_is_one_script_that_pushes_its_copy_and_confirms_it_and_the_broker_runs_and_acks_it(
     redis_broker: RedisBroker, redisdb: redis.Redis, hooks: Hooks
 ) -> None:

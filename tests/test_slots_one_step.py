@@ -61,14 +61,6 @@ def parked(client: redis.Redis, key: str) -> set[str]:
     return {cast(bytes, w).decode() for w in found}
 
 
-@pytest.fixture
-def hooks(redis_broker: RedisBroker) -> Hooks:
-    hooks = Hooks()
-    redis_broker.add_middleware(hooks)
-    dramatiq_guard.install(redis_broker)
-    return hooks
-
-
 def test_a_send_under_the_limit_is_one_script_that_enqueues_the_message_with_its_reservation(
     redis_broker: RedisBroker, redisdb: redis.Redis, hooks: Hooks
 ) -> None:
