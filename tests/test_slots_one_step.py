@@ -325,3 +325,20 @@ def test_producers_killed_mid_burst_leave_every_reservation_with_its_message_and
     stored = [json.loads(p) for p in redisdb.hvals("dramatiq-guard:{concurrency:burst}:payloads")]
     sends = [m["args"][0] for m in messages] + [p["args"][0] for p in stored]
     assert confirmed <= set(sends)  # every send that returned is on the queue or parked
+
+
+def test_a_one_step_send_run_again_after_its_reply_was_lost_pushes_one_copy(
+    redis_broker: RedisBroker, redisdb: redis.Redis, hooks: Hooks
+) -> None:
+    # redis-py tries a call again when its reply is lost (its retry): the script runs twice. The
+    # second run finds the lock or reservation its first run took, and the message already pushed.
+    dedup = next(m for m in redis_broker.middleware if isinstance(m, Deduplication))
+    backend = dedup.backend(redis_broker)
+    lock = Enqueue(redis_broker, "default", "lock-push", b"{}")
+    locked = [backend.lock_and_enqueue("dedup:k", "m1", ttl_ms=60_000, info="job", push=lock) for _ in "ab"]
+    assert [r is not None and r.acquired for r in locked] == [True, True]
+    reserve = Enqueue(redis_broker, "default", "reserve-push", b"{}")
+    stake = Stake("concurrency:k", "m2", limit=1, ttl_ms=60_000)
+    reserved = [backend.reserve_and_enqueue(stake, reserve) for _ in "ab"]
+    assert [r is not None and r.acquired for r in reserved] == [True, True]
+    assert redisdb.lrange("dramatiq:default", 0, -1) == [b"lock-push", b"reserve-push"]

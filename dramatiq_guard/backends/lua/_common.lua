@@ -14,6 +14,15 @@ local function server_time()
   return us, math.floor(us / 1000)
 end
 
+-- Message `id` (its `data`) onto a RedisBroker queue (list `queue`, message hash `messages`) as
+-- Dramatiq's enqueue writes it, once: each enqueue has an id of its own, so one already in `messages`
+-- was pushed by this very call, run again by a client that lost its reply (redis-py's retry).
+local function push_once(queue, messages, id, data)
+  if redis.call('HSETNX', messages, id, data) == 1 then
+    redis.call('RPUSH', queue, id)
+  end
+end
+
 -- value as a whole number from low to high, else nil: decimal digits, after a '-' at most (no '+',
 -- exponent, fraction, hex, blank, inf or nan: a limit is stored as given), or a number already parsed.
 local function whole_number(value, low, high)

@@ -81,8 +81,7 @@ if acquired then
     META_AT = store_token()
   end
   if QUEUE then
-    redis.call('HSET', QUEUE_MESSAGES, ARGV[PUSH_FROM], payload)
-    redis.call('RPUSH', QUEUE, ARGV[PUSH_FROM])
+    push_once(QUEUE, QUEUE_MESSAGES, ARGV[PUSH_FROM], payload)
   end
 elseif mode ~= '' then
   local added = enqueue(holder, priority)

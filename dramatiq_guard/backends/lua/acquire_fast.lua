@@ -65,8 +65,7 @@ do
           redis.call('PEXPIREAT', I, latest)
         end
         if QUEUE then -- a reservation at send, with its push (acquire.lua's header)
-          redis.call('HSET', QUEUE_MESSAGES, ARGV[PUSH_FROM], payload)
-          redis.call('RPUSH', QUEUE, ARGV[PUSH_FROM])
+          push_once(QUEUE, QUEUE_MESSAGES, ARGV[PUSH_FROM], payload)
         end
         return { 1, token, limit, '', {}, {} }
       end

@@ -3,14 +3,11 @@
 -- a hand-off or standby send (data, as Dramatiq encodes it) goes to a RedisBroker queue (QUEUE,
 -- QUEUE_MESSAGES: its list and message hash; message_id: its redis_message_id) as Dramatiq's enqueue
 -- pushes it, and is confirmed, in one step (GuardBackend.enqueue_and_confirm). It is pushed whatever
--- the confirmation answers, as in two steps, where the push comes first. The same call run again
--- (a client that retries a call whose reply it lost) pushes nothing more: each enqueue has a message
--- id of its own, so one already in QUEUE_MESSAGES was pushed by this call.
+-- the confirmation answers, as in two steps, where the push comes first; once (push_once), if a
+-- client runs the same call again after losing its reply.
 OWNED = true
 reclaim()
-if redis.call('HSETNX', QUEUE_MESSAGES, message_id, data) == 1 then
-  redis.call('RPUSH', QUEUE, message_id)
-end
+push_once(QUEUE, QUEUE_MESSAGES, message_id, data)
 local held
 if op == 'standby' then
   held = confirm_standby(waiter, ttl_ms, payload, generation)

@@ -13,15 +13,16 @@ if present == 0 then
   redis.call('PEXPIREAT', H, deadline)
   redis.call('PEXPIREAT', I, deadline)
   if QUEUE then
-    redis.call('HSET', QUEUE_MESSAGES, ARGV[PUSH_FROM], ARGV[PUSH_FROM + 1])
-    redis.call('RPUSH', QUEUE, ARGV[PUSH_FROM])
+    push_once(QUEUE, QUEUE_MESSAGES, ARGV[PUSH_FROM], ARGV[PUSH_FROM + 1])
   end
   return { 1, {} }
 end
 local flat = redis.call('ZRANGE', H, 0, -1, 'WITHSCORES')
 local holders = {}
 for i = 1, #flat, 2 do
-  if flat[i] == holder or tonumber(flat[i + 1]) <= now then
+  if flat[i] == holder and QUEUE and redis.call('HEXISTS', QUEUE_MESSAGES, ARGV[PUSH_FROM]) == 1 then
+    return { 1, {} } -- this call run again (its reply was lost): it took the lock and pushed
+  elseif flat[i] == holder or tonumber(flat[i + 1]) <= now then
     return { -1, {} } -- the caller re-entering, or a lapsed holder to reclaim
   end
   holders[#holders + 1] = flat[i]
