@@ -50,8 +50,8 @@ def test_an_accepted_send_is_one_script_that_enqueues_the_message_with_its_lock(
 
     counts = calls(redisdb)
     assert counts.get("fcall", 0) + counts.get("evalsha", 0) == 20  # one script per send
-    counts = {name: counts.get(name) for name in ("rpush", "hsetnx", "hset")}
-    assert counts == {"rpush": 20, "hsetnx": 20, "hset": 20}  # the message (once), the lock's info
+    writes = {name: counts.get(name) for name in ("rpush", "hsetnx", "hset")}
+    assert writes == {"rpush": 20, "hsetnx": 20, "hset": 20}  # the message (once), the lock's info
     assert queued(redisdb) == 21 and len(locks(redisdb)) == 21
     assert all(m.options[LOCK_OPTION] for m in sent)
     ids = [m.message_id for m in sent]
