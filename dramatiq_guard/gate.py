@@ -150,12 +150,8 @@ class EnqueueGate:
         local = self._local
         depth = local.depth = getattr(local, "depth", 0) + 1  # a hook may enqueue inside this one
         try:
-            if isinstance(message, Message):
-                guards = self._guarding.get(message.actor_name)
-                if guards is None:
-                    guards = self.guarding(message.actor_name)
-                if guards:
-                    return self.admit(message, delay=delay).message
+            if isinstance(message, Message) and self.guarding(message.actor_name):
+                return self.admit(message, delay=delay).message
             # Not a message any guard here guards: a dict lookup, then the plain push.
             return self.original(message, delay=delay)
         finally:

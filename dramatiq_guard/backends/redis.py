@@ -106,11 +106,15 @@ class RedisBackend(RedisStore):
             return None
         key = stake.key
         script, args = self.scripts["acquire"], self._args(stake.limit, *own)
-        keys = [self._prefix(key), self._index, self._limits_index]  # then the push's (INDEX_KEYS)
-        keys += redis_enqueue.queue_keys(push.broker, push.queue_name)
         sent = time.monotonic()
-        reply = self._call(script, keys, [*args, push.message_id])
+        reply = self._call(script, self._keys_with_push(key, push), [*args, push.message_id])
         return self._acquire_reply(key, reply, sent)
+
+    def _keys_with_push(self, key: str, push: Enqueue) -> list[str]:
+        """The KEYS of a per-key script that pushes to the broker (a standalone Redis only): the key's
+        prefix, the index keys (``INDEX_KEYS``), then the broker queue's list and message hash."""
+        queue = redis_enqueue.queue_keys(push.broker, push.queue_name)
+        return [self._prefix(key), self._index, self._limits_index, *queue]
 
     def _acquire_args(self, stake: Stake, wait: Waiter | None) -> layout.AcquireArgs:
         """acquire.lua's own arguments, checked (the errors of :meth:`GuardBackend.acquire`)."""
@@ -252,9 +256,8 @@ class RedisBackend(RedisStore):
             message_id=push.message_id,
             data=push.data,
         )
-        script, keys, args = self._script_call(handoff.key, 0, own)
-        keys += [self._limits_index, *redis_enqueue.queue_keys(push.broker, push.queue_name)]
-        return bool(self._call(script, keys, args))
+        script, args = self.scripts["deliver"], self._args(0, *own)
+        return bool(self._call(script, self._keys_with_push(handoff.key, push), args))
 
     def send_standbys(
         self, key: str, *, limit: int | None, count: int
