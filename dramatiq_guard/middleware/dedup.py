@@ -209,7 +209,8 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         """A duplicate of the lock's holder: raise, or divert it as dropped (or rescheduled once)."""
         holder, key = (result.holders[0] if result.holders else ""), claim.key
         events.deduplicated(message.actor_name)
-        logger.info("Deduplicated %s: %r is held by %s.", message, key, holder or "nobody")
+        # DEBUG, as Dramatiq's own enqueue: a duplicate is an expected outcome of a send (and counted).
+        logger.debug("Deduplicated %s: %r is held by %s.", message, key, holder or "nobody")
         if policy.on_duplicate == "raise":
             raise DuplicateMessage(message.message_id, holder, key)
         marks: dict[str, Any] = {BY_OPTION: holder}
