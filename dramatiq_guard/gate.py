@@ -215,7 +215,8 @@ class EnqueueGate:
                     tickets.append(ticket)
                     if step is None and hasattr(ticket, "enqueue"):
                         step = ticket  # type: ignore[assignment]  # a OneStepPush (cast() costs a call)
-            step = step or push
+            if step is None:
+                step = push
             if step is not None:
                 if self._push_original is None:
                     self._take_pushes()

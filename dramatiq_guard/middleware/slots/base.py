@@ -197,7 +197,8 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         They try all their slots in one round trip first (:func:`acquire_all`), then in turn.
         """
         if (
-            delay is None
+            self.one_step_sends
+            and delay is None
             and holds is None
             and message.message_id not in self._inflight
             and GENERATIONS_OPTION not in message.options  # a hand-off's copy decides in two steps
