@@ -15,7 +15,7 @@ import enum
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from dramatiq import Broker, Message
 
@@ -108,6 +108,25 @@ class Diverted(Exception):
             then()
 
 
+def copy_with(message: Message[Any], options: dict[str, Any]) -> Message[Any]:
+    """A copy of ``message`` whose options are ``options`` (e.g. the message a diverted send returns),
+    made as :meth:`Message.copy` makes it, without the cost of ``dataclasses.replace`` for a Message."""
+    if type(message) is not Message:  # a subclass may have fields of its own
+        copy = message.copy()
+        copy.options.clear()
+        copy.options.update(options)
+        return copy
+    return Message(
+        message.queue_name,
+        message.actor_name,
+        message.args,
+        message.kwargs,
+        options,
+        message.message_id,
+        message.message_timestamp,
+    )
+
+
 class EnqueueGate:
     """Wraps ``broker.enqueue`` (see the module docstring)."""
 
@@ -117,7 +136,7 @@ class EnqueueGate:
         self.original: Callable[..., Message[Any]] = broker.enqueue
         broker.enqueue = self.enqueue  # type: ignore[method-assign]
         self._push_original: Callable[[str, str, bytes], Any] | None = None
-        self._local = threading.local()
+        self._local = _Sending()
         # Per actor name: the guards that guard its messages (guarding()); emptied by add() and changed().
         self._guarding: dict[str, list[EnqueueGuard]] = {}
 
@@ -148,14 +167,19 @@ class EnqueueGate:
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
         """The wrapped ``broker.enqueue``."""
         local = self._local
-        depth = local.depth = getattr(local, "depth", 0) + 1  # a hook may enqueue inside this one
+        local.depth += 1  # a hook may enqueue inside this one
         try:
-            if isinstance(message, Message) and self.guarding(message.actor_name):
-                return self.admit(message, delay=delay).message
-            # Not a message any guard here guards: a dict lookup, then the plain push.
+            if type(message) is Message or isinstance(message, Message):
+                # A dict lookup per send (guarding() fills it on an actor's first send).
+                guards = self._guarding.get(message.actor_name)
+                if guards is None:
+                    guards = self.guarding(message.actor_name)
+                if guards:
+                    return self._admit(message, delay, None, None, guards).message
+            # Not a message any guard here guards: the plain push.
             return self.original(message, delay=delay)
         finally:
-            local.depth = depth - 1
+            local.depth -= 1
 
     def admit(
         self,
@@ -169,27 +193,45 @@ class EnqueueGate:
         guard's refusal (a GuardError) or the push's failure is raised. ``holds``: the guard key the
         message already holds (a hand-off going back): its guard lets it pass. ``push``: the caller's
         own one-step push (a hand-off's copy and its confirmation), unless a guard's ticket takes it."""
-        tickets = TicketGroup()
-        outer = getattr(self._local, "ticket", None)  # an enqueue this one runs inside of
+        return self._admit(message, delay, holds, push, self.guarding(message.actor_name))
+
+    def _admit(
+        self,
+        message: Message[Any],
+        delay: int | None,
+        holds: str | None,
+        push: OneStepPush | None,
+        guards: list[EnqueueGuard],
+    ) -> Admission:
+        """:meth:`admit` by ``guards``."""
+        local = self._local
+        outer = local.ticket  # an enqueue this one runs inside of
+        tickets: list[PushTicket] = []
         try:
-            for guard in self.guarding(message.actor_name):
-                tickets.add(guard.before_push(self.broker, message, delay, holds=holds))
-            one_step = [cast(OneStepPush, t) for t in tickets.tickets if hasattr(t, "enqueue")]
-            one_step += [push] if push is not None else []
-            if one_step:
-                self._take_pushes()
-                self._local.ticket = (getattr(self._local, "depth", 0), one_step[0])
+            step: OneStepPush | None = None  # the first ticket's that pushes in one step, else ``push``
+            for guard in guards:
+                ticket = guard.before_push(self.broker, message, delay, holds=holds)
+                if ticket is not None:
+                    tickets.append(ticket)
+                    if step is None and hasattr(ticket, "enqueue"):
+                        step = ticket  # type: ignore[assignment]  # a OneStepPush (cast() costs a call)
+            if step is None:
+                step = push
+            if step is not None:
+                if self._push_original is None:
+                    self._take_pushes()
+                local.ticket = (local.depth, step)
             enqueued = self.original(message, delay=delay)
         except Diverted as diverted:  # raised by a guard's before_push, or a one-step ticket's push
-            tickets.settle(diverted.outcome)
+            settle(tickets, diverted.outcome)
             diverted.settled()
             return Admission(diverted.message, diverted.outcome)
         except BaseException:
-            tickets.failed()
+            settle(tickets, Outcome.DROPPED)
             raise
         finally:
-            self._local.ticket = outer
-        tickets.pushed()
+            local.ticket = outer
+        settle(tickets, Outcome.PUSHED)
         return Admission(enqueued, Outcome.PUSHED)
 
     def _take_pushes(self) -> None:
@@ -200,13 +242,36 @@ class EnqueueGate:
 
     def _push(self, queue_name: str, message_id: str, data: bytes) -> Any:
         """The broker's push: a one-step ticket's, if this thread's enqueue has one, else its own."""
-        held: tuple[int, OneStepPush] | None = getattr(self._local, "ticket", None)
+        local = self._local
+        held = local.ticket
         assert self._push_original is not None
         # The ticket's own enqueue only: a message a hook sends inside it (one level deeper) pushes as usual.
-        if held is None or held[0] != getattr(self._local, "depth", 0):
+        if held is None or held[0] != local.depth:
             return self._push_original(queue_name, message_id, data)
-        self._local.ticket = None
+        local.ticket = None
         return held[1].enqueue(queue_name, message_id, data, self._push_original)
+
+
+class _Sending(threading.local):
+    """A thread's enqueues under way: how deep it is in them (a hook may enqueue inside an enqueue),
+    and the one-step push of a guarded one with the depth it was taken at (see :meth:`EnqueueGate._push`)."""
+
+    depth = 0
+    ticket: tuple[int, OneStepPush] | None = None
+
+
+def settle(tickets: list[PushTicket], outcome: Outcome) -> None:
+    """Settle every ticket with ``outcome``, the last first (a ticket that raises is logged)."""
+    for ticket in reversed(tickets):
+        try:
+            if outcome is Outcome.PUSHED:
+                ticket.pushed()
+            elif outcome is Outcome.PARKED:
+                ticket.parked()
+            else:
+                ticket.failed()
+        except Exception:
+            logger.exception("Failed to settle an enqueue ticket (%s).", outcome.value)
 
 
 class TicketGroup:
@@ -220,17 +285,8 @@ class TicketGroup:
             self.tickets.append(ticket)
 
     def settle(self, outcome: Outcome) -> None:
-        """Settle every ticket with ``outcome``, the last first (a ticket that raises is logged)."""
-        for ticket in reversed(self.tickets):
-            try:
-                if outcome is Outcome.PUSHED:
-                    ticket.pushed()
-                elif outcome is Outcome.PARKED:
-                    ticket.parked()
-                else:
-                    ticket.failed()
-            except Exception:
-                logger.exception("Failed to settle an enqueue ticket (%s).", outcome.value)
+        """Settle every ticket with ``outcome`` (:func:`settle`)."""
+        settle(self.tickets, outcome)
 
     def pushed(self) -> None:
         self.settle(Outcome.PUSHED)

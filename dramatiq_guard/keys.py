@@ -133,6 +133,10 @@ class KeyResolver:
         self._positional: tuple[str, ...] | None = (
             tuple(p.name for p in every) if all(p.kind in kinds for p in every) else None
         )
+        self._arity = -1 if self._positional is None else len(self._positional)
+        # The spec by its kind, read on every send.
+        self._fn: Callable[..., str] | None = spec if callable(spec) else None
+        self._names: tuple[str, ...] | None = spec if isinstance(spec, tuple) else None
         if isinstance(spec, tuple):
             params = self.signature.parameters
             unknown = [name for name in spec if name not in params]
@@ -146,9 +150,10 @@ class KeyResolver:
         """The guard key of a call with ``args`` and ``kwargs``; :class:`GuardKeyError` if they do not fit
         the actor's signature, a digested argument cannot be encoded, or a key callable raised or
         returned something other than a str of valid Unicode."""
-        if callable(self.spec):
+        fn = self._fn
+        if fn is not None:
             try:
-                key = self.spec(*args, **kwargs)
+                key = fn(*args, **kwargs)
             except GuardError:
                 raise
             except Exception as e:
@@ -156,12 +161,11 @@ class KeyResolver:
             if not isinstance(key, str):
                 what = f"{_short.repr(key)} (of type {type(key).__qualname__}), not a str"
                 raise self._error(f"its key callable returned {what}", CALLABLE_ALLOWS)
-            where = lone_surrogate(key)
-            if where:
+            if not key.isascii() and (where := lone_surrogate(key)):
                 raise self._error(f"its key callable returned a str with {where}", CALLABLE_ALLOWS)
             return key
         names = self._positional
-        if names is not None and not kwargs and len(args) == len(names):
+        if names is not None and not kwargs and len(args) == self._arity:
             arguments = dict(zip(names, args, strict=True))  # what bind() and apply_defaults() give here
         else:
             try:
@@ -173,9 +177,12 @@ class KeyResolver:
                 ) from None
             bound.apply_defaults()
             arguments = dict(bound.arguments)
-        if self.spec is not None:
-            arguments = {name: arguments[name] for name in self.spec}
-        return f"{self.scope}:{self._digest(arguments)}"
+        if self._names is not None:
+            arguments = {name: arguments[name] for name in self._names}
+        try:  # digest(arguments), without its calls
+            return f"{self.scope}:{hashlib.sha256(_CANONICAL.encode(arguments).encode('utf-8')).hexdigest()}"
+        except (RecursionError, TypeError, ValueError):
+            return f"{self.scope}:{self._digest(arguments)}"  # raises the GuardKeyError that says why
 
     def _digest(self, arguments: dict[str, Any]) -> str:
         """:func:`digest` of ``arguments``, or the GuardKeyError that names what it cannot take."""

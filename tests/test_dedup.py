@@ -6,6 +6,7 @@ through the backend's ``inspect``.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -163,6 +164,29 @@ def test_a_thousand_sends_leave_one_message_and_name_the_holder(broker: StubBrok
     # Other arguments are another key.
     assert deduplicated_by(refresh.send(8)) is None
     assert broker.queues["default"].qsize() == 2
+
+
+def test_a_duplicate_returns_a_copy_of_what_was_sent_marked_with_its_holder(broker: StubBroker) -> None:
+    """What ``broker.enqueue`` returns for a duplicate: a copy of the message (of its own class, a
+    subclass's fields kept), marked with the holder, and neither it nor the message sent holds the lock."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Traced(dramatiq.Message[Any]):
+        trace: str = ""
+
+    @dramatiq.actor(dedup="until_executed")
+    def job(n: int) -> None: ...
+
+    first = job.send(1)
+    sent = job.message(1)
+    duplicate = broker.enqueue(sent)
+    assert deduplicated_by(duplicate) == first.message_id and LOCK_OPTION not in duplicate.options
+    assert (duplicate.message_id, duplicate.args, duplicate.queue_name) == (sent.message_id, (1,), "default")
+    assert deduplicated_by(sent) is None and LOCK_OPTION not in sent.options
+    traced = Traced(**{**sent.asdict(), "message_id": "traced-1"}, trace="t-1")
+    copy = broker.enqueue(traced)
+    assert isinstance(copy, Traced) and copy.trace == "t-1" and deduplicated_by(copy) == first.message_id
+    assert LOCK_OPTION not in copy.options and deduplicated_by(traced) is None
 
 
 def test_on_duplicate_raise_carries_the_holder(broker: StubBroker) -> None:

@@ -104,6 +104,25 @@ def test_on_duplicate_raise_raises_from_the_one_step_send(redis_broker: RedisBro
     assert raised.value.holder == first.message_id
 
 
+def test_a_duplicate_is_logged_at_debug_as_dramatiqs_own_enqueue(
+    redis_broker: RedisBroker, hooks: Hooks, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A duplicate is an expected outcome of a send (the metrics count it): it is logged at DEBUG, as
+    Dramatiq logs its own enqueues, not at INFO, the level the ``dramatiq`` command runs at."""
+
+    @dramatiq.actor(dedup="until_executed")
+    def job() -> None: ...
+
+    first = job.send()
+    with caplog.at_level(logging.INFO, logger="dramatiq_guard"):
+        assert deduplicated_by(job.send()) == first.message_id
+    assert not [r for r in caplog.records if r.name == "dramatiq_guard.dedup"]
+    with caplog.at_level(logging.DEBUG, logger="dramatiq_guard.dedup"):
+        assert deduplicated_by(job.send()) == first.message_id
+    [logged] = [r for r in caplog.records if r.name == "dramatiq_guard.dedup"]
+    assert logged.levelno == logging.DEBUG and first.message_id in logged.getMessage()
+
+
 def test_a_delayed_send_including_scheduled_goes_to_the_delay_queue_with_its_lock(
     redis_broker: RedisBroker, redisdb: redis.Redis, hooks: Hooks
 ) -> None:

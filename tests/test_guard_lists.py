@@ -30,6 +30,7 @@ from dramatiq_guard import Concurrency, GuardKeyError, GuardOptionError, Mutex, 
 from dramatiq_guard.backends import GuardBackend, Stake
 from dramatiq_guard.backends.memory import MemoryBackend
 from dramatiq_guard.middleware.base import execution_state
+from dramatiq_guard.middleware.dedup import deduplicated_by
 from dramatiq_guard.middleware.slots.base import composed
 from dramatiq_guard.testing import join
 
@@ -289,6 +290,34 @@ def test_an_actor_declared_again_with_a_second_guard_sends_in_two_steps(
     assert dedup.enqueues_alone(guarded, "job", backend)
     declare(dedup="until_executed", concurrency=2)
     assert not dedup.enqueues_alone(guarded, "job", backend)
+
+
+def test_what_a_send_needs_is_made_anew_when_its_actor_is_declared_again(guarded: RedisBroker) -> None:
+    """What the sends of an actor need is kept from its first send until the actor is declared again:
+    a dedup actor that comes to have a concurrency guard takes its lock before the message parks (a
+    duplicate of the parked message is dropped), and a concurrency actor that comes to have a list
+    reserves a slot of each of its guards (it parks on the second)."""
+    concurrency = next(m for m in guarded.middleware if isinstance(m, Concurrency))
+    concurrency.set_limit("halted", 0)
+
+    def declare(name: str, **options: Any) -> dramatiq.Actor[[int], None]:
+        guarded.actors.pop(name, None)  # Dramatiq 2 refuses a name declared already
+
+        def job(n: int) -> None: ...
+
+        return dramatiq.actor(actor_name=name, **options)(job)
+
+    job = declare("job", dedup="until_executed")
+    assert deduplicated_by(job.send(1)) is None  # the first send: lock and push in one step
+    job = declare("job", dedup="until_executed", concurrency={"limit": 1, "key": lambda n: "halted"})
+    parked = job.send(2)
+    assert deduplicated_by(job.send(2)) == parked.message_id
+
+    limited = declare("limited", concurrency={"limit": 5, "key": lambda n: "open"})
+    limited.send(3)  # the first send: a slot reserved with the push in one step
+    limits = [{"limit": 5, "key": lambda n: "open"}, {"limit": 1, "key": lambda n: "halted"}]
+    waiting = declare("limited", concurrency=limits).send(4)
+    assert waiting.message_id in [w for w, *_ in backend_of(guarded).inspect("concurrency:halted").waiters]
 
 
 def test_a_list_is_checked_at_declaration(guarded: RedisBroker) -> None:

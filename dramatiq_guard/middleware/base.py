@@ -114,6 +114,9 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
         #: Each guarded actor's guards, in the order of its option's list, by actor name.
         self.guard_lists: dict[str, tuple[ActorGuard[P], ...]] = {}
         self._alone: dict[str, bool] = {}  # per actor: whether this is its only enqueue-time guard
+        #: Per actor: what each of its sends needs, made at its first (a capability's own), dropped
+        #: with ``_alone`` when the actor is declared again.
+        self._send_plans: dict[str, Any] = {}
         self._couriers: dict[int, Courier] = {}  # per broker (courier)
 
     @property
@@ -159,6 +162,7 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
 
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
         self._alone.pop(actor.actor_name, None)  # every middleware hears each declaration: asked anew
+        self._send_plans.pop(actor.actor_name, None)
         value = actor.options.get(self.option)
         if value is None or value is False:
             if self.guard_lists.pop(actor.actor_name, None) is not None and hasattr(self, "before_push"):

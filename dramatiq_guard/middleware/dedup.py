@@ -28,7 +28,7 @@ from dramatiq_guard.backends.values import Enqueue
 from dramatiq_guard.claim import Claim
 from dramatiq_guard.delivery import Courier, generation_of
 from dramatiq_guard.errors import BackendUnavailable, DuplicateMessage, GuardOptionError
-from dramatiq_guard.gate import Diverted, Outcome
+from dramatiq_guard.gate import Diverted, Outcome, copy_with
 from dramatiq_guard.keys import lone_surrogate
 from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware, execution_state, fail_open
 from dramatiq_guard.middleware.confirmer import Confirmer
@@ -121,7 +121,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         self.pending_ttl_ms = cast(int, duration_ms(pending_ttl, what="pending_ttl", minimum=1))
         self.sweep_interval_ms = cast(int, duration_ms(sweep_interval, what="sweep_interval", minimum=1))
         self._confirmer = Confirmer(linger=min(0.05, self.pending_ttl_ms / 10_000))
-        self._local = threading.local()
+        self._local = _ThreadState()
         self._sweeper: Sweeper | None = None
 
     def flush(self) -> None:
@@ -138,28 +138,39 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         if LOCK_OPTION in options or EXEMPT_OPTION in options:
             # A holder's own re-enqueue (Retries, delay queue, hand-off, rerun), or let through already.
             return None
-        guards = self.guard_lists.get(message.actor_name)  # a Message's: guard_of() without the calls
-        if not guards:
-            return None
-        guard = guards[0]
+        plan = self._send_plans.get(message.actor_name)
+        if plan is None or plan.broker is not broker:
+            plan = self._plan(broker, message.actor_name)
+            if plan is None:
+                return None
+        guard = plan.guard
         policy = guard.policy
-        reason = self._exemption(message, delay, policy)
-        if reason is not None:
-            options[EXEMPT_OPTION] = reason
-            return None
-
-        key = PREFIX + self._key(guard, message)
-        backend = self._backend or self.backend(broker)
-        ttl = policy.ttl_ms + ((delay or 0) if policy.including_scheduled else 0)
-        claim = Claim(key, message.message_id, 1, ttl, info=message.actor_name, backend=backend)
         if (
-            holds is None
-            and not policy.fail_open
-            and self.enqueues_alone(broker, message.actor_name, backend)
+            delay
+            or "pipe_target" in options
+            or "group_completion_uuid" in options
+            or message.message_id == self._local.pipe_next
         ):
+            reason = self._exemption(message, delay, policy)
+            if reason is not None:
+                options[EXEMPT_OPTION] = reason
+                return None
+        if KEY_OPTION in options:
+            key = PREFIX + self._key(guard, message)
+        else:
+            key = PREFIX + guard.resolve_key(message.args, message.kwargs)
+        backend = self._backend or self.backend(broker)
+        ttl = plan.ttl_ms + delay if delay and policy.including_scheduled else plan.ttl_ms
+        one_step = holds is None and not policy.fail_open
+        if one_step and plan.one_step is None:  # asked once (BackendUnavailable: at the next send again)
+            plan.one_step = self.enqueues_alone(broker, message.actor_name, backend)
+        if one_step and plan.one_step:
             options[LOCK_OPTION] = key  # encoded with the message: the push takes the lock
+            claim = Claim(key, message.message_id, 1, ttl, info=message.actor_name, backend=backend)
             return _OneStepTicket(self, broker, claim, message, policy, ttl, pending=False)
-        claim = dataclasses.replace(claim, ttl_ms=self.pending_ttl_ms)
+        claim = Claim(
+            key, message.message_id, 1, self.pending_ttl_ms, info=message.actor_name, backend=backend
+        )
         try:
             self._lock(broker, claim, message, policy)
         except BackendUnavailable as e:
@@ -168,6 +179,14 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
             return None
         options[LOCK_OPTION] = key
         return _LockTicket(self, broker, claim, message, policy, ttl)
+
+    def _plan(self, broker: Broker, actor_name: str) -> _SendPlan | None:
+        """What each send of ``actor_name`` needs (None: not guarded here), until it is declared again."""
+        guards = self.guard_lists.get(actor_name)
+        if not guards:
+            return None
+        plan = self._send_plans[actor_name] = _SendPlan(broker, guards[0], guards[0].policy.ttl_ms)
+        return plan
 
     def _lock(self, broker: Broker, claim: Claim, message: Message[Any], policy: DedupPolicy) -> None:
         """Take the pending lock of a new holder, or divert (or refuse) a duplicate. If the backend is
@@ -190,27 +209,29 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         """A duplicate of the lock's holder: raise, or divert it as dropped (or rescheduled once)."""
         holder, key = (result.holders[0] if result.holders else ""), claim.key
         events.deduplicated(message.actor_name)
-        logger.info("Deduplicated %s: %r is held by %s.", message, key, holder or "nobody")
+        # DEBUG, as Dramatiq's own enqueue: a duplicate is an expected outcome of a send (and counted).
+        logger.debug("Deduplicated %s: %r is held by %s.", message, key, holder or "nobody")
         if policy.on_duplicate == "raise":
             raise DuplicateMessage(message.message_id, holder, key)
         marks: dict[str, Any] = {BY_OPTION: holder}
         if policy.on_duplicate == "reschedule_once":
             marks = self._reschedule(broker, claim, message, holder, policy)
-        copy = message.copy(options=marks)
-        copy.options.pop(LOCK_OPTION, None)
-        raise Diverted(copy, Outcome.DROPPED)
+        options = {**message.options, **marks}
+        options.pop(LOCK_OPTION, None)
+        raise Diverted(copy_with(message, options), Outcome.DROPPED)
 
     def _exemption(self, message: Message[Any], delay: int | None, policy: DedupPolicy) -> str | None:
         options = message.options
         if delay and not policy.including_scheduled:
             return "scheduled"
-        if "pipe_target" in options or message.message_id == getattr(self._local, "pipe_next", None):
+        if "pipe_target" in options or message.message_id == self._local.pipe_next:
             return "pipeline"
         if options.get("group_completion_uuid"):
             return "group"
         return None
 
     def _key(self, guard: ActorGuard[DedupPolicy], message: Message[Any]) -> str:
+        """The dedup key of ``message`` (before the prefix): the one it carries, else its guard's."""
         override = message.options.get(KEY_OPTION)
         if override is None:
             return guard.resolve_key(message.args, message.kwargs)  # guard.key_of(message)
@@ -399,6 +420,23 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         if not released.released:
             logger.debug("Dedup lock %r of %s had lapsed before its release.", key, holder)
         self._deliver(broker, released.handoffs)
+
+
+class _ThreadState(threading.local):
+    """Per thread: the id of the next step of the pipeline whose step this thread just ran."""
+
+    pipe_next: str | None = None
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _SendPlan:
+    """What every send of one actor to ``broker`` needs (:meth:`Deduplication._plan`); ``one_step``:
+    whether a send's lock goes with the push (:meth:`enqueues_alone`; None: not asked yet)."""
+
+    broker: Broker
+    guard: ActorGuard[DedupPolicy]
+    ttl_ms: int
+    one_step: bool | None = None
 
 
 def _has_retries(broker: Broker) -> bool:

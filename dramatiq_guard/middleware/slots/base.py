@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any, ClassVar, Generic, TypeVar, cast
@@ -17,10 +18,10 @@ from dramatiq import Broker, Message, Worker
 from dramatiq.broker import MessageProxy
 
 from dramatiq_guard import events
-from dramatiq_guard.backends.base import AcquireResult, Handoff, ReleaseResult
+from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult
 from dramatiq_guard.backends.checks import check_count
-from dramatiq_guard.claim import Claim
-from dramatiq_guard.delivery import Courier, generation_of, keep_polling
+from dramatiq_guard.claim import Claim, Deliver
+from dramatiq_guard.delivery import GENERATIONS_OPTION, Courier, generation_of, keep_polling
 from dramatiq_guard.errors import BackendUnavailable, GuardKeyError
 from dramatiq_guard.gate import Diverted, PushTicket, TicketGroup
 from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware
@@ -99,6 +100,7 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
             for m in [self, *broker.middleware]:
                 if isinstance(m, SlotsBase):
                     m._groups.pop(actor.actor_name, None)
+                    m._send_plans.pop(actor.actor_name, None)
 
     @abc.abstractmethod
     def on_busy(self, policy: P) -> OnBusy:
@@ -194,6 +196,22 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
 
         They try all their slots in one round trip first (:func:`acquire_all`), then in turn.
         """
+        if (
+            self.one_step_sends
+            and delay is None
+            and holds is None
+            and message.message_id not in self._inflight
+            and GENERATIONS_OPTION not in message.options  # a hand-off's copy decides in two steps
+        ):
+            plan = self._solo_plan(broker, message)
+            if plan.solo is not None:  # the common send: one guard that reserves and pushes in one step
+                guard, backend = plan.solo
+                key = self.guard_key_of(guard, message)
+                claim = Claim(
+                    key, self.holder_of(message), self.default_limit(guard), self.pickup_ttl_ms,
+                    info=message.actor_name, priority=guard.priority, backend=backend,
+                )  # fmt: skip
+                return OneStepReservation(broker, claim, message, plan.deliver)
         group = composed(broker, message.actor_name, self)
         if group[0] is not self:
             return None  # the first slots middleware of the actor decided for this one
@@ -223,6 +241,27 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
             tickets.failed()
             raise
         return tickets
+
+    def _solo_plan(self, broker: Broker, message: Message[Any]) -> _SoloPlan:
+        """The plan of the sends of ``message``'s actor that are new messages (not delayed, no hand-off
+        going back, not held here): made at the first, kept while ``broker.middleware`` is the list it
+        was made from and until a slots middleware declares the actor again."""
+        plan: _SoloPlan | None = self._send_plans.get(message.actor_name)
+        if plan is None or plan.broker is not broker or plan.middleware != broker.middleware:
+            guards = self.guards_of(message)
+            solo = None
+            if (
+                len(guards) == 1
+                and self.one_step_sends
+                and self.on_busy(guards[0].policy) == "park"
+                and not guards[0].policy.fail_open
+                and composed(broker, message.actor_name, self) == [self]
+                and self.enqueues_alone(broker, message.actor_name, self.backend(broker))
+            ):
+                solo = (guards[0], self.backend(broker))
+            plan = _SoloPlan(broker, list(broker.middleware), solo, functools.partial(self.deliver, broker))
+            self._send_plans[message.actor_name] = plan
+        return plan
 
     def _to_reserve(
         self, message: Message[Any], delay: int | None, holds: str | None
@@ -371,6 +410,19 @@ def acquire_all(broker: Broker, claims: Sequence[tuple[SlotsBase[Any], Claim]]) 
         for (member, _), done in zip(taken, released, strict=True):
             member.deliver(broker, done.handoffs)
     return None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _SoloPlan:
+    """What :meth:`SlotsBase._solo_plan` keeps per actor, made for ``broker`` and its ``middleware``:
+    ``solo``, the actor's one guard and the backend, if it is the actor's only enqueue-time guard, it
+    parks and fails closed, and its reservation goes with the push in one step (else None);
+    ``deliver``, what delivers its hand-offs."""
+
+    broker: Broker
+    middleware: list[dramatiq.Middleware]
+    solo: tuple[ActorGuard[Any], GuardBackend] | None
+    deliver: Deliver
 
 
 def _ms(value: Any, what: str, *, minimum: int = 1) -> int:

@@ -139,6 +139,8 @@ class OneStepReservation:
                 claim, message, self.deliver, fail_open_allowed=False, payload=data
             )
             push(queue_name, message_id, data)
+        elif result.outcome is AcquireOutcome.ACQUIRED and not result.handoffs:
+            return  # reserved and pushed (what _reserved says, without its calls)
         elif not _reserved(claim, message, result, self.deliver):
             push(queue_name, message_id, data)  # another copy runs: pushed without a slot
 
