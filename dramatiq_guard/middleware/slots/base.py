@@ -81,8 +81,9 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         self.standbys = Standbys(self.lookahead, standby_threads or 0, self.standby_wait_ms)
         self.broker: Broker | None = None
         self.keys: KeyDirectory[P] = KeyDirectory(self.prefix, self.guard_lists)
-        # Messages holding a slot here (Retries' re-enqueue passes); one set operation at a time
-        # needs no lock of its own (each is atomic).
+        # Messages holding a slot here (Retries' re-enqueue passes): added by _remember, discarded as
+        # the message ends (after_process_message); one set operation at a time needs no lock of its
+        # own (each is atomic).
         self._inflight: set[str] = set()
         self._sweeper: Sweeper | None = None
         self._releaser: Releaser | None = None
@@ -120,11 +121,6 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         """``message`` holds a slot here now."""
         self._inflight.add(message.message_id)
 
-    def _forget(self, message: Message[Any] | MessageProxy) -> None:
-        """``message`` holds no slot here any more."""
-        if self._inflight:  # else nothing is held here (the other slots middlewares of its actor's hooks)
-            self._inflight.discard(message.message_id)
-
     def count_drop(self) -> None:
         """Count a message dropped because its key was held (:class:`~dramatiq_guard.Mutex`)."""
 
@@ -132,8 +128,8 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
 
     def slot_of(self, guard: ActorGuard[P]) -> str:
         """Where the state of ``guard`` lives on a message (:class:`.ExecutionState`): the option's
-        name, ``#<index>`` added for a later guard of a list."""
-        return f"{self.option}#{guard.index}" if guard.index else self.option
+        name, ``#<index>`` added for a later guard of a list (:attr:`ActorGuard.slot`)."""
+        return guard.slot
 
     def guard_keys_of(
         self, guards: Sequence[ActorGuard[P]], message: Message[Any] | MessageProxy
