@@ -7,10 +7,10 @@ actor that opts into nothing must cost each of them nothing beyond being called 
 
 from __future__ import annotations
 
-import contextvars
 import sys
 import types
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -79,5 +79,5 @@ def test_a_message_that_opts_into_nothing_costs_the_guard_hooks_no_call(broker: 
     assert calls.entered, "no guard hook ran"
     assert set(calls.entered) <= HOOKS, f"the guard's hooks called {sorted(set(calls.entered) - HOOKS)}"
     # But for the ledger's context variable (a message of its own running, read as it ends), no builtin.
-    others = [c for c in calls.builtins if not isinstance(getattr(c, "__self__", None), contextvars.ContextVar)]
+    others = [c for c in calls.builtins if not isinstance(getattr(c, "__self__", None), ContextVar)]
     assert others == [], f"the guard's hooks called builtins {[c.__qualname__ for c in others]}"
