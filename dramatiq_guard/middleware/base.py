@@ -49,6 +49,12 @@ class ActorGuard(Generic[P]):
         digested keys, its run-time default limit and its state on a message."""
         return guard_scope(self.actor_name, self.index)
 
+    @functools.cached_property  # asked of every message's key: an attribute once made
+    def keyed_by_callable(self) -> bool:
+        """Whether the guard's key is its ``key`` callable's (else a digest of arguments, which names
+        the guard's scope)."""
+        return callable(self.resolve_key.spec)
+
     @functools.cached_property  # read in every hook of a guarded message: an attribute once made
     def slot(self) -> str:
         """Where this guard's state lives in a message's :class:`ExecutionState`: its option's name,

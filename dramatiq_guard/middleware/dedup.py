@@ -26,7 +26,7 @@ from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Stake, Waiter
 from dramatiq_guard.backends.values import Enqueue
 from dramatiq_guard.claim import Claim
-from dramatiq_guard.delivery import Courier, generation_of
+from dramatiq_guard.delivery import GENERATIONS_OPTION, Courier, generation_of
 from dramatiq_guard.errors import BackendUnavailable, DuplicateMessage, GuardOptionError
 from dramatiq_guard.gate import Diverted, Outcome
 from dramatiq_guard.keys import lone_surrogate
@@ -317,7 +317,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         """
         msg = message._message
         holder = msg.message_id
-        generation = generation_of(msg, key)
+        generation = generation_of(msg, key) if GENERATIONS_OPTION in msg.options else None
         if generation is None:
             sent = time.monotonic()
             if backend.renew(key, holder, ttl_ms=policy.ttl_ms):

@@ -154,7 +154,7 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         """The guard key of ``message`` (with this capability's prefix); :class:`GuardKeyError` if it
         cannot be computed."""
         key = f"{self.prefix}:{guard.key_of(message)}"
-        if callable(guard.resolve_key.spec):  # a digested key names its actor (KeyDirectory.guard_of)
+        if guard.keyed_by_callable:  # a digested key names its actor (KeyDirectory.guard_of)
             self.keys.remember(key, guard.scope)
         return key
 
