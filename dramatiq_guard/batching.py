@@ -36,9 +36,12 @@ class Batcher(abc.ABC, Generic[T]):
 
     def _start(self) -> None:
         self._pid = os.getpid()
-        self._cond = threading.Condition(threading.Lock())
+        # The condition's lock, taken bare by add() (once per item: no call of the condition's).
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._items: list[T] = []
         self._busy = 0
+        # The thread, until it ends (it says so itself: add() asks nothing of it per item).
         self._thread: threading.Thread | None = None
 
     @abc.abstractmethod
@@ -48,12 +51,14 @@ class Batcher(abc.ABC, Generic[T]):
 
     def add(self, item: T) -> None:
         """Hand ``item`` to the thread."""
-        with self._cond:
-            self._items.append(item)
-            if self._thread is None or not self._thread.is_alive():
+        with self._lock:
+            items = self._items
+            items.append(item)
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
                 self._thread.start()
-            if len(self._items) == 1 or len(self._items) >= self.batch:
+            waiting = len(items)
+            if waiting == 1 or waiting >= self.batch:
                 self._cond.notify_all()
 
     def requeue(self, items: list[T]) -> None:
@@ -78,6 +83,14 @@ class Batcher(abc.ABC, Generic[T]):
                 self._cond.wait_for(lambda: self._busy == 0, timeout)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:  # (it never returns; if it dies all the same, the next add starts another)
+            with self._lock:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._items))

@@ -33,6 +33,8 @@ GENERATIONS_OPTION = "guard_generations"
 def generation_of(message: Message[Any] | Any, key: str) -> int | None:
     """The generation of ``key``'s hand-off that ``message`` is a copy of, if it is one."""
     generations = message.options.get(GENERATIONS_OPTION)
+    if generations is None:
+        return None  # (not a copy: every message sent, on every send and pickup)
     value = generations.get(key) if isinstance(generations, dict) else None
     return value if isinstance(value, int) else None
 
@@ -47,6 +49,8 @@ def carry_generation(message: Message[Any], key: str, generation: int) -> None:
 def copy_generation(message: Message[Any] | Any, key: str) -> int:
     """The generation a worker acquires ``key`` with for the copy ``message`` it picked up: its
     hand-off's, or ``ORIGINAL_GENERATION`` (never None: a copy parked after pickup never starts again)."""
+    if GENERATIONS_OPTION not in message.options:
+        return ORIGINAL_GENERATION
     generation = generation_of(message, key)
     return ORIGINAL_GENERATION if generation is None else generation
 

@@ -74,12 +74,14 @@ throttle_window = functools.partial(_report, "throttle_window")
 
 def acquired(actor: str, key: str | None = None) -> None:
     """A message of ``actor`` here started holding ``key`` (also to a sink's ``key_holders``, if any)."""
-    _holders(actor, key, 1)
+    if _sink is not None:  # (every guarded message passes here: with no sink, nothing more is called)
+        _holders(actor, key, 1)
 
 
 def released(actor: str, key: str | None = None) -> None:
     """A message of ``actor`` here stopped holding ``key`` (released or lost): once per :func:`acquired`."""
-    _holders(actor, key, -1)
+    if _sink is not None:
+        _holders(actor, key, -1)
 
 
 def _holders(actor: str, key: str | None, delta: int) -> None:

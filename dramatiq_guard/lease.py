@@ -96,10 +96,11 @@ class Lease:
         if cap_ms is None or cap_ms > ttl_ms or reserved_ms is not None:
             # The backend deadline is ttl_ms (or a reservation): keep it alive while held.
             renew_ms = ttl_ms if cap_ms is None else min(ttl_ms, cap_ms)
+            # The handle sets this lease's flag once it is found lost (no callback made per lease).
             self._handle = get_renewer().register(
-                backend, key, holder, renew_ms, valid_for_ms=reserved_ms, valid_from=valid_from
-            )
-            self._handle.on_lost.append(lambda _handle: self._lost.set())
+                backend, key, holder, renew_ms, valid_for_ms=reserved_ms, valid_from=valid_from,
+                lost=self._lost,
+            )  # fmt: skip
         else:
             # The acquire's own deadline (cap_ms) ends it: nothing to renew.
             self._valid_until = known_valid_until(start, cap_ms)
@@ -115,13 +116,15 @@ class Lease:
     def lost(self) -> bool:
         """Whether the lease was lost while held: it lapsed, was reclaimed, hit its cap, or its
         known-valid time passed without a renewal coming back. Once True it stays True."""
-        if self._lost.is_set():
+        if self._lost.value:
             return True
         if self._released:
             return False
         if self._handle is not None and self._handle.lost:  # marks it lost past its known-valid time
             self._lost.set()
             return True
+        if self._valid_until is None and self._ends_at is None:
+            return False  # (most leases: no clock to read)
         now = time.monotonic()
         if (self._valid_until is not None and now >= self._valid_until) or (
             self._ends_at is not None and now >= self._ends_at
@@ -223,7 +226,8 @@ def release_leases(backend: GuardBackend, releases: Sequence[tuple[Lease, int]])
     results = backend.release_many([(lease.key, lease.holder, lease.limit, n) for lease, n in pending])
     for (lease, _), result in zip(pending, results, strict=True):
         lease._released_as(result)
-    return [cast(ReleaseResult, lease.release_result) for lease, _ in releases]  # each has one now
+    # Each has a result now (one cast for the list: not a call per lease).
+    return cast("list[ReleaseResult]", [lease.release_result for lease, _ in releases])
 
 
 class _Expirer:

@@ -139,7 +139,7 @@ class DedupPolicy:
     @property
     def ttl_ms(self) -> int:
         """``ttl`` in milliseconds."""
-        return cast(int, self.ttl)
+        return self.ttl  # type: ignore[return-value]  # an int since __post_init__ (read per message: no cast call)
 
     @classmethod
     def from_shorthand(cls, value: object) -> DedupPolicy | None:
@@ -181,7 +181,7 @@ class MutexPolicy:
     @property
     def ttl_ms(self) -> int | None:
         """``ttl`` in milliseconds, or None."""
-        return cast("int | None", self.ttl)
+        return self.ttl  # type: ignore[return-value]  # an int or None since __post_init__ (no cast call)
 
     @property
     def wait_ms(self) -> int:
@@ -223,7 +223,7 @@ class ConcurrencyPolicy:
     @property
     def ttl_ms(self) -> int | None:
         """``ttl`` in milliseconds, or None."""
-        return cast("int | None", self.ttl)
+        return self.ttl  # type: ignore[return-value]  # an int or None since __post_init__ (no cast call)
 
     @classmethod
     def from_shorthand(cls, value: object) -> ConcurrencyPolicy | None:
@@ -259,7 +259,7 @@ class ThrottlePolicy:
     @property
     def period_ms(self) -> int:
         """``period`` in milliseconds."""
-        return cast(int, self.period)
+        return self.period  # type: ignore[return-value]  # an int since __post_init__ (no cast call)
 
     @property
     def ttl_ms(self) -> int:

@@ -23,22 +23,25 @@ logger = logging.getLogger(__name__)
 class LostFlag:
     """A :class:`threading.Event` that is never cleared, whose Event is made only when a thread
     waits before it is set (a lease is made per message, and nearly none is waited for). The lock
-    that makes the Event is every flag's: it is taken only to set a flag or to wait for one."""
+    that makes the Event is every flag's: it is taken only to set a flag or to wait for one.
 
-    __slots__ = ("_event", "_set")
+    Made with no ``__init__`` of its own: one or two are made for each lease (each message).
+
+    Attributes:
+      value(bool): Whether :meth:`set` was called (what :meth:`is_set` says, read without a call).
+    """
+
     _lock = threading.Lock()
-
-    def __init__(self) -> None:
-        self._set = False
-        self._event: threading.Event | None = None
+    value: bool = False
+    _event: threading.Event | None = None
 
     def is_set(self) -> bool:
         """Whether :meth:`set` was called."""
-        return self._set
+        return self.value
 
     def set(self) -> None:
         """Set the flag and wake the threads waiting for it."""
-        self._set = True
+        self.value = True
         event = self._event
         if event is None:
             with self._lock:  # a waiter may be making it right now
@@ -48,14 +51,14 @@ class LostFlag:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the flag is set or ``timeout`` seconds pass; return whether it is set."""
-        if self._set:
+        if self.value:
             return True
         with self._lock:
             if self._event is None:
                 self._event = threading.Event()
             event = self._event
         # Set before the Event existed: set() found none to wake (it read it under the lock).
-        return self._set or event.wait(timeout)
+        return self.value or event.wait(timeout)
 
 
 #: How soon a renewal that failed (backend unreachable) is tried again, at most.
@@ -114,11 +117,13 @@ class LeaseHandle:
         # the lease is judged by time (a lease unregistered to be released is not).
         self._active = False
         now = time.monotonic()
-        start = now if valid_from is None else min(valid_from, now)
+        start = valid_from if valid_from is not None and valid_from < now else now
         # Guarded by the renewer's lock. A lease that starts with less than its ttl (a hand-off
         # reservation) is renewed a third of the way into it: a short job costs no renewal.
-        valid_ms = ttl_ms if valid_for_ms is None else valid_for_ms
-        self.due = start + min(ttl_ms, valid_ms) / 3000
+        valid_ms = renew_ms = ttl_ms
+        if valid_for_ms is not None:
+            valid_ms, renew_ms = valid_for_ms, min(ttl_ms, valid_for_ms)
+        self.due = start + renew_ms / 3000
         self.valid_until = known_valid_until(start, valid_ms)
 
     @property
@@ -174,7 +179,9 @@ class LeaseRenewer:
     (use the process's instance, :func:`get_renewer`)."""
 
     def __init__(self) -> None:
-        self._changed = threading.Condition(threading.Lock())
+        # The condition's lock, taken bare where nothing waits or is woken (no call of the condition's).
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._leases: set[LeaseHandle] = set()
         # Backends (by id) with a renewal call in flight: their leases wait for it.
         self._busy: set[int] = set()
@@ -192,18 +199,24 @@ class LeaseRenewer:
         *,
         valid_for_ms: int | None = None,
         valid_from: float | None = None,
+        lost: LostFlag | None = None,
     ) -> LeaseHandle:
         """Start renewing a lease that was just acquired, every third of ``ttl_ms``.
 
         ``valid_from``: :attr:`AcquireResult.valid_from <dramatiq_guard.backends.AcquireResult>`
         (None: now). ``valid_for_ms``: how long the lease is held from then without renewal, when
-        less than ``ttl_ms`` (a slot taken by a wake keeps its reservation's deadline). Returns the
-        handle to watch (``lost``) and to unregister; :class:`ValueError` if ``ttl_ms`` is not positive.
+        less than ``ttl_ms`` (a slot taken by a wake keeps its reservation's deadline). ``lost``: the
+        flag to set once the lease is found lost and its ``on_lost`` callbacks ran (the handle's
+        ``wait_lost`` waits for it; None: a flag of its own), such as the :class:`~dramatiq_guard.Lease`'s
+        own. Returns the handle to watch (``lost``) and to unregister; :class:`ValueError` if
+        ``ttl_ms`` is not positive.
         """
         if ttl_ms <= 0:
             raise ValueError(f"a lease ttl must be a positive number of milliseconds, got {ttl_ms!r}")
         handle = LeaseHandle(self, backend, key, holder, ttl_ms, valid_for_ms, valid_from)
-        with self._changed:
+        if lost is not None:
+            handle._lost = lost  # before anyone sees the handle
+        with self._lock:
             if self._stopping:
                 raise RuntimeError("the lease renewer was stopped")
             self._leases.add(handle)
@@ -211,14 +224,14 @@ class LeaseRenewer:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="dramatiq-guard-renewer", daemon=True)
                 self._thread.start()
-            if min(handle.due, handle.valid_until) < self._sleeping_until:
+            if handle.due < self._sleeping_until or handle.valid_until < self._sleeping_until:
                 # Only a lease due before the thread wakes anyway wakes it (not one per message).
                 self._changed.notify()
         return handle
 
     def unregister(self, handle: LeaseHandle) -> None:
         """Stop renewing ``handle``'s lease. A renewal already sent may still land; none starts after."""
-        with self._changed:
+        with self._lock:
             self._leases.discard(handle)
             handle._active = False
 

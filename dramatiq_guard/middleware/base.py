@@ -49,6 +49,19 @@ class ActorGuard(Generic[P]):
         digested keys, its run-time default limit and its state on a message."""
         return guard_scope(self.actor_name, self.index)
 
+    @functools.cached_property  # asked of every message's key: an attribute once made
+    def keyed_by_callable(self) -> bool:
+        """Whether the guard's key is its ``key`` callable's (else a digest of arguments, which names
+        the guard's scope)."""
+        return callable(self.resolve_key.spec)
+
+    @functools.cached_property  # read in every hook of a guarded message: an attribute once made
+    def slot(self) -> str:
+        """Where this guard's state lives in a message's :class:`ExecutionState`: its option's name,
+        ``#<index>`` added for a later guard of a list."""
+        option = self.policy.option
+        return f"{option}#{self.index}" if self.index else option
+
     def key_of(self, message: Message[Any] | MessageProxy) -> str:
         """The guard key of a message of this actor (before the capability prefix)."""
         return self.resolve_key(message.args, message.kwargs)
@@ -69,8 +82,9 @@ class ExecutionState:
 
 
 #: The attribute of a MessageProxy that holds its ExecutionState. (A proxy
-#: defines ``__eq__`` without ``__hash__``, so it cannot key a dict.)
-_STATE_ATTRIBUTE = "_dramatiq_guard_state"
+#: defines ``__eq__`` without ``__hash__``, so it cannot key a dict.) A hook that only reads the
+#: state reads it in ``message.__dict__`` (absent if no guard made one).
+STATE_ATTRIBUTE = "_dramatiq_guard_state"
 
 
 def fail_open(allowed: bool, error: BackendUnavailable, instead: str) -> None:
@@ -83,9 +97,10 @@ def fail_open(allowed: bool, error: BackendUnavailable, instead: str) -> None:
 
 def execution_state(message: MessageProxy) -> ExecutionState:
     """The state of this execution of ``message``, shared by all guard middlewares."""
-    state: ExecutionState | None = vars(message).get(_STATE_ATTRIBUTE)
+    attributes = message.__dict__
+    state: ExecutionState | None = attributes.get(STATE_ATTRIBUTE)
     # dict.setdefault is atomic: two threads that race here share one state.
-    return state if state is not None else vars(message).setdefault(_STATE_ATTRIBUTE, ExecutionState())
+    return state if state is not None else attributes.setdefault(STATE_ATTRIBUTE, ExecutionState())
 
 
 class GuardMiddleware(dramatiq.Middleware, Generic[P]):

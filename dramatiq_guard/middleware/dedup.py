@@ -26,11 +26,18 @@ from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Stake, Waiter
 from dramatiq_guard.backends.values import Enqueue
 from dramatiq_guard.claim import Claim
-from dramatiq_guard.delivery import Courier, generation_of
+from dramatiq_guard.delivery import GENERATIONS_OPTION, Courier, generation_of
 from dramatiq_guard.errors import BackendUnavailable, DuplicateMessage, GuardOptionError
 from dramatiq_guard.gate import Diverted, Outcome, copy_with
 from dramatiq_guard.keys import lone_surrogate
-from dramatiq_guard.middleware.base import ActorGuard, GuardMiddleware, execution_state, fail_open
+from dramatiq_guard.middleware.base import (
+    STATE_ATTRIBUTE,
+    ActorGuard,
+    ExecutionState,
+    GuardMiddleware,
+    execution_state,
+    fail_open,
+)
 from dramatiq_guard.middleware.confirmer import Confirmer
 from dramatiq_guard.middleware.sweep import Sweeper, join_sweep, leave_sweep
 from dramatiq_guard.policies import DedupPolicy, duration_ms
@@ -284,16 +291,20 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
     # --- execution time ---------------------------------------------------------------------
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
-        options = message.options
+        msg = message._message  # its fields, read without the proxy's __getattr__ (a call each)
+        options = msg.options
         self._local.pipe_next = None
-        key = options.get(LOCK_OPTION)
-        if not isinstance(key, str):
+        if LOCK_OPTION not in options:
             return  # not a holder: nothing to do (nor for any actor that opts into nothing)
-        guard = self.guard_of(message)
+        key = options[LOCK_OPTION]
+        if not isinstance(key, str):
+            return
+        guards = self.guard_lists.get(msg.actor_name)
+        guard = guards[0] if guards else None
         if guard is not None and guard.policy.strategy == "until_expired":
             return
-        backend = self.backend(broker)
-        holder = message.message_id
+        backend = self._backend or self.backend(broker)
+        holder = msg.message_id
         try:
             if guard is None or guard.policy.strategy == "until_executing":
                 # (An actor no longer declared with dedup here: release at once.)
@@ -325,12 +336,14 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         (SkipMessage). A ``reschedule_once`` holder cancels the rerun asked for before it started:
         its run covers it.
         """
-        holder = message.message_id
-        generation = generation_of(message, key)
+        msg = message._message
+        holder = msg.message_id
+        generation = generation_of(msg, key) if GENERATIONS_OPTION in msg.options else None
         if generation is None:
             sent = time.monotonic()
             if backend.renew(key, holder, ttl_ms=policy.ttl_ms):
-                self._cancel_covered_rerun(broker, backend, key, holder, policy)
+                if policy.on_duplicate == "reschedule_once":
+                    self._cancel_covered_rerun(broker, backend, key, holder, policy)
                 return True, sent
             if policy.on_duplicate == "reschedule_once":
                 # Its rerun stays queued behind the lapsed lock: this run covers it all the same.
@@ -365,11 +378,12 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
     def after_process_message(
         self, broker: Broker, message: MessageProxy, *, exception: BaseException | None = None, **_: Any
     ) -> None:
-        options = message.options
-        target = options.get("pipe_target")
-        if isinstance(target, dict) and exception is None and not message.failed:
-            # Pipelines (after this middleware) enqueues this next step from this thread: let it through.
-            self._local.pipe_next = target.get("message_id")
+        options = message._message.options
+        if "pipe_target" in options:
+            target = options["pipe_target"]
+            if isinstance(target, dict) and exception is None and not message.failed:
+                # Pipelines (after this middleware) enqueues this next step from this thread: let it through.
+                self._local.pipe_next = target.get("message_id")
         if LOCK_OPTION not in options:
             return  # not a holder (its lock and lease exist only with the option): nothing to release
         will_retry = exception is not None and not message.failed and _has_retries(broker)
@@ -400,18 +414,20 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         self._deliver(broker, result.handoffs)
 
     def _finish(self, broker: Broker, message: MessageProxy, *, terminal: bool) -> None:
-        lease = execution_state(message).data.pop(self.option, None)
+        state: ExecutionState | None = message.__dict__.get(STATE_ATTRIBUTE)  # (None: no guard made one)
+        lease = None if state is None else state.data.pop(self.option, None)
         if isinstance(lease, LeaseHandle):
             lease.unregister()
-        key = message.options.get(LOCK_OPTION)
+        msg = message._message
+        key = msg.options.get(LOCK_OPTION)
         if not terminal or not isinstance(key, str):
             return
-        guard = self.guard_of(message)
-        if guard is not None and guard.policy.strategy == "until_expired":
+        guards = self.guard_lists.get(msg.actor_name)
+        if guards and guards[0].policy.strategy == "until_expired":
             return
-        holder = message.message_id
+        holder = msg.message_id
         try:
-            released = self.backend(broker).release(key, holder, limit=1)
+            released = (self._backend or self.backend(broker)).release(key, holder, limit=1)
         except BackendUnavailable:
             logger.error(
                 "Could not release dedup lock %r of %s: it lapses at its ttl.", key, holder, exc_info=True
@@ -419,7 +435,8 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
             return
         if not released.released:
             logger.debug("Dedup lock %r of %s had lapsed before its release.", key, holder)
-        self._deliver(broker, released.handoffs)
+        if released.handoffs:
+            self._deliver(broker, released.handoffs)
 
 
 class _ThreadState(threading.local):

@@ -82,8 +82,9 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         self.standbys = Standbys(self.lookahead, standby_threads or 0, self.standby_wait_ms)
         self.broker: Broker | None = None
         self.keys: KeyDirectory[P] = KeyDirectory(self.prefix, self.guard_lists)
-        # Messages holding a slot here (Retries' re-enqueue passes); one set operation at a time
-        # needs no lock of its own (each is atomic).
+        # Messages holding a slot here (Retries' re-enqueue passes): added by _remember, discarded as
+        # the message ends (after_process_message); one set operation at a time needs no lock of its
+        # own (each is atomic).
         self._inflight: set[str] = set()
         self._sweeper: Sweeper | None = None
         self._releaser: Releaser | None = None
@@ -122,11 +123,6 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         """``message`` holds a slot here now."""
         self._inflight.add(message.message_id)
 
-    def _forget(self, message: Message[Any] | MessageProxy) -> None:
-        """``message`` holds no slot here any more."""
-        if self._inflight:  # else nothing is held here (the other slots middlewares of its actor's hooks)
-            self._inflight.discard(message.message_id)
-
     def count_drop(self) -> None:
         """Count a message dropped because its key was held (:class:`~dramatiq_guard.Mutex`)."""
 
@@ -134,8 +130,8 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
 
     def slot_of(self, guard: ActorGuard[P]) -> str:
         """Where the state of ``guard`` lives on a message (:class:`.ExecutionState`): the option's
-        name, ``#<index>`` added for a later guard of a list."""
-        return f"{self.option}#{guard.index}" if guard.index else self.option
+        name, ``#<index>`` added for a later guard of a list (:attr:`ActorGuard.slot`)."""
+        return guard.slot
 
     def guard_keys_of(
         self, guards: Sequence[ActorGuard[P]], message: Message[Any] | MessageProxy
@@ -160,7 +156,7 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         """The guard key of ``message`` (with this capability's prefix); :class:`GuardKeyError` if it
         cannot be computed."""
         key = f"{self.prefix}:{guard.key_of(message)}"
-        if callable(guard.resolve_key.spec):  # a digested key names its actor (KeyDirectory.guard_of)
+        if guard.keyed_by_callable:  # a digested key names its actor (KeyDirectory.guard_of)
             self.keys.remember(key, guard.scope)
         return key
 

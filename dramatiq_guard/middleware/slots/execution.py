@@ -8,7 +8,7 @@ import logging
 from contextvars import Token
 from typing import Any, Literal, NoReturn
 
-from dramatiq import Broker
+from dramatiq import Broker, Message
 from dramatiq.broker import MessageProxy
 from dramatiq.middleware import SkipMessage
 
@@ -45,10 +45,13 @@ class NotRun:
     key: str
 
 
-def hold(message: MessageProxy, state: ExecutionState, option: str, lease: Lease) -> None:
-    """Record that this execution holds ``lease``, and expose it as ``current_lease()``."""
+def hold(message: Message[Any] | MessageProxy, state: ExecutionState, option: str, lease: Lease) -> None:
+    """Record that this execution of ``message`` (or of the proxy's message) holds ``lease``, and
+    expose it as ``current_lease()``."""
     state.data[option] = Held(lease, current_lease_var.set(lease))
-    message.options.pop(DEFERRALS_OPTION, None)
+    options = message.options
+    if DEFERRALS_OPTION in options:
+        del options[DEFERRALS_OPTION]
     events.acquired(message.actor_name, lease.key)
 
 

@@ -64,10 +64,15 @@ class KeyDirectory(Generic[P]):
         self.size = size
         self._known: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._lock = threading.Lock()
+        #: The (key, scope) remembered last: the last of ``_known`` (remembering it again changes nothing).
+        self._last: tuple[str, str] | None = None
 
     def remember(self, key: str, scope: str) -> None:
         """Record that ``key`` is a key of the guard of ``scope`` (:attr:`ActorGuard.scope`)."""
+        if self._last == (key, scope):
+            return  # (one key for every message of an actor: remembered with no call)
         with self._lock:
+            self._last = (key, scope)
             self._known[key] = scope
             self._known.move_to_end(key)
             if len(self._known) > self.size:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Generic, cast
 
-from dramatiq import Broker, Worker
+from dramatiq import Broker, Message, Worker
 from dramatiq.broker import MessageProxy
 from dramatiq.brokers.stub import StubBroker
 
@@ -23,7 +23,13 @@ from dramatiq_guard.claim import Claim, entry_ms
 from dramatiq_guard.delivery import acks_are_final, copy_generation
 from dramatiq_guard.errors import BackendUnavailable, MutexWaitTimeout
 from dramatiq_guard.lease import Lease, runner_id
-from dramatiq_guard.middleware.base import ActorGuard, ExecutionState, execution_state, fail_open
+from dramatiq_guard.middleware.base import (
+    STATE_ATTRIBUTE,
+    ActorGuard,
+    ExecutionState,
+    execution_state,
+    fail_open,
+)
 from dramatiq_guard.middleware.slots.base import P, SlotsBase, acquire_all, composed
 from dramatiq_guard.middleware.slots.execution import (
     DEFERRAL_MARGIN_MS,
@@ -91,17 +97,24 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
           BackendUnavailable: The backend could not be reached (unless ``fail_open``).
           GuardKeyError: The key could not be computed.
         """
-        guards = self.guards_of(message)
-        if not guards or message.failed:
+        # Every hook of every middleware hears every message: one not guarded here costs no call. The
+        # proxy's message is read as it is (its fields, without the proxy's __getattr__: a call each).
+        msg = message._message
+        name = msg.actor_name
+        if name not in self.guard_lists or message.failed:
             return
-        group = composed(broker, message.actor_name, self)
+        guards = self.guard_lists.get(name, ())
+        group = composed(broker, name, self)
         if group[0] is not self:
             state = execution_state(message)
-            if all(self.slot_of(guard) in state.data for guard in guards):
+            if all(guard.slot in state.data for guard in guards):
                 return  # the first slots middleware of the actor took this one's slots with its own
-        elif (len(group) > 1 or len(guards) > 1) and self._take_all_at_once(broker, message, group):
+        elif (guards[1:] or group[1:]) and self._take_all_at_once(broker, message, group):
+            return  # (more than one guard here, or a slots middleware beside this one)
+        if not guards[1:]:  # one guard (the common case: no list of keys to make and compare)
+            self._take(broker, message, guards[0], self.guard_key_of(guards[0], msg))
             return
-        for guard, key in self.guard_keys_of(guards, message):
+        for guard, key in self.guard_keys_of(guards, msg):
             self._take(broker, message, guard, key)
 
     def _take_all_at_once(
@@ -132,10 +145,11 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
     ) -> Claim:
         """The claim of this copy of ``message`` on ``key``: a second copy, delivered while this one
         holds, is refused (its runner differs); a stale copy of a hand-off never starts."""
+        msg = message._message
         return Claim(
-            key, self.holder_of(message), limit, self._lease_ttl(guard), backend=self.backend(broker),
-            info=message.actor_name, generation=copy_generation(message, key), priority=guard.priority,
-            runner=runner_id(),
+            key, self.holder_of(msg), limit, self._lease_ttl(guard),
+            backend=self._backend or self.backend(broker), info=msg.actor_name,
+            generation=copy_generation(msg, key), priority=guard.priority, runner=runner_id(),
         )  # fmt: skip
 
     def _take(self, broker: Broker, message: MessageProxy, guard: ActorGuard[P], key: str) -> None:
@@ -151,7 +165,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
                 self._contended.mark(key)  # the key has waiters: its release stays on the worker thread
             self._hold(message, state, guard, key, limit, result)
             return
-        slot = self.slot_of(guard)
+        slot = guard.slot
         if result.running:
             defer_second_copy(broker, message, state, slot, key, lapse_ms=self._deferral_ms(guard, result))
         self._contended.mark(key)
@@ -217,7 +231,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
             # and this execution holds nothing meanwhile (a slot of an earlier guard of its actor).
             blocks = self.standbys.seats.seats > 0 and not execution_state(message).data
             block_ms = entry_ms(self.standby_wait_ms) if blocks else 0
-            wait = Waiter(payload=message.encode(), wait_ms=block_ms)
+            wait = Waiter(payload=message._message.encode(), wait_ms=block_ms)
         elif on_busy == "wait":
             wait = Waiter(wait_ms=entry_ms(self.wait_ms(guard.policy)))
         try:
@@ -225,7 +239,8 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         except BackendUnavailable as e:
             fail_open(guard.policy.fail_open, e, f"{message} runs unguarded")
             return None
-        self.deliver(broker, result.handoffs)
+        if result.handoffs:
+            self.deliver(broker, result.handoffs)
         if result.outcome is AcquireOutcome.ACQUIRED:
             return result
         deliver = functools.partial(self.deliver, broker)
@@ -252,12 +267,13 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         result: AcquireResult,
     ) -> None:
         assert self._backend is not None
+        msg = message._message
         lease = Lease(
-            self._backend, key, message.message_id, result, limit=limit, ttl_ms=self.lease_ttl_ms,
+            self._backend, key, msg.message_id, result, limit=limit, ttl_ms=self.lease_ttl_ms,
             cap_ms=guard.policy.ttl_ms,
         )  # fmt: skip
-        hold(message, state, self.slot_of(guard), lease)
-        self._remember(message)
+        hold(msg, state, guard.slot, lease)
+        self._inflight.add(msg.message_id)  # (_remember, without its call)
 
     def _deferral_ms(self, guard: ActorGuard[P], result: AcquireResult) -> int:
         """How long a copy refused as running waits, at most, before it asks again: until the entry
@@ -279,28 +295,40 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         result: Any = None,
         exception: BaseException | None = None,
     ) -> None:
-        """Release the message's lease (Retries has already decided about a failure)."""
-        self._finish(broker, message)
+        """Release the message's leases here (Retries has already decided about a failure); a
+        throttle's starts stay in their windows."""
+        msg = message._message  # (every message passes here: read with no call, as in before_process_message)
+        if self._inflight:  # it holds no slot here any more (if none is held here, no id is read)
+            self._inflight.discard(msg.message_id)
+        attributes = message.__dict__
+        if msg.actor_name not in self.guard_lists or STATE_ATTRIBUTE not in attributes:
+            return  # not guarded here, or no guard took anything
+        state: ExecutionState = attributes[STATE_ATTRIBUTE]
+        for guard in self.guard_lists.get(msg.actor_name, ()):
+            held = take_held(state, guard.slot)
+            if held is not None:
+                self._let_go(broker, msg, guard, held.lease)
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         """Release the leases this execution took if a guard (or another middleware) skipped the
         message after they were acquired; give back what hand-offs reserved for it, if it parked."""
-        reached = set(execution_state(message).data)  # before _finish forgets the leases
-        self._finish(broker, message)
+        reached = set(execution_state(message).data)  # before the leases are forgotten
+        self.after_process_message(broker, message)
         self._give_back_unreached(broker, message, reached)
 
     def after_ack(self, broker: Broker, message: MessageProxy) -> None:
         """A copy that parked after pickup was acked: its generation record goes (contract,
         *generations*), on a broker whose ack is final; elsewhere it lapses after ``stale_ttl_ms``."""
-        guards = self.guards_of(message)
-        if not guards:
-            return  # not this capability's: no state to make (every message is acked here)
-        state = execution_state(message)
-        if not state.parked or not acks_are_final(broker):
+        attributes = message.__dict__  # (every message is acked here: its state read with no call)
+        if STATE_ATTRIBUTE not in attributes or not attributes[STATE_ATTRIBUTE].parked:
             return  # a copy that parked said so (execution._not_terminal)
+        state: ExecutionState = attributes[STATE_ATTRIBUTE]
+        guards = self.guards_of(message)
+        if not guards or not acks_are_final(broker):
+            return
         data = state.data
         for guard in guards:
-            not_run = data.get(self.slot_of(guard))
+            not_run = data.get(guard.slot)
             if not (isinstance(not_run, NotRun) and not_run.reason == "parked"):
                 continue
             try:
@@ -308,18 +336,9 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
             except BackendUnavailable:
                 logger.debug("Could not forget the parked copy of %s; its record lapses on its own.", message)
 
-    def _finish(self, broker: Broker, message: MessageProxy) -> None:
-        self._forget(message)
-        guards = self.guards_of(message)
-        if not guards:
-            return
-        state = execution_state(message)
-        for guard in guards:
-            held = take_held(state, self.slot_of(guard))
-            if held is not None:
-                self._let_go(broker, message, guard, held.lease)
-
-    def _let_go(self, broker: Broker, message: MessageProxy, guard: ActorGuard[P], lease: Lease) -> None:
+    def _let_go(
+        self, broker: Broker, message: Message[Any] | MessageProxy, guard: ActorGuard[P], lease: Lease
+    ) -> None:
         """Release ``lease``, held by a message that ran (or was skipped after it acquired)."""
         # The release sends the key's next waiters ahead as standbys (Standbys.count_after).
         actor = message.actor_name
@@ -330,11 +349,9 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         events.released(actor, lease.key)
         releaser = self._releaser
         if releaser is not None and lease.key not in self._contended and not starts_follow_ups(message):
-
-            def then(result: ReleaseResult | None) -> None:
-                self._report_release(broker, lease, result, actor)
-
-            releaser.add((lease, send_ahead, then))
+            # What the release thread calls with the result: a partial, not a closure (a call fewer).
+            report = functools.partial(self._report_release, broker, lease, actor=actor)
+            releaser.add((lease, send_ahead, report))
             return
         self.release(broker, lease, send_ahead=send_ahead, actor=actor)
 

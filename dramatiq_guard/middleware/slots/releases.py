@@ -33,8 +33,10 @@ Release = tuple[Lease, int, Callable[[ReleaseResult | None], None]]
 
 
 def starts_follow_ups(message: Message[object] | MessageProxy) -> bool:
-    """Whether the completion of ``message`` enqueues another (released first, so it never finds it held)."""
-    return not message.options.keys().isdisjoint(FOLLOW_UP_OPTIONS)
+    """Whether the completion of ``message`` enqueues another (released first, so it never finds it held):
+    it has one of :data:`FOLLOW_UP_OPTIONS` (asked of every message that held a slot: no call made)."""
+    options = message.options
+    return "pipe_target" in options or "on_success" in options or "on_failure" in options
 
 
 class Releaser(Batcher[Release]):
@@ -55,10 +57,16 @@ class Releaser(Batcher[Release]):
 
     def send(self, items: list[Release]) -> bool:
         """Release ``items`` and hand each result on; a release is never retried (it lapses instead)."""
-        groups: dict[int, list[Release]] = {}
+        groups: list[list[Release]] = []  # by backend (nearly always one: found in a look or two)
         for item in items:
-            groups.setdefault(id(item[0].backend), []).append(item)
-        for group in groups.values():
+            backend = item[0].backend
+            for group in groups:
+                if group[0][0].backend is backend:
+                    group.append(item)
+                    break
+            else:
+                groups.append([item])
+        for group in groups:
             results: list[ReleaseResult | None]
             try:
                 results = list(release_leases(group[0][0].backend, [(lease, n) for lease, n, _ in group]))
@@ -72,26 +80,24 @@ class Releaser(Batcher[Release]):
         return True
 
 
-class ContendedKeys:
+class ContendedKeys(dict[str, None]):
     """The guard keys this process saw waiters on lately (their releases stay on the worker thread).
 
     Marked when a message of it did not get a slot at once, or a release handed the slot on or
     sent standbys; unmarked by a release that handed nothing on. Past ``most`` keys the marks
-    start over (a key unmarked by mistake costs one release's hop).
+    start over (a key unmarked by mistake costs one release's hop). A dict of the marked keys:
+    ``key in contended``, asked at every release, is the dict's own (no call).
     """
 
     def __init__(self, most: int = 10_000) -> None:
+        super().__init__()
         self.most = most
-        self._keys: dict[str, None] = {}
 
     def mark(self, key: str) -> None:
-        if key not in self._keys:
-            if len(self._keys) >= self.most:
-                self._keys.clear()
-            self._keys[key] = None
+        if key not in self:
+            if len(self) >= self.most:
+                self.clear()
+            self[key] = None
 
     def unmark(self, key: str) -> None:
-        self._keys.pop(key, None)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
+        self.pop(key, None)

@@ -91,10 +91,6 @@ class Throttle(SlotsMiddleware[ThrottlePolicy]):
                 )
         self._arm(broker, key, guard.policy.period_ms / 2000)  # early: standbys go ahead
 
-    def _finish(self, broker: Broker, message: MessageProxy) -> None:
-        """The job ran (or was given up): its starts stay in their windows."""
-        self._forget(message)
-
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         """The message did not run after all (a later guard parked it, or a later middleware skipped
         it): the places it took leave their windows and go to the keys' next waiters."""
