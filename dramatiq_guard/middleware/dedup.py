@@ -147,27 +147,19 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
             return None
         plan = self._send_plans.get(message.actor_name)
         if plan is None or plan.broker is not broker:
-            plan = self._plan(broker, message.actor_name)
-            if plan is None:
+            guards = self.guard_lists.get(message.actor_name)
+            if not guards:
                 return None
+            plan = self._send_plans[message.actor_name] = _SendPlan(broker, guards[0])
         guard = plan.guard
         policy = guard.policy
-        if (
-            delay
-            or "pipe_target" in options
-            or "group_completion_uuid" in options
-            or message.message_id == self._local.pipe_next
-        ):
-            reason = self._exemption(message, delay, policy)
-            if reason is not None:
-                options[EXEMPT_OPTION] = reason
-                return None
-        if KEY_OPTION in options:
-            key = PREFIX + self._key(guard, message)
-        else:
-            key = PREFIX + guard.resolve_key(message.args, message.kwargs)
+        reason = self._exemption(message, delay, policy)
+        if reason is not None:
+            options[EXEMPT_OPTION] = reason
+            return None
+        key = PREFIX + self._key(guard, message)
         backend = self._backend or self.backend(broker)
-        ttl = plan.ttl_ms + delay if delay and policy.including_scheduled else plan.ttl_ms
+        ttl = policy.ttl_ms + (delay if delay and policy.including_scheduled else 0)
         one_step = holds is None and not policy.fail_open
         if one_step and plan.one_step is None:  # asked once (BackendUnavailable: at the next send again)
             plan.one_step = self.enqueues_alone(broker, message.actor_name, backend)
@@ -186,14 +178,6 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
             return None
         options[LOCK_OPTION] = key
         return _LockTicket(self, broker, claim, message, policy, ttl)
-
-    def _plan(self, broker: Broker, actor_name: str) -> _SendPlan | None:
-        """What each send of ``actor_name`` needs (None: not guarded here), until it is declared again."""
-        guards = self.guard_lists.get(actor_name)
-        if not guards:
-            return None
-        plan = self._send_plans[actor_name] = _SendPlan(broker, guards[0], guards[0].policy.ttl_ms)
-        return plan
 
     def _lock(self, broker: Broker, claim: Claim, message: Message[Any], policy: DedupPolicy) -> None:
         """Take the pending lock of a new holder, or divert (or refuse) a duplicate. If the backend is
@@ -228,14 +212,13 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         raise Diverted(copy_with(message, options), Outcome.DROPPED)
 
     def _exemption(self, message: Message[Any], delay: int | None, policy: DedupPolicy) -> str | None:
+        """Why ``message`` goes without deduplication (a delay, a pipeline's or group's step), or None."""
         options = message.options
         if delay and not policy.including_scheduled:
             return "scheduled"
         if "pipe_target" in options or message.message_id == self._local.pipe_next:
             return "pipeline"
-        if options.get("group_completion_uuid"):
-            return "group"
-        return None
+        return "group" if options.get("group_completion_uuid") else None
 
     def _key(self, guard: ActorGuard[DedupPolicy], message: Message[Any]) -> str:
         """The dedup key of ``message`` (before the prefix): the one it carries, else its guard's."""
@@ -386,7 +369,11 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
                 self._local.pipe_next = target.get("message_id")
         if LOCK_OPTION not in options:
             return  # not a holder (its lock and lease exist only with the option): nothing to release
-        will_retry = exception is not None and not message.failed and _has_retries(broker)
+        will_retry = (
+            exception is not None
+            and not message.failed
+            and any(isinstance(m, Retries) for m in broker.middleware)
+        )
         self._finish(broker, message, terminal=not will_retry)
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
@@ -447,17 +434,12 @@ class _ThreadState(threading.local):
 
 @dataclasses.dataclass(slots=True, eq=False)
 class _SendPlan:
-    """What every send of one actor to ``broker`` needs (:meth:`Deduplication._plan`); ``one_step``:
-    whether a send's lock goes with the push (:meth:`enqueues_alone`; None: not asked yet)."""
+    """What every send of one actor to ``broker`` needs, made at its first until it is declared again;
+    ``one_step``: whether its lock goes with the push (:meth:`enqueues_alone`; None: not asked yet)."""
 
     broker: Broker
     guard: ActorGuard[DedupPolicy]
-    ttl_ms: int
     one_step: bool | None = None
-
-
-def _has_retries(broker: Broker) -> bool:
-    return any(isinstance(m, Retries) for m in broker.middleware)
 
 
 def _started_without_lock(holder: str, key: str, holders: Sequence[str] | None) -> None:
