@@ -1,5 +1,5 @@
-"""The Redis side of a guarded send: what acquire.lua's fast path (``lua/acquire_fast.lua``)
-runs, and that it does what the full script does.
+"""The Redis side of a guarded send: what ``lock.lua`` and acquire.lua's fast path
+(``lua/acquire_fast.lua``) run, and that the fast path does what the full script does.
 
 Each equality case drives the same acquires on two keys of one private ``redis-server`` under libfaketime:
 one through the library's ``acquire`` (fast path first), one through ``acquire.lua`` with its fast
@@ -168,3 +168,31 @@ def test_a_new_holder_of_a_key_with_others_costs_eleven_commands(
         **dict.fromkeys(("exists", "zrange", "time", "mget", "zadd", "hset", "set", "hsetnx", "rpush"), 1),
         "pexpireat": 2,
     }
+
+
+def lock(client: redis.Redis, key: str, holder: str) -> Any:
+    library = ScriptLibrary()
+    keys = [f"dramatiq-guard:{{{key}}}:", f"q:{key}", f"q:{key}.msgs"]
+    args = [holder, "60000", "job", f"m:{holder}", f"msg:{holder}"]
+    return client.execute_command(*library.command(library["lock"], keys, args))
+
+
+def test_a_send_lock_is_taken_in_eight_commands_and_refused_in_three(
+    frozen: tuple[FakeClock, redis.Redis],
+) -> None:
+    """Taken: EXISTS, TIME, ZADD, HSET, two PEXPIREAT and the push (HSETNX, RPUSH). Refused (a
+    duplicate): EXISTS, TIME and the ZRANGE of the holders; the one EXISTS names the run-time
+    limit often enough to tell it apart (a key with one falls through to acquire.lua)."""
+    _, client = frozen
+    ScriptLibrary().load_functions(client)
+    taken = commands_run(client, lambda: lock(client, "dup", "first"))
+    assert taken == {
+        **dict.fromkeys(("exists", "time", "zadd", "hset", "hsetnx", "rpush"), 1),
+        "pexpireat": 2,
+    }
+    assert commands_run(client, lambda: lock(client, "dup", "second")) == dict.fromkeys(
+        ("exists", "time", "zrange"), 1
+    )
+    assert client.lrange("q:dup", 0, -1) == [b"m:first"]
+    client.set("dramatiq-guard:{dup}:limit", "2")
+    assert lock(client, "dup", "third") == [-1, []]
