@@ -25,9 +25,10 @@ end
 
 -- value as a whole number from low to high, else nil: decimal digits, after a '-' at most (no '+',
 -- exponent, fraction, hex, blank, inf or nan: a limit is stored as given), or a number already parsed.
+-- Every call of a script checks several (string.find: no copy of the match is made).
 local function whole_number(value, low, high)
   local n = type(value) == 'number' and value
-    or type(value) == 'string' and #value <= 17 and string.match(value, '^%-?%d+$') and tonumber(value)
+    or type(value) == 'string' and #value <= 17 and string.find(value, '^%-?%d+$') and tonumber(value)
   return n and n == n and n % 1 == 0 and n >= low and n <= high and n or nil
 end
 

@@ -4,7 +4,9 @@
 -- (none of H W R L T I) is taken as acquire.lua would with a limit of 1, issuing no token. With
 -- a push (QUEUE, QUEUE_MESSAGES: a RedisBroker queue's list and message hash; ARGV from PUSH_FROM:
 -- its message id and data), the lock enqueues the message as Dramatiq's enqueue does: both or neither.
-local present = redis.call('EXISTS', H, W, R, L, T, I)
+-- One EXISTS says whether the key is free (0) and whether it has a run-time limit (over 5): L is
+-- named six times, and EXISTS counts a key once for each time it is named.
+local present = redis.call('EXISTS', H, W, R, T, I, L, L, L, L, L, L)
 local _, now = server_time()
 if present == 0 then
   local deadline = now + tonumber(ttl_ms)
@@ -27,7 +29,7 @@ for i = 1, #flat, 2 do
   end
   holders[#holders + 1] = flat[i]
 end
-if #holders == 0 or redis.call('EXISTS', L) == 1 then
+if #holders == 0 or present > 5 then
   return { -1, {} }
 end
 return { 0, holders }
