@@ -18,6 +18,7 @@ import pytest
 import redis
 from harness import FakeClock, RedisServer, libfaketime, unavailable
 
+from dramatiq_guard.backends.redis_client import text
 from dramatiq_guard.backends.redis_layout import lua_checks, lua_prologue
 from dramatiq_guard.backends.redis_scripts import ScriptLibrary, load_lua
 
@@ -73,7 +74,8 @@ class Paths:
             keys += [f"q:{key}", f"q:{key}.msgs"]
             args.append(f"m{self.sent}:{holder}")
         if path == "fast":
-            return self.client.execute_command(*self.library.command(self.library["acquire"], keys, args))
+            execute: Any = self.client.execute_command  # untyped in redis-py
+            return execute(*self.library.command(self.library["acquire"], keys, args))
         return self.client.evalsha(self.full, len(keys), *keys, *args)
 
 
@@ -81,14 +83,14 @@ def state(client: redis.Redis, key: str) -> dict[str, tuple[Any, ...]]:
     """Every Redis key of guard key ``key`` and its queue: its type, value and expiry (ms)."""
     found: dict[str, tuple[Any, ...]] = {}
     for name in [*client.keys(f"dramatiq-guard:{{{key}}}:*"), *client.keys(f"q:{key}*")]:
-        kind = client.type(name).decode()
+        kind = text(client.type(name))
         if kind == "zset":
             value: Any = client.zrange(name, 0, -1, withscores=True)
         elif kind == "hash":
             value = sorted(client.hgetall(name).items())
         else:
             value = client.get(name) if kind == "string" else client.lrange(name, 0, -1)
-        found[name.decode().replace(key, "K")] = (kind, value, client.pttl(name))
+        found[text(name).replace(key, "K")] = (kind, value, client.pttl(name))
     return found
 
 
@@ -174,7 +176,8 @@ def lock(client: redis.Redis, key: str, holder: str) -> Any:
     library = ScriptLibrary()
     keys = [f"dramatiq-guard:{{{key}}}:", f"q:{key}", f"q:{key}.msgs"]
     args = [holder, "60000", "job", f"m:{holder}", f"msg:{holder}"]
-    return client.execute_command(*library.command(library["lock"], keys, args))
+    execute: Any = client.execute_command  # untyped in redis-py
+    return execute(*library.command(library["lock"], keys, args))
 
 
 def test_a_send_lock_is_taken_in_eight_commands_and_refused_in_three(
