@@ -179,10 +179,7 @@ class KeyResolver:
             arguments = dict(bound.arguments)
         if self._names is not None:
             arguments = {name: arguments[name] for name in self._names}
-        try:  # digest(arguments), without its calls
-            return f"{self.scope}:{hashlib.sha256(_CANONICAL.encode(arguments).encode('utf-8')).hexdigest()}"
-        except (RecursionError, TypeError, ValueError):
-            return f"{self.scope}:{self._digest(arguments)}"  # raises the GuardKeyError that says why
+        return f"{self.scope}:{self._digest(arguments)}"
 
     def _digest(self, arguments: dict[str, Any]) -> str:
         """:func:`digest` of ``arguments``, or the GuardKeyError that names what it cannot take."""

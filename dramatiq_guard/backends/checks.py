@@ -41,17 +41,6 @@ def check_count(value: object, what: str, *, optional: bool = True) -> None:
 def check_acquire(stake: Stake, wait: Waiter | None) -> None:
     """The checks of :meth:`GuardBackend.acquire`'s numbers (the priority too) and runner (a non-empty
     str of at most :data:`MAX_RUNNER_CHARS` characters without ``|`` or ``@``)."""
-    limit, ttl_ms, priority = stake.limit, stake.ttl_ms, stake.priority
-    if (  # the common case without a call: ints in bounds, no runner
-        (limit is None or (type(limit) is int and 0 <= limit <= MAX_COUNT))
-        and type(ttl_ms) is int
-        and 1 <= ttl_ms <= MAX_DURATION_MS
-        and type(priority) is int
-        and -MAX_PRIORITY <= priority <= MAX_PRIORITY
-        and (wait is None or (type(wait.wait_ms) is int and 0 <= wait.wait_ms <= MAX_DURATION_MS))
-        and stake.runner is None
-    ):
-        return
     check_count(stake.limit, "limit")
     check_ms(stake.ttl_ms, "ttl_ms")
     if not _is_int(stake.priority) or abs(stake.priority) > MAX_PRIORITY:

@@ -24,7 +24,6 @@ from dramatiq_guard.backends.values import (
     Waiter,
     Woken,
 )
-from dramatiq_guard.bounds import MAX_DURATION_MS
 
 #: The most leases one ``renew.lua`` call renews (:meth:`RedisBackend.renew_many`).
 RENEWALS_PER_CALL = 200
@@ -103,7 +102,7 @@ class RedisBackend(RedisStore):
     def reserve_and_enqueue(self, stake: Stake, push: Enqueue) -> AcquireResult | None:
         """``lua/acquire.lua`` with the push (on a standalone Redis only: the queue is in another slot)."""
         own = self._acquire_args(stake, Waiter(payload=push.data))
-        if self._cluster is not False and self._in_cluster():  # known once asked
+        if self._in_cluster():
             return None
         key = stake.key
         script, args = self.scripts["acquire"], self._args(stake.limit, *own)
@@ -114,19 +113,15 @@ class RedisBackend(RedisStore):
     def _keys_with_push(self, key: str, push: Enqueue) -> list[str]:
         """The KEYS of a per-key script that pushes to the broker (a standalone Redis only): the key's
         prefix, the index keys (``INDEX_KEYS``), then the broker queue's list and message hash."""
-        if not key or key[0] == "}":
-            check_key(key)  # raises
         queue = redis_enqueue.queue_keys(push.broker, push.queue_name)
-        return [layout.key_prefix(self.namespace, key), self._index, self._limits_index, *queue]
+        return [self._prefix(key), self._index, self._limits_index, *queue]
 
     def _acquire_args(self, stake: Stake, wait: Waiter | None) -> layout.AcquireArgs:
         """acquire.lua's own arguments, checked (the errors of :meth:`GuardBackend.acquire`)."""
         check_acquire(stake, wait)
+        self.check_payload(stake.key, stake.holder, wait)
         if wait is not None:
-            if wait.payload is not None and len(wait.payload) > self.max_payload_bytes:
-                self.check_payload(stake.key, stake.holder, wait)  # raises
-            if "}" in stake.holder:
-                self._check_waiter(stake.holder)  # raises
+            self._check_waiter(stake.holder)
         return layout.AcquireArgs(
             holder=stake.holder,
             ttl_ms=stake.ttl_ms,
@@ -177,12 +172,9 @@ class RedisBackend(RedisStore):
         self, key: str, holder: str, *, ttl_ms: int, info: str, push: Enqueue | None
     ) -> AcquireResult | None:
         """Run ``lua/lock.lua`` (with ``push``: the broker's push too); None: not decided there."""
-        if type(ttl_ms) is not int or not 1 <= ttl_ms <= MAX_DURATION_MS:
-            check_ms(ttl_ms, "ttl_ms")  # raises
-        if not key or key[0] == "}":
-            check_key(key)  # raises
+        check_ms(ttl_ms, "ttl_ms")
         sent = time.monotonic()
-        keys: list[str] = [layout.key_prefix(self.namespace, key)]
+        keys: list[str] = [self._prefix(key)]
         args: list[Any] = [holder, ttl_ms, info]  # layout.LockArgs
         if push is not None:
             keys += redis_enqueue.queue_keys(push.broker, push.queue_name)
