@@ -49,8 +49,6 @@ def carry_generation(message: Message[Any], key: str, generation: int) -> None:
 def copy_generation(message: Message[Any] | Any, key: str) -> int:
     """The generation a worker acquires ``key`` with for the copy ``message`` it picked up: its
     hand-off's, or ``ORIGINAL_GENERATION`` (never None: a copy parked after pickup never starts again)."""
-    if GENERATIONS_OPTION not in message.options:
-        return ORIGINAL_GENERATION
     generation = generation_of(message, key)
     return ORIGINAL_GENERATION if generation is None else generation
 
