@@ -103,6 +103,23 @@ def execution_state(message: MessageProxy) -> ExecutionState:
     return state if state is not None else attributes.setdefault(STATE_ATTRIBUTE, ExecutionState())
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class ActorPlan:
+    """What a guard middleware keeps of one actor between its messages (:meth:`GuardMiddleware.plan`),
+    for ``broker`` and the ``middleware`` list it was made from; each part is asked at its first use.
+
+    ``alone``: whether the middleware is the actor's only enqueue-time guard; ``group``: the actor's
+    slots middlewares that decide together (:func:`~dramatiq_guard.middleware.slots.base.composed`);
+    ``send``: what each of the actor's sends needs, the capability's own.
+    """
+
+    broker: Broker
+    middleware: list[dramatiq.Middleware]
+    alone: bool | None = None
+    group: list[Any] | None = None
+    send: Any = None
+
+
 class GuardMiddleware(dramatiq.Middleware, Generic[P]):
     """Base class of the guard middlewares.
 
@@ -128,10 +145,7 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
         self._backend_lock = threading.Lock()
         #: Each guarded actor's guards, in the order of its option's list, by actor name.
         self.guard_lists: dict[str, tuple[ActorGuard[P], ...]] = {}
-        self._alone: dict[str, bool] = {}  # per actor: whether this is its only enqueue-time guard
-        #: Per actor: what each of its sends needs, made at its first (a capability's own), dropped
-        #: with ``_alone`` when the actor is declared again.
-        self._send_plans: dict[str, Any] = {}
+        self._plans: dict[str, ActorPlan] = {}  # per actor (:meth:`plan`)
         self._couriers: dict[int, Courier] = {}  # per broker (courier)
 
     @property
@@ -166,18 +180,26 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
         if hasattr(self, "before_push"):
             gate_for(broker).add(self)  # type: ignore[arg-type]
 
+    def plan(self, broker: Broker, actor_name: str) -> ActorPlan:
+        """What this middleware keeps of ``actor_name`` between its messages (:class:`ActorPlan`): made
+        anew for another broker, once ``broker.middleware`` is no longer the list it was made from (a
+        middleware added, removed or moved), and after the actor is declared again."""
+        plan = self._plans.get(actor_name)
+        if plan is None or plan.broker is not broker or plan.middleware != broker.middleware:
+            plan = self._plans[actor_name] = ActorPlan(broker, list(broker.middleware))
+        return plan
+
     def enqueues_alone(self, broker: Broker, actor_name: str, backend: GuardBackend) -> bool:
-        """Whether this is the only enqueue-time guard of ``actor_name`` on ``broker`` (cached per actor
-        until it is declared again) and ``backend`` can push its messages itself: its decision and the
-        push may go in one step."""
-        alone = self._alone.get(actor_name)
-        if alone is None:
-            alone = self._alone[actor_name] = gate_for(broker).sole_guard(actor_name, self)  # type: ignore[arg-type]
-        return alone and backend.enqueues_on(broker)
+        """Whether this is the only enqueue-time guard of ``actor_name`` on ``broker`` (asked once per
+        :meth:`plan`) and ``backend`` can push its messages itself: its decision and the push may go
+        in one step."""
+        plan = self.plan(broker, actor_name)
+        if plan.alone is None:
+            plan.alone = gate_for(broker).sole_guard(actor_name, self)  # type: ignore[arg-type]
+        return plan.alone and backend.enqueues_on(broker)
 
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
-        self._alone.pop(actor.actor_name, None)  # every middleware hears each declaration: asked anew
-        self._send_plans.pop(actor.actor_name, None)
+        self._plans.pop(actor.actor_name, None)  # every middleware hears each declaration: made anew
         value = actor.options.get(self.option)
         if value is None or value is False:
             if self.guard_lists.pop(actor.actor_name, None) is not None and hasattr(self, "before_push"):

@@ -145,12 +145,13 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         if LOCK_OPTION in options or EXEMPT_OPTION in options:
             # A holder's own re-enqueue (Retries, delay queue, hand-off, rerun), or let through already.
             return None
-        plan = self._send_plans.get(message.actor_name)
-        if plan is None or plan.broker is not broker:
+        actor = self.plan(broker, message.actor_name)
+        plan: _SendPlan | None = actor.send
+        if plan is None:
             guards = self.guard_lists.get(message.actor_name)
             if not guards:
                 return None
-            plan = self._send_plans[message.actor_name] = _SendPlan(broker, guards[0])
+            plan = actor.send = _SendPlan(guards[0])
         guard = plan.guard
         policy = guard.policy
         reason = self._exemption(message, delay, policy)
@@ -434,10 +435,9 @@ class _ThreadState(threading.local):
 
 @dataclasses.dataclass(slots=True, eq=False)
 class _SendPlan:
-    """What every send of one actor to ``broker`` needs, made at its first until it is declared again;
-    ``one_step``: whether its lock goes with the push (:meth:`enqueues_alone`; None: not asked yet)."""
+    """What every send of one actor needs (its :class:`~.base.ActorPlan`'s ``send``): its ``guard``, and
+    ``one_step``, whether its lock goes with the push (:meth:`enqueues_alone`; None: not asked yet)."""
 
-    broker: Broker
     guard: ActorGuard[DedupPolicy]
     one_step: bool | None = None
 

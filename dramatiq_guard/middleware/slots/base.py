@@ -90,8 +90,6 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         self._releaser: Releaser | None = None
         self._worker: Worker | None = None  # this process's, once it boots (see keep_polling)
         self._contended = ContendedKeys()
-        #: Per actor: the broker, its middleware and the actor's slots middlewares (:func:`composed`).
-        self._groups: dict[str, tuple[Broker, list[dramatiq.Middleware], list[SlotsBase[Any]]]] = {}
 
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
         """Parse the actor's option; the actor's slots middlewares (:func:`composed`) are found anew."""
@@ -100,8 +98,7 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         finally:
             for m in [self, *broker.middleware]:
                 if isinstance(m, SlotsBase):
-                    m._groups.pop(actor.actor_name, None)
-                    m._send_plans.pop(actor.actor_name, None)
+                    m._plans.pop(actor.actor_name, None)
 
     @abc.abstractmethod
     def on_busy(self, policy: P) -> OnBusy:
@@ -240,10 +237,10 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
 
     def _solo_plan(self, broker: Broker, message: Message[Any]) -> _SoloPlan:
         """The plan of the sends of ``message``'s actor that are new messages (not delayed, no hand-off
-        going back, not held here): made at the first, kept while ``broker.middleware`` is the list it
-        was made from and until a slots middleware declares the actor again."""
-        plan: _SoloPlan | None = self._send_plans.get(message.actor_name)
-        if plan is None or plan.broker is not broker or plan.middleware != broker.middleware:
+        going back, not held here): made at the first, kept with the actor's :meth:`plan`."""
+        actor = self.plan(broker, message.actor_name)
+        plan: _SoloPlan | None = actor.send
+        if plan is None:
             guards = self.guards_of(message)
             solo = None
             if (
@@ -255,8 +252,7 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
                 and self.enqueues_alone(broker, message.actor_name, self.backend(broker))
             ):
                 solo = (guards[0], self.backend(broker))
-            plan = _SoloPlan(broker, list(broker.middleware), solo, functools.partial(self.deliver, broker))
-            self._send_plans[message.actor_name] = plan
+            plan = actor.send = _SoloPlan(solo, functools.partial(self.deliver, broker))
         return plan
 
     def _to_reserve(
@@ -367,17 +363,16 @@ def composed(broker: Broker, actor_name: str, member: SlotsBase[Any]) -> list[Sl
     order (``member`` alone if it is not on the broker): the first tries the slots of all of them in one
     round trip, at send and at pickup (docs/flow-control-design.md, "Composed guards").
 
-    Cached per actor in ``member``: the answer stands while ``broker.middleware`` is the list it was
-    made from (compared item by item: a middleware added, removed or moved makes it anew), and until
-    a slots middleware of the broker declares the actor again (:meth:`SlotsBase.before_declare_actor`).
+    Kept in ``member``'s :meth:`~.GuardMiddleware.plan` of the actor: made anew once
+    ``broker.middleware`` changes or a slots middleware of the broker declares the actor again
+    (:meth:`SlotsBase.before_declare_actor`).
     """
-    cached = member._groups.get(actor_name)
-    if cached is not None and cached[0] is broker and cached[1] == broker.middleware:
-        return cached[2]
-    middleware = list(broker.middleware)
-    group = [m for m in middleware if isinstance(m, SlotsBase) and m.composes and m.guards_actor(actor_name)]
-    group = group if member in group else [member]
-    member._groups[actor_name] = (broker, middleware, group)
+    plan = member.plan(broker, actor_name)
+    group: list[SlotsBase[Any]] | None = plan.group
+    if group is None:
+        group = [m for m in plan.middleware if isinstance(m, SlotsBase) and m.composes]
+        group = [m for m in group if m.guards_actor(actor_name)]
+        group = plan.group = group if member in group else [member]
     return group
 
 
@@ -410,13 +405,11 @@ def acquire_all(broker: Broker, claims: Sequence[tuple[SlotsBase[Any], Claim]]) 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class _SoloPlan:
-    """What :meth:`SlotsBase._solo_plan` keeps per actor, made for ``broker`` and its ``middleware``:
+    """What :meth:`SlotsBase._solo_plan` keeps per actor (its :class:`~.base.ActorPlan`'s ``send``):
     ``solo``, the actor's one guard and the backend, if it is the actor's only enqueue-time guard, it
     parks and fails closed, and its reservation goes with the push in one step (else None);
     ``deliver``, what delivers its hand-offs."""
 
-    broker: Broker
-    middleware: list[dramatiq.Middleware]
     solo: tuple[ActorGuard[Any], GuardBackend] | None
     deliver: Deliver
 
