@@ -67,13 +67,13 @@ class CountingSink:
 
 
 class Env:
-    def __init__(self) -> None:
+    def __init__(self, mutex_class: type[Mutex] = Mutex) -> None:
         self.broker = StubBroker()
         self.broker.emit_after("process_boot")
         self.backend = MemoryBackend()
         self.results = StubBackend()
         self.broker.add_middleware(Results(backend=self.results))
-        self.mutex = Mutex(redis=self.backend, lease_ttl=2_000, sweep_interval=50)
+        self.mutex = mutex_class(redis=self.backend, lease_ttl=2_000, sweep_interval=50)
         self.concurrency = Concurrency(redis=self.backend, lease_ttl=2_000, sweep_interval=50, limit_cache=0)
         self.broker.add_middleware(self.mutex, before=Retries)
         self.broker.add_middleware(self.concurrency, before=Retries)
@@ -228,6 +228,48 @@ def test_a_second_copy_of_a_running_message_is_deferred_as_it_is_and_runs_after_
     join(env.broker, job.queue_name, timeout=10_000)
     assert t.done == [0, 0] and t.peak == {"k": 1}  # the first, then the deferred copy after it
     assert env.backend.inspect("mutex:k").holders == ()
+
+
+def test_a_subclass_hook_after_process_message_hears_the_runs_not_a_skipped_copy(
+    restore_global_broker: None,
+) -> None:
+    """A slots middleware's subclass that overrides ``after_process_message`` (to count runs, say)
+    hears the messages that ran; a second copy of a running message, skipped and deferred, is not one."""
+    heard: list[str] = []
+
+    class HearingMutex(Mutex):
+        def after_process_message(self, broker: dramatiq.Broker, message: Any, **kwargs: Any) -> None:
+            heard.append(message.message_id)
+            super().after_process_message(broker, message, **kwargs)
+
+    env = Env(mutex_class=HearingMutex)
+    try:
+        started = threading.Event()
+
+        @dramatiq.actor(mutex={"key": lambda n: "k", "on_busy": "park"}, max_retries=0)
+        def job(n: int) -> None:
+            if not started.is_set():
+                started.set()
+                env.tracker.release.wait(10)
+
+        skipped: list[str] = []
+
+        class Skips(dramatiq.Middleware):
+            def after_skip_message(self, broker: dramatiq.Broker, message: Any) -> None:
+                skipped.append(message.message_id)
+
+        env.broker.add_middleware(Skips())
+        env.start(threads=4)
+        first = job.send(0)
+        assert started.wait(10)
+        env.broker.queues[job.queue_name].put(first.copy(options={"retries": 0}).encode())
+        wait_until(lambda: skipped, what="the second copy skipped")
+        assert heard == []
+        env.tracker.release.set()
+        join(env.broker, job.queue_name, timeout=10_000)
+        assert heard == [first.message_id, first.message_id]  # the first, then the copy deferred behind it
+    finally:
+        env.close()
 
 
 def test_a_pipeline_through_a_limited_actor_runs_each_step_once_in_order(env: Env) -> None:
