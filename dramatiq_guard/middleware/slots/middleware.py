@@ -297,17 +297,6 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
     ) -> None:
         """Release the message's leases here (Retries has already decided about a failure); a
         throttle's starts stay in their windows."""
-        self._let_go_held(broker, message)
-
-    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
-        """Release the leases this execution took if a guard (or another middleware) skipped the
-        message after they were acquired; give back what hand-offs reserved for it, if it parked."""
-        reached = set(execution_state(message).data)  # before the leases are forgotten
-        self._let_go_held(broker, message)
-        self._give_back_unreached(broker, message, reached)
-
-    def _let_go_held(self, broker: Broker, message: MessageProxy) -> None:
-        """Let go of the leases ``message`` holds here, whether it ran or was skipped."""
         msg = message._message  # (every message passes here: read with no call, as in before_process_message)
         if self._inflight:  # it holds no slot here any more (if none is held here, no id is read)
             self._inflight.discard(msg.message_id)
@@ -319,6 +308,15 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
             held = take_held(state, guard.slot)
             if held is not None:
                 self._let_go(broker, msg, guard, held.lease)
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        """Release the leases this execution took if a guard (or another middleware) skipped the
+        message after they were acquired; give back what hand-offs reserved for it, if it parked."""
+        reached = set(execution_state(message).data)  # before the leases are forgotten
+        # This class's own hook, named: a subclass's override of it hears the runs, not the skips
+        # (and a message that opts into nothing still costs the hook no call of its own).
+        SlotsMiddleware.after_process_message(self, broker, message)
+        self._give_back_unreached(broker, message, reached)
 
     def after_ack(self, broker: Broker, message: MessageProxy) -> None:
         """A copy that parked after pickup was acked: its generation record goes (contract,
