@@ -187,6 +187,27 @@ def test_a_message_parked_after_pickup_keeps_its_id_and_retries_and_stores_no_re
     assert sorted(t.done) == [0, 1]
 
 
+def send_a_second_copy_while_it_runs(
+    env: Env, job: dramatiq.Actor[..., Any], started: threading.Event
+) -> tuple[dramatiq.Message[Any], dramatiq.Message[Any]]:
+    """Start the workers, send ``job(0)`` and, once it ``started`` (its run waits), put a second copy
+    of the message on the broker past the gate, as a redelivery does; the message and the copy,
+    once it was skipped."""
+    skipped: list[dramatiq.Message[Any]] = []
+
+    class Skips(dramatiq.Middleware):
+        def after_skip_message(self, broker: dramatiq.Broker, message: Any) -> None:
+            skipped.append(message._message)
+
+    env.broker.add_middleware(Skips())
+    env.start(threads=4)
+    first = job.send(0)
+    assert started.wait(10)
+    env.broker.queues[job.queue_name].put(first.copy(options={"retries": 0}).encode())
+    wait_until(lambda: skipped, what="the second copy skipped")
+    return first, skipped[0]
+
+
 @pytest.mark.parametrize("on_busy", ["park", "wait", "drop"])
 def test_a_second_copy_of_a_running_message_is_deferred_as_it_is_and_runs_after_the_first(
     env: Env, on_busy: str
@@ -206,20 +227,7 @@ def test_a_second_copy_of_a_running_message_is_deferred_as_it_is_and_runs_after_
         t.leave("k", n)
         return n
 
-    skipped: list[dramatiq.Message[Any]] = []
-
-    class Skips(dramatiq.Middleware):
-        def after_skip_message(self, broker: dramatiq.Broker, message: Any) -> None:
-            skipped.append(message._message)
-
-    env.broker.add_middleware(Skips())
-    env.start(threads=4)
-    first = job.send(0)
-    assert started.wait(10)
-    # A second copy of the same message reaches the broker (past the gate, as a redelivery does).
-    env.broker.queues[job.queue_name].put(first.copy(options={"retries": 0}).encode())
-    wait_until(lambda: skipped, what="the second copy skipped")
-    copy = skipped[0]
+    first, copy = send_a_second_copy_while_it_runs(env, job, started)
     assert (copy.message_id, copy.options["retries"]) == (first.message_id, 0)
     assert t.peak == {"k": 1} and t.done == []
     with pytest.raises(ResultMissing):  # the skipped copy stored nothing
@@ -252,18 +260,7 @@ def test_a_subclass_hook_after_process_message_hears_the_runs_not_a_skipped_copy
                 started.set()
                 env.tracker.release.wait(10)
 
-        skipped: list[str] = []
-
-        class Skips(dramatiq.Middleware):
-            def after_skip_message(self, broker: dramatiq.Broker, message: Any) -> None:
-                skipped.append(message.message_id)
-
-        env.broker.add_middleware(Skips())
-        env.start(threads=4)
-        first = job.send(0)
-        assert started.wait(10)
-        env.broker.queues[job.queue_name].put(first.copy(options={"retries": 0}).encode())
-        wait_until(lambda: skipped, what="the second copy skipped")
+        first, _ = send_a_second_copy_while_it_runs(env, job, started)
         assert heard == []
         env.tracker.release.set()
         join(env.broker, job.queue_name, timeout=10_000)
