@@ -90,9 +90,9 @@ from dramatiq_guard.middleware.dedup import deduplicated_by
 
 # A RedisBroker's consumer stopping gracefully leaves what it fetched but had not handed to a worker
 # thread in its acks, until a live worker's maintenance finds it dead (heartbeat_timeout, 60 s by
-# default, looked at on 1 in 1,000 fetches): a hand-off the old worker fetched in its last moments
+# default, looked at on 1 in 1,000 commands): a hand-off the old worker fetched in its last moments
 # waited minutes, and its reservation kept its key for pickup_ttl (docs/failure-model.md). Looked
-# at on every fetch here, after 15 s (the jobs are short: docs/failure-model.md says when that is safe).
+# at on every command here, after 15 s (the jobs are short: docs/failure-model.md says when that is safe).
 broker = broker_from_env(heartbeat_timeout=15_000, maintenance_chance=1_000_000)
 dramatiq_guard.install(broker)  # the guard's defaults, as a deploy has them
 dramatiq.set_broker(broker)
