@@ -370,8 +370,11 @@ def composed(broker: Broker, actor_name: str, member: SlotsBase[Any]) -> list[Sl
     plan = member.plan(broker, actor_name)
     group: list[SlotsBase[Any]] | None = plan.group
     if group is None:
-        group = [m for m in plan.middleware if isinstance(m, SlotsBase) and m.composes]
-        group = [m for m in group if m.guards_actor(actor_name)]
+        group = [
+            m
+            for m in plan.middleware
+            if isinstance(m, SlotsBase) and m.composes and m.guards_actor(actor_name)
+        ]
         group = plan.group = group if member in group else [member]
     return group
 
