@@ -87,7 +87,9 @@ class RedisBackend(RedisStore):
         index = (self._index, key) if wait is not None and self._in_cluster() else None  # the entry first
         sent = time.monotonic()  # the result's valid_from: Redis counts the ttl from later
         call = self._script_call(key, stake.limit, own)
-        [reply] = run_scripts(self.client, self.scripts, [call], zadd_first=index, replicas=self.replicas)
+        [reply] = run_scripts(
+            self.clients.here(), self.scripts, [call], zadd_first=index, replicas=self.replicas
+        )
         return self._acquire_reply(key, reply, sent)
 
     def acquire_many(self, stakes: Sequence[Stake]) -> list[AcquireResult]:
@@ -96,7 +98,7 @@ class RedisBackend(RedisStore):
             return []
         calls = [self._script_call(s.key, s.limit, self._acquire_args(s, None)) for s in stakes]
         sent = time.monotonic()
-        replies = run_scripts(self.client, self.scripts, calls, replicas=self.replicas)
+        replies = run_scripts(self.clients.here(), self.scripts, calls, replicas=self.replicas)
         return [self._acquire_reply(s.key, reply, sent) for s, reply in zip(stakes, replies, strict=True)]
 
     def reserve_and_enqueue(self, stake: Stake, push: Enqueue) -> AcquireResult | None:
@@ -205,7 +207,9 @@ class RedisBackend(RedisStore):
             args = [arg for i in chunk for arg in layout.LeaseArgs(holder=leases[i][1], ttl_ms=leases[i][2])]
             calls.append((self.scripts["renew"], keys, args))
         renewed = [False] * len(leases)
-        replies = run_scripts(self.client, self.scripts, calls, replicas=self.replicas) if calls else []
+        replies = (
+            run_scripts(self.clients.here(), self.scripts, calls, replicas=self.replicas) if calls else []
+        )
         for chunk, reply in zip(chunks, replies, strict=True):
             for i, answer in zip(chunk, reply, strict=True):
                 renewed[i] = bool(answer)
@@ -218,7 +222,7 @@ class RedisBackend(RedisStore):
         if not releases:
             return []
         calls = [self._release_call(*release) for release in releases]
-        replies = run_scripts(self.client, self.scripts, calls, replicas=self.replicas)
+        replies = run_scripts(self.clients.here(), self.scripts, calls, replicas=self.replicas)
         return [release_of(key, reply) for (key, *_), reply in zip(releases, replies, strict=True)]
 
     def give_back(self, key: str, holder: str, *, limit: int | None) -> ReleaseResult:
@@ -308,7 +312,7 @@ class RedisBackend(RedisStore):
         call = self._script_call(key, 1, own)
         index = (self._index, key) if self._in_cluster() else None  # the index entry first, as a park's
         [(superseded, due_in)] = run_scripts(
-            self.client, self.scripts, [call], zadd_first=index, replicas=self.replicas
+            self.clients.here(), self.scripts, [call], zadd_first=index, replicas=self.replicas
         )
         return tuple(text(w) for w in superseded), int(due_in)
 
@@ -332,7 +336,7 @@ class RedisBackend(RedisStore):
         for first in range(0, len(keys), self.SWEEP_BATCH):
             batch = keys[first : first + self.SWEEP_BATCH]
             calls = [self._script_call(key, limit, layout.SweepArgs()) for key, limit in batch]
-            replies = run_scripts(self.client, self.scripts, calls)
+            replies = run_scripts(self.clients.here(), self.scripts, calls)
             results.extend(release_of(key, r) for (key, _), r in zip(batch, replies, strict=True))
         return results
 
@@ -342,7 +346,7 @@ class RedisBackend(RedisStore):
         if self._in_cluster():
             return Due(self.waiting_keys())
         call = (self.scripts["due"], [self._index], [within_ms, *prompt])
-        [(due, ahead)] = run_scripts(self.client, self.scripts, [call])
+        [(due, ahead)] = run_scripts(self.clients.here(), self.scripts, [call])
         return Due([text(k) for k in due], None if ahead is None else int(ahead))
 
     def set_limit(self, key: str, limit: int | None, *, default: int | None = 1) -> ReleaseResult:

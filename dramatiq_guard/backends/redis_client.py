@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeAlias, cast
 
@@ -128,6 +131,72 @@ def slow_call_warning(
             f"fails as a connection timeout. Set replica_wait_timeout_ms below it."
         )
     return " ".join(found) or None
+
+
+class ThreadClients:
+    """A client per thread for the script calls of a backend on ``client``, each on one connection of
+    ``client``'s pool, held while its thread lives (given back to the pool when the thread ends).
+
+    A call through a shared pool takes the pool's lock twice; with every worker thread calling at
+    once under the GIL that lock convoys, and the broker's own calls (a RedisBroker's client is the
+    guard's by default) wait in the same line. At most half the pool's ``max_connections`` are held
+    so; a thread beyond them, a forked child's first call, and a Redis Cluster client use ``client``
+    itself. Each thread's client is made on its first call (BackendUnavailable if Redis cannot be
+    reached then: made again on the next call).
+    """
+
+    def __init__(self, client: RedisClient) -> None:
+        self.client = client
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._held = 0
+        self._pid = os.getpid()
+
+    def here(self) -> RedisClient:
+        """The client of the calling thread, its connection checked as the pool checks one it lends:
+        one that Redis closed (a restart, an idle timeout) is opened again (BackendUnavailable if
+        it cannot be)."""
+        local = self._local
+        if local.__dict__.get("pid") != os.getpid():
+            local.client = self._make()
+            local.connection = getattr(local.client, "connection", None)
+            local.pid = os.getpid()
+        connection = local.connection
+        if connection is not None and connection._sock is not None:  # (one not connected connects)
+            try:
+                stale = connection.can_read()  # a reply nobody asked for, or the end of the stream
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                stale = True
+            if stale:
+                connection.disconnect()  # and its next command connects again
+        client: RedisClient = local.client
+        return client
+
+    def _make(self) -> RedisClient:
+        shared = self.client
+        if not isinstance(shared, redis.Redis):  # a Cluster client keeps a pool per node
+            return shared
+        pool = shared.connection_pool
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: its parent's connections are not its own
+                self._pid, self._held = os.getpid(), 0
+            if self._held >= pool.max_connections // 2:
+                return shared
+            self._held += 1
+        try:
+            with reachable():
+                own = redis.Redis(connection_pool=pool, single_connection_client=True)
+        except BaseException:
+            self._given_back(os.getpid())
+            raise
+        # Its connection goes back to the pool when the thread's client is collected, with the thread.
+        weakref.finalize(own, self._given_back, os.getpid())
+        return own
+
+    def _given_back(self, pid: int) -> None:
+        with self._lock:
+            if self._pid == pid:
+                self._held -= 1
 
 
 class ReplicaWaits(NamedTuple):

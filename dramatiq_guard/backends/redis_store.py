@@ -20,6 +20,7 @@ from dramatiq_guard.backends.redis_client import (
     RedisClient,
     ReplicaWaits,
     ScriptCall,
+    ThreadClients,
     Timeouts,
     data,
     reachable,
@@ -113,6 +114,8 @@ class RedisStore(GuardBackend):
         check_ms(index_grace_ms, "index_grace_ms", minimum=0)
         self.replicas = replica_waits_of(replica_waits, replica_wait_timeout_ms)
         self.client = client
+        #: Each thread's client for the script calls (:class:`ThreadClients`).
+        self.clients = ThreadClients(client)
         self._enqueues: dict[int, tuple[Any, bool]] = {}  # per broker: the one-step enqueue (redis.py)
         # The per-key scripts' settings argument, made again when a value it holds changed (_args).
         self._settings: tuple[tuple[int, int, str], str] = ((0, 0, ""), "")
@@ -218,7 +221,7 @@ class RedisStore(GuardBackend):
     def _call(self, script: LuaScript, keys: list[str], args: list[Any]) -> Any:
         """Run one script; with replica waits, followed by a ``WAIT`` on its connection."""
         if self.replicas is None:
-            return run_script(self.client, self.scripts, script, keys, args)
+            return run_script(self.clients.here(), self.scripts, script, keys, args)
         [reply] = run_scripts(self.client, self.scripts, [(script, keys, args)], replicas=self.replicas)
         return reply
 

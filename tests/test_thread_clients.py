@@ -1,0 +1,127 @@
+"""Each thread's script calls go through a connection of its own (``ThreadClients``): what a user of
+the client's pool relies on.
+
+Invariants: a thread's connection goes back to the pool when the thread ends (a pool never runs dry
+of threads that are gone); the guard's threads hold at most half the pool's ``max_connections``,
+so the broker's own calls on a shared client still get connections; a forked child never talks
+on its parent's connection.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from dramatiq_guard.backends import RedisBackend, Stake
+
+MINUTE = 60_000
+
+
+@pytest.fixture
+def pool(redis_url: str) -> Iterator[redis.ConnectionPool]:
+    pool = redis.ConnectionPool.from_url(redis_url, max_connections=4)
+    yield pool
+    pool.disconnect()
+
+
+def cycle(backend: RedisBackend, key: str, holder: str) -> None:
+    """One holder's life on a key of limit 1: acquired, released."""
+    assert backend.acquire(Stake(key, holder, limit=1, ttl_ms=MINUTE)).acquired
+    assert backend.release(key, holder, limit=1).released
+
+
+def in_thread(target: object, *args: object) -> None:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            target(*args)  # type: ignore[operator]
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+
+
+def take_all(pool: redis.ConnectionPool) -> None:
+    """Take every connection the pool may make, then give them back (MaxConnectionsError if it cannot)."""
+    taken = [pool.get_connection() for _ in range(pool.max_connections)]
+    for connection in taken:
+        pool.release(connection)
+
+
+def test_threads_that_ended_give_their_connections_back(pool: redis.ConnectionPool) -> None:
+    backend = RedisBackend(redis.Redis(connection_pool=pool))
+    for i in range(3 * pool.max_connections):
+        in_thread(cycle, backend, f"concurrency:k{i}", f"m{i}")
+    take_all(pool)  # none is still held for a thread that is gone
+
+
+def test_live_threads_leave_half_the_pool_to_others(pool: redis.ConnectionPool) -> None:
+    backend = RedisBackend(redis.Redis(connection_pool=pool))
+    threads = 2 * pool.max_connections
+    called, done = threading.Barrier(threads + 1), threading.Event()
+    failures: list[BaseException] = []
+    one_at_a_time = threading.Lock()  # more calls at once than the pool has connections fail anyway
+
+    def worker(i: int) -> None:
+        try:
+            with one_at_a_time:
+                cycle(backend, f"concurrency:k{i}", f"m{i}")
+        except BaseException as e:  # pragma: no cover - asserted below
+            failures.append(e)
+        called.wait()
+        done.wait()  # the thread (and what it holds) stays alive meanwhile
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for thread in workers:
+        thread.start()
+    try:
+        called.wait()
+        assert not failures, failures
+        # The broker's share of the pool: still there while every guard thread lives (MaxConnectionsError).
+        others = [pool.get_connection() for _ in range(pool.max_connections // 2)]
+        for connection in others:
+            pool.release(connection)
+    finally:
+        done.set()
+        for thread in workers:
+            thread.join()
+
+
+def _child_cycles(key: str, results: multiprocessing.Queue[str]) -> None:
+    backend = _SHARED["backend"]
+    try:
+        for i in range(200):
+            cycle(backend, key, f"child-{i}")
+        results.put("ok")
+    except BaseException as e:  # pragma: no cover - reported to the parent
+        results.put(repr(e))
+
+
+_SHARED: dict[str, RedisBackend] = {}
+
+
+def test_a_forked_child_talks_on_its_own_connection(redis_url: str) -> None:
+    backend = RedisBackend(redis.Redis.from_url(redis_url))
+    cycle(backend, "concurrency:parent", "before-fork")  # the parent's thread has its connection now
+    _SHARED["backend"] = backend
+    context = multiprocessing.get_context("fork")
+    results: multiprocessing.Queue[str] = context.Queue()
+    child = context.Process(target=_child_cycles, args=("concurrency:child", results))
+    child.start()
+    try:
+        # Both at once: on one shared socket their replies would cross.
+        for i in range(200):
+            cycle(backend, "concurrency:parent", f"parent-{i}")
+        assert results.get(timeout=60) == "ok"
+    finally:
+        child.join(timeout=60)
+        _SHARED.clear()
+    assert child.exitcode == 0
