@@ -140,9 +140,9 @@ class ThreadClients:
     A call through a shared pool takes the pool's lock twice; with every worker thread calling at
     once under the GIL that lock convoys, and the broker's own calls (a RedisBroker's client is the
     guard's by default) wait in the same line. At most half the pool's ``max_connections`` are held
-    so; a thread beyond them, a forked child's first call, and a Redis Cluster client use ``client``
-    itself. Each thread's client is made on its first call (BackendUnavailable if Redis cannot be
-    reached then: made again on the next call).
+    so; a thread beyond them, and every thread of a Redis Cluster client, use ``client`` itself. Each
+    thread's client is made on its first call (BackendUnavailable if Redis cannot be reached then:
+    made again on the next call), and again on the first call of a forked child.
     """
 
     def __init__(self, client: RedisClient) -> None:
@@ -154,15 +154,18 @@ class ThreadClients:
 
     def here(self) -> RedisClient:
         """The client of the calling thread, its connection checked as the pool checks one it lends:
-        one that Redis closed (a restart, an idle timeout) is opened again (BackendUnavailable if
-        it cannot be)."""
+        one that Redis closed (a restart, an idle timeout) is closed here and opened again by the
+        next command."""
         local = self._local
         if local.__dict__.get("pid") != os.getpid():
-            local.client = self._make()
-            local.connection = getattr(local.client, "connection", None)
+            made = local.client = self._make()
+            local.connection = (
+                made.connection if made is not self.client and isinstance(made, redis.Redis) else None
+            )
             local.pid = os.getpid()
         connection = local.connection
-        if connection is not None and connection._sock is not None:  # (one not connected connects)
+        # (redis-py's `_sock`: only a connected one is asked; asking one that is not would connect it)
+        if connection is not None and getattr(connection, "_sock", None) is not None:
             try:
                 stale = connection.can_read()  # a reply nobody asked for, or the end of the stream
             except (redis.ConnectionError, redis.TimeoutError, OSError):
