@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
@@ -34,12 +34,12 @@ def cycle(backend: RedisBackend, key: str, holder: str) -> None:
     assert backend.release(key, holder, limit=1).released
 
 
-def in_thread(target: object, *args: object) -> None:
+def in_thread(target: Callable[..., None], *args: object) -> None:
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            target(*args)  # type: ignore[operator]
+            target(*args)
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
@@ -95,9 +95,9 @@ def test_live_threads_leave_half_the_pool_to_others(pool: redis.ConnectionPool) 
             thread.join()
 
 
-def _child_cycles(key: str, results: multiprocessing.Queue[str]) -> None:
-    backend = _SHARED["backend"]
+def _child_cycles(backend: RedisBackend, key: str, results: multiprocessing.Queue[str]) -> None:
     try:
+        results.put(str(backend.clients.here().client_id()))  # the connection the child talks on
         for i in range(200):
             cycle(backend, key, f"child-{i}")
         results.put("ok")
@@ -105,23 +105,21 @@ def _child_cycles(key: str, results: multiprocessing.Queue[str]) -> None:
         results.put(repr(e))
 
 
-_SHARED: dict[str, RedisBackend] = {}
-
-
 def test_a_forked_child_talks_on_its_own_connection(redis_url: str) -> None:
     backend = RedisBackend(redis.Redis.from_url(redis_url))
     cycle(backend, "concurrency:parent", "before-fork")  # the parent's thread has its connection now
-    _SHARED["backend"] = backend
-    context = multiprocessing.get_context("fork")
+    parents = str(backend.clients.here().client_id())
+    context = multiprocessing.get_context("fork")  # the child is given the backend as it is
     results: multiprocessing.Queue[str] = context.Queue()
-    child = context.Process(target=_child_cycles, args=("concurrency:child", results))
+    child = context.Process(target=_child_cycles, args=(backend, "concurrency:child", results))
     child.start()
     try:
+        assert results.get(timeout=60) != parents
         # Both at once: on one shared socket their replies would cross.
         for i in range(200):
             cycle(backend, "concurrency:parent", f"parent-{i}")
         assert results.get(timeout=60) == "ok"
     finally:
         child.join(timeout=60)
-        _SHARED.clear()
     assert child.exitcode == 0
+    assert str(backend.clients.here().client_id()) == parents  # and the parent keeps its own
