@@ -70,9 +70,9 @@ BUDGETS: tuple[Budget, ...] = (
     Budget("dedup: accepted send >= 0.9x a plain send", "dedup/send_rate", ">=", 0.9,
            "dedup/plain_send_rate", "dedup/fused_floor_send_rate"),
     Budget("dedup: duplicate send >= 1.0x a plain send", "dedup/duplicate_send_rate", ">=", 1.0,
-           "dedup/plain_send_rate"),
+           "dedup/plain_send_rate", "dedup/held_floor_send_rate"),
     Budget("concurrency: a send under its limit >= 0.9x a plain send", "dedup/concurrency_send_rate", ">=",
-           0.9, "dedup/plain_send_rate", "dedup/fused_floor_send_rate"),
+           0.9, "dedup/plain_send_rate", "dedup/reserve_floor_send_rate"),
     Budget("dedup: one round trip per send, as a plain send", "dedup/round_trips_per_send", "<=", 1),
     # Other brokers: the lock alone, then the broker's push.
     Budget("dedup: at most 6 Redis commands in the lock alone", "dedup/lock_commands_per_send", "<=", 6),

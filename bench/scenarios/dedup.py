@@ -18,11 +18,17 @@ from dramatiq_guard.middleware.slots import Concurrency
 #: Rounds of the send rates (each kind of send once per round).
 SEND_ROUNDS = 5
 
-#: The one-step floor's script: the writes a lock on a free key cannot do without (what lock.lua
-#: does for one: look at its six keys, the server's time, the holder, its entry, their expiry),
-#: then Dramatiq's enqueue (the message hash and the queue list), with key names as long as the
-#: guard's. KEYS: holders, 4 others, info, queue, queue messages; ARGV: holder, ttl, id, data.
-FUSED_FLOOR = """
+#: The floors' scripts: Dramatiq's enqueue doing, in its own script and with no Python of the
+#: guard's, the least a one-step guarded send of each kind must do, with key names as long as the
+#: guard's. KEYS: the guard key's holders, 4 others (waiters, reserved, limit, token), info, then
+#: the queue and its message hash; ARGV: holder, ttl, message id, data.
+#: ``lock``: what lock.lua does for a free key (look at its keys, the server's time, the holder, its
+#: entry, their expiry), then the push; ``held``: what it does for a held key (look, the time, the
+#: holders), no push; ``reserve``: what acquire.lua does for a free slot of a ``concurrency`` key
+#: (look, the time, the limit and token, the holder, its entry, the fencing token, their expiry),
+#: then the push.
+FLOORS = {
+    "lock": """
 redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
@@ -34,20 +40,49 @@ redis.call('PEXPIREAT', KEYS[6], deadline)
 redis.call('HSET', KEYS[8], ARGV[3], ARGV[4])
 redis.call('RPUSH', KEYS[7], ARGV[3])
 return 1
-"""
+""",
+    "held": """
+redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+redis.call('TIME')
+return #redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+""",
+    "reserve": """
+redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+redis.call('MGET', KEYS[4], KEYS[5])
+local deadline = now + tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], deadline, ARGV[1])
+redis.call('HSET', KEYS[6], ARGV[1], string.format('%.0f', now) .. '|bench')
+redis.call('SET', KEYS[5], string.format('%.0f', now * 1000), 'PXAT', deadline + 86400000)
+redis.call('PEXPIREAT', KEYS[1], deadline)
+redis.call('PEXPIREAT', KEYS[6], deadline)
+redis.call('HSETNX', KEYS[8], ARGV[3], ARGV[4])
+redis.call('RPUSH', KEYS[7], ARGV[3])
+return 1
+""",
+}
+#: The guard key the ``held`` floor looks at (one holder, taken before the sends).
+HELD_KEY = "dramatiq-guard:{dedup:bench-floor-held}:"
 
 
-def fuse_floor(broker: RedisBroker, queue_name: str) -> None:
-    """Make ``broker`` enqueue the messages of ``queue_name`` with :data:`FUSED_FLOOR` instead of
-    its own script: a plain send that does the least a one-step guarded send must do."""
-    script = broker.client.register_script(FUSED_FLOOR)
+def fuse_floors(broker: RedisBroker, floors: dict[str, str]) -> None:
+    """Make ``broker`` enqueue the messages of each queue of ``floors`` (queue name -> a name of
+    :data:`FLOORS`) with that floor's script instead of its own: a plain send that does the least a
+    one-step guarded send of that kind must do (a new guard key each send, but ``held``'s:
+    :data:`HELD_KEY`)."""
+    scripts = {queue: broker.client.register_script(FLOORS[floor]) for queue, floor in floors.items()}
     enqueue = broker.do_enqueue
     fields = ("holders", "waiters", "reserved", "limit", "token", "info")
+    broker.client.zadd(HELD_KEY + "holders", {"bench-holder": 2**50})
 
     def do_enqueue(queue: str, message_id: str, data: bytes) -> Any:
-        if queue != queue_name:
+        script = scripts.get(queue)
+        if script is None:
             return enqueue(queue, message_id, data)
-        full, prefix = f"{broker.namespace}:{queue}", f"dramatiq-guard:{{dedup:bench-floor:{message_id}}}:"
+        full = f"{broker.namespace}:{queue}"
+        held = floors[queue] == "held"
+        prefix = HELD_KEY if held else f"dramatiq-guard:{{dedup:bench-floor:{message_id}}}:"
         return script(
             [*(prefix + name for name in fields), full, f"{full}.msgs"],
             [message_id, 60_000, message_id, data],
@@ -71,9 +106,11 @@ def dedup(ctx: Context) -> list[Figure]:
     * send rate, concurrency under its limit: ``limited.send(i)``, an actor with
       ``concurrency={"limit": 10, ...}`` over 1,000 keys (``i % 1000``), so every send reserves a
       slot at send time and is pushed, in one Lua script, without parking.
-    * send rate, one-step floor: a plain send whose enqueue script also does the least a lock on a
-      free key writes (:data:`FUSED_FLOOR`): what the accepted and concurrency sends are read
-      against when no Python of the guard's ran (the budgets are against the plain send).
+    * send rate, one-step floors: a plain send whose enqueue script also does the least a lock on a
+      free key writes, or the least a duplicate reads (and pushes nothing), or the least a
+      reservation at send writes (:data:`FLOORS`): what the accepted, duplicate and concurrency
+      sends are read against when no Python of the guard's ran (the budgets are against the plain
+      send; a budget its floor misses is out of reach on the machine).
     * send rate, floor: a plain send (an actor without ``dedup``) after a Lua script that
       does nothing (``return 1``): what one extra round trip costs on this machine (the two-step
       path's floor, for brokers that cannot take the one-step send).
@@ -106,11 +143,18 @@ def dedup(ctx: Context) -> list[Figure]:
     def limited(i: int) -> None:
         """Never runs: no worker consumes ``bench_limited``."""
 
-    @dramatiq.actor(broker=broker, queue_name="bench_fused_floor", max_retries=0)
-    def fused(i: int) -> None:
-        """Never runs: no worker consumes ``bench_fused_floor``."""
+    floors: dict[str, Any] = {}
+    for floor in FLOORS:
+        name = f"bench_{floor}_floor"
 
-    fuse_floor(broker, fused.queue_name)
+        @dramatiq.actor(broker=broker, actor_name=name, queue_name=name, max_retries=0)
+        def floor_actor(i: int) -> None:
+            """Never runs: no worker consumes the floors' queues."""
+
+        floors[floor] = floor_actor
+
+    fuse_floors(broker, {actor.queue_name: floor for floor, actor in floors.items()})
+
     noop = broker.client.register_script("return 1")
 
     n_send = ctx.n(5000, 300)
@@ -122,15 +166,15 @@ def dedup(ctx: Context) -> list[Figure]:
         "duplicate": lambda i: guarded.send(0),
         "floor": lambda i: (noop(), plain.send(i)),
         "limited": lambda i: limited.send(i),
-        "fused": lambda i: fused.send(i),
+        "fused": lambda i: floors["lock"].send(i),
+        "held": lambda i: floors["held"].send(i),
+        "reserved": lambda i: floors["reserve"].send(i),
     }
     rounds = 1 if ctx.quick else SEND_ROUNDS
     runs: dict[str, list[float]] = {name: [] for name in sends}
     for name, send in in_turns(list(sends.items()), rounds):  # drift falls on all alike
         runs[name].append(ctx.send_rate(send, n_send, repeats=1))
-    plain_rate, accepted_rate, duplicate_rate, floor_rate, limited_rate, fused_rate = (
-        statistics.median(runs[name]) for name in sends
-    )
+    rate = {name: statistics.median(runs[name]) for name in sends}
     middleware.flush()
 
     def send_and_confirm(i: int) -> Any:
@@ -155,7 +199,7 @@ def dedup(ctx: Context) -> list[Figure]:
         Figure(
             "plain_send_rate",
             "send rate, plain (an actor without dedup, same broker)",
-            plain_rate,
+            rate["plain"],
             "msg/s",
             vs="baseline/send_rate",
             detail=sized,
@@ -163,7 +207,7 @@ def dedup(ctx: Context) -> list[Figure]:
         Figure(
             "send_rate",
             "send rate, accepted (a new key each send)",
-            accepted_rate,
+            rate["accepted"],
             "msg/s",
             vs="dedup/plain_send_rate",
             detail=sized,
@@ -171,7 +215,7 @@ def dedup(ctx: Context) -> list[Figure]:
         Figure(
             "duplicate_send_rate",
             "send rate, duplicates (one key)",
-            duplicate_rate,
+            rate["duplicate"],
             "msg/s",
             vs="dedup/plain_send_rate",
             detail=sized,
@@ -179,7 +223,7 @@ def dedup(ctx: Context) -> list[Figure]:
         Figure(
             "concurrency_send_rate",
             "send rate, concurrency under its limit (a slot reserved at each send)",
-            limited_rate,
+            rate["limited"],
             "msg/s",
             vs="dedup/plain_send_rate",
             detail=f"{sized}; limit 10 on each of 1,000 keys, at most 5 sends a key per run",
@@ -187,15 +231,33 @@ def dedup(ctx: Context) -> list[Figure]:
         Figure(
             "fused_floor_send_rate",
             "send rate, one-step floor: a plain send whose script also writes a lock",
-            fused_rate,
+            rate["fused"],
             "msg/s",
             vs="dedup/plain_send_rate",
             detail=f"{sized}; the 6 commands a lock on a free key runs, in Dramatiq's enqueue, no guard code",
         ),
         Figure(
+            "held_floor_send_rate",
+            "send rate, duplicate floor: a send whose script only looks at a held lock",
+            rate["held"],
+            "msg/s",
+            vs="dedup/plain_send_rate",
+            detail=f"{sized}; Dramatiq's enqueue, its script running the 3 commands a duplicate runs, "
+            "pushing nothing; no guard code",
+        ),
+        Figure(
+            "reserve_floor_send_rate",
+            "send rate, reservation floor: a plain send whose script also reserves a slot",
+            rate["reserved"],
+            "msg/s",
+            vs="dedup/plain_send_rate",
+            detail=f"{sized}; the 8 commands a reservation of a free slot runs, in Dramatiq's enqueue, "
+            "no guard code",
+        ),
+        Figure(
             "floor_send_rate",
             "send rate, floor: a plain send after a no-op script",
-            floor_rate,
+            rate["floor"],
             "msg/s",
             vs="dedup/plain_send_rate",
             detail=f"{sized}; one extra round trip and nothing else",
