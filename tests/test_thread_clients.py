@@ -4,7 +4,9 @@ the client's pool relies on.
 Invariants: a thread's connection goes back to the pool when the thread ends (a pool never runs dry
 of threads that are gone); the guard's threads hold at most half the pool's ``max_connections``,
 so the broker's own calls on a shared client still get connections; a forked child never talks
-on its parent's connection.
+on its parent's connection; a connection Redis closed costs no call an error, whether the thread
+was idle (checked before the call) or busy (unchecked: the call runs once more on a new one), and
+a Redis that is gone fails the call after that one more try.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
+from harness.redis_server import RedisServer
 
-from dramatiq_guard.backends import RedisBackend, Stake
+from dramatiq_guard.backends import RedisBackend, Stake, redis_client
+from dramatiq_guard.errors import BackendUnavailable
 
 MINUTE = 60_000
 
@@ -123,3 +127,38 @@ def test_a_forked_child_talks_on_its_own_connection(redis_url: str) -> None:
         child.join(timeout=60)
     assert child.exitcode == 0
     assert str(backend.clients.here().client_id()) == parents  # and the parent keeps its own
+
+
+@pytest.mark.parametrize("idle_s", [0.0, 3600.0], ids=["checked", "unchecked"])
+def test_a_connection_redis_closed_costs_no_call_an_error(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, idle_s: float
+) -> None:
+    # checked: every call comes after CHECK_IDLE_S (an idle thread); unchecked: every call within it.
+    monkeypatch.setattr(redis_client, "CHECK_IDLE_S", idle_s)
+    backend = RedisBackend.from_url(redis_url)  # no retries: redis-py itself would raise
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        cycle(backend, "concurrency:k", "before")
+        killed = backend.clients.here().client_id()
+        assert admin.client_kill_filter(_id=str(killed)) == 1  # Redis closes the thread's connection
+        cycle(backend, "concurrency:k", "after")  # no BackendUnavailable
+        assert backend.clients.here().client_id() != killed
+    finally:
+        admin.close()
+        backend.close()
+
+
+def test_a_redis_that_is_gone_fails_an_unchecked_call_after_one_more_try(
+    redis_server_on_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(redis_client, "CHECK_IDLE_S", 3600.0)
+    server = RedisServer(executable=redis_server_on_path).start()
+    backend = RedisBackend.from_url(server.url)
+    try:
+        cycle(backend, "concurrency:k", "before")
+        server.stop()
+        with pytest.raises(BackendUnavailable):
+            backend.acquire(Stake("concurrency:k", "after", limit=1, ttl_ms=MINUTE))
+    finally:
+        backend.close()
+        server.close()

@@ -133,6 +133,11 @@ def slow_call_warning(
     return " ".join(found) or None
 
 
+#: A thread's own connection is checked before a call (:meth:`ThreadClients.here`) only if the thread
+#: made no call in this many seconds, as redis-py's ``health_check_interval`` checks an idle one.
+CHECK_IDLE_S = 0.1
+
+
 class ThreadClients:
     """A client per thread for the script calls of a backend on ``client``, each on one connection of
     ``client``'s pool, held while its thread lives (given back to the pool when the thread ends).
@@ -143,6 +148,13 @@ class ThreadClients:
     so; a thread beyond them, and every thread of a Redis Cluster client, use ``client`` itself. Each
     thread's client is made on its first call (BackendUnavailable if Redis cannot be reached then:
     made again on the next call), and again on the first call of a forked child.
+
+    A connection Redis closed (a restart, an idle timeout, ``CLIENT KILL``) is found before a call
+    that comes :data:`CHECK_IDLE_S` or more after the thread's last one, as the pool finds one before
+    it lends it. The check is a system call that lets go of the GIL, which under eight busy worker
+    threads costs more than the lock it replaced; a thread calling more often uses its connection
+    unchecked, and a call that fails with a ConnectionError (what a closed connection gives) runs
+    once more on a new one (:class:`_OwnClient`), as redis-py's retry of connection errors would.
     """
 
     def __init__(self, client: RedisClient) -> None:
@@ -153,25 +165,29 @@ class ThreadClients:
         self._pid = os.getpid()
 
     def here(self) -> RedisClient:
-        """The client of the calling thread, its connection checked as the pool checks one it lends:
-        one that Redis closed (a restart, an idle timeout) is closed here and opened again by the
-        next command."""
+        """The client of the calling thread; after :data:`CHECK_IDLE_S` without a call, its connection
+        checked as the pool checks one it lends: one that Redis closed is closed here and opened
+        again by the next command."""
         local = self._local
         if local.__dict__.get("pid") != os.getpid():
             made = local.client = self._make()
             local.connection = (
                 made.connection if made is not self.client and isinstance(made, redis.Redis) else None
             )
-            local.pid = os.getpid()
-        connection = local.connection
-        # (redis-py's `_sock`: only a connected one is asked; asking one that is not would connect it)
-        if connection is not None and getattr(connection, "_sock", None) is not None:
-            try:
-                stale = connection.can_read()  # a reply nobody asked for, or the end of the stream
-            except (redis.ConnectionError, redis.TimeoutError, OSError):
-                stale = True
-            if stale:
-                connection.disconnect()  # and its next command connects again
+            local.pid, local.called = os.getpid(), 0.0
+        connection, last = local.connection, local.called
+        local.called = now = time.monotonic()
+        if connection is not None:  # the thread's own (a shared client is used as it is)
+            # (redis-py's `_sock`: only a connected one is asked; asking one that is not would connect it)
+            connected = getattr(connection, "_sock", None) is not None
+            local.client.unchecked = connected and now - last < CHECK_IDLE_S
+            if connected and not local.client.unchecked:
+                try:
+                    stale = connection.can_read()  # a reply nobody asked for, or the end of the stream
+                except (redis.ConnectionError, redis.TimeoutError, OSError):
+                    stale = True
+                if stale:
+                    connection.disconnect()  # and its next command connects again
         client: RedisClient = local.client
         return client
 
@@ -188,7 +204,7 @@ class ThreadClients:
             self._held += 1
         try:
             with reachable():
-                own = redis.Redis(connection_pool=pool, single_connection_client=True)
+                own = _OwnClient(connection_pool=pool, single_connection_client=True)
         except BaseException:
             self._given_back(os.getpid())
             raise
@@ -200,6 +216,26 @@ class ThreadClients:
         with self._lock:
             if self._pid == pid:
                 self._held -= 1
+
+
+class _OwnClient(redis.Redis):
+    """A thread's client (:class:`ThreadClients`), on one connection of its own: a call made on it
+    unchecked that fails with a ConnectionError (redis-py closed the connection) runs once more, on a
+    new connection, as it would have after the check found the connection closed. A timeout is not
+    tried again (Redis may have run the call), and neither is the second try's failure."""
+
+    #: Whether the next call uses the connection unchecked (set by :meth:`ThreadClients.here`).
+    unchecked = False
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        execute: Callable[..., Any] = super().execute_command  # untyped in redis-py
+        if not self.unchecked:
+            return execute(*args, **options)
+        self.unchecked = False
+        try:
+            return execute(*args, **options)
+        except redis.ConnectionError:
+            return execute(*args, **options)
 
 
 class ReplicaWaits(NamedTuple):
