@@ -88,7 +88,7 @@ class RedisBackend(RedisStore):
         sent = time.monotonic()  # the result's valid_from: Redis counts the ttl from later
         call = self._script_call(key, stake.limit, own)
         [reply] = run_scripts(
-            self.clients.here(), self.scripts, [call], zadd_first=index, replicas=self.replicas
+            self.client, self.scripts, [call], zadd_first=index, replicas=self.replicas, own=self.clients
         )
         return self._acquire_reply(key, reply, sent)
 
@@ -98,7 +98,7 @@ class RedisBackend(RedisStore):
             return []
         calls = [self._script_call(s.key, s.limit, self._acquire_args(s, None)) for s in stakes]
         sent = time.monotonic()
-        replies = run_scripts(self.clients.here(), self.scripts, calls, replicas=self.replicas)
+        replies = run_scripts(self.client, self.scripts, calls, replicas=self.replicas, own=self.clients)
         return [self._acquire_reply(s.key, reply, sent) for s, reply in zip(stakes, replies, strict=True)]
 
     def reserve_and_enqueue(self, stake: Stake, push: Enqueue) -> AcquireResult | None:
@@ -208,7 +208,9 @@ class RedisBackend(RedisStore):
             calls.append((self.scripts["renew"], keys, args))
         renewed = [False] * len(leases)
         replies = (
-            run_scripts(self.clients.here(), self.scripts, calls, replicas=self.replicas) if calls else []
+            run_scripts(self.client, self.scripts, calls, replicas=self.replicas, own=self.clients)
+            if calls
+            else []
         )
         for chunk, reply in zip(chunks, replies, strict=True):
             for i, answer in zip(chunk, reply, strict=True):
@@ -222,7 +224,7 @@ class RedisBackend(RedisStore):
         if not releases:
             return []
         calls = [self._release_call(*release) for release in releases]
-        replies = run_scripts(self.clients.here(), self.scripts, calls, replicas=self.replicas)
+        replies = run_scripts(self.client, self.scripts, calls, replicas=self.replicas, own=self.clients)
         return [release_of(key, reply) for (key, *_), reply in zip(releases, replies, strict=True)]
 
     def give_back(self, key: str, holder: str, *, limit: int | None) -> ReleaseResult:
@@ -312,7 +314,7 @@ class RedisBackend(RedisStore):
         call = self._script_call(key, 1, own)
         index = (self._index, key) if self._in_cluster() else None  # the index entry first, as a park's
         [(superseded, due_in)] = run_scripts(
-            self.clients.here(), self.scripts, [call], zadd_first=index, replicas=self.replicas
+            self.client, self.scripts, [call], zadd_first=index, replicas=self.replicas, own=self.clients
         )
         return tuple(text(w) for w in superseded), int(due_in)
 
@@ -336,7 +338,7 @@ class RedisBackend(RedisStore):
         for first in range(0, len(keys), self.SWEEP_BATCH):
             batch = keys[first : first + self.SWEEP_BATCH]
             calls = [self._script_call(key, limit, layout.SweepArgs()) for key, limit in batch]
-            replies = run_scripts(self.clients.here(), self.scripts, calls)
+            replies = run_scripts(self.client, self.scripts, calls, own=self.clients)
             results.extend(release_of(key, r) for (key, _), r in zip(batch, replies, strict=True))
         return results
 
@@ -346,7 +348,7 @@ class RedisBackend(RedisStore):
         if self._in_cluster():
             return Due(self.waiting_keys())
         call = (self.scripts["due"], [self._index], [within_ms, *prompt])
-        [(due, ahead)] = run_scripts(self.clients.here(), self.scripts, [call])
+        [(due, ahead)] = run_scripts(self.client, self.scripts, [call], own=self.clients)
         return Due([text(k) for k in due], None if ahead is None else int(ahead))
 
     def set_limit(self, key: str, limit: int | None, *, default: int | None = 1) -> ReleaseResult:

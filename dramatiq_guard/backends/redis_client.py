@@ -274,17 +274,19 @@ def run_scripts(
     *,
     zadd_first: tuple[str, str] | None = None,
     replicas: ReplicaWaits | None = None,
+    own: ThreadClients | None = None,
 ) -> list[Any]:
     """Run several scripts in one pipelined round trip, optionally after a ZADD ``(index, member)``.
 
     Calls refused for want of their code did nothing: it is loaded and they run again. With
     ``replicas``, each pipeline ends with a ``WAIT`` (:class:`ReplicasBehind`, after every call
     ran): on a Redis Cluster one pipeline per node, and a call refused with MOVED or ASK (a
-    failover moved its slot) runs once more on the new owner.
+    failover moved its slot) runs once more on the new owner. ``own``: the clients of ``client``'s
+    threads; a lone call runs on the calling thread's (a pipeline takes a pool connection anyway).
     """
     if replicas is None or replicas.replicas <= 0:
         if len(calls) == 1 and zadd_first is None:  # a call costs less CPU than a pipeline of one
-            return [run_script(client, library, *calls[0])]
+            return [run_script(client if own is None else own.here(), library, *calls[0])]
         return _run_pipelined(client, library, client, calls, zadd_first, None)
     if not isinstance(client, redis.cluster.RedisCluster):
         return _run_pipelined(client, library, client, calls, zadd_first, replicas)

@@ -24,7 +24,6 @@ from dramatiq_guard.backends.redis_client import (
     Timeouts,
     data,
     reachable,
-    run_script,
     run_scripts,
     slow_call_warning,
     text,
@@ -220,9 +219,8 @@ class RedisStore(GuardBackend):
 
     def _call(self, script: LuaScript, keys: list[str], args: list[Any]) -> Any:
         """Run one script; with replica waits, followed by a ``WAIT`` on its connection."""
-        if self.replicas is None:
-            return run_script(self.clients.here(), self.scripts, script, keys, args)
-        [reply] = run_scripts(self.client, self.scripts, [(script, keys, args)], replicas=self.replicas)
+        calls = [(script, keys, args)]
+        [reply] = run_scripts(self.client, self.scripts, calls, replicas=self.replicas, own=self.clients)
         return reply
 
     # -- the reads ----------------------------------------------------------------------------
