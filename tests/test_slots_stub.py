@@ -22,7 +22,7 @@ from dramatiq_guard.backends.memory import MemoryBackend
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.slots import Concurrency, Mutex, MutexWaitTimeout
-from dramatiq_guard.middleware.slots.standbys import DEFAULT_LOOKAHEAD, Standbys
+from dramatiq_guard.middleware.slots.standbys import DEFAULT_LOOKAHEAD, Standbys, StandbySeats
 from dramatiq_guard.testing import join, parked_count
 
 
@@ -686,6 +686,44 @@ def test_a_worker_lets_half_its_threads_block_as_standbys(env: Env) -> None:
     assert [seats.take() for _ in range(5)] == [True, True, True, True, False]
     seats.give_back()
     assert seats.take() is True
+
+
+class _SeenWaiting(threading.Condition):
+    """A seat's condition that says when a thread starts to wait on it."""
+
+    def __init__(self) -> None:
+        super().__init__(threading.Lock())
+        self.waiting = threading.Event()
+
+    def wait_for(self, predicate: Any, timeout: float | None = None) -> Any:
+        if not predicate():
+            self.waiting.set()
+        return super().wait_for(predicate, timeout)
+
+
+def test_a_standby_picked_up_with_every_seat_taken_gets_the_next_one_given_back() -> None:
+    """A process can fetch more standbys than it has seats: one picked up then waits for a seat (a
+    standby blocked on one gets its slot) instead of parking again at once, a broker pickup more."""
+    seats = StandbySeats(1)
+    assert seats.take() is True
+    seen = seats._freed = _SeenWaiting()
+    taken: list[bool] = []
+    late = threading.Thread(target=lambda: taken.append(seats.take(wait_s=60)))
+    late.start()
+    assert seen.waiting.wait(timeout=30)  # every seat taken: it waits
+    seats.give_back()
+    late.join(timeout=30)
+    assert taken == [True]
+    assert seats.take() is False  # the seat went to it
+
+
+def test_a_standby_waits_for_a_seat_no_longer_than_asked() -> None:
+    """Waiting for a seat keeps the thread from other work: bounded, then the standby parks again."""
+    seats = StandbySeats(1)
+    assert seats.take() is True
+    assert seats.take(wait_s=0.01) is False
+    seats.give_back()
+    assert seats.take(wait_s=0.01) is True
 
 
 def test_standby_threads_given_is_the_most_for_every_standby(restore_global_broker: None) -> None:

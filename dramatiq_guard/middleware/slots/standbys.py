@@ -17,25 +17,33 @@ from dramatiq_guard.middleware.slots.waits import block_for_slot
 DEFAULT_LOOKAHEAD = 16
 
 
+#: How long a standby picked up while every seat of its process is taken waits for one before it
+#: parks again (a broker pickup more): Dramatiq's consumers do not share the standbys out evenly, so
+#: a process can fetch more of them than it has seats, and a seat frees as soon as a standby blocked
+#: on one gets its slot (docs/slots.md, "Standbys").
+SEAT_WAIT_S = 0.02
+
+
 class StandbySeats:
     """How many threads of this process may block as standbys at once (``standby_threads``)."""
 
     def __init__(self, seats: int) -> None:
         self.seats = seats
         self._taken = 0
-        self._lock = threading.Lock()
+        self._freed = threading.Condition(threading.Lock())
 
-    def take(self) -> bool:
-        """Take a seat for this thread, unless all are taken."""
-        with self._lock:
-            if self._taken >= self.seats:
+    def take(self, wait_s: float = 0.0) -> bool:
+        """Take a seat for this thread; if all are taken, wait up to ``wait_s`` for one to be given back."""
+        with self._freed:
+            if not self._freed.wait_for(lambda: self._taken < self.seats, wait_s):
                 return False
             self._taken += 1
             return True
 
     def give_back(self) -> None:
-        with self._lock:
+        with self._freed:
             self._taken -= 1
+            self._freed.notify()
 
 
 class Standbys:
@@ -71,9 +79,10 @@ def wait_as_standby(
     """Block as a standby until a slot is handed to the message, up to ``wait_ms``.
 
     Returns the acquired result, or a parked one: it parks again in its place when ``wait_ms``
-    passes, at the back if its entry lapsed meanwhile, and at once when every seat is taken.
+    passes, at the back if its entry lapsed meanwhile, and when every seat stays taken for
+    :data:`SEAT_WAIT_S`.
     """
-    if not seats.take():
+    if not seats.take(SEAT_WAIT_S):
         result = claim.acquire(Waiter(payload=payload))
         deliver(result.handoffs)
         return result
