@@ -22,6 +22,7 @@ from dramatiq_guard.backends.memory import MemoryBackend
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.lease import Lease
 from dramatiq_guard.middleware.slots import Concurrency, Mutex, MutexWaitTimeout
+from dramatiq_guard.middleware.slots.limits import ACTOR_LIMIT_PREFIX, ActorLimits
 from dramatiq_guard.middleware.slots.standbys import DEFAULT_LOOKAHEAD, Standbys, StandbySeats
 from dramatiq_guard.testing import join, parked_count
 
@@ -335,6 +336,37 @@ def test_a_per_actor_default_limit_set_at_run_time(env: Env) -> None:
     env.concurrency.set_actor_limit(job, None)  # back to 5: the sweep hands the slot on
     assert parked_count(env.broker) == 0
     assert env.broker.queues[job.queue_name].qsize() == 1
+
+
+def test_an_expired_run_time_limit_is_read_by_one_thread_while_the_others_use_the_last() -> None:
+    """When the cached limit expires, every worker thread asks for it: one reads it from the backend
+    (a round trip in its message's path), the others go on with the last value meanwhile."""
+    backend = MemoryBackend()
+    backend.set_limit(f"{ACTOR_LIMIT_PREFIX}:job", 3, default=0)
+    limits = ActorLimits(cache_ms=0)  # expired as soon as read
+    assert limits.get(backend, "job") == 3
+    backend.set_limit(f"{ACTOR_LIMIT_PREFIX}:job", 4, default=0)
+    reading, answer = threading.Event(), threading.Event()
+    reads: list[str] = []
+    read = backend.get_limit
+
+    def slow_read(key: str) -> int | None:
+        reads.append(key)
+        reading.set()
+        assert answer.wait(30)
+        return read(key)
+
+    backend.get_limit = slow_read  # type: ignore[method-assign]
+    got: list[int | None] = []
+    reader = threading.Thread(target=lambda: got.append(limits.get(backend, "job")))
+    reader.start()
+    assert reading.wait(30)
+    assert limits.get(backend, "job") == 3  # the last value, no second read
+    answer.set()
+    reader.join(30)
+    assert got == [4] and len(reads) == 1
+    backend.get_limit = read  # type: ignore[method-assign]
+    assert limits.get(backend, "job") == 4  # expired again: read again
 
 
 def test_mutex_drop_five_sends_during_a_run_give_one_run(env: Env) -> None:

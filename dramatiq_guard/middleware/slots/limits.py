@@ -20,11 +20,13 @@ ACTOR_LIMIT_PREFIX = "concurrency-default"
 
 
 class ActorLimits:
-    """Actors' run-time default limits, each read from the backend used for ``cache_ms``."""
+    """Actors' run-time default limits, each read from the backend used for ``cache_ms``, by one
+    thread at a time: while it reads, the others use the value it replaces."""
 
     def __init__(self, cache_ms: int) -> None:
         self.cache_ms = cache_ms
         self._cache: dict[str, tuple[float, int | None]] = {}
+        self._reading = threading.Lock()
 
     @staticmethod
     def read(backend: GuardBackend, actor_name: str) -> int | None:
@@ -36,14 +38,17 @@ class ActorLimits:
         cannot be reached (the operation that needs it fails closed, or open, there next)."""
         now = time.monotonic()
         cached = self._cache.get(actor_name)
-        if cached is None or cached[0] <= now:
-            try:
-                value = self.read(backend, actor_name)
-            except BackendUnavailable:
-                return None if cached is None else cached[1]
-            cached = (now + self.cache_ms / 1000, value)
-            self._cache[actor_name] = cached
-        return cached[1]
+        if cached is not None and (cached[0] > now or not self._reading.acquire(blocking=False)):
+            return cached[1]  # fresh, or another thread is reading it
+        try:
+            value = self.read(backend, actor_name)
+        except BackendUnavailable:
+            return None if cached is None else cached[1]
+        finally:
+            if cached is not None:
+                self._reading.release()
+        self._cache[actor_name] = (now + self.cache_ms / 1000, value)
+        return value
 
     def set(self, backend: GuardBackend, actor_name: str, limit: int | None) -> None:
         """Set (None: clear) the actor's run-time default limit, for every process."""
