@@ -13,7 +13,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from typing import TypeVar
 
 from dramatiq_guard.backends.base import GuardBackend
 
@@ -85,93 +85,119 @@ _marking = threading.Lock()
 
 
 class LeaseHandle:
-    """A lease registered with the renewer (made by :meth:`LeaseRenewer.register`, which says its parameters).
+    """A lease the renewer keeps time for (:meth:`LeaseRenewer.register` makes one; a
+    :class:`~dramatiq_guard.Lease` is one).
+
+    It is held ``ttl_ms`` from ``valid_from`` (``time.monotonic()``; None: now), or ``valid_for_ms``
+    when less (a slot taken by a wake keeps its reservation's deadline: renewed a third of the way
+    into that, so a short job costs no renewal); and at most ``cap_ms`` (None: no cap): it is not
+    renewed when the acquire's own deadline is the cap, and it is ended on the backend and marked
+    lost when the cap passes.
 
     Attributes:
-      valid_until(float): The lease's known-valid time (``time.monotonic()``),
-        moved forward by each renewal that comes back.
-      on_lost(list[Callable[[LeaseHandle], None]]): Called once, when the
-        lease is found lost (on the renewer thread, or on a thread that read
-        :attr:`lost` after the known-valid time). Exceptions are logged.
+      valid_until(float): The lease's known-valid time (``time.monotonic()``), moved forward by
+        each renewal that comes back, never past the cap's.
     """
 
     def __init__(
         self,
-        renewer: LeaseRenewer,
         backend: GuardBackend,
         key: str,
         holder: str,
         ttl_ms: int,
+        *,
         valid_for_ms: int | None = None,
         valid_from: float | None = None,
+        cap_ms: int | None = None,
     ) -> None:
+        if ttl_ms <= 0:
+            raise ValueError(f"a lease ttl must be a positive number of milliseconds, got {ttl_ms!r}")
         self.backend = backend
         self.key = key
         self.holder = holder
         self.ttl_ms = ttl_ms
-        self.on_lost: list[Callable[[LeaseHandle], None]] = []
-        self._renewer = renewer
-        self._marked = False  # lost; _lost is set once the on_lost callbacks ran
+        self.cap_ms = cap_ms
         self._lost = LostFlag()
+        self._renewer: LeaseRenewer | None = None  # the one that keeps its time, once added
         # Set by register, cleared by unregister (under the renewer's lock): whether
         # the lease is judged by time (a lease unregistered to be released is not).
         self._active = False
         now = time.monotonic()
         start = valid_from if valid_from is not None and valid_from < now else now
-        # Guarded by the renewer's lock. A lease that starts with less than its ttl (a hand-off
-        # reservation) is renewed a third of the way into it: a short job costs no renewal.
+        # Guarded by the renewer's lock.
         valid_ms = renew_ms = ttl_ms
         if valid_for_ms is not None:
             valid_ms, renew_ms = valid_for_ms, min(ttl_ms, valid_for_ms)
         self.due = start + renew_ms / 3000
         self.valid_until = known_valid_until(start, valid_ms)
+        # Past this the cap has surely passed on the backend too: the lease ends.
+        self._cap_until = math.inf
+        if cap_ms is not None:
+            self._cap_until = known_valid_until(start, cap_ms)
+            self.valid_until = min(self.valid_until, self._cap_until)
+            if cap_ms <= ttl_ms and valid_for_ms is None:
+                self.due = math.inf  # the acquire's own deadline is the cap: nothing to renew
 
     @property
     def lost(self) -> bool:
         """Whether the lease is lost: found so, or (while registered) past its known-valid time,
-        which marks it lost at once (:meth:`mark_lost`), for good."""
-        if self._marked:
+        which marks it lost at once, for good."""
+        if self._lost.value:
             return True
         if self._active and time.monotonic() >= self.valid_until:
-            self.mark_lost(_NOT_RENEWED)
+            self._lapse()
             return True
         return False
 
     def wait_lost(self, timeout: float | None = None) -> bool:
-        """Block until the lease is lost (its ``on_lost`` callbacks ran) or ``timeout`` s pass."""
+        """Block until the lease is found lost or ``timeout`` seconds pass; return whether it is lost."""
         return self._lost.wait(timeout) or self.lost
 
     def unregister(self) -> None:
         """Stop renewing this lease (call it before releasing the lease)."""
-        self._renewer.unregister(self)
+        if self._renewer is not None:
+            self._renewer.unregister(self)
 
-    def mark_lost(self, why: str | None = None) -> None:
-        """Record that the lease is lost, stop renewing it and run the ``on_lost`` callbacks once;
-        ``why``, if given, is logged as a WARNING (once, by whoever marks it first)."""
+    def mark_lost(self, why: str | None = None) -> bool:
+        """Record that the lease is lost and stop renewing it; ``why``, if given, is logged as a
+        WARNING by whoever marks it first. Returns whether this call marked it."""
         with _marking:
-            first = not self._marked
-            self._marked = True
+            first = not self._lost.value
+            self._lost.value = True
         # Unregistered after it is marked: a reader never finds it neither renewed nor lost.
-        self._renewer.unregister(self)
-        if not first:
-            return
-        try:
+        self.unregister()
+        if first:
             if why is not None:
                 logger.warning("The lease of %r on guard key %r was lost: %s.", self.holder, self.key, why)
-            for callback in list(self.on_lost):
-                try:
-                    callback(self)
-                except Exception:
-                    logger.exception(
-                        "An on_lost callback of the lease of %r on %r failed.", self.holder, self.key
-                    )
-        finally:
-            self._lost.set()  # wait_lost() returns once the callbacks ran
+            self._lost.set()  # wakes wait_lost()
+        return first
+
+    def _lapse(self) -> None:
+        """Its known-valid time passed: it is lost; at its cap, it is also ended on the backend now
+        (on a thread of its own: a silent backend holds back no other lease)."""
+        if self.valid_until < self._cap_until:
+            self.mark_lost(_NOT_RENEWED)
+        elif self.mark_lost(f"it reached its ttl of {self.cap_ms} ms"):
+            threading.Thread(
+                target=self._end_on_backend, name="dramatiq-guard-lease-end", daemon=True
+            ).start()
+
+    def _end_on_backend(self) -> None:
+        try:
+            # A renewal to 0 ms ends the lease now; the next operation on the key reclaims it.
+            self.backend.renew(self.key, self.holder, ttl_ms=0)
+        except Exception:
+            logger.warning(
+                "Could not end the capped lease of %r on %r.", self.holder, self.key, exc_info=True
+            )
 
     def __repr__(self) -> str:
         return (
             f"LeaseHandle(key={self.key!r}, holder={self.holder!r}, ttl_ms={self.ttl_ms}, lost={self.lost})"
         )
+
+
+H = TypeVar("H", bound=LeaseHandle)
 
 
 class LeaseRenewer:
@@ -199,28 +225,21 @@ class LeaseRenewer:
         *,
         valid_for_ms: int | None = None,
         valid_from: float | None = None,
-        lost: LostFlag | None = None,
     ) -> LeaseHandle:
-        """Start renewing a lease that was just acquired, every third of ``ttl_ms``.
+        """Start renewing a lease that was just acquired, every third of ``ttl_ms`` (the parameters
+        are :class:`LeaseHandle`'s). Returns the handle to watch (``lost``) and to unregister;
+        :class:`ValueError` if ``ttl_ms`` is not positive."""
+        return self.add(
+            LeaseHandle(backend, key, holder, ttl_ms, valid_for_ms=valid_for_ms, valid_from=valid_from)
+        )
 
-        ``valid_from``: :attr:`AcquireResult.valid_from <dramatiq_guard.backends.AcquireResult>`
-        (None: now). ``valid_for_ms``: how long the lease is held from then without renewal, when
-        less than ``ttl_ms`` (a slot taken by a wake keeps its reservation's deadline). ``lost``: the
-        flag to set once the lease is found lost and its ``on_lost`` callbacks ran (the handle's
-        ``wait_lost`` waits for it; None: a flag of its own), such as the :class:`~dramatiq_guard.Lease`'s
-        own. Returns the handle to watch (``lost``) and to unregister; :class:`ValueError` if
-        ``ttl_ms`` is not positive.
-        """
-        if ttl_ms <= 0:
-            raise ValueError(f"a lease ttl must be a positive number of milliseconds, got {ttl_ms!r}")
-        handle = LeaseHandle(self, backend, key, holder, ttl_ms, valid_for_ms, valid_from)
-        if lost is not None:
-            handle._lost = lost  # before anyone sees the handle
+    def add(self, handle: H) -> H:
+        """Start keeping time for ``handle`` (a lease just acquired), and return it."""
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the lease renewer was stopped")
             self._leases.add(handle)
-            handle._active = True
+            handle._renewer, handle._active = self, True
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="dramatiq-guard-renewer", daemon=True)
                 self._thread.start()
@@ -263,7 +282,7 @@ class LeaseRenewer:
                     self._changed.wait(None if next_at is None else max(0.0, next_at - time.monotonic()))
                     self._sleeping_until = -math.inf  # awake: it looks at every lease before sleeping
             for handle in lapsed:
-                handle.mark_lost(_NOT_RENEWED)
+                handle._lapse()
             for batch in batches:
                 threading.Thread(
                     target=self._renew, args=(batch,), name="dramatiq-guard-renewal", daemon=True
@@ -313,7 +332,7 @@ class LeaseRenewer:
                 if now >= handle.valid_until:
                     lapsed.append(handle)  # came back too late: it may have lapsed meanwhile
                 elif renewed is not None and renewed[i]:
-                    handle.valid_until = known_valid_until(sent, handle.ttl_ms)
+                    handle.valid_until = min(known_valid_until(sent, handle.ttl_ms), handle._cap_until)
                     handle.due = sent + handle.ttl_ms / 3000
                 elif renewed is None:
                     handle.due = min(handle.valid_until, now + min(RETRY_S, handle.ttl_ms / 3000))

@@ -280,8 +280,8 @@ class ComposedModel(MarksFailure, RuleBasedStateMachine):
         """The run's worker dies: its leases are never renewed again, nor released; no ack."""
         message = self.running.pop(mid)
         for held in execution_state(message).data.values():
-            if isinstance(held, Held) and held.lease._handle is not None:
-                held.lease._handle.unregister()
+            if isinstance(held, Held):
+                held.lease.unregister()
         self.done.add(mid)
         self.killed.add(mid)
 

@@ -92,8 +92,8 @@ def test_a_lost_lease_is_raised_at_release_and_the_next_token_is_higher(redis_ur
     backend = RedisBackend.from_url(redis_url)
     first = Lock("report", redis=backend, lease_ttl=200)
     assert first.acquire(blocking=False)
-    assert first.lease is not None and first.lease._handle is not None
-    first.lease._handle.unregister()  # the holder stalls: no more renewals
+    assert first.lease is not None
+    first.lease.unregister()  # the holder stalls: no more renewals
     second = Lock("report", redis=backend)
     assert second.acquire(blocking_timeout=30)  # handed over once the stalled lease lapses
     assert second.lease is not None and second.lease.token > first.lease.token
