@@ -11,29 +11,82 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
+from dramatiq_guard.admin import parse_limit
+from dramatiq_guard.bounds import MAX_COUNT, MAX_RETENTION_MS
 from dramatiq_guard.cli import commands as c
 from dramatiq_guard.cli.common import (
-    BROKER,
     DEFAULT_NAMESPACE,
     LEDGER_URL_ENV,
     PROG,
-    Arg,
     Context,
     OperationalError,
     UsageError,
-    Verb,
-    _arg,
-    _duration_arg,
-    _limit_arg,
-    _switch,
-    _verb,
-    parse_duration,
 )
 from dramatiq_guard.resolve import DEFAULT_REDIS_URL, REDIS_URL_ENV
 
 __all__ = ["REDIS_URL_ENV", "Context", "build_parser", "main", "parse_duration"]
 
 # -- the parser ---------------------------------------------------------------
+
+_DURATION_RE = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d|w)?\s*$")
+_UNITS_MS = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
+
+
+def parse_duration(text: str) -> int:
+    """A duration such as ``30d``, ``12h``, ``15m``, ``90s``, ``500ms`` (a bare number: seconds) in
+    milliseconds; else a ValueError."""
+    match = _DURATION_RE.match(text)
+    if match is None:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 30d, 12h, 15m, 90s, 500ms)")
+    return int(match.group(1)) * _UNITS_MS[match.group(2) or "s"]
+
+
+def _duration_arg(text: str) -> int:
+    """A ledger age (``--older-than``): at most 100 years."""
+    try:
+        value = parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value > MAX_RETENTION_MS:
+        raise argparse.ArgumentTypeError(
+            f"a duration must be at most {MAX_RETENTION_MS // 86_400_000}d, got {text!r}"
+        )
+    return value
+
+
+def _limit_arg(text: str) -> int:
+    value = parse_limit(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"a limit must be an integer >= 0 and <= {MAX_COUNT}, got {text!r}")
+    return value
+
+
+Arg = tuple[list[str], dict[str, Any]]
+#: A verb: its name, help, what runs it (or its actions), its arguments, the parser's other keywords.
+Verb = tuple[str, str, Any, list[Arg], dict[str, Any]]
+
+
+def _arg(spec: str, help: str, **kw: Any) -> Arg:
+    """An argument of ``"--flag METAVAR"`` or ``"dest METAVAR"`` (a last word in capitals: the metavar)."""
+    names = spec.split()
+    if len(names) > 1 and names[-1].isupper():
+        kw.setdefault("metavar", names.pop())
+    return names, {"help": help, **kw}
+
+
+def _switch(spec: str, help: str) -> Arg:
+    return _arg(spec, help, action="store_true")
+
+
+def _verb(name: str, help: str, run: Any, *arguments: Arg, **kw: Any) -> Verb:
+    return name, help, run, list(arguments), kw
+
+
+BROKER = _arg(
+    "--broker MODULE:ATTR",
+    "your app's broker (e.g. myapp.tasks:broker), to re-enqueue parked messages that get a slot",
+)
+
 
 JSON = _switch("--json", "print JSON")
 KEY = _arg("target KEY", "the guard key (omit with --actor)", nargs="?")
