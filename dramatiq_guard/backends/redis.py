@@ -131,7 +131,7 @@ class RedisBackend(RedisStore):
             payload=b"" if wait is None or wait.payload is None else wait.payload,
             wait_ms=0 if wait is None else wait.wait_ms,
             info=stake.info or "",
-            generation="" if stake.generation is None else stake.generation,
+            generation=_generation(stake.generation),
             fenced="1" if stake.fenced else "0",
             runner=stake.runner or "",
             priority=stake.priority,
@@ -238,45 +238,39 @@ class RedisBackend(RedisStore):
     def confirm_handoff(
         self, key: str, waiter_id: str, *, ttl_ms: int, generation: int | None = None
     ) -> bool:
-        check_ms(ttl_ms, "ttl_ms")
-        own = layout.ConfirmHandoffArgs(waiter_id, ttl_ms, "" if generation is None else generation)
-        return bool(self._run(key, 0, own))
+        return self._confirm(key, layout.ConfirmArgs("handoff", waiter_id, ttl_ms, _generation(generation)))
+
+    def confirm_standby(
+        self, key: str, waiter_id: str, payload: bytes, *, ttl_ms: int, generation: int | None = None
+    ) -> bool:
+        own = layout.ConfirmArgs("standby", waiter_id, ttl_ms, _generation(generation), payload)
+        return self._confirm(key, own)
 
     def enqueue_and_confirm(
         self, handoff: Handoff, push: Enqueue, *, ttl_ms: int, standby: bool = False
     ) -> bool | None:
-        """``lua/deliver.lua`` (on a standalone Redis only: the queue is in another slot)."""
-        check_ms(ttl_ms, "ttl_ms")
+        """``lua/confirm.lua`` with the push (on a standalone Redis only: the queue is in another slot)."""
         if self._in_cluster():
+            check_ms(ttl_ms, "ttl_ms")
             return None
-        own = layout.DeliverArgs(
-            op="standby" if standby else "handoff",
-            waiter=handoff.waiter_id,
-            ttl_ms=ttl_ms,
-            generation="" if handoff.generation is None else handoff.generation,
-            payload=(handoff.payload or b"") if standby else b"",
-            message_id=push.message_id,
-            data=push.data,
-        )
-        script, args = self.scripts["deliver"], self._args(0, *own)
-        return bool(self._call(script, self._keys_with_push(handoff.key, push), args))
+        own = layout.ConfirmArgs(
+            "standby" if standby else "handoff", handoff.waiter_id, ttl_ms, _generation(handoff.generation),
+            (handoff.payload or b"") if standby else b"", push.message_id, push.data,
+        )  # fmt: skip
+        return self._confirm(handoff.key, own, push)
+
+    def _confirm(self, key: str, own: layout.ConfirmArgs, push: Enqueue | None = None) -> bool:
+        """``lua/confirm.lua``: a hand-off's or standby's copy is on the broker (pushed first: ``push``)."""
+        check_ms(own.ttl_ms, "ttl_ms")
+        keys = self._keys(key) if push is None else self._keys_with_push(key, push)
+        return bool(self._call(self.scripts["confirm"], keys, self._args(0, *own)))
 
     def send_standbys(
         self, key: str, *, limit: int | None, count: int
     ) -> tuple[tuple[Handoff, ...], tuple[Handoff, ...]]:
         check_count(count, "count")
-        handoffs, sent = self._run(key, limit, layout.StandbyArgs(op="send", standbys=count))
+        handoffs, sent = self._run(key, limit, layout.StandbyArgs(count))
         return handoffs_of(key, handoffs), handoffs_of(key, sent)
-
-    def confirm_standby(
-        self, key: str, waiter_id: str, payload: bytes, *, ttl_ms: int, generation: int | None = None
-    ) -> bool:
-        check_ms(ttl_ms, "ttl_ms")
-        gen = "" if generation is None else generation
-        own = layout.StandbyArgs(
-            op="confirm", waiter=waiter_id, ttl_ms=ttl_ms, payload=payload, generation=gen
-        )
-        return bool(self._run(key, 0, own))
 
     def wait_for_handoff(self, key: str, waiter_id: str, *, timeout_ms: int) -> Woken | None:
         """BLPOPs on the waiter's wake list, each ending before the client's ``socket_timeout``."""
@@ -326,7 +320,7 @@ class RedisBackend(RedisStore):
         self, key: str, waiter_id: str, *, limit: int | None, generation: int | None = None
     ) -> ReleaseResult:
         self._check_waiter(waiter_id)
-        own = layout.CancelWaitArgs(waiter_id, "" if generation is None else generation)
+        own = layout.CancelWaitArgs(waiter_id, _generation(generation))
         return release_of(key, self._run(key, limit, own))
 
     def sweep(self, key: str, *, limit: int | None) -> ReleaseResult:
@@ -370,3 +364,8 @@ class RedisBackend(RedisStore):
             with reachable():
                 self.client.srem(self._limits_index, key)
         return result
+
+
+def _generation(generation: int | None) -> int | str:
+    """A generation as the scripts take it: '' for none."""
+    return "" if generation is None else generation

@@ -157,20 +157,14 @@ class ReleaseArgs(NamedTuple):
     reserved_only: str = ""
 
 
-class ConfirmHandoffArgs(NamedTuple):
-    waiter: str
-    ttl_ms: Annotated[int, MS]
-    generation: Annotated[int | str, GENERATION]
-
-
-class DeliverArgs(NamedTuple):
+class ConfirmArgs(NamedTuple):
     op: str
     waiter: str
     ttl_ms: Annotated[int, MS]
     generation: Annotated[int | str, GENERATION]
-    payload: bytes
-    message_id: str
-    data: bytes
+    payload: bytes = b""
+    message_id: str = ""
+    data: bytes = b""
 
 
 class CancelWaitArgs(NamedTuple):
@@ -191,12 +185,7 @@ class InspectArgs(NamedTuple):
 
 
 class StandbyArgs(NamedTuple):
-    op: str
-    standbys: Annotated[int | str, LIMIT._replace(name="count")] = ""
-    waiter: str = ""
-    ttl_ms: Annotated[int | str, MS._replace(optional=True)] = ""
-    payload: bytes = b""
-    generation: Annotated[int | str, GENERATION] = ""
+    standbys: Annotated[int, COUNT._replace(name="count")]
 
 
 class ForgetCopyArgs(NamedTuple):
@@ -257,8 +246,7 @@ class Layout(NamedTuple):
 SCRIPTS: dict[Any, str] = {
     AcquireArgs: "acquire",
     ReleaseArgs: "release",
-    ConfirmHandoffArgs: "confirm_handoff",
-    DeliverArgs: "deliver",
+    ConfirmArgs: "confirm",
     CancelWaitArgs: "cancel_wait",
     SweepArgs: "sweep",
     SetLimitArgs: "set_limit",
@@ -275,8 +263,8 @@ LAYOUTS: dict[str, Layout] = {
     "acquire": Layout(
         args=AcquireArgs._fields, per_key=True, rest="push", more_keys=("QUEUE", "QUEUE_MESSAGES")
     ),
-    # A hand-off's or standby's copy pushed to a RedisBroker queue, and confirmed.
-    "deliver": Layout(args=DeliverArgs._fields, per_key=True, more_keys=("QUEUE", "QUEUE_MESSAGES")),
+    # A hand-off's or standby's copy confirmed; with a push, pushed to a RedisBroker queue first.
+    "confirm": Layout(args=ConfirmArgs._fields, per_key=True, more_keys=("QUEUE", "QUEUE_MESSAGES")),
     "lock": Layout(
         args=LockArgs._fields,
         keys=("holders", "waiters", "reserved", "limit", "token", "info"),

@@ -108,7 +108,7 @@ local function confirm(w, ttl_ms, generation)
 end
 
 -- The copy of standby w sent with `payload` (its generation `generation`, '' for any) is on the
--- broker (standby.lua): if the stored payload is still the one sent, it is dropped; a standby still
+-- broker (confirm.lua): if the stored payload is still the one sent, it is dropped; a standby still
 -- waiting stays in S until ttl_ms from now, one handed a slot keeps it until then. An older
 -- generation's confirmation changes nothing. Returns 1 if the standby (or its slot) holds. After
 -- reclaim().

@@ -3,7 +3,7 @@
 -- Invariants the scripts keep, which let the common paths skip work:
 --   * D's and S's members are in W (never in both); R's are in H (after reclaim) with a payload in
 --     P; P's are in W or R. So with W, P, R, D and S absent nothing is queued. In P and S: a
---     standby being sent (standby.lua).
+--     standby being sent (standby.lua, confirmed by confirm.lua).
 --   * Q's members are D's, scored by their place in W (a queued waiter keeps its place).
 --   * H, T and I, when they exist, expire no earlier than the largest deadline in H.
 -- A script that sets OWNED changes H only through set_holders / drop_holders (finish() re-counts H
