@@ -140,21 +140,15 @@ CHECK_IDLE_S = 0.1
 
 class ThreadClients:
     """A client per thread for the script calls of a backend on ``client``, each on one connection of
-    ``client``'s pool, held while its thread lives (given back to the pool when the thread ends).
+    ``client``'s pool, held while its thread lives (given back to the pool when the thread ends): no
+    pool lock per call (docs/redis.md, "Connections: one per thread", says why and what it measured).
 
-    A call through a shared pool takes the pool's lock twice; with every worker thread calling at
-    once under the GIL that lock convoys, and the broker's own calls (a RedisBroker's client is the
-    guard's by default) wait in the same line. At most half the pool's ``max_connections`` are held
-    so; a thread beyond them, and every thread of a Redis Cluster client, use ``client`` itself. Each
-    thread's client is made on its first call (BackendUnavailable if Redis cannot be reached then:
-    made again on the next call), and again on the first call of a forked child.
-
-    A connection Redis closed (a restart, an idle timeout, ``CLIENT KILL``) is found before a call
-    that comes :data:`CHECK_IDLE_S` or more after the thread's last one, as the pool finds one before
-    it lends it. The check is a system call that lets go of the GIL, and under eight busy worker
-    threads that cost the drains about 5 % of their rate; a thread calling more often uses its
-    connection unchecked, and a call that fails with a ConnectionError (what a closed connection gives) runs
-    once more on a new one (:class:`_OwnClient`), as redis-py's retry of connection errors would.
+    At most half the pool's ``max_connections`` are held so; a thread beyond them, and every thread
+    of a Redis Cluster client, use ``client`` itself. Each thread's client is made on its first call
+    (BackendUnavailable if Redis cannot be reached then: made again on the next call), and again on
+    the first call of a forked child. A connection is checked before a call only after
+    :data:`CHECK_IDLE_S` idle; a call that fails with a ConnectionError on an unchecked one runs once
+    more on a new connection (:class:`_OwnClient`).
     """
 
     def __init__(self, client: RedisClient) -> None:
