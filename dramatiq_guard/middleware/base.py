@@ -108,8 +108,8 @@ class ActorPlan:
     """What a guard middleware keeps of one actor between its messages (:meth:`GuardMiddleware.plan`),
     for ``broker`` and the ``middleware`` list it was made from; each part is asked at its first use.
 
-    ``alone``: whether the middleware is the actor's only enqueue-time guard; ``group``: the actor's
-    slots middlewares that decide together (:func:`~dramatiq_guard.middleware.slots.base.composed`);
+    ``alone``: :meth:`GuardMiddleware.enqueues_alone`'s answer; ``group``: the actor's slots
+    middlewares that decide together (:func:`~dramatiq_guard.middleware.slots.base.composed`);
     ``send``: what each of the actor's sends needs, the capability's own.
     """
 
@@ -190,13 +190,14 @@ class GuardMiddleware(dramatiq.Middleware, Generic[P]):
         return plan
 
     def enqueues_alone(self, broker: Broker, actor_name: str, backend: GuardBackend) -> bool:
-        """Whether this is the only enqueue-time guard of ``actor_name`` on ``broker`` (asked once per
-        :meth:`plan`) and ``backend`` can push its messages itself: its decision and the push may go
-        in one step."""
+        """Whether this is the only enqueue-time guard of ``actor_name`` on ``broker`` and ``backend`` can
+        push its messages itself (asked once per :meth:`plan`): its decision and the push may go in one
+        step."""
         plan = self.plan(broker, actor_name)
-        if plan.alone is None:
-            plan.alone = gate_for(broker).sole_guard(actor_name, self)  # type: ignore[arg-type]
-        return plan.alone and backend.enqueues_on(broker)
+        if plan.alone is None:  # (BackendUnavailable from enqueues_on: asked again at the next call)
+            alone = gate_for(broker).sole_guard(actor_name, self)  # type: ignore[arg-type]
+            plan.alone = alone and backend.enqueues_on(broker)
+        return plan.alone
 
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
         self._plans.pop(actor.actor_name, None)  # every middleware hears each declaration: made anew

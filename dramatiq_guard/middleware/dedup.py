@@ -145,14 +145,13 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         if LOCK_OPTION in options or EXEMPT_OPTION in options:
             # A holder's own re-enqueue (Retries, delay queue, hand-off, rerun), or let through already.
             return None
-        actor = self.plan(broker, message.actor_name)
-        plan: _SendPlan | None = actor.send
-        if plan is None:
+        plan = self.plan(broker, message.actor_name)
+        guard: ActorGuard[DedupPolicy] | None = plan.send  # the actor's guard, kept with its plan
+        if guard is None:
             guards = self.guard_lists.get(message.actor_name)
             if not guards:
                 return None
-            plan = actor.send = _SendPlan(guards[0])
-        guard = plan.guard
+            guard = plan.send = guards[0]
         policy = guard.policy
         reason = self._exemption(message, delay, policy)
         if reason is not None:
@@ -162,9 +161,9 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         backend = self._backend or self.backend(broker)
         ttl = policy.ttl_ms + (delay if delay and policy.including_scheduled else 0)
         one_step = holds is None and not policy.fail_open
-        if one_step and plan.one_step is None:  # asked once (BackendUnavailable: at the next send again)
-            plan.one_step = self.enqueues_alone(broker, message.actor_name, backend)
-        if one_step and plan.one_step:
+        if one_step and plan.alone is None:  # asked once (BackendUnavailable: at the next send again)
+            plan.alone = self.enqueues_alone(broker, message.actor_name, backend)
+        if one_step and plan.alone:
             options[LOCK_OPTION] = key  # encoded with the message: the push takes the lock
             claim = Claim(key, message.message_id, 1, ttl, info=message.actor_name, backend=backend)
             return _OneStepTicket(self, broker, claim, message, policy, ttl, pending=False)
@@ -431,15 +430,6 @@ class _ThreadState(threading.local):
     """Per thread: the id of the next step of the pipeline whose step this thread just ran."""
 
     pipe_next: str | None = None
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _SendPlan:
-    """What every send of one actor needs (its :class:`~.base.ActorPlan`'s ``send``): its ``guard``, and
-    ``one_step``, whether its lock goes with the push (:meth:`enqueues_alone`; None: not asked yet)."""
-
-    guard: ActorGuard[DedupPolicy]
-    one_step: bool | None = None
 
 
 def _started_without_lock(holder: str, key: str, holders: Sequence[str] | None) -> None:
