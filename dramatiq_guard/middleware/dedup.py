@@ -20,7 +20,7 @@ from typing import Any, NoReturn, cast
 
 from dramatiq import Broker, Message
 from dramatiq.broker import MessageProxy
-from dramatiq.middleware import Retries, SkipMessage
+from dramatiq.middleware import Retries
 
 from dramatiq_guard import events
 from dramatiq_guard.backends.base import AcquireResult, GuardBackend, Handoff, ReleaseResult, Stake, Waiter
@@ -39,6 +39,7 @@ from dramatiq_guard.middleware.base import (
     fail_open,
 )
 from dramatiq_guard.middleware.confirmer import Confirmer
+from dramatiq_guard.middleware.slots.execution import skip_stale
 from dramatiq_guard.middleware.sweep import Sweeper, join_sweep, leave_sweep
 from dramatiq_guard.policies import DedupPolicy, duration_ms
 from dramatiq_guard.renewer import LeaseHandle, get_renewer
@@ -340,10 +341,7 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         result = backend.acquire(stake)
         self._deliver(broker, result.handoffs)
         if result.stale:
-            execution_state(message).parked = True  # not a terminal event: the newer copy runs
-            message.options["store_results"] = False
-            logger.info("Skipped %s: a stale copy (a newer hand-off of %r runs instead).", message, key)
-            raise SkipMessage(f"stale copy of a hand-off of {key!r}")
+            skip_stale(message, execution_state(message), self.option, key, log=logger)
         if not result.acquired:
             _started_without_lock(holder, key, result.holders)
             return False, None

@@ -89,10 +89,13 @@ def skip_parked(message: MessageProxy, state: ExecutionState, option: str, key: 
     raise SkipMessage(f"parked: {key!r} is full")
 
 
-def skip_stale(message: MessageProxy, state: ExecutionState, option: str, key: str) -> NoReturn:
-    """Skip the message: a stale copy of a hand-off (not a terminal event: a newer copy runs)."""
+def skip_stale(
+    message: MessageProxy, state: ExecutionState, option: str, key: str, *, log: logging.Logger = logger
+) -> NoReturn:
+    """Skip the message: a stale copy of a hand-off (not a terminal event: a newer copy runs), logged
+    on ``log`` (its capability's logger)."""
     _not_terminal(message, state, option, NotRun("stale", key))
-    logger.info("Skipped %s: a stale copy (a newer hand-off of %r runs instead).", message, key)
+    log.info("Skipped %s: a stale copy (a newer hand-off of %r runs instead).", message, key)
     raise SkipMessage(f"stale copy of a hand-off of {key!r}")
 
 
