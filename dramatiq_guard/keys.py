@@ -9,7 +9,7 @@ import json
 import math
 import reprlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from dramatiq_guard.errors import GuardError, GuardKeyError
 
@@ -42,6 +42,9 @@ DIGEST_ALLOWS = (
 #: What a key callable must return (the end of a GuardKeyError's message).
 CALLABLE_ALLOWS = "A key callable must return a str of valid Unicode (no lone surrogates)"
 
+#: What a key a message carries must be (:func:`is_message_key`).
+MESSAGE_KEY_RULE = "must be a non-empty str of valid Unicode (no lone surrogates)"
+
 _short = reprlib.Repr()
 _short.maxstring = 60
 _short.maxother = 60
@@ -56,6 +59,12 @@ def lone_surrogate(text: str) -> str | None:
     except UnicodeEncodeError as e:
         return f"a lone surrogate ({text[e.start]!r} at index {e.start})"
     return None
+
+
+def is_message_key(value: object) -> TypeGuard[str]:
+    """Whether ``value`` may be a key a message carries (a send's ``dedup_key`` or ``idempotency_key``
+    option): it :data:`MESSAGE_KEY_RULE`."""
+    return isinstance(value, str) and bool(value) and not lone_surrogate(value)
 
 
 def flaw(value: Any, path: str, seen: frozenset[int] = frozenset()) -> str | None:

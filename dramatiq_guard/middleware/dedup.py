@@ -29,7 +29,7 @@ from dramatiq_guard.claim import Claim
 from dramatiq_guard.delivery import GENERATIONS_OPTION, Courier, generation_of
 from dramatiq_guard.errors import BackendUnavailable, DuplicateMessage, GuardOptionError
 from dramatiq_guard.gate import Diverted, Outcome, copy_with
-from dramatiq_guard.keys import lone_surrogate
+from dramatiq_guard.keys import MESSAGE_KEY_RULE, is_message_key
 from dramatiq_guard.middleware.base import (
     STATE_ATTRIBUTE,
     ActorGuard,
@@ -226,10 +226,10 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         override = message.options.get(KEY_OPTION)
         if override is None:
             return guard.resolve_key(message.args, message.kwargs)  # guard.key_of(message)
-        if not isinstance(override, str) or not override or lone_surrogate(override):
+        if not is_message_key(override):
             raise GuardOptionError(
                 f"actor {guard.actor_name!r}: message option {KEY_OPTION}={override!r} is not valid: "
-                f"it must be a non-empty str of valid Unicode (no lone surrogates)"
+                f"it {MESSAGE_KEY_RULE}"
             )
         return override
 

@@ -22,7 +22,7 @@ from dramatiq.broker import MessageProxy
 
 from dramatiq_guard.bounds import MAX_RETENTION_MS
 from dramatiq_guard.errors import ConfigurationError, IdempotencyConflict, UnstorableResult
-from dramatiq_guard.keys import canonical_json, digest, lone_surrogate
+from dramatiq_guard.keys import MESSAGE_KEY_RULE, canonical_json, digest, is_message_key
 from dramatiq_guard.ledger.schema import DEFAULT_TABLE_NAME
 from dramatiq_guard.ledger.store import DEFAULT_RETENTION, Ledger
 from dramatiq_guard.middleware.base import GuardMiddleware
@@ -129,9 +129,8 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
             why = f"actor {name!r} is not declared with idempotency_key= (declare it with "
             why += "idempotency_key=True to key its messages by this option)"
             raise option_error(name, MESSAGE_OPTION, key, f"the message carries an idempotency key but {why}")
-        if not isinstance(key, str) or not key or lone_surrogate(key):
-            why = "a message's key must be a non-empty str of valid Unicode (no lone surrogates)"
-            raise option_error(name, MESSAGE_OPTION, key, why)
+        if not is_message_key(key):
+            raise option_error(name, MESSAGE_OPTION, key, f"a message's key {MESSAGE_KEY_RULE}")
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         if message._message.actor_name in self.guard_lists:  # (guards_actor, with no call)
