@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, ClassVar, Generic, TypeVar
 
 logger = logging.getLogger("dramatiq_guard")
@@ -17,6 +18,7 @@ logger = logging.getLogger("dramatiq_guard")
 RETRY_S = 0.5
 
 T = TypeVar("T")
+B = TypeVar("B")
 
 _batchers: weakref.WeakSet[Batcher[Any]] = weakref.WeakSet()
 
@@ -109,6 +111,16 @@ class Batcher(abc.ABC, Generic[T]):
                     self._cond.notify_all()
                     if failed:  # the backend is unreachable: do not hammer it
                         self._cond.wait(RETRY_S)
+
+
+def by_backend(items: list[T], backend_of: Callable[[T], B]) -> list[tuple[B, list[T]]]:
+    """``items`` grouped by their backend (the same object), each group with it, in the order first seen:
+    a batch makes one call per backend."""
+    groups: dict[int, tuple[B, list[T]]] = {}
+    for item in items:
+        backend = backend_of(item)
+        groups.setdefault(id(backend), (backend, []))[1].append(item)
+    return list(groups.values())
 
 
 def _start_in_child() -> None:

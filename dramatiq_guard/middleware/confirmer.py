@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import operator
 import time
 
 from dramatiq_guard.backends.base import GuardBackend
-from dramatiq_guard.batching import Batcher
+from dramatiq_guard.batching import Batcher, by_backend
 
 logger = logging.getLogger("dramatiq_guard.dedup")
 
@@ -23,12 +24,9 @@ class Confirmer(Batcher[Pending]):
     def send(self, items: list[Pending]) -> bool:
         """Confirm ``items``; False if a backend was unreachable (the still-pending ones are kept)."""
         ok = True
-        groups: dict[int, list[Pending]] = {}
-        for item in items:
-            groups.setdefault(id(item[0]), []).append(item)
-        for group in groups.values():
+        for backend, group in by_backend(items, operator.itemgetter(0)):
             try:
-                renewed = group[0][0].renew_many([(key, holder, ttl) for _, key, holder, ttl, _ in group])
+                renewed = backend.renew_many([(key, holder, ttl) for _, key, holder, ttl, _ in group])
             except Exception:
                 ok = False
                 now = time.monotonic()

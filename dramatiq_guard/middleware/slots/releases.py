@@ -17,7 +17,7 @@ from dramatiq import Message
 from dramatiq.broker import MessageProxy
 
 from dramatiq_guard.backends.base import ReleaseResult
-from dramatiq_guard.batching import Batcher
+from dramatiq_guard.batching import Batcher, by_backend
 from dramatiq_guard.errors import BackendUnavailable
 from dramatiq_guard.lease import Lease, release_leases
 
@@ -57,19 +57,10 @@ class Releaser(Batcher[Release]):
 
     def send(self, items: list[Release]) -> bool:
         """Release ``items`` and hand each result on; a release is never retried (it lapses instead)."""
-        groups: list[list[Release]] = []  # by backend (nearly always one: found in a look or two)
-        for item in items:
-            backend = item[0].backend
-            for group in groups:
-                if group[0][0].backend is backend:
-                    group.append(item)
-                    break
-            else:
-                groups.append([item])
-        for group in groups:
+        for backend, group in by_backend(items, lambda item: item[0].backend):
             results: list[ReleaseResult | None]
             try:
-                results = list(release_leases(group[0][0].backend, [(lease, n) for lease, n, _ in group]))
+                results = list(release_leases(backend, [(lease, n) for lease, n, _ in group]))
             except BackendUnavailable:
                 results = [None] * len(group)
             for (lease, _, then), result in zip(group, results, strict=True):
