@@ -546,7 +546,7 @@ def test_a_standby_never_woken_parks_again_first_in_line_without_a_retry_or_a_re
     started = threading.Event()
     retries: dict[int, int] = {}
     env.broker.add_middleware(CurrentMessage())
-    env.concurrency.standby_wait_ms = 200  # the standby gives up soon: a wait on time itself
+    env.concurrency.standbys.wait_ms = 200  # the standby gives up soon: a wait on time itself
 
     @dramatiq.actor(concurrency={"limit": 1, "key": lambda n: "k"}, store_results=True, max_retries=0)
     def job(n: int) -> int:

@@ -77,9 +77,8 @@ class SlotsBase(GuardMiddleware[P], Generic[P]):
         self.limit_cache_ms = _ms(limit_cache, "limit_cache", minimum=0)
         check_count(lookahead, "lookahead")
         check_count(standby_threads, "standby_threads")
-        self.lookahead, self.standby_threads = lookahead, standby_threads
-        self.standby_wait_ms = _ms(standby_wait, "standby_wait")
-        self.standbys = Standbys(self.lookahead, standby_threads or 0, self.standby_wait_ms)
+        self.standby_threads = standby_threads
+        self.standbys = Standbys(lookahead, standby_threads or 0, _ms(standby_wait, "standby_wait"))
         self.broker: Broker | None = None
         self.keys: KeyDirectory[P] = KeyDirectory(self.prefix, self.guard_lists)
         # Messages holding a slot here (Retries' re-enqueue passes): added by _remember, discarded as

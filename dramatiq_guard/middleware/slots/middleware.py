@@ -230,7 +230,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
             # A standby (sent ahead) may block for a slot instead of parking, if this process lets it
             # and this execution holds nothing meanwhile (a slot of an earlier guard of its actor).
             blocks = self.standbys.seats.seats > 0 and not execution_state(message).data
-            block_ms = entry_ms(self.standby_wait_ms) if blocks else 0
+            block_ms = entry_ms(self.standbys.wait_ms) if blocks else 0
             wait = Waiter(payload=message._message.encode(), wait_ms=block_ms)
         elif on_busy == "wait":
             wait = Waiter(wait_ms=entry_ms(self.wait_ms(guard.policy)))
@@ -247,7 +247,7 @@ class SlotsMiddleware(SlotsBase[P], Generic[P]):
         if result.standby:
             assert wait is not None and wait.payload is not None
             return wait_as_standby(
-                broker, message, claim, wait.payload, self.standbys.seats, wait_ms=self.standby_wait_ms,
+                broker, message, claim, wait.payload, self.standbys.seats, wait_ms=self.standbys.wait_ms,
                 deliver=deliver,
             )  # fmt: skip
         if on_busy == "wait" and result.parked:
