@@ -23,10 +23,6 @@ from dramatiq_guard.lease import Lease, release_leases
 
 logger = logging.getLogger("dramatiq_guard.middleware.slots")
 
-#: Message options with which a completion enqueues another message (Dramatiq's
-#: Pipelines and Callbacks middleware, which run after the guard's release).
-FOLLOW_UP_OPTIONS = ("pipe_target", "on_success", "on_failure")
-
 #: A lease to release: (lease, how many waiters to send ahead, what to do with the result;
 #: None when the backend could not be reached).
 Release = tuple[Lease, int, Callable[[ReleaseResult | None], None]]
@@ -34,7 +30,8 @@ Release = tuple[Lease, int, Callable[[ReleaseResult | None], None]]
 
 def starts_follow_ups(message: Message[object] | MessageProxy) -> bool:
     """Whether the completion of ``message`` enqueues another (released first, so it never finds it held):
-    it has one of :data:`FOLLOW_UP_OPTIONS` (asked of every message that held a slot: no call made)."""
+    it has an option of Dramatiq's Pipelines or Callbacks middleware, which run after the guard's
+    release (asked of every message that held a slot: no call made)."""
     options = message.options
     return "pipe_target" in options or "on_success" in options or "on_failure" in options
 
