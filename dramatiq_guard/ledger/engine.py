@@ -36,9 +36,19 @@ def default_ledger_url() -> str:
     return f"sqlite:///{default_sqlite_path()}"
 
 
-def resolve_engine(ledger: Any) -> sa.Engine:
-    """An Engine for ``ledger``: an Engine, a URL, or None (the environment, else a SQLite file); else
-    a :class:`ConfigurationError`."""
+def check_engine(ledger: object) -> None:
+    """Refuse (:class:`ConfigurationError`) what cannot say where a ledger lives, as it is given."""
+    if ledger is not None and not isinstance(ledger, (sa.Engine, str, sa.URL)):
+        raise ConfigurationError(
+            f"ledger={ledger!r} is not usable: pass an SQLAlchemy Engine, a database URL, a "
+            f"dramatiq_guard.ledger.Ledger (to Idempotency), or None ({LEDGER_URL_ENV}, else a "
+            f"SQLite file)"
+        )
+
+
+def resolve_engine(ledger: sa.Engine | str | sa.URL | None) -> sa.Engine:
+    """An Engine for ``ledger`` (:func:`check_engine`-ed): an Engine, a URL, or None (the environment,
+    else a SQLite file)."""
     if isinstance(ledger, sa.Engine):
         return ledger
     if ledger is None and not os.environ.get(LEDGER_URL_ENV):
@@ -50,12 +60,7 @@ def resolve_engine(ledger: Any) -> sa.Engine:
             path,
             LEDGER_URL_ENV,
         )
-    if ledger is None or isinstance(ledger, (str, sa.URL)):
-        return create_engine(default_ledger_url() if ledger is None else ledger)
-    raise ConfigurationError(
-        f"ledger={ledger!r} is not usable: pass an SQLAlchemy Engine, a database URL, "
-        f"or None ({LEDGER_URL_ENV}, else a SQLite file)"
-    )
+    return create_engine(default_ledger_url() if ledger is None else ledger)
 
 
 def create_engine(url: str | sa.URL) -> sa.Engine:

@@ -21,7 +21,7 @@ from dramatiq_guard import events
 from dramatiq_guard.bounds import MAX_RETENTION_MS
 from dramatiq_guard.context import ledger_session_var
 from dramatiq_guard.errors import IdempotencyConflict, LeaseLost, LedgerError, UnstorableResult
-from dramatiq_guard.ledger.engine import resolve_engine
+from dramatiq_guard.ledger.engine import check_engine, resolve_engine
 from dramatiq_guard.ledger.records import Claim, LedgerRecord, _claim_var
 from dramatiq_guard.ledger.schema import (
     COMPLETED,
@@ -136,6 +136,7 @@ class Ledger:
         retention: Duration | None = DEFAULT_RETENTION,
         create_tables: bool = True,
     ) -> None:
+        check_engine(engine)
         self._engine_arg = engine
         self._engine: sa.Engine | None = engine if isinstance(engine, sa.Engine) else None
         self.metadata = metadata if metadata is not None else sa.MetaData()

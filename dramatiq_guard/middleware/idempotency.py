@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import threading
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,7 +20,7 @@ from dramatiq import Broker, Message
 from dramatiq.broker import MessageProxy
 
 from dramatiq_guard.bounds import MAX_RETENTION_MS
-from dramatiq_guard.errors import ConfigurationError, IdempotencyConflict, UnstorableResult
+from dramatiq_guard.errors import IdempotencyConflict, UnstorableResult
 from dramatiq_guard.keys import MESSAGE_KEY_RULE, canonical_json, digest, is_message_key
 from dramatiq_guard.ledger.schema import DEFAULT_TABLE_NAME
 from dramatiq_guard.ledger.store import DEFAULT_RETENTION, Ledger
@@ -72,33 +71,21 @@ class Idempotency(GuardMiddleware[IdempotencyPolicy]):
         redis: Any = None,
     ) -> None:
         super().__init__(redis=redis)
-        if not isinstance(ledger, (Ledger, str, sa.Engine)) and ledger is not None:
-            raise ConfigurationError(
-                f"ledger={ledger!r} is not usable: pass an SQLAlchemy Engine, a database URL, "
-                f"a dramatiq_guard.ledger.Ledger, or None"
+        #: The ledger (its database is connected on the first guarded run).
+        self.ledger: Ledger
+        if isinstance(ledger, Ledger):
+            # Refused now even though the Ledger given keeps its own.
+            duration_ms(retention, what="retention", allow_none=True, maximum=MAX_RETENTION_MS)
+            self.ledger = ledger
+        else:  # (it refuses a bad ledger or retention now, not at the first message)
+            self.ledger = Ledger(
+                ledger,
+                metadata=metadata,
+                table_name=table_name or DEFAULT_TABLE_NAME,
+                retention=retention,
+                create_tables=create_tables,
             )
-        self._ledger: Ledger | None = ledger if isinstance(ledger, Ledger) else None
-        # Refused now, not at the first message.
-        duration_ms(retention, what="retention", allow_none=True, maximum=MAX_RETENTION_MS)
-        self._make_ledger = functools.partial(
-            Ledger,
-            None if isinstance(ledger, Ledger) else ledger,
-            metadata=metadata,
-            table_name=table_name or DEFAULT_TABLE_NAME,
-            retention=retention,
-            create_tables=create_tables,
-        )
-        self._ledger_lock = threading.Lock()
         self._signatures: dict[str, inspect.Signature] = {}
-
-    @property
-    def ledger(self) -> Ledger:
-        """The ledger (created on first use; its database is connected on first run)."""
-        if self._ledger is None:
-            with self._ledger_lock:
-                if self._ledger is None:
-                    self._ledger = self._make_ledger()
-        return self._ledger
 
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
         super().before_declare_actor(broker, actor)  # parses the option into self.guard_lists
