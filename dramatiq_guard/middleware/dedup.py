@@ -162,9 +162,10 @@ class Deduplication(GuardMiddleware[DedupPolicy]):
         backend = self._backend or self.backend(broker)
         ttl = policy.ttl_ms + (delay if delay and policy.including_scheduled else 0)
         one_step = holds is None and not policy.fail_open
-        if one_step and plan.alone is None:  # asked once (BackendUnavailable: at the next send again)
-            plan.alone = self.enqueues_alone(broker, message.actor_name, backend)
-        if one_step and plan.alone:
+        alone = plan.alone
+        if one_step and alone is None:  # asked once, kept in the plan (BackendUnavailable: at the next send)
+            alone = self.enqueues_alone(broker, message.actor_name, backend)
+        if one_step and alone:
             options[LOCK_OPTION] = key  # encoded with the message: the push takes the lock
             claim = Claim(key, message.message_id, 1, ttl, info=message.actor_name, backend=backend)
             return _OneStepTicket(self, broker, claim, message, policy, ttl, pending=False)
