@@ -172,11 +172,11 @@ class LeaseHandle:
             self._lost.set()  # wakes wait_lost()
         return first
 
-    def _lapse(self) -> None:
-        """Its known-valid time passed: it is lost; at its cap, it is also ended on the backend now
-        (on a thread of its own: a silent backend holds back no other lease)."""
+    def _lapse(self, why: str = _NOT_RENEWED) -> None:
+        """Its known-valid time passed (``why``): it is lost; at its cap, it is also ended on the
+        backend now (on a thread of its own: a silent backend holds back no other lease)."""
         if self.valid_until < self._cap_until:
-            self.mark_lost(_NOT_RENEWED)
+            self.mark_lost(why)
         elif self.mark_lost(f"it reached its ttl of {self.cap_ms} ms"):
             threading.Thread(
                 target=self._end_on_backend, name="dramatiq-guard-lease-end", daemon=True
@@ -341,7 +341,7 @@ class LeaseRenewer:
         for handle in refused:
             handle.mark_lost("a renewal found it lapsed and reclaimed, or released by force")
         for handle in lapsed:
-            handle.mark_lost("its renewal came back after its known-valid time")
+            handle._lapse("its renewal came back after its known-valid time")
 
 
 _renewer: LeaseRenewer | None = None
