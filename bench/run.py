@@ -10,7 +10,7 @@ import shlex
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bench.budgets import render_budgets
@@ -46,7 +46,40 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         " or stdout with --quick)",
     )
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    parser.add_argument(
+        "--rest",
+        type=float,
+        metavar="LOAD",
+        help="first wait (at most 15 minutes) until the 5-minute load average is below LOAD"
+        f" (default: {REST_LOAD} for a full run, no wait with --quick or --only; 0: no wait)",
+    )
     return parser.parse_args(argv)
+
+
+#: The 5-minute load average a full run waits for: a machine that worked hard in the last minutes
+#: (a test suite, another run) reads everything slower, though its 1-minute load is already low.
+REST_LOAD = 0.5
+#: The longest it waits, in seconds.
+REST_WAIT_S = 900.0
+
+
+def wait_for_rest(
+    below: float,
+    *,
+    at_most_s: float = REST_WAIT_S,
+    every_s: float = 10.0,
+    load: Callable[[], float] = lambda: os.getloadavg()[1],
+) -> float:
+    """Wait until ``load()`` (the 5-minute load average) is below ``below``, looking every ``every_s``,
+    at most ``at_most_s``; return the seconds waited (0 when ``below`` is 0 or the machine is rested)."""
+    started = time.monotonic()
+    waited = 0.0
+    while below > 0 and waited < at_most_s and load() >= below:
+        if waited == 0:
+            print(f"bench: waiting for a 5-minute load below {below} ...", file=sys.stderr, flush=True)
+        time.sleep(min(every_s, at_most_s - waited))
+        waited = time.monotonic() - started
+    return waited
 
 
 def select(args: argparse.Namespace) -> list[Scenario]:
@@ -177,11 +210,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from harness import RedisServer
 
+    rest = args.rest if args.rest is not None else 0.0 if args.quick or args.only else REST_LOAD
+    waited = wait_for_rest(rest)
     failed = False
     with RedisServer() as server:
         ctx = Context(server, quick=args.quick)
         try:
             facts = machine_facts(ctx)
+            if rest > 0:
+                facts.append(("waited for a rested machine", f"{waited:.0f} s (5-minute load below {rest})"))
             ran: list[tuple[Scenario, list[Figure], float, str | None]] = []
             for scen in scenarios:
                 print(f"bench: {scen.name} ...", file=sys.stderr, flush=True)
