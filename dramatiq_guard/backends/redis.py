@@ -262,8 +262,8 @@ class RedisBackend(RedisStore):
     def _confirm(self, key: str, own: layout.ConfirmArgs, push: Enqueue | None = None) -> bool:
         """``lua/confirm.lua``: a hand-off's or standby's copy is on the broker (pushed first: ``push``)."""
         check_ms(own.ttl_ms, "ttl_ms")
-        keys = self._keys(key) if push is None else self._keys_with_push(key, push)
-        return bool(self._call(self.scripts["confirm"], keys, self._args(0, *own)))
+        script, keys, args = self._script_call(key, 0, own)
+        return bool(self._call(script, keys if push is None else self._keys_with_push(key, push), args))
 
     def send_standbys(
         self, key: str, *, limit: int | None, count: int
